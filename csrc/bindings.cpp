@@ -1,0 +1,82 @@
+// Python bindings of the native hot paths (module dyn_plugin._core).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+
+#include "cost_table.hpp"
+
+namespace py = pybind11;
+using dyn::CostTable;
+
+namespace {
+
+CostTable make_table(py::array_t<double, py::array::c_style | py::array::forcecast> coef, bool packed,
+                     int64_t pad_multiple, double max_tokens, double max_len) {
+  if (coef.ndim() != 3 || coef.shape(0) != dyn::kNumComponents || coef.shape(1) != dyn::kNumMetrics ||
+      coef.shape(2) != 3)
+    throw std::invalid_argument("coef must have shape [3 components, 4 metrics, 3]");
+  if (pad_multiple < 1) throw std::invalid_argument("pad_multiple must be >= 1");
+  CostTable t;
+  auto c = coef.unchecked<3>();
+  for (int i = 0; i < dyn::kNumComponents; ++i)
+    for (int j = 0; j < dyn::kNumMetrics; ++j)
+      for (int k = 0; k < 3; ++k) t.coef[i][j][k] = c(i, j, k);
+  t.packed = packed;
+  t.pad_multiple = pad_multiple;
+  t.max_tokens = max_tokens;
+  t.max_len = max_len;
+  return t;
+}
+
+py::tuple to_tuple(const dyn::StageCost& r) {
+  return py::make_tuple(r.forward_ms, r.backward_ms, r.stored_bytes, r.peak_bytes, r.extrapolated);
+}
+
+dyn::Features checked_features(const CostTable& t, py::array_t<int64_t, py::array::c_style | py::array::forcecast> lens) {
+  if (lens.ndim() != 1 || lens.shape(0) == 0) throw std::invalid_argument("seq_lens must be a non-empty 1-D array");
+  const int64_t* p = lens.data();
+  for (py::ssize_t i = 0; i < lens.shape(0); ++i)
+    if (p[i] <= 0) throw std::invalid_argument("sequence lengths must be positive");
+  return t.features(p, lens.shape(0));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "dyn-plugin native hot paths";
+  py::class_<CostTable>(m, "CostTable")
+      .def(py::init(&make_table), py::arg("coef"), py::arg("packed"), py::arg("pad_multiple"),
+           py::arg("max_tokens"), py::arg("max_len"))
+      .def(
+          "stage_cost",
+          [](const CostTable& t, py::array_t<int64_t, py::array::c_style | py::array::forcecast> lens,
+             int64_t num_layers, bool first, bool last) {
+            return to_tuple(t.stage_cost(checked_features(t, lens), num_layers, first, last));
+          },
+          py::arg("seq_lens"), py::arg("num_layers"), py::arg("first"), py::arg("last"),
+          "(forward_ms, backward_ms, stored_bytes, peak_bytes, extrapolated) of one micro-batch")
+      .def(
+          "stage_cost_many",
+          [](const CostTable& t, py::array_t<int64_t, py::array::c_style | py::array::forcecast> lens,
+             py::array_t<int64_t, py::array::c_style | py::array::forcecast> offsets, int64_t num_layers, bool first,
+             bool last) {
+            // Micro-batch i is lens[offsets[i]:offsets[i+1]]: one call for many queries.
+            const int64_t* o = offsets.data();
+            const py::ssize_t n = offsets.shape(0) - 1;
+            py::array_t<double> out({static_cast<py::ssize_t>(n < 0 ? 0 : n), static_cast<py::ssize_t>(4)});
+            auto w = out.mutable_unchecked<2>();
+            for (py::ssize_t i = 0; i < n; ++i) {
+              if (o[i + 1] <= o[i] || o[i + 1] > lens.shape(0)) throw std::invalid_argument("bad offsets");
+              const auto r = t.stage_cost(t.features(lens.data() + o[i], o[i + 1] - o[i]), num_layers, first, last);
+              w(i, 0) = r.forward_ms;
+              w(i, 1) = r.backward_ms;
+              w(i, 2) = r.stored_bytes;
+              w(i, 3) = r.peak_bytes;
+            }
+            return out;
+          },
+          py::arg("seq_lens"), py::arg("offsets"), py::arg("num_layers"), py::arg("first"), py::arg("last"),
+          "[n, 4] costs of the micro-batches lens[offsets[i]:offsets[i+1]]");
+}

@@ -1,0 +1,75 @@
+// Native twin of dyn_plugin/cost/table.py: evaluates a cost table without calling Python.
+// Planners (csrc/*) include this header and call stage_cost() in their inner loops.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <vector>
+
+namespace dyn {
+
+enum Component { kEmbedding = 0, kLayer = 1, kHead = 2, kNumComponents = 3 };
+enum Metric { kForward = 0, kBackward = 1, kStored = 2, kPeak = 3, kNumMetrics = 4 };
+
+struct Features {
+  double tokens;
+  double attn;
+  int64_t max_len;
+};
+
+struct StageCost {
+  double forward_ms = 0, backward_ms = 0, stored_bytes = 0, peak_bytes = 0;
+  bool extrapolated = false;
+};
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+struct CostTable {
+  // coef[component][metric] = {c0, c1, c2}: y = c0 + c1 * tokens + c2 * attn
+  std::array<std::array<std::array<double, 3>, kNumMetrics>, kNumComponents> coef{};
+  bool packed = false;
+  int64_t pad_multiple = 8;
+  double max_tokens = 0, max_len = 0;
+
+  Features features(const int64_t* lens, int64_t n) const {
+    int64_t longest = 0;
+    double sum = 0, sq = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      longest = std::max(longest, lens[i]);
+      sum += double(lens[i]);
+      sq += double(lens[i]) * double(lens[i]);
+    }
+    if (packed) return {sum, sq, longest};
+    const int64_t s = round_up(longest, pad_multiple);
+    return {double(n) * s, double(n) * s * s, s};
+  }
+
+  double eval(int c, int m, const Features& f) const {
+    const auto& k = coef[c][m];
+    return k[0] + k[1] * f.tokens + k[2] * f.attn;
+  }
+
+  bool in_range(const Features& f) const { return f.tokens <= max_tokens && f.max_len <= max_len; }
+
+  // Components summed over the stage; peak = all stored + the worst single transient.
+  StageCost stage_cost(const Features& f, int64_t num_layers, bool first, bool last) const {
+    const int64_t counts[kNumComponents] = {first ? 1 : 0, num_layers, last ? 1 : 0};
+    StageCost r;
+    double transient = 0;
+    for (int c = 0; c < kNumComponents; ++c) {
+      if (counts[c] == 0) continue;
+      const double k = double(counts[c]);
+      r.forward_ms += k * eval(c, kForward, f);
+      r.backward_ms += k * eval(c, kBackward, f);
+      const double s = eval(c, kStored, f);
+      r.stored_bytes += k * s;
+      transient = std::max(transient, eval(c, kPeak, f) - s);
+    }
+    r.peak_bytes = r.stored_bytes + transient;
+    r.extrapolated = !in_range(f);
+    return r;
+  }
+};
+
+}  // namespace dyn

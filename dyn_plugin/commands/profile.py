@@ -1,0 +1,83 @@
+"""``dynplugin profile``: measure a model on this device and write a fitted cost profile."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+HELP = "measure a transformers model (tiny by default, no download) and write a fitted profile JSON"
+
+logger = logging.getLogger(__name__)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny-llama",
+                        help="preset (tiny-llama, tiny-gpt2) or path to a HF config.json (default: tiny-llama)")
+    parser.add_argument("--out", required=True, help="profile JSON to write")
+    parser.add_argument("--seq-lens", type=_ints, help="sequence lengths to measure, e.g. 16,64,256,1024")
+    parser.add_argument("--micro-batch-sizes", type=_ints, help="micro-batch sizes to measure, e.g. 1,4,16")
+    parser.add_argument("--max-tokens", type=int, help="skip grid points with more tokens than this")
+    parser.add_argument("--recompute", default="none,selective,full",
+                        help="recompute modes to measure (comma-separated; default all three)")
+    parser.add_argument("--repeats", type=int, help="timed repeats per point (the minimum is kept)")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (training ranks often run with 1)")
+    parser.add_argument("--validate", type=int, default=16, metavar="N",
+                        help="time N held-out random micro-batches and report the fit's error (0 to skip)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from ..cost.model import RECOMPUTES
+    from ..cost.profile import save_profile
+    from ..cost.profiler import ProfileGrid, run_profile, validate
+    from ..models.hf import load_model_config
+
+    model_cfg = load_model_config(args.model)
+    recomputes = tuple(args.recompute.split(","))
+    bad = [r for r in recomputes if r not in RECOMPUTES]
+    if bad:
+        raise ValueError(f"--recompute {','.join(bad)}: allowed modes are {', '.join(RECOMPUTES)}")
+    grid = ProfileGrid(recomputes=recomputes)
+    overrides = {"seq_lens": args.seq_lens, "micro_batch_sizes": args.micro_batch_sizes,
+                 "max_tokens": args.max_tokens, "repeats": args.repeats}
+    grid = replace(grid, **{k: v for k, v in overrides.items() if v is not None})
+    if not grid.points():
+        raise ValueError("the grid is empty: every (seq_len x micro_batch_size) exceeds --max-tokens")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    progress = not args.no_progress
+    name = args.model if isinstance(args.model, str) and "/" not in args.model else model_cfg["model_type"]
+    profile = run_profile(model_cfg, name=name, grid=grid, progress=progress)
+    if args.validate:
+        profile = profile.model_copy(update={"validation": validate(profile, model_cfg, count=args.validate,
+                                                                    recompute=recomputes[0], progress=progress)})
+    save_profile(profile, args.out)
+    print_summary(profile)
+    print(f"profile written to {args.out}")
+    return 0
+
+
+def print_summary(profile) -> None:
+    """Fit error of each table, and the held-out error if measured."""
+    print(f"{'table':<24}{'fwd MAPE':>10}{'bwd MAPE':>10}{'stored MAPE':>13}  (fit error, whole model)")
+    for t in profile.tables:
+        f = t.fits["layer"]
+        print(f"{t.layout + '/' + t.recompute + '/tp' + str(t.tp):<24}{f['forward_ms'].mape:>10.1%}"
+              f"{f['backward_ms'].mape:>10.1%}{f['stored_bytes'].mape:>13.1%}")
+    v = profile.validation
+    if v:
+        print(f"held-out: {v['count']} random micro-batches through the {v['num_layers']}-layer model "
+              f"({v['recompute']} recompute): step-time error mean {v['mape']:.1%}, max {v['max_ape']:.1%}")

@@ -1,0 +1,242 @@
+"""The ``"dyn_plugin"`` section of a DeepSpeed JSON config, validated.
+
+DeepSpeed ignores unknown top-level keys, so one file serves both: DeepSpeed reads its own
+keys, the plugin reads ``"dyn_plugin"``. Every mistake is reported with the full key path,
+the offending value and what is allowed; a misspelled key comes with the closest valid one.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+SECTION = "dyn_plugin"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names each bad field and how to fix it."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelShape(_Section):
+    """Transformer shape, for the analytic cost model and model-state memory."""
+
+    hidden_size: int = Field(gt=0, description="model width h")
+    num_layers: int = Field(gt=0, description="transformer layers")
+    num_heads: int = Field(gt=0, description="attention heads")
+    num_kv_heads: int | None = Field(default=None, gt=0, description="key/value heads (GQA); default num_heads")
+    ffn_hidden_size: int = Field(gt=0, description="MLP inner width")
+    vocab_size: int = Field(gt=0, description="vocabulary size")
+    gated_mlp: bool = Field(default=True, description="SwiGLU-style MLP (Llama) rather than GELU (GPT)")
+    flash_attention: bool = Field(default=True, description="attention memory linear in length (flash/varlen kernels)")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelShape":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} must be divisible by num_heads {self.num_heads}")
+        if self.num_kv_heads and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} must be divisible by num_kv_heads {self.num_kv_heads}")
+        return self
+
+
+class DeviceSpec(_Section):
+    """One accelerator (or CPU socket) as the planners see it."""
+
+    name: str = Field(default="cpu", description="free-form device name")
+    memory_mb: float = Field(default=16000, gt=0, description="device memory in MB")
+    memory_fraction: float = Field(
+        default=0.9, gt=0, le=1,
+        description="share of memory_mb plans may use; ranks see different free memory and an OOM on one rank deadlocks the rest",
+    )
+    peak_tflops: float = Field(default=1.0, gt=0, description="peak dense TFLOP/s at the training precision")
+    achieved_fraction: float = Field(default=0.5, gt=0, le=1, description="fraction of peak_tflops kernels reach")
+    layer_overhead_ms: float = Field(default=0.05, ge=0, description="fixed cost per layer per pass (launches)")
+
+
+class ClusterConfig(_Section):
+    devices_per_node: int = Field(default=1, gt=0, description="devices in one node")
+    num_nodes: int = Field(default=1, gt=0, description="nodes")
+    device: DeviceSpec = DeviceSpec()
+    intra_node_gb_per_s: float = Field(default=100.0, gt=0, description="device-to-device bandwidth inside a node, GB/s")
+    inter_node_gb_per_s: float = Field(default=12.5, gt=0, description="bandwidth between nodes per device, GB/s")
+    latency_us: float = Field(default=10.0, ge=0, description="latency of one point-to-point message, microseconds")
+
+    @property
+    def world_size(self) -> int:
+        return self.devices_per_node * self.num_nodes
+
+
+class CostModelConfig(_Section):
+    kind: Literal["analytic", "profile"] = Field(
+        default="analytic", description="'analytic' (from model shape and device) or 'profile' (fitted to measurements)"
+    )
+    profile: str | None = Field(default=None, description="path to a profile JSON written by `dynplugin profile`")
+    model: ModelShape | None = Field(
+        default=None, description="model shape for kind='analytic'; adapters fill it from the live model when absent"
+    )
+    dtype: Literal["fp32", "fp16", "bf16"] = Field(default="bf16", description="training precision")
+    allow_extrapolation: bool = Field(
+        default=False, description="price micro-batches larger than the profile measured instead of refusing them"
+    )
+
+    @model_validator(mode="after")
+    def _source_given(self) -> "CostModelConfig":
+        if self.kind == "profile" and not self.profile:
+            raise ValueError("kind='profile' needs 'profile': the path of a profile JSON (see `dynplugin profile`)")
+        return self
+
+
+class MicrobatchingConfig(_Section):
+    layout: Literal["padded", "packed", "auto"] = Field(
+        default="auto", description="micro-batch layout; 'auto' lets the planner pick the faster one"
+    )
+    global_tokens: int = Field(default=65536, gt=0, description="tokens in one global batch, over all data-parallel ranks")
+    max_seq_len: int = Field(default=8192, gt=0, description="longest sequence accepted")
+    truncate: bool = Field(default=False, description="truncate sequences longer than max_seq_len instead of refusing them")
+    pad_multiple: int = Field(default=8, gt=0, description="padded micro-batches round their length up to this")
+    recompute: Literal["auto", "none", "selective", "full"] = Field(
+        default="auto", description="activation recompute; 'auto' uses the cheapest one that fits in memory"
+    )
+
+
+class PipelineConfig(_Section):
+    stages: int = Field(default=1, gt=0, description="pipeline-parallel stages")
+    schedule: Literal["1f1b", "adaptive", "auto"] = Field(
+        default="auto", description="'auto' picks the schedule with the shortest simulated step"
+    )
+    layers_per_stage: list[int] | None = Field(default=None, description="layers on each stage; default an even split")
+
+    @model_validator(mode="after")
+    def _one_entry_per_stage(self) -> "PipelineConfig":
+        if self.layers_per_stage is not None:
+            if len(self.layers_per_stage) != self.stages:
+                raise ValueError(
+                    f"layers_per_stage has {len(self.layers_per_stage)} entries but stages = {self.stages}; give one per stage"
+                )
+            if min(self.layers_per_stage) < 1:
+                raise ValueError("every entry of layers_per_stage must be >= 1")
+        return self
+
+
+class DynPluginConfig(_Section):
+    cost_model: CostModelConfig = CostModelConfig()
+    microbatching: MicrobatchingConfig = MicrobatchingConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="after")
+    def _pipeline_fits_model(self) -> "DynPluginConfig":
+        shape = self.cost_model.model
+        if shape is not None:
+            if self.pipeline.stages > shape.num_layers:
+                raise ValueError(f"pipeline.stages = {self.pipeline.stages} exceeds cost_model.model.num_layers = {shape.num_layers}")
+            lps = self.pipeline.layers_per_stage
+            if lps is not None and sum(lps) != shape.num_layers:
+                raise ValueError(f"pipeline.layers_per_stage sums to {sum(lps)} but the model has {shape.num_layers} layers")
+        return self
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """The validated plugin section and DeepSpeed's own keys, untouched, to hand on."""
+
+    plugin: DynPluginConfig
+    deepspeed: dict[str, Any]
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.deepspeed.get("zero_optimization", {}).get("stage", 0))
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    dup = sorted({k for k in keys if keys.count(k) > 1})
+    if dup:
+        raise ConfigError(f"duplicate key(s) {', '.join(map(repr, dup))} in config; keep one of each")
+    return dict(pairs)
+
+
+def load_config(source: str | os.PathLike | Mapping[str, Any]) -> LoadedConfig:
+    """Read a DeepSpeed JSON config (path or dict) and validate its ``"dyn_plugin"`` section."""
+    if isinstance(source, Mapping):
+        raw = dict(source)
+        where = "config dict"
+    else:
+        where = str(source)
+        try:
+            with open(source) as f:
+                raw = json.load(f, object_pairs_hook=_no_duplicates)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {where} does not exist") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: the top level must be a JSON object")
+    section = raw.get(SECTION, {})
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"{where}: '{SECTION}' must be an object, got {type(section).__name__}")
+    deepspeed = {k: v for k, v in raw.items() if k != SECTION}
+    try:
+        plugin = DynPluginConfig.model_validate(section)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid '{SECTION}' section in {where}:\n" + format_errors(exc, DynPluginConfig)) from None
+    return LoadedConfig(plugin=plugin, deepspeed=deepspeed)
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation like ``Foo | None`` or ``list[Foo]``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType, list):
+        for arg in typing.get_args(annotation):
+            found = _submodel(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = root
+    for part in loc:
+        if model is None:
+            return None
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        model = _submodel(field.annotation) if field else None
+    return model
+
+
+def format_errors(exc: ValidationError, root: type[BaseModel]) -> str:
+    """One line per problem: full key path, the value given, what is allowed or the likely fix."""
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        path = ".".join([SECTION, *map(str, loc)])
+        if err["type"] == "extra_forbidden":
+            parent = _model_at(root, loc[:-1])
+            valid = list(parent.model_fields) if parent else []
+            close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            lines.append(f"  {path}: unknown key{hint} (valid keys here: {', '.join(valid)})")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        parent = _model_at(root, loc[:-1]) if loc else None
+        field = parent.model_fields.get(str(loc[-1])) if parent and loc else None
+        about = f" [{field.description}]" if field is not None and field.description else ""
+        if err["type"] == "missing":
+            lines.append(f"  {path}: required key is missing{about}")
+        elif loc and not isinstance(err.get("input"), Mapping):
+            lines.append(f"  {path} = {err['input']!r}: {msg}{about}")
+        else:
+            lines.append(f"  {path or SECTION}: {msg}")
+    return "\n".join(lines)

@@ -1,0 +1,211 @@
+"""The profile file: measured costs of one model on one device, and the cost model fitted to them.
+
+A profile is JSON (schema ``dyn_plugin.profile``, version 1; docs/profile-format.md). Its
+``samples`` are the measurements, one per (component, layout, recompute, tp, micro-batch);
+its ``tables`` are the fits. A profile written elsewhere (another machine, a GPU) may omit
+``tables``: they are fitted from ``samples`` when it is loaded.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .model import COMPONENTS, METRICS, features
+from .table import CostTable, LinearFit, TableCostModel, fit_error, fit_linear, nnls_relative
+
+SCHEMA = "dyn_plugin.profile"
+VERSION = 1
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class Sample(_Record):
+    """One measurement. ``model`` samples time a whole model of ``num_layers`` layers
+    (embedding and head included); the others one component alone."""
+
+    component: Literal["embedding", "layer", "head", "model"]
+    num_layers: int | None = Field(default=None, gt=0, description="layers in the measured model (component 'model')")
+    layout: Literal["padded", "packed"]
+    recompute: Literal["none", "selective", "full"]
+    tp: int = Field(default=1, gt=0)
+    seq_lens: list[int] = Field(min_length=1, description="padded: the row length repeated per row; packed: document lengths")
+    forward_ms: float = Field(gt=0)
+    backward_ms: float = Field(gt=0)
+    stored_bytes: float = Field(ge=0)
+    peak_bytes: float = Field(ge=0)
+
+
+class Fit(_Record):
+    coef: tuple[float, float, float]
+    mape: float = 0.0
+    max_ape: float = 0.0
+    n: int = 0
+
+
+class Table(_Record):
+    layout: Literal["padded", "packed"]
+    recompute: Literal["none", "selective", "full"]
+    tp: int = Field(gt=0)
+    max_tokens: float
+    max_len: float
+    fits: dict[Literal["embedding", "layer", "head"], dict[Literal["forward_ms", "backward_ms", "stored_bytes", "peak_bytes"], Fit]]
+
+
+class ModelInfo(_Record):
+    name: str
+    num_layers: int = Field(gt=0)
+    params: dict[Literal["embedding", "layer", "head"], float]
+    dtype: Literal["fp32", "fp16", "bf16"]
+    config: dict[str, Any] = {}
+
+
+class DeviceInfo(_Record):
+    type: str
+    name: str
+    threads: int | None = None
+    torch: str | None = None
+
+
+class Profile(_Record):
+    schema_: Literal["dyn_plugin.profile"] = Field(alias="schema", default=SCHEMA)
+    version: int = VERSION
+    created: str = ""
+    model: ModelInfo
+    device: DeviceInfo
+    pad_multiple: int = Field(default=8, gt=0)
+    grid: dict[str, Any] = {}
+    samples: list[Sample] = []
+    tables: list[Table] | None = None
+    validation: dict[str, Any] | None = Field(default=None, description="held-out check of the fit, if one was run")
+
+
+def _fit_from_models(models: list[Sample], embedding: dict[str, LinearFit], layout, pad_multiple) -> dict:
+    """Per-component fits from whole-model samples at several depths, in one regression.
+
+    M(L) = head(f) + L * layer(f) (+ the embedding, fitted on its own samples and subtracted):
+    pooling every depth and micro-batch averages out the timing noise that a per-point
+    difference M(L2) - M(L1) would amplify.
+    """
+    feats = [features(s.seq_lens, layout, pad_multiple) for s in models]
+    tok = np.array([f.tokens for f in feats])
+    att = np.array([f.attn for f in feats])
+    depth = np.array([s.num_layers for s in models], dtype=float)
+    base = np.stack([np.ones_like(tok), tok, att], axis=1)
+    X = np.concatenate([base, base * depth[:, None]], axis=1)
+    fits: dict[str, dict[str, LinearFit]] = {"layer": {}, "head": {}}
+    for metric in ("forward_ms", "backward_ms", "stored_bytes"):
+        y = np.array([getattr(s, metric) for s in models], dtype=float)
+        emb = np.array([embedding[metric](f) for f in feats])
+        coef = nnls_relative(X, np.maximum(y - emb, 1e-9))
+        mape, max_ape = fit_error(X @ coef + emb, y)
+        fits["head"][metric] = LinearFit(tuple(coef[:3]), mape, max_ape, len(y))
+        fits["layer"][metric] = LinearFit(tuple(coef[3:]), mape, max_ape, len(y))
+    # The transient above the stored bytes is a whole-model figure; every component carries it.
+    transient = fit_linear(tok, att, np.array([max(s.peak_bytes - s.stored_bytes, 1.0) for s in models]))
+    for comp in ("layer", "head"):
+        st = fits[comp]["stored_bytes"]
+        fits[comp]["peak_bytes"] = LinearFit(
+            tuple(a + b for a, b in zip(st.coef, transient.coef)), transient.mape, transient.max_ape, transient.n
+        )
+    return fits
+
+
+def _fit_direct(samples: list[Sample], layout, pad_multiple) -> dict[str, LinearFit]:
+    feats = [features(s.seq_lens, layout, pad_multiple) for s in samples]
+    tok = np.array([f.tokens for f in feats])
+    att = np.array([f.attn for f in feats])
+    out = {}
+    for metric in METRICS:
+        y = np.array([getattr(s, metric) for s in samples], dtype=float)
+        # A component that keeps no memory (the embedding's stored bytes) fits to zero.
+        out[metric] = fit_linear(tok, att, y) if np.all(y > 0) else LinearFit((0.0, 0.0, 0.0))
+    return out
+
+
+def fit_tables(samples: list[Sample], pad_multiple: int = 8) -> list[Table]:
+    """One table per (layout, recompute, tp): from whole-model samples where there are any,
+    else from per-component samples (layer and head; the embedding may be absent)."""
+    groups: dict[tuple, dict[str, list[Sample]]] = defaultdict(lambda: defaultdict(list))
+    for s in samples:
+        groups[(s.layout, s.recompute, s.tp)][s.component].append(s)
+    zero = {m: LinearFit((0.0, 0.0, 0.0)) for m in METRICS}
+    tables = []
+    for (layout, recompute, tp), by_comp in sorted(groups.items()):
+        key = f"{layout}/{recompute}/tp{tp}"
+        embedding = _fit_direct(by_comp["embedding"], layout, pad_multiple) if by_comp.get("embedding") else zero
+        if by_comp.get("model"):
+            if any(s.num_layers is None for s in by_comp["model"]):
+                raise ValueError(f"profile samples {key}: every 'model' sample needs num_layers")
+            if len({s.num_layers for s in by_comp["model"]}) < 2:
+                raise ValueError(f"profile samples {key}: 'model' samples need at least two depths to separate layers")
+            fits = _fit_from_models(by_comp["model"], embedding, layout, pad_multiple)
+        elif by_comp.get("layer") and by_comp.get("head"):
+            fits = {c: _fit_direct(by_comp[c], layout, pad_multiple) for c in ("layer", "head")}
+        else:
+            raise ValueError(f"profile samples {key}: need 'model' samples, or both 'layer' and 'head' samples")
+        fits["embedding"] = embedding
+        used = [s for c in by_comp.values() for s in c]
+        feats = [features(s.seq_lens, layout, pad_multiple) for s in used]
+        fit_records = {c: {m: Fit(coef=f.coef, mape=f.mape, max_ape=f.max_ape, n=f.n) for m, f in fits[c].items()} for c in COMPONENTS}
+        tables.append(Table(
+            layout=layout, recompute=recompute, tp=tp, fits=fit_records,
+            max_tokens=max(f.tokens for f in feats), max_len=max(f.max_len for f in feats),
+        ))
+    return tables
+
+
+def load_profile(source: str | os.PathLike | dict[str, Any]) -> Profile:
+    """Read and check a profile; fit its tables if it carries only samples."""
+    if isinstance(source, dict):
+        raw, where = source, "profile dict"
+    else:
+        where = str(source)
+        with open(source) as f:
+            raw = json.load(f)
+    if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
+        raise ValueError(f"{where} is not a dyn_plugin profile (expected \"schema\": \"{SCHEMA}\")")
+    if raw.get("version") != VERSION:
+        raise ValueError(
+            f"{where} has profile schema version {raw.get('version')!r}; this dyn-plugin reads version "
+            f"{VERSION}. Re-run `dynplugin profile` or upgrade dyn-plugin"
+        )
+    try:
+        profile = Profile.model_validate(raw)
+    except ValidationError as exc:
+        raise ValueError(f"{where} does not follow the profile schema:\n{exc}") from None
+    if profile.tables is None:
+        if not profile.samples:
+            raise ValueError(f"{where} has neither samples nor tables")
+        profile = profile.model_copy(update={"tables": fit_tables(profile.samples, profile.pad_multiple)})
+    return profile
+
+
+def save_profile(profile: Profile, path: str | os.PathLike) -> None:
+    with open(path, "w") as f:
+        json.dump(profile.model_dump(mode="json", by_alias=True), f, indent=1)
+        f.write("\n")
+
+
+def cost_model_from_profile(profile: Profile, *, allow_extrapolation: bool = False) -> TableCostModel:
+    tables = {}
+    for t in profile.tables or fit_tables(profile.samples, profile.pad_multiple):
+        fits = {c: {m: LinearFit(f.coef, f.mape, f.max_ape, f.n) for m, f in ms.items()} for c, ms in t.fits.items()}
+        tables[(t.layout, t.recompute, t.tp)] = CostTable(t.layout, t.recompute, t.tp, fits, t.max_tokens, t.max_len)
+    return TableCostModel(
+        name=f"{profile.model.name}@{profile.device.name}",
+        num_layers=profile.model.num_layers,
+        tables=tables,
+        params=dict(profile.model.params),
+        dtype=profile.model.dtype,
+        pad_multiple=profile.pad_multiple,
+        allow_extrapolation=allow_extrapolation,
+    )
+
+

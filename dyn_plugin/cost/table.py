@@ -1,0 +1,197 @@
+"""Cost tables: the one representation both cost models reduce to, evaluated natively.
+
+Every quantity of one component (embedding, transformer layer, head) is linear in the two
+micro-batch features: ``y = c0 + c1*tokens + c2*attn``. The analytic model derives the
+coefficients from FLOPs and bytes; the fitted model from measurements. Because the form is
+fixed, the C++ planners evaluate it without calling back into Python.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .model import (
+    COMPONENTS,
+    METRICS,
+    Features,
+    Layout,
+    MicroBatchCost,
+    ModelStateBytes,
+    OutOfProfileRange,
+    Precision,
+    Recompute,
+    StageSpec,
+    features,
+    zero_sharded_states,
+)
+from .native import core
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """``c0 + c1*tokens + c2*attn``; error figures are on the data it was fitted to."""
+
+    coef: tuple[float, float, float]
+    mape: float = 0.0  # mean absolute percentage error of the fit
+    max_ape: float = 0.0
+    n: int = 0
+
+    def __call__(self, f: Features) -> float:
+        c0, c1, c2 = self.coef
+        return c0 + c1 * f.tokens + c2 * f.attn
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Fits of every metric of every component for one (layout, recompute, tp)."""
+
+    layout: Layout
+    recompute: Recompute
+    tp: int
+    fits: dict[str, dict[str, LinearFit]]  # component -> metric -> fit
+    max_tokens: float = float("inf")  # measured range of one micro-batch
+    max_len: float = float("inf")
+
+    def coef_array(self) -> np.ndarray:
+        """[component, metric, 3] coefficients, the layout the C++ evaluator takes."""
+        return np.array(
+            [[self.fits[c][m].coef for m in METRICS] for c in COMPONENTS], dtype=np.float64
+        )
+
+
+def nnls_relative(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares in relative error: min sum(((X c - y) / y)^2), c >= 0.
+
+    Relative error because 5 ms matter on a 10 ms micro-batch and not on a 2 s one. With at
+    most a handful of unknowns the exact answer is a search over all active sets.
+    """
+    y = np.asarray(y, dtype=np.float64)
+    X = np.asarray(X, dtype=np.float64)
+    if len(y) == 0:
+        raise ValueError("cannot fit a cost table without measurements")
+    if np.any(y <= 0):
+        raise ValueError("measurements must be positive to fit in relative error")
+    Xw, yw = X / y[:, None], np.ones_like(y)
+    k = X.shape[1]
+    best, best_err = np.zeros(k), np.inf
+    for mask in range(1, 1 << k):
+        cols = [i for i in range(k) if mask >> i & 1]
+        sol, *_ = np.linalg.lstsq(Xw[:, cols], yw, rcond=None)
+        if np.any(sol < 0):
+            continue
+        coef = np.zeros(k)
+        coef[cols] = sol
+        err = float(np.sum((Xw @ coef - yw) ** 2))
+        if err < best_err:
+            best, best_err = coef, err
+    return best
+
+
+def fit_error(pred: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(mean, max) absolute percentage error."""
+    ape = np.abs(np.asarray(pred) - y) / y
+    return float(ape.mean()), float(ape.max())
+
+
+def fit_linear(tokens: np.ndarray, attn: np.ndarray, y: np.ndarray) -> LinearFit:
+    """``y = c0 + c1*tokens + c2*attn`` with non-negative coefficients."""
+    X = np.stack([np.ones(len(y)), np.asarray(tokens, float), np.asarray(attn, float)], axis=1)
+    coef = nnls_relative(X, y)
+    return LinearFit(tuple(float(c) for c in coef), *fit_error(X @ coef, np.asarray(y, float)), len(y))
+
+
+@dataclass
+class TableCostModel:
+    """A :class:`~dyn_plugin.cost.model.CostModel` over cost tables.
+
+    ``allow_extrapolation``: queries beyond the measured micro-batch size are an
+    :class:`OutOfProfileRange` error by default, or a cost flagged ``extrapolated``.
+    """
+
+    name: str
+    num_layers: int
+    tables: dict[tuple[str, str, int], CostTable]
+    params: dict[str, float]  # component -> parameter count (tp=1)
+    dtype: str = "bf16"
+    pad_multiple: int = 8
+    allow_extrapolation: bool = False
+    _native: dict = field(default_factory=dict, repr=False)
+
+    def table(self, layout: Layout, recompute: Recompute, tp: int = 1) -> CostTable:
+        key = (layout, recompute, tp)
+        if key not in self.tables:
+            have = ", ".join(f"{l}/{r}/tp{t}" for l, r, t in sorted(self.tables))
+            raise OutOfProfileRange(
+                f"cost model {self.name!r} has no table for layout={layout}, recompute={recompute}, "
+                f"tp={tp}; it has: {have}"
+            )
+        return self.tables[key]
+
+    def native(self, layout: Layout, recompute: Recompute, tp: int = 1):
+        """The C++ evaluator of one table (None without the extension)."""
+        if core is None:
+            return None
+        key = (layout, recompute, tp)
+        if key not in self._native:
+            t = self.table(layout, recompute, tp)
+            self._native[key] = core.CostTable(
+                t.coef_array(), layout == "packed", self.pad_multiple, t.max_tokens, t.max_len
+            )
+        return self._native[key]
+
+    def micro_batch_cost(
+        self,
+        seq_lens: Sequence[int],
+        *,
+        layout: Layout,
+        recompute: Recompute = "none",
+        tp: int = 1,
+        stage: StageSpec | None = None,
+    ) -> MicroBatchCost:
+        stage = stage or StageSpec(self.num_layers)
+        t = self.table(layout, recompute, tp)
+        f = features(seq_lens, layout, self.pad_multiple)
+        extrapolated = f.tokens > t.max_tokens or f.max_len > t.max_len
+        if extrapolated and not self.allow_extrapolation:
+            raise OutOfProfileRange(
+                f"micro-batch of {len(seq_lens)} sequences ({int(f.tokens)} tokens, longest "
+                f"{f.max_len}) is outside what cost model {self.name!r} measured for "
+                f"{layout}/{recompute}/tp{tp} (max {int(t.max_tokens)} tokens, longest "
+                f"{int(t.max_len)}); profile larger micro-batches or allow extrapolation"
+            )
+        return evaluate_stage(t, f, stage, extrapolated)
+
+    def model_state_bytes(
+        self, *, stage: StageSpec | None = None, zero_stage: int = 0, dp: int = 1, tp: int = 1
+    ) -> ModelStateBytes:
+        stage = stage or StageSpec(self.num_layers)
+        n = (
+            self.params["layer"] * stage.num_layers / tp
+            + self.params["embedding"] * stage.first
+            + self.params["head"] * stage.last
+        )
+        return zero_sharded_states(n, Precision.of(self.dtype), zero_stage, dp)
+
+
+def evaluate_stage(t: CostTable, f: Features, stage: StageSpec, extrapolated: bool = False) -> MicroBatchCost:
+    """Sum the components a stage holds; peak = all stored bytes + the worst transient.
+
+    The pure-Python twin of ``CostTable::stage_cost`` in csrc/cost_table.hpp.
+    """
+    counts = {"embedding": int(stage.first), "layer": stage.num_layers, "head": int(stage.last)}
+    fwd = bwd = stored = transient = 0.0
+    for comp, k in counts.items():
+        if k == 0:
+            continue
+        fit = t.fits[comp]
+        fwd += k * fit["forward_ms"](f)
+        bwd += k * fit["backward_ms"](f)
+        s = fit["stored_bytes"](f)
+        stored += k * s
+        transient = max(transient, fit["peak_bytes"](f) - s)
+    return MicroBatchCost(fwd, bwd, stored, stored + max(transient, 0.0), extrapolated)

