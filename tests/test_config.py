@@ -1,0 +1,93 @@
+import json
+
+import pytest
+
+from dyn_plugin.config import ConfigError, DynPluginConfig, load_config
+
+
+def errors_of(section: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config({"train_batch_size": 8, "dyn_plugin": section})
+    return str(info.value)
+
+
+def test_defaults_and_deepspeed_keys_handed_on():
+    cfg = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 2}})
+    assert cfg.plugin == DynPluginConfig()
+    assert cfg.deepspeed == {"train_batch_size": 8, "zero_optimization": {"stage": 2}}
+    assert cfg.zero_stage == 2
+
+
+def test_example_config_loads(tmp_path):
+    cfg = load_config("examples/ds_config.json")
+    assert cfg.plugin.microbatching.global_tokens == 16384
+    assert "dyn_plugin" not in cfg.deepspeed and cfg.deepspeed["zero_optimization"] == {"stage": 1}
+
+
+def test_misspelled_key_suggests_closest():
+    msg = errors_of({"microbatching": {"global_tokns": 100}})
+    assert "dyn_plugin.microbatching.global_tokns: unknown key; did you mean 'global_tokens'?" in msg
+
+
+def test_misspelled_section_suggests_closest():
+    msg = errors_of({"pipline": {"stages": 2}})
+    assert "dyn_plugin.pipline" in msg and "did you mean 'pipeline'?" in msg
+
+
+def test_unknown_key_without_near_match_lists_valid_keys():
+    msg = errors_of({"cluster": {"zzz": 1}})
+    assert "unknown key (valid keys here: devices_per_node, num_nodes, device" in msg
+
+
+def test_nested_unknown_key():
+    msg = errors_of({"cluster": {"device": {"memory_gb": 40}}})
+    assert "dyn_plugin.cluster.device.memory_gb" in msg and "did you mean 'memory_mb'?" in msg
+
+
+def test_out_of_range_names_field_value_and_bound():
+    msg = errors_of({"microbatching": {"global_tokens": -5}})
+    assert "dyn_plugin.microbatching.global_tokens = -5: Input should be greater than 0" in msg
+
+
+def test_wrong_type_names_field_and_value():
+    msg = errors_of({"cluster": {"device": {"memory_mb": "lots"}}})
+    assert "dyn_plugin.cluster.device.memory_mb = 'lots'" in msg and "valid number" in msg
+
+
+def test_bad_choice_lists_allowed_values():
+    msg = errors_of({"pipeline": {"schedule": "gpipe"}})
+    assert "dyn_plugin.pipeline.schedule = 'gpipe'" in msg and "'1f1b', 'adaptive' or 'auto'" in msg
+
+
+def test_fraction_bounds():
+    assert "less than or equal to 1" in errors_of({"cluster": {"device": {"memory_fraction": 1.5}}})
+
+
+def test_cross_field_checks():
+    assert "layers_per_stage has 1 entries but stages = 2" in errors_of({"pipeline": {"stages": 2, "layers_per_stage": [4]}})
+    assert "needs 'profile'" in errors_of({"cost_model": {"kind": "profile"}})
+    shape = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "ffn_hidden_size": 128, "vocab_size": 100}
+    assert "exceeds cost_model.model.num_layers = 2" in errors_of({"cost_model": {"model": shape}, "pipeline": {"stages": 4}})
+    assert "divisible by num_heads" in errors_of({"cost_model": {"model": {**shape, "num_heads": 3}}})
+
+
+def test_every_problem_reported_at_once():
+    msg = errors_of({"pipeline": {"stages": 0}, "microbatching": {"layout": "tight"}})
+    assert "pipeline.stages = 0" in msg and "microbatching.layout = 'tight'" in msg
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(bad)
+    dup = tmp_path / "dup.json"
+    dup.write_text('{"train_batch_size": 1, "train_batch_size": 2}')
+    with pytest.raises(ConfigError, match="duplicate key"):
+        load_config(dup)
+    section = tmp_path / "section.json"
+    section.write_text(json.dumps({"dyn_plugin": [1, 2]}))
+    with pytest.raises(ConfigError, match="must be an object"):
+        load_config(section)

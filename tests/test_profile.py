@@ -1,0 +1,112 @@
+import json
+
+import numpy as np
+import pytest
+
+from dyn_plugin.cost import StageSpec, features
+from dyn_plugin.cost.profile import (
+    SCHEMA,
+    DeviceInfo,
+    ModelInfo,
+    Profile,
+    Sample,
+    cost_model_from_profile,
+    fit_tables,
+    load_profile,
+    save_profile,
+)
+
+HEAD = (2.0, 0.05, 1e-5)
+LAYER = (0.5, 0.01, 2e-5)
+EMB = (0.1, 1e-4, 0.0)
+
+
+def lin(c, f):
+    return c[0] + c[1] * f.tokens + c[2] * f.attn
+
+
+def synthetic_samples(layout="packed"):
+    """Whole-model samples generated from known per-component coefficients."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(12):
+        lens = [int(x) for x in rng.integers(8, 1024, size=rng.integers(1, 6))]
+        f = features(lens, layout)
+        emb = lin(EMB, f)
+        out.append(Sample(component="embedding", layout=layout, recompute="none", seq_lens=lens,
+                          forward_ms=emb, backward_ms=2 * emb, stored_bytes=0, peak_bytes=0))
+        for depth in (1, 3):
+            fwd = emb + lin(HEAD, f) + depth * lin(LAYER, f)
+            stored = 100 * f.tokens * (1 + depth)
+            out.append(Sample(component="model", num_layers=depth, layout=layout, recompute="none", seq_lens=lens,
+                              forward_ms=fwd, backward_ms=2 * fwd, stored_bytes=stored, peak_bytes=stored + 50 * f.tokens))
+    return out
+
+
+def make_profile(samples, tables=True):
+    p = Profile(model=ModelInfo(name="m", num_layers=4, params={"embedding": 10, "layer": 20, "head": 10}, dtype="fp32"),
+                device=DeviceInfo(type="cpu", name="test"), samples=samples)
+    return p.model_copy(update={"tables": fit_tables(samples)}) if tables else p
+
+
+def test_joint_fit_separates_layer_and_head():
+    (table,) = fit_tables(synthetic_samples())
+    assert np.allclose(table.fits["layer"]["forward_ms"].coef, LAYER, rtol=1e-6)
+    assert np.allclose(table.fits["head"]["forward_ms"].coef, HEAD, rtol=1e-6)
+    assert np.allclose(table.fits["layer"]["backward_ms"].coef, [2 * c for c in LAYER], rtol=1e-6)
+    assert table.fits["layer"]["forward_ms"].mape < 1e-9
+    # stored = 100 * tokens per layer and for the head; transient 50 * tokens on top of every component
+    assert np.allclose(table.fits["layer"]["stored_bytes"].coef, (0, 100, 0), atol=1e-6)
+    assert np.allclose(table.fits["layer"]["peak_bytes"].coef, (0, 150, 0), atol=1e-4)
+
+
+def test_whole_model_prediction_matches_generator():
+    cm = cost_model_from_profile(make_profile(synthetic_samples()))
+    lens = [700, 30, 5]
+    f = features(lens, "packed")
+    want = lin(EMB, f) + lin(HEAD, f) + 4 * lin(LAYER, f)
+    got = cm.micro_batch_cost(lens, layout="packed")
+    assert got.forward_ms == pytest.approx(want, rel=1e-6)
+    middle = cm.micro_batch_cost(lens, layout="packed", stage=StageSpec(2, first=False, last=False))
+    assert middle.forward_ms == pytest.approx(2 * lin(LAYER, f), rel=1e-6)
+
+
+def test_round_trip_and_samples_only_profile(tmp_path):
+    p = make_profile(synthetic_samples())
+    path = tmp_path / "p.json"
+    save_profile(p, path)
+    raw = json.loads(path.read_text())
+    assert raw["schema"] == SCHEMA and raw["version"] == 1
+    assert load_profile(path) == p
+    raw["tables"] = None  # as a profile produced elsewhere may come: measurements only
+    again = load_profile(raw)
+    assert again.tables == p.tables
+
+
+def test_per_component_samples_from_elsewhere():
+    """Per-layer tables (as measured on a GPU) fit directly; a missing embedding costs nothing."""
+    samples = []
+    for s in (128, 512, 2048):
+        for n in (1, 4):
+            f = features([s] * n, "padded")
+            for comp, c in (("layer", LAYER), ("head", HEAD)):
+                samples.append(Sample(component=comp, layout="padded", recompute="full", seq_lens=[s] * n,
+                                      forward_ms=lin(c, f), backward_ms=lin(c, f) * 3, stored_bytes=10 * f.tokens,
+                                      peak_bytes=30 * f.tokens))
+    cm = cost_model_from_profile(make_profile(samples))
+    f = features([512] * 4, "padded")
+    got = cm.micro_batch_cost([512] * 4, layout="padded", recompute="full", stage=StageSpec(1, True, False))
+    assert got.forward_ms == pytest.approx(lin(LAYER, f), rel=1e-6)
+
+
+def test_rejects_unknown_version_and_bad_files(tmp_path):
+    raw = json.loads(make_profile(synthetic_samples()).model_dump_json(by_alias=True))
+    with pytest.raises(ValueError, match="schema version 99.*reads version 1"):
+        load_profile({**raw, "version": 99})
+    with pytest.raises(ValueError, match="not a dyn_plugin profile"):
+        load_profile({"hello": 1})
+    bad = {**raw, "samples": [{**raw["samples"][0], "forward_ms": -1}]}
+    with pytest.raises(ValueError, match="does not follow the profile schema"):
+        load_profile({**bad, "tables": None})
+    with pytest.raises(ValueError, match="at least two depths"):
+        fit_tables([s for s in synthetic_samples() if s.num_layers in (None, 1)])
