@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, help="timed repeats per point (the minimum is kept)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (training ranks often run with 1)")
     parser.add_argument("--validate", type=int, default=16, metavar="N",
-                        help="time N held-out random micro-batches and report the fit's error (0 to skip)")
+                        help="also time N held-out random micro-batches through the full model and report "
+                             "the fit's error on them (default 16; 0 to skip)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..cost.model import RECOMPUTES
     from ..cost.profile import save_profile
-    from ..cost.profiler import ProfileGrid, run_profile, validate
+    from ..cost.profiler import ProfileGrid, run_profile
     from ..models.hf import load_model_config
 
     model_cfg = load_model_config(args.model)
@@ -54,16 +55,10 @@ def run(args: argparse.Namespace) -> int:
     grid = replace(grid, **{k: v for k, v in overrides.items() if v is not None})
     if not grid.points():
         raise ValueError("the grid is empty: every (seq_len x micro_batch_size) exceeds --max-tokens")
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     progress = not args.no_progress
     name = args.model if isinstance(args.model, str) and "/" not in args.model else model_cfg["model_type"]
-    profile = run_profile(model_cfg, name=name, grid=grid, progress=progress)
-    if args.validate:
-        profile = profile.model_copy(update={"validation": validate(profile, model_cfg, count=args.validate,
-                                                                    recompute=recomputes[0], progress=progress)})
+    profile = run_profile(model_cfg, name=name, grid=grid, validate=args.validate, threads=args.threads,
+                          progress=progress)
     save_profile(profile, args.out)
     print_summary(profile)
     print(f"profile written to {args.out}")

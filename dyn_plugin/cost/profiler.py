@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .model import LAYOUTS, RECOMPUTES, Layout, Recompute, round_up
+from .allocator import stable_cpu_allocator
+from .model import LAYOUTS, RECOMPUTES, Layout, Recompute, features, round_up
 from .profile import SCHEMA, VERSION, DeviceInfo, ModelInfo, Profile, Sample, fit_tables
 
 logger = logging.getLogger(__name__)
@@ -42,15 +43,19 @@ class ProfileGrid:
 
 
 def micro_batch_lengths(layout: Layout, seq_len: int, n: int, rng: np.random.Generator) -> list[int]:
-    """The sequences of one profiled micro-batch.
+    """The sequences of one profiled micro-batch of n*seq_len tokens.
 
     Padded: n rows of seq_len. Packed: one document of seq_len (so the measured range reaches
-    it) and n-1 of random lengths below it, so that tokens and attention pairs vary
-    independently and the fit can tell them apart.
+    it), the other (n-1)*seq_len tokens cut into documents of random lengths up to seq_len, so
+    that tokens and attention pairs vary independently and the fit can tell them apart.
     """
     if layout == "padded":
         return [seq_len] * n
-    return [seq_len] + [int(x) for x in rng.integers(max(1, seq_len // 4), seq_len + 1, size=n - 1)]
+    lens, left = [seq_len], (n - 1) * seq_len
+    while left > 0:
+        lens.append(min(left, int(rng.integers(max(1, seq_len // 8), seq_len + 1))))
+        left -= lens[-1]
+    return lens
 
 
 def make_inputs(seq_lens: list[int], layout: Layout, vocab: int, pad_multiple: int, rng: np.random.Generator):
@@ -80,7 +85,7 @@ def _set_recompute(model, recompute: Recompute) -> None:
     import torch.utils.checkpoint as cp
 
     if recompute == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     elif recompute == "selective":
         for layer in _decoder_layers(model):
             attn = getattr(layer, "self_attn", None) or getattr(layer, "attn")
@@ -132,75 +137,140 @@ def _embedding_times(model, ids, repeats: int) -> tuple[float, float]:
     return min(fwd[1:]), min(bwd[1:])
 
 
-def measure_model(model, seq_lens: list[int], layout: Layout, *, vocab: int, pad_multiple: int,
-                  rng: np.random.Generator, warmup: int = 1, repeats: int = 3, memory: bool = True) -> dict[str, float]:
-    """Forward/backward ms (min over repeats) and stored/peak bytes of one micro-batch through the whole model."""
-    ids, pos, labels = make_inputs(seq_lens, layout, vocab, pad_multiple, rng)
-    times = []
-    for i in range(warmup + repeats):
-        t = _step(model, ids, pos, labels)
-        if i >= warmup:
-            times.append(t)
-    out = {"forward_ms": min(t[0] for t in times), "backward_ms": min(t[1] for t in times)}
-    if memory:
-        out["stored_bytes"], out["peak_bytes"] = _memory(model, ids, pos, labels)
-    return out
+@dataclass
+class Job:
+    """One micro-batch through one model, with its inputs built once."""
+
+    model: object
+    inputs: tuple
+
+    def run(self) -> tuple[float, float]:
+        return _step(self.model, *self.inputs)
+
+
+def time_round_robin(jobs: list[Job], *, warmup: int, repeats: int, seed: int = 0,
+                     bar=None) -> list[tuple[float, float]]:
+    """(forward, backward) ms of each job: the minimum over ``repeats`` rounds.
+
+    Each round runs every job once, in a fresh random order, so a slow spell of a shared
+    machine hits all jobs alike instead of biasing whichever ran during it, and the minimum
+    compares every job at the machine's best.
+    """
+    rng = np.random.default_rng(seed)
+    best = [(np.inf, np.inf)] * len(jobs)
+    for job in jobs:
+        for _ in range(warmup):
+            job.run()
+    for _ in range(repeats):
+        for i in rng.permutation(len(jobs)):
+            f, b = jobs[i].run()
+            best[i] = (min(best[i][0], f), min(best[i][1], b))
+        if bar is not None:
+            bar.update()
+    return best
 
 
 def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = ProfileGrid(),
-                threads: int | None = None, progress: bool = True) -> Profile:
-    """Profile the model described by a HF config dict on the current device (CPU, fp32)."""
+                validate: int = 16, threads: int | None = None, progress: bool = True) -> Profile:
+    """Profile the model described by a HF config dict on the current device (CPU, fp32).
+
+    ``validate`` > 0 also times that many held-out micro-batches (random lengths, padded and
+    packed, through the full-depth model with the first recompute mode) in the same rounds as
+    the profile, so that drift of a shared machine cannot pass for model error, and records
+    how far the fit's predictions are from them.
+    """
     import torch
     from tqdm import tqdm
 
     from ..models.hf import build_causal_lm
 
+    stable_cpu_allocator()
     if threads:
         torch.set_num_threads(threads)
     rng = np.random.default_rng(grid.seed)
     l1, l2 = grid.depths
     pad = 8
-    points = grid.points()
     models = {}
     for depth in (l1, l2):
         for rc in grid.recomputes:
             torch.manual_seed(grid.seed)
-            m = build_causal_lm(model_cfg, num_layers=depth).train()
-            _set_recompute(m, rc)
-            models[(depth, rc)] = m
+            models[(depth, rc)] = build_causal_lm(model_cfg, num_layers=depth).train()
+            _set_recompute(models[(depth, rc)], rc)
     ref = models[(l1, grid.recomputes[0])]
     vocab = ref.config.vocab_size
-    total = len(points) * len(grid.layouts) * len(grid.recomputes)
-    samples: list[Sample] = []
-    bar = tqdm(total=total, desc="profiling", unit="cfg", disable=not progress)
+    # One job per (layout, micro-batch, recompute, depth); memory is measured once per job.
+    keys, jobs, embedding = [], [], {}
     for layout in grid.layouts:
-        for s, n in points:
+        for s, n in grid.points():
             lens = micro_batch_lengths(layout, s, n, rng)
-            ids, _, _ = make_inputs(lens, layout, vocab, pad, rng)
-            fwd, bwd = _embedding_times(ref, ids, grid.repeats)
+            inputs = make_inputs(lens, layout, vocab, pad, rng)
+            embedding[(layout, tuple(lens))] = _embedding_times(ref, inputs[0], grid.repeats)
             for rc in grid.recomputes:
-                samples.append(Sample(component="embedding", layout=layout, recompute=rc, seq_lens=lens,
-                                      forward_ms=fwd, backward_ms=bwd, stored_bytes=0.0, peak_bytes=0.0))
                 for depth in (l1, l2):
-                    vals = measure_model(models[(depth, rc)], lens, layout, vocab=vocab, pad_multiple=pad,
-                                         rng=np.random.default_rng(0), warmup=grid.warmup, repeats=grid.repeats)
-                    samples.append(Sample(component="model", num_layers=depth, layout=layout, recompute=rc,
-                                          seq_lens=lens, **vals))
-                bar.update()
+                    keys.append((layout, lens, rc, depth))
+                    jobs.append(Job(models[(depth, rc)], inputs))
+    held_out = _held_out_cases(keys, validate, grid, rng, pad) if validate else []
+    if held_out:
+        torch.manual_seed(grid.seed)
+        full = build_causal_lm(model_cfg).train()
+        _set_recompute(full, grid.recomputes[0])
+        held_jobs = [Job(full, make_inputs(c["seq_lens"], c["layout"], vocab, pad, rng)) for c in held_out]
+    else:
+        held_jobs = []
+    bar = tqdm(total=grid.repeats, desc=f"profiling {len(jobs) + len(held_jobs)} micro-batches", unit="round",
+               disable=not progress)
+    times = time_round_robin(jobs + held_jobs, warmup=grid.warmup, repeats=grid.repeats, seed=grid.seed, bar=bar)
     bar.close()
-    params = _param_counts(ref, l1)
+    samples: list[Sample] = []
+    for (layout, lens, rc, depth), job, (fwd, bwd) in zip(keys, jobs, times):
+        stored, peak = _memory(job.model, *job.inputs)
+        samples.append(Sample(component="model", num_layers=depth, layout=layout, recompute=rc, seq_lens=lens,
+                              forward_ms=fwd, backward_ms=bwd, stored_bytes=stored, peak_bytes=peak))
+        if depth == l1:
+            efwd, ebwd = embedding[(layout, tuple(lens))]
+            samples.append(Sample(component="embedding", layout=layout, recompute=rc, seq_lens=lens,
+                                  forward_ms=efwd, backward_ms=ebwd, stored_bytes=0.0, peak_bytes=0.0))
     profile = Profile(
         schema=SCHEMA,
         version=VERSION,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        model=ModelInfo(name=name, num_layers=_full_depth(model_cfg), params=params, dtype="fp32", config=model_cfg),
+        model=ModelInfo(name=name, num_layers=_full_depth(model_cfg), params=_param_counts(ref, l1), dtype="fp32",
+                        config=model_cfg),
         device=DeviceInfo(type="cpu", name=platform.processor() or platform.machine(),
                           threads=torch.get_num_threads(), torch=torch.__version__),
         pad_multiple=pad,
         grid={k: list(v) if isinstance(v, tuple) else v for k, v in asdict(grid).items()},
         samples=samples,
+        tables=fit_tables(samples, pad),
     )
-    return profile.model_copy(update={"tables": fit_tables(samples, pad)})
+    if held_out:
+        profile = profile.model_copy(update={"validation": _score(profile, held_out, times[len(jobs):], grid.recomputes[0])})
+    return profile
+
+
+def _held_out_cases(keys: list, count: int, grid: ProfileGrid, rng: np.random.Generator, pad: int) -> list[dict]:
+    """Random micro-batches inside the measured range of each layout, alternating layouts."""
+    cases = []
+    for i in range(count):
+        layout = grid.layouts[i % len(grid.layouts)]
+        feats = [features(lens, layout, pad) for lay, lens, _, _ in keys if lay == layout]
+        budget = int(max(f.tokens for f in feats))
+        longest = int(max(f.max_len for f in feats))
+        cases.append({"layout": layout, "seq_lens": _random_micro_batch(rng, budget, longest, layout, pad)})
+    return cases
+
+
+def _score(profile: Profile, cases: list[dict], times: list[tuple[float, float]], recompute: Recompute) -> dict:
+    from .profile import cost_model_from_profile
+
+    cost = cost_model_from_profile(profile)
+    for case, (fwd, bwd) in zip(cases, times):
+        m = fwd + bwd
+        p = cost.micro_batch_cost(case["seq_lens"], layout=case["layout"], recompute=recompute).time_ms
+        case.update(measured_ms=round(m, 3), predicted_ms=round(p, 3), error=round(abs(p - m) / m, 4))
+    errors = [c["error"] for c in cases]
+    return {"recompute": recompute, "num_layers": profile.model.num_layers, "count": len(cases),
+            "mape": float(np.mean(errors)), "max_ape": float(np.max(errors)), "cases": cases}
 
 
 def _full_depth(cfg: dict) -> int:
@@ -213,39 +283,6 @@ def _param_counts(model, depth: int) -> dict[str, float]:
     embedding = sum(p.numel() for p in model.get_input_embeddings().parameters())
     total = sum(p.numel() for p in model.parameters())
     return {"embedding": float(embedding), "layer": float(layer), "head": float(total - embedding - depth * layer)}
-
-
-def validate(profile: Profile, model_cfg: dict, *, count: int = 16, max_tokens: int | None = None,
-             recompute: Recompute = "none", seed: int = 1, progress: bool = True) -> dict:
-    """Held-out check: random micro-batches (padded and packed) through the full-depth model,
-    measured, against the fitted cost model's prediction. Returns per-case figures and the
-    mean/max absolute percentage error of the step time (forward + backward)."""
-    import torch
-    from tqdm import tqdm
-
-    from ..models.hf import build_causal_lm
-    from .profile import cost_model_from_profile
-
-    cost = cost_model_from_profile(profile)
-    rng = np.random.default_rng(seed)
-    budget = max_tokens or int(profile.grid.get("max_tokens", 1024))
-    max_len = int(max(profile.grid.get("seq_lens", [budget])))
-    torch.manual_seed(seed)
-    model = build_causal_lm(model_cfg).train()
-    _set_recompute(model, recompute)
-    cases = []
-    for i in tqdm(range(count), desc="validating", unit="mb", disable=not progress):
-        layout: Layout = "padded" if i % 2 == 0 else "packed"
-        lens = _random_micro_batch(rng, budget, max_len, layout, profile.pad_multiple)
-        measured = measure_model(model, lens, layout, vocab=model.config.vocab_size,
-                                 pad_multiple=profile.pad_multiple, rng=rng, memory=False)
-        pred = cost.micro_batch_cost(lens, layout=layout, recompute=recompute)
-        m, p = measured["forward_ms"] + measured["backward_ms"], pred.time_ms
-        cases.append({"layout": layout, "seq_lens": lens, "measured_ms": round(m, 3), "predicted_ms": round(p, 3),
-                      "error": round(abs(p - m) / m, 4)})
-    errors = [c["error"] for c in cases]
-    return {"recompute": recompute, "num_layers": model.config.num_hidden_layers, "count": count,
-            "mape": float(np.mean(errors)), "max_ape": float(np.max(errors)), "cases": cases}
 
 
 def _random_micro_batch(rng: np.random.Generator, budget: int, max_len: int, layout: Layout, pad: int) -> list[int]:

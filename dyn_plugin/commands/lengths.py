@@ -1,0 +1,62 @@
+"""``dynplugin lengths NAME --out FILE``: a real sequence-length distribution, written to disk."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+HELP = "measure a real sequence-length distribution (code, prose, mixture) and write .npy/.json"
+
+# Kept here rather than imported so `add_arguments` stays import-free; a test checks they match.
+NAMES = ("code", "prose", "mixture")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", nargs="?", choices=NAMES, help="distribution to measure")
+    parser.add_argument("--out", help="output file, .npy or .json")
+    parser.add_argument(
+        "--bundled", action="store_true", help="copy the bundled lengths instead of tokenizing"
+    )
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--update-bundled",
+        action="store_true",
+        help="recompute all distributions into dyn_plugin/data/bundled/ (maintainers)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from dyn_plugin.data import lengths as L
+
+    if args.update_bundled:
+        manifest = L.update_bundled(progress=not args.no_progress)
+        for name, entry in manifest["distributions"].items():
+            print(L.format_summary(name, entry["summary"]))
+        print(f"wrote {L.BUNDLED_DIR}")
+        return 0
+    if args.name is None or args.out is None:
+        print("error: NAME and --out are required (or --update-bundled)")
+        return 2
+
+    if not args.out.endswith((".npy", ".json")):  # fail before minutes of tokenizing, not after
+        print(f"error: --out {args.out!r} must end in .npy or .json")
+        return 2
+    if args.bundled:
+        lengths = L.load_lengths(args.name)
+    else:
+        start = time.perf_counter()
+        lengths = L.compute_lengths(args.name, progress=not args.no_progress)
+        logger.info("computed %s in %.1f s", args.name, time.perf_counter() - start)
+    path = L.save_lengths(lengths, args.out)
+    summary = L.summarize(lengths)
+    if args.json:
+        print(json.dumps({"name": args.name, "out": str(path), **summary}, indent=2))
+    else:
+        print(L.format_summary(args.name, summary))
+        print(f"{summary['total_tokens']:,} tokens -> {path}")
+    return 0

@@ -1,0 +1,39 @@
+import json
+import subprocess
+import sys
+
+from dyn_plugin.cli import main
+from dyn_plugin.cost.profile import load_profile
+
+
+def test_report_json(capsys):
+    assert main(["report", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for pkg in ("torch", "deepspeed", "transformers", "megatron-core", "pulp", "redis"):
+        assert pkg in report["packages"]
+    assert report["cpp_extension"].startswith(("active", "not built"))
+    assert report["apex"].startswith(("present", "absent"))
+    assert report["devices"][0].startswith("cpu")
+
+
+def test_module_entry_point():
+    out = subprocess.run([sys.executable, "-m", "dyn_plugin", "report"], capture_output=True, text=True, check=True)
+    assert "cpp_extension" in out.stdout and "megatron-core" in out.stdout
+
+
+def test_profile_command_writes_a_loadable_profile(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    rc = main(["profile", "--out", str(out), "--seq-lens", "16,64", "--micro-batch-sizes", "1,2",
+               "--recompute", "none,full", "--repeats", "1", "--validate", "2", "--threads", "1", "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "padded/full/tp1" in text and "held-out: 2 random micro-batches" in text
+    p = load_profile(out)
+    assert {(t.layout, t.recompute) for t in p.tables} == {(l, r) for l in ("padded", "packed") for r in ("none", "full")}
+
+
+def test_bad_arguments_are_clear_errors(tmp_path, capsys):
+    assert main(["profile", "--out", str(tmp_path / "p.json"), "--recompute", "none,sometimes"]) == 2
+    assert "allowed modes are none, selective, full" in capsys.readouterr().err
+    assert main(["profile", "--out", str(tmp_path / "p.json"), "--model", "no-such-model"]) == 2
+    assert "not a preset (tiny-llama, tiny-gpt2)" in capsys.readouterr().err
