@@ -1,4 +1,3 @@
-import argparse
 import json
 
 import numpy as np
@@ -139,26 +138,20 @@ def test_bundled_code_ordering():
     json.dumps(a.to_dict())  # plain data, for benchmarks and --json
 
 
-def _run(argv):
-    parser = argparse.ArgumentParser()
-    analyze_cmd.add_arguments(parser)
-    return analyze_cmd.run(parser.parse_args(argv))
-
-
-def test_command_plot_and_json(tmp_path, capsys):
+def test_command_plot_and_json(tmp_path, capsys, run_command):
     png = tmp_path / "out.png"
-    assert _run(["code", "--plot", str(png), "--json"]) == 0
+    assert run_command(analyze_cmd, ["code", "--plot", str(png), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert [m["name"] for m in result["methods"]] == ["pad-random", "pad-sorted", "pack-full", "pack-varlen"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000
 
 
-def test_command_table_and_errors(tmp_path, capsys):
+def test_command_table_and_errors(tmp_path, capsys, run_command):
     path = tmp_path / "l.json"
     path.write_text("[8, 4, 4]")
-    assert _run([str(path), "--batch-size", "3", "--max-len", "8"]) == 0
+    assert run_command(analyze_cmd, [str(path), "--batch-size", "3", "--max-len", "8"]) == 0
     out = capsys.readouterr().out
     assert "pad-random" in out and "33.3%" in out
-    assert _run(["nope"]) == 2
+    assert run_command(analyze_cmd, ["nope"]) == 2
     assert "neither a bundled distribution" in capsys.readouterr().out

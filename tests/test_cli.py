@@ -37,3 +37,11 @@ def test_bad_arguments_are_clear_errors(tmp_path, capsys):
     assert "allowed modes are none, selective, full" in capsys.readouterr().err
     assert main(["profile", "--out", str(tmp_path / "p.json"), "--model", "no-such-model"]) == 2
     assert "not a preset (tiny-llama, tiny-gpt2)" in capsys.readouterr().err
+
+
+def test_bench_cost_prints_json(capsys):
+    assert main(["bench", "cost", "--queries", "300", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["benchmark"] == "cost" and record["python_us_per_query"] > 0
+    if "native" not in record:  # the extension is built: both paths must agree exactly
+        assert record["max_rel_diff_native_vs_python"] < 1e-12

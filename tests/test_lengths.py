@@ -1,4 +1,3 @@
-import argparse
 import json
 import platform
 
@@ -6,7 +5,9 @@ import numpy as np
 import pytest
 
 from dyn_plugin.commands import lengths as lengths_cmd
+from dyn_plugin.data import corpus as C
 from dyn_plugin.data import lengths as L
+from dyn_plugin.data import tokenizer as T
 
 MANIFEST = json.loads((L.BUNDLED_DIR / "manifest.json").read_text())
 
@@ -41,7 +42,7 @@ def test_prose_is_skewed():
 
 def test_mixture_has_short_and_long():
     lengths = L.load_lengths("mixture")
-    assert len(lengths) == L.MIXTURE_SIZE
+    assert len(lengths) == C.MIXTURE_SIZE
     assert (lengths <= 64).mean() > 0.3
     assert (lengths >= 4096).sum() >= 50
 
@@ -58,7 +59,7 @@ def test_commands_name_list_matches():
     platform.python_version() != MANIFEST["python"], reason="bundled data is from another Python"
 )
 def test_code_documents_match_bundled_count():
-    docs = list(L.iter_documents("code"))
+    docs = list(C.iter_documents("code"))
     assert len(docs) == MANIFEST["distributions"]["code"]["summary"]["count"]
     assert all(d.strip() for d in docs)
 
@@ -70,21 +71,21 @@ TINY = ["def f(x):\n    return x + 1\n", "The quick brown fox.", "import os\npri
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer():
-    return L.train_tokenizer(TINY, vocab_size=300, min_frequency=1)
+    return T.train_tokenizer(TINY, vocab_size=300, min_frequency=1)
 
 
 def test_training_is_deterministic(tiny_tokenizer):
-    again = L.train_tokenizer(TINY, vocab_size=300, min_frequency=1)
-    assert L.tokenizer_digest(again) == L.tokenizer_digest(tiny_tokenizer)
+    again = T.train_tokenizer(TINY, vocab_size=300, min_frequency=1)
+    assert T.tokenizer_digest(again) == T.tokenizer_digest(tiny_tokenizer)
 
 
 def test_token_lengths(tiny_tokenizer):
     texts = ["hello world", "def f(x):\n    return x\n", "é ☃ unseen bytes"]
-    got = L.token_lengths(texts, tiny_tokenizer)
+    got = T.token_lengths(texts, tiny_tokenizer)
     assert got.dtype == np.int64
     assert (got > 0).all()
     assert got.tolist() == [len(tiny_tokenizer.encode(t).ids) for t in texts]
-    np.testing.assert_array_equal(got, L.token_lengths(texts, tiny_tokenizer))
+    np.testing.assert_array_equal(got, T.token_lengths(texts, tiny_tokenizer))
     # Byte-level: every text round-trips, nothing maps to an unknown token.
     assert tiny_tokenizer.decode(tiny_tokenizer.encode(texts[2]).ids) == texts[2]
 
@@ -105,7 +106,7 @@ def test_code_paths_skip_tests_and_site_packages(tmp_path):
     ]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("x = 1\n")
-    got = [p.relative_to(tmp_path).as_posix() for p in L.code_paths(tmp_path)]
+    got = [p.relative_to(tmp_path).as_posix() for p in C.code_paths(tmp_path)]
     assert got == ["a.py", "b.py", "pkg/__init__.py"]
 
 
@@ -125,7 +126,7 @@ def f(a,
 class C:
     def g(self): return 1
 '''
-    f = L.parse_source("pkg/mod.py", src)
+    f = C.parse_source("pkg/mod.py", src)
     assert f.module_docstring == "Module doc."
     names = [d.name for d in f.definitions]
     assert names == ["pkg.mod.f", "pkg.mod.C", "pkg.mod.C.g"]
@@ -133,14 +134,14 @@ class C:
     assert fn.header == "def f(a,\n      b=1):\n"
     assert fn.docstring.startswith("Add things.")
     assert f.definitions[2].header.strip() == "def g(self): return 1"
-    assert L.docstrings([f]) == ["Module doc.", fn.docstring]
-    pools = L.mixture_pools([f], ["a topic"], [])
+    assert C.docstrings([f]) == ["Module doc.", fn.docstring]
+    pools = C.mixture_pools([f], ["a topic"], [])
     assert pools["qa"] == ["Q: What does pkg.mod.f do?\nA: Add things."]
     assert pools["document"] == [src, "a topic"]
 
 
 def test_parse_source_survives_syntax_errors():
-    f = L.parse_source("bad.py", "def (:\n")
+    f = C.parse_source("bad.py", "def (:\n")
     assert f.definitions == () and f.text == "def (:\n"
 
 
@@ -149,15 +150,15 @@ def test_man_to_text():
         '.\\" a comment\n.TH LS 1\n.SH NAME\nls \\- list \\fBdirectory\\fR contents\n'
         ".de XX\nhidden\n..\n.sp\n.B bold\n"
     )
-    assert L.man_to_text(page) == "LS 1\nNAME\nls - list directory contents\nbold"
-    assert L.man_to_text(".so man1/other.1\n") is None
+    assert C.man_to_text(page) == "LS 1\nNAME\nls - list directory contents\nbold"
+    assert C.man_to_text(".so man1/other.1\n") is None
 
 
 def test_sample_mixture_is_deterministic_and_weighted():
-    pools = {task: [f"{task}{i}" for i in range(5000)] for task in L.MIXTURE_WEIGHTS}
-    a = L.sample_mixture(pools, size=4000, seed=1)
-    assert a == L.sample_mixture(pools, size=4000, seed=1)
-    for task, weight in L.MIXTURE_WEIGHTS.items():
+    pools = {task: [f"{task}{i}" for i in range(5000)] for task in C.MIXTURE_WEIGHTS}
+    a = C.sample_mixture(pools, size=4000, seed=1)
+    assert a == C.sample_mixture(pools, size=4000, seed=1)
+    for task, weight in C.MIXTURE_WEIGHTS.items():
         picked = [text for t, text in a if t == task]
         assert abs(len(picked) / 4000 - weight) < 0.03
         assert len(set(picked)) == len(picked)  # no repeats while the pool is large enough
@@ -254,24 +255,18 @@ def test_summarize():
 # --- command ---------------------------------------------------------------------------------
 
 
-def _run(argv):
-    parser = argparse.ArgumentParser()
-    lengths_cmd.add_arguments(parser)
-    return lengths_cmd.run(parser.parse_args(argv))
-
-
-def test_command_bundled(tmp_path, capsys):
+def test_command_bundled(tmp_path, capsys, run_command):
     out = tmp_path / "code.json"
-    assert _run(["code", "--bundled", "--out", str(out)]) == 0
+    assert run_command(lengths_cmd, ["code", "--bundled", "--out", str(out)]) == 0
     np.testing.assert_array_equal(L.load_lengths(out), L.load_lengths("code"))
     text = capsys.readouterr().out
     assert "p99" in text and "code" in text
 
-    assert _run(["code", "--bundled", "--out", str(tmp_path / "c.npy"), "--json"]) == 0
+    assert run_command(lengths_cmd, ["code", "--bundled", "--out", str(tmp_path / "c.npy"), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["count"] == len(L.load_lengths("code"))
 
 
-def test_command_rejects_bad_out(tmp_path, capsys):
-    assert _run(["code", "--bundled", "--out", str(tmp_path / "x.csv")]) == 2
+def test_command_rejects_bad_out(tmp_path, capsys, run_command):
+    assert run_command(lengths_cmd, ["code", "--bundled", "--out", str(tmp_path / "x.csv")]) == 2
     assert "must end in .npy or .json" in capsys.readouterr().out

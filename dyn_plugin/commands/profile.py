@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--validate", type=int, default=16, metavar="N",
                         help="also time N held-out random micro-batches through the full model and report "
                              "the fit's error on them (default 16; 0 to skip)")
+    parser.add_argument("--system-allocator", action="store_true",
+                        help="leave glibc malloc's dynamic mmap/trim thresholds alone (the default pins them, "
+                             "which makes CPU step times predictable; see dyn_plugin/cost/allocator.py)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -58,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     name = args.model if isinstance(args.model, str) and "/" not in args.model else model_cfg["model_type"]
     profile = run_profile(model_cfg, name=name, grid=grid, validate=args.validate, threads=args.threads,
-                          progress=progress)
+                          fixed_allocator=not args.system_allocator, progress=progress)
     save_profile(profile, args.out)
     print_summary(profile)
     print(f"profile written to {args.out}")

@@ -171,20 +171,23 @@ def time_round_robin(jobs: list[Job], *, warmup: int, repeats: int, seed: int = 
 
 
 def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = ProfileGrid(),
-                validate: int = 16, threads: int | None = None, progress: bool = True) -> Profile:
+                validate: int = 16, threads: int | None = None, fixed_allocator: bool = True,
+                progress: bool = True) -> Profile:
     """Profile the model described by a HF config dict on the current device (CPU, fp32).
 
     ``validate`` > 0 also times that many held-out micro-batches (random lengths, padded and
     packed, through the full-depth model with the first recompute mode) in the same rounds as
     the profile, so that drift of a shared machine cannot pass for model error, and records
-    how far the fit's predictions are from them.
+    how far the fit's predictions are from them. ``fixed_allocator`` pins glibc's malloc
+    thresholds (see allocator.py); turn it off only to see what it buys.
     """
     import torch
     from tqdm import tqdm
 
     from ..models.hf import build_causal_lm
 
-    stable_cpu_allocator()
+    if fixed_allocator:
+        stable_cpu_allocator()
     if threads:
         torch.set_num_threads(threads)
     rng = np.random.default_rng(grid.seed)
