@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -45,3 +46,20 @@ def test_bench_cost_prints_json(capsys):
     assert record["benchmark"] == "cost" and record["python_us_per_query"] > 0
     if "native" not in record:  # the extension is built: both paths must agree exactly
         assert record["max_rel_diff_native_vs_python"] < 1e-12
+
+
+def test_pure_python_path_works_and_says_so():
+    """Without the C++ extension the package still plans costs, and the report says which path runs."""
+    code = (
+        "import dyn_plugin, json;"
+        "from dyn_plugin.commands.report import collect;"
+        "from dyn_plugin.cost.analytic import analytic_cost_model;"
+        "from dyn_plugin.config import ModelShape, DeviceSpec;"
+        "m = analytic_cost_model(ModelShape(hidden_size=64, num_layers=2, num_heads=4, ffn_hidden_size=128, vocab_size=100), DeviceSpec());"
+        "assert m.native('packed', 'none') is None;"
+        "print(json.dumps([collect()['cpp_extension'], m.micro_batch_cost([5, 7], layout='packed').forward_ms]))"
+    )
+    env = {**os.environ, "DYN_PLUGIN_FORCE_PYTHON": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    status, fwd = json.loads(out.stdout)
+    assert status.startswith("not built") and fwd > 0
