@@ -15,14 +15,14 @@ namespace {
 CostTable make_table(py::array_t<double, py::array::c_style | py::array::forcecast> coef, bool packed,
                      int64_t pad_multiple, double max_tokens, double max_len) {
   if (coef.ndim() != 3 || coef.shape(0) != dyn::kNumComponents || coef.shape(1) != dyn::kNumMetrics ||
-      coef.shape(2) != 3)
-    throw std::invalid_argument("coef must have shape [3 components, 4 metrics, 3]");
+      coef.shape(2) != 4)
+    throw std::invalid_argument("coef must have shape [3 components, 4 metrics, 4 (c0, c1, c2, floor)]");
   if (pad_multiple < 1) throw std::invalid_argument("pad_multiple must be >= 1");
   CostTable t;
   auto c = coef.unchecked<3>();
   for (int i = 0; i < dyn::kNumComponents; ++i)
     for (int j = 0; j < dyn::kNumMetrics; ++j)
-      for (int k = 0; k < 3; ++k) t.coef[i][j][k] = c(i, j, k);
+      for (int k = 0; k < 4; ++k) t.coef[i][j][k] = c(i, j, k);
   t.packed = packed;
   t.pad_multiple = pad_multiple;
   t.max_tokens = max_tokens;

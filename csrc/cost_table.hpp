@@ -26,8 +26,8 @@ struct StageCost {
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 struct CostTable {
-  // coef[component][metric] = {c0, c1, c2}: y = c0 + c1 * tokens + c2 * attn
-  std::array<std::array<std::array<double, 3>, kNumMetrics>, kNumComponents> coef{};
+  // coef[component][metric] = {c0, c1, c2, floor}: y = max(floor, c0 + c1 * tokens + c2 * attn)
+  std::array<std::array<std::array<double, 4>, kNumMetrics>, kNumComponents> coef{};
   bool packed = false;
   int64_t pad_multiple = 8;
   double max_tokens = 0, max_len = 0;
@@ -47,7 +47,7 @@ struct CostTable {
 
   double eval(int c, int m, const Features& f) const {
     const auto& k = coef[c][m];
-    return k[0] + k[1] * f.tokens + k[2] * f.attn;
+    return std::max(k[3], k[0] + k[1] * f.tokens + k[2] * f.attn);
   }
 
   bool in_range(const Features& f) const { return f.tokens <= max_tokens && f.max_len <= max_len; }

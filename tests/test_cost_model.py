@@ -45,7 +45,9 @@ def test_zero_stages_shard_more_and_more():
 
 def random_table(rng, packed, pad=8, max_tokens=np.inf, max_len=np.inf):
     coef = rng.uniform(0, 1, size=(3, 4, 3)) * np.array([1.0, 1e-2, 1e-5])
-    fits = {c: {m: LinearFit(tuple(coef[i, j])) for j, m in enumerate(METRICS)} for i, c in enumerate(COMPONENTS)}
+    floor = rng.uniform(0, 40, size=(3, 4)) * (rng.random((3, 4)) < 0.5)
+    fits = {c: {m: LinearFit(tuple(coef[i, j]), floor=floor[i, j]) for j, m in enumerate(METRICS)}
+            for i, c in enumerate(COMPONENTS)}
     return CostTable("packed" if packed else "padded", "none", 1, fits, max_tokens, max_len)
 
 
@@ -80,7 +82,7 @@ def test_native_rejects_bad_input():
     with pytest.raises(ValueError, match="positive"):
         native.stage_cost(np.array([3, 0]), 1, True, True)
     with pytest.raises(ValueError, match="shape"):
-        core.CostTable(np.zeros((2, 4, 3)), True, 8, 1, 1)
+        core.CostTable(np.zeros((3, 4, 3)), True, 8, 1, 1)
 
 
 def test_table_model_uses_native_when_built():
@@ -96,6 +98,15 @@ def test_fit_recovers_exact_coefficients():
     fit = fit_linear(tok, att, y)
     assert np.allclose(fit.coef, (0.7, 0.003, 2e-6), rtol=1e-6)
     assert fit.mape < 1e-9 and fit.n == 40
+
+
+def test_fit_finds_a_floor():
+    """GPU kernels stop getting faster below some size: max(floor, line) fits that, a line alone does not."""
+    tok = np.array([16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192], dtype=float)
+    y = np.maximum(1.5, 0.2 + 0.002 * tok)
+    fit = fit_linear(tok, tok * 0, y, floor=True)
+    assert fit.floor == pytest.approx(1.5) and fit.max_ape < 1e-6
+    assert fit_linear(tok, tok * 0, y).max_ape > 0.2
 
 
 def test_fit_never_negative():

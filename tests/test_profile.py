@@ -110,3 +110,33 @@ def test_rejects_unknown_version_and_bad_files(tmp_path):
         load_profile({**bad, "tables": None})
     with pytest.raises(ValueError, match="at least two depths"):
         fit_tables([s for s in synthetic_samples() if s.num_layers in (None, 1)])
+
+
+A100 = "/work/shared/data/a100-measured/gpt-6.7b.json"
+
+
+def test_bundled_a100_profile_matches_the_measured_tables():
+    """The bundled profile is what `dynplugin profile import` makes of the A100 tables, and it
+    reproduces their measured points within the fit error."""
+    import os
+
+    from dyn_plugin.cost.measured_tables import import_measured_tables
+    from dyn_plugin.profiles import load_bundled
+
+    bundled = load_bundled("a100-gpt-6.7b")
+    if os.path.exists(A100):
+        assert import_measured_tables(A100).tables == bundled.tables
+    cm = cost_model_from_profile(bundled)
+    one_layer = StageSpec(1, first=False, last=False)
+    # measured A100 rows (tp=1): [seq, mbs, ms] encoder.forward, recompute none
+    for (s, b, ms) in [(1024, 1, None), (2048, 1, None), (4096, 2, None)]:
+        rows = [x for x in bundled.samples if x.component == "layer" and x.recompute == "none" and x.tp == 1
+                and x.seq_lens == [s] * b]
+        assert rows, (s, b)
+        pred = cm.micro_batch_cost([s] * b, layout="padded", stage=one_layer).forward_ms
+        assert pred == pytest.approx(rows[0].forward_ms, rel=0.25)
+    # packed micro-batches are priced from the padded fits, by their own features
+    packed = cm.micro_batch_cost([2048, 512, 512], layout="packed", stage=one_layer)
+    padded = cm.micro_batch_cost([2048, 512, 512], layout="padded", stage=one_layer)
+    assert packed.forward_ms < padded.forward_ms
+    assert cm.micro_batch_cost([16], layout="padded", stage=one_layer).forward_ms >= 1.0  # the GPU floor

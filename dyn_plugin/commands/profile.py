@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-HELP = "measure a transformers model (tiny by default, no download) and write a fitted profile JSON"
+HELP = ("measure a transformers model (tiny by default, no download) and write a fitted profile JSON; "
+        "`profile import FILE` converts per-layer tables measured elsewhere (e.g. the A100 tables)")
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +21,9 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", nargs="?", choices=("measure", "import"), default="measure",
+                        help="measure (default) a model here, or import FILE")
+    parser.add_argument("source", nargs="?", help="with import: per-layer cost tables JSON (a100-measured format)")
     parser.add_argument("--model", default="tiny-llama",
                         help="preset (tiny-llama, tiny-gpt2) or path to a HF config.json (default: tiny-llama)")
     parser.add_argument("--out", required=True, help="profile JSON to write")
@@ -40,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "import":
+        return run_import(args)
+    if args.source:
+        raise ValueError(f"unexpected argument {args.source!r}; did you mean `dynplugin profile import {args.source}`?")
     from dataclasses import replace
 
     from ..cost.model import RECOMPUTES
@@ -69,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_summary(profile) -> None:
-    """Fit error of each table, and the held-out error if measured."""
-    print(f"{'table':<24}{'fwd MAPE':>10}{'bwd MAPE':>10}{'stored MAPE':>13}  (fit error, whole model)")
+    """Fit error of each table (of the layer), and the held-out error if measured."""
+    print(f"{'table':<24}{'fwd MAPE':>10}{'bwd MAPE':>10}{'stored MAPE':>13}  (fit error)")
     for t in profile.tables:
         f = t.fits["layer"]
         print(f"{t.layout + '/' + t.recompute + '/tp' + str(t.tp):<24}{f['forward_ms'].mape:>10.1%}"
@@ -79,3 +87,16 @@ def print_summary(profile) -> None:
     if v:
         print(f"held-out: {v['count']} random micro-batches through the {v['num_layers']}-layer model "
               f"({v['recompute']} recompute): step-time error mean {v['mape']:.1%}, max {v['max_ape']:.1%}")
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from ..cost.measured_tables import import_measured_tables
+    from ..cost.profile import save_profile
+
+    if not args.source:
+        raise ValueError("profile import needs the tables file: dynplugin profile import FILE --out profile.json")
+    profile = import_measured_tables(args.source)
+    save_profile(profile, args.out)
+    print_summary(profile)
+    print(f"{len(profile.samples)} samples from {args.source} -> {args.out}")
+    return 0

@@ -47,6 +47,7 @@ class Fit(_Record):
     mape: float = 0.0
     max_ape: float = 0.0
     n: int = 0
+    floor: float = Field(default=0.0, ge=0, description="the fit is max(floor, c0 + c1*tokens + c2*attn)")
 
 
 class Table(_Record):
@@ -83,6 +84,11 @@ class Profile(_Record):
     grid: dict[str, Any] = {}
     samples: list[Sample] = []
     tables: list[Table] | None = None
+    packed_from_padded: bool = Field(
+        default=False,
+        description="price packed micro-batches with the padded fits (by their features): for tables measured "
+        "on padded batches only, with kernels whose cost follows tokens and sum(s_i^2), as varlen attention does",
+    )
     validation: dict[str, Any] | None = Field(default=None, description="held-out check of the fit, if one was run")
 
 
@@ -125,7 +131,7 @@ def _fit_direct(samples: list[Sample], layout, pad_multiple) -> dict[str, Linear
     for metric in METRICS:
         y = np.array([getattr(s, metric) for s in samples], dtype=float)
         # A component that keeps no memory (the embedding's stored bytes) fits to zero.
-        out[metric] = fit_linear(tok, att, y) if np.all(y > 0) else LinearFit((0.0, 0.0, 0.0))
+        out[metric] = fit_linear(tok, att, y, floor=True) if np.all(y > 0) else LinearFit((0.0, 0.0, 0.0))
     return out
 
 
@@ -153,7 +159,8 @@ def fit_tables(samples: list[Sample], pad_multiple: int = 8) -> list[Table]:
         fits["embedding"] = embedding
         used = [s for c in by_comp.values() for s in c]
         feats = [features(s.seq_lens, layout, pad_multiple) for s in used]
-        fit_records = {c: {m: Fit(coef=f.coef, mape=f.mape, max_ape=f.max_ape, n=f.n) for m, f in fits[c].items()} for c in COMPONENTS}
+        fit_records = {c: {m: Fit(coef=f.coef, mape=f.mape, max_ape=f.max_ape, n=f.n, floor=f.floor)
+                           for m, f in fits[c].items()} for c in COMPONENTS}
         tables.append(Table(
             layout=layout, recompute=recompute, tp=tp, fits=fit_records,
             max_tokens=max(f.tokens for f in feats), max_len=max(f.max_len for f in feats),
@@ -189,15 +196,18 @@ def load_profile(source: str | os.PathLike | dict[str, Any]) -> Profile:
 
 def save_profile(profile: Profile, path: str | os.PathLike) -> None:
     with open(path, "w") as f:
-        json.dump(profile.model_dump(mode="json", by_alias=True), f, indent=1)
+        json.dump(profile.model_dump(mode="json", by_alias=True), f, separators=(",", ":"))
         f.write("\n")
 
 
 def cost_model_from_profile(profile: Profile, *, allow_extrapolation: bool = False) -> TableCostModel:
     tables = {}
     for t in profile.tables or fit_tables(profile.samples, profile.pad_multiple):
-        fits = {c: {m: LinearFit(f.coef, f.mape, f.max_ape, f.n) for m, f in ms.items()} for c, ms in t.fits.items()}
-        tables[(t.layout, t.recompute, t.tp)] = CostTable(t.layout, t.recompute, t.tp, fits, t.max_tokens, t.max_len)
+        fits = {c: {m: LinearFit(f.coef, f.mape, f.max_ape, f.n, f.floor) for m, f in ms.items()}
+                for c, ms in t.fits.items()}
+        layouts = ("padded", "packed") if profile.packed_from_padded and t.layout == "padded" else (t.layout,)
+        for layout in layouts:
+            tables[(layout, t.recompute, t.tp)] = CostTable(layout, t.recompute, t.tp, fits, t.max_tokens, t.max_len)
     return TableCostModel(
         name=f"{profile.model.name}@{profile.device.name}",
         num_layers=profile.model.num_layers,

@@ -34,16 +34,20 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LinearFit:
-    """``c0 + c1*tokens + c2*attn``; error figures are on the data it was fitted to."""
+    """``max(floor, c0 + c1*tokens + c2*attn)``; error figures are on the data it was fitted to.
+
+    The floor is what a GPU takes for any small kernel: below some size time stops shrinking.
+    """
 
     coef: tuple[float, float, float]
     mape: float = 0.0  # mean absolute percentage error of the fit
     max_ape: float = 0.0
     n: int = 0
+    floor: float = 0.0
 
     def __call__(self, f: Features) -> float:
         c0, c1, c2 = self.coef
-        return c0 + c1 * f.tokens + c2 * f.attn
+        return max(self.floor, c0 + c1 * f.tokens + c2 * f.attn)
 
 
 @dataclass(frozen=True)
@@ -58,9 +62,10 @@ class CostTable:
     max_len: float = float("inf")
 
     def coef_array(self) -> np.ndarray:
-        """[component, metric, 3] coefficients, the layout the C++ evaluator takes."""
+        """[component, metric, 4] = (c0, c1, c2, floor), the layout the C++ evaluator takes."""
         return np.array(
-            [[self.fits[c][m].coef for m in METRICS] for c in COMPONENTS], dtype=np.float64
+            [[(*self.fits[c][m].coef, self.fits[c][m].floor) for m in METRICS] for c in COMPONENTS],
+            dtype=np.float64,
         )
 
 
@@ -98,11 +103,27 @@ def fit_error(pred: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return float(ape.mean()), float(ape.max())
 
 
-def fit_linear(tokens: np.ndarray, attn: np.ndarray, y: np.ndarray) -> LinearFit:
-    """``y = c0 + c1*tokens + c2*attn`` with non-negative coefficients."""
+def fit_linear(tokens: np.ndarray, attn: np.ndarray, y: np.ndarray, *, floor: bool = False) -> LinearFit:
+    """``y = c0 + c1*tokens + c2*attn`` with non-negative coefficients; with ``floor``, also
+    ``max(floor, ...)`` where that fits better (the floor is tried at the smallest measured
+    values and the line fitted to the points above it)."""
+    y = np.asarray(y, dtype=float)
     X = np.stack([np.ones(len(y)), np.asarray(tokens, float), np.asarray(attn, float)], axis=1)
     coef = nnls_relative(X, y)
-    return LinearFit(tuple(float(c) for c in coef), *fit_error(X @ coef, np.asarray(y, float)), len(y))
+    best = (float(np.sum(((X @ coef - y) / y) ** 2)), 0.0, coef)
+    if floor:
+        low = np.unique(np.sort(y)[: max(1, len(y) // 2)])
+        for f in low[np.linspace(0, len(low) - 1, min(len(low), 16)).astype(int)]:
+            above = y > 1.02 * f
+            if above.sum() < 3:
+                continue
+            c = nnls_relative(X[above], y[above])
+            err = float(np.sum((np.maximum(f, X @ c) - y) ** 2 / y**2))
+            if err < best[0]:
+                best = (err, float(f), c)
+    _, f, coef = best
+    pred = np.maximum(f, X @ coef)
+    return LinearFit(tuple(float(c) for c in coef), *fit_error(pred, y), len(y), floor=f)
 
 
 @dataclass

@@ -1,0 +1,70 @@
+"""Import per-layer cost tables measured elsewhere (the DynaPipe artifact's format) as a profile.
+
+The format (../shared/data/a100-measured/README.md): per (tp, recompute) table, rows of
+``[sequence length, micro-batch size, value]`` for ``time_ms["encoder.forward"|...]``,
+``stored_activation_mb``, ``peak_activation_mb`` and ``params_mb``. Each (s, b) with all four
+layer values becomes a padded ``layer`` sample; postprocess rows become ``head`` samples.
+
+Two documented assumptions, both recorded in the profile's ``grid``:
+
+- packed micro-batches cost what the padded fit predicts for their features (tokens and
+  sum(s_i^2)): true of varlen attention kernels, which the tables' Megatron layers are
+  comparable to per token; the tables themselves hold padded batches only;
+- MB means 2^20 bytes; the head's memory was not measured and counts as zero.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from .profile import SCHEMA, VERSION, DeviceInfo, ModelInfo, Profile, Sample, fit_tables
+
+MB = 1 << 20
+
+
+def _rows(table: dict[str, Any], key: str, name: str) -> dict[tuple[int, int], float]:
+    return {(int(s), int(b)): float(v) for s, b, v in table[key].get(name, [])}
+
+
+def import_measured_tables(source: str | os.PathLike | dict[str, Any]) -> Profile:
+    raw = source if isinstance(source, dict) else json.load(open(source))
+    where = raw.get("name", "measured tables") if isinstance(raw, dict) else str(source)
+    if not isinstance(raw, dict) or "tables" not in raw:
+        raise ValueError(f"{where}: expected an object with 'tables' (see the a100-measured README)")
+    samples: list[Sample] = []
+    params = None
+    for t in raw["tables"]:
+        tp, rc = int(t["tp"]), t["recompute"]
+        fwd = _rows(t, "time_ms", "encoder.forward")
+        bwd = _rows(t, "time_ms", "encoder.backward")
+        stored = _rows(t, "stored_activation_mb", "encoder")
+        peak = _rows(t, "peak_activation_mb", "encoder")
+        # Only points with every value: a missing one was not measured (out of memory), not free.
+        for key in sorted(fwd.keys() & bwd.keys() & stored.keys() & peak.keys()):
+            s, b = key
+            samples.append(Sample(component="layer", layout="padded", recompute=rc, tp=tp, seq_lens=[s] * b,
+                                  forward_ms=fwd[key], backward_ms=bwd[key], stored_bytes=stored[key] * MB,
+                                  peak_bytes=max(peak[key], stored[key]) * MB))
+        hf, hb = _rows(t, "time_ms", "postprocess.forward"), _rows(t, "time_ms", "postprocess.backward")
+        for key in sorted(hf.keys() & hb.keys()):
+            s, b = key
+            samples.append(Sample(component="head", layout="padded", recompute=rc, tp=tp, seq_lens=[s] * b,
+                                  forward_ms=hf[key], backward_ms=hb[key], stored_bytes=0.0, peak_bytes=0.0))
+        if tp == 1 and params is None:
+            # fp16 parameters: 2 bytes each. The LM head shares the embedding's weights.
+            emb = t["params_mb"]["embedding"] * MB / 2
+            params = {"embedding": emb, "layer": t["params_mb"]["encoder"] * MB / 2, "head": emb}
+    if not samples or params is None:
+        raise ValueError(f"{where}: no complete rows (need encoder forward/backward/stored/peak at tp=1)")
+    num_layers = int(raw.get("num_layers", 32))
+    return Profile(
+        schema=SCHEMA, version=VERSION, created="",
+        model=ModelInfo(name=raw.get("name", "imported"), num_layers=num_layers, params=params, dtype="fp16",
+                        config={"description": raw.get("description", "")}),
+        device=DeviceInfo(type="gpu", name=raw.get("measured_on", "unknown")),
+        grid={"source": raw.get("source", ""), "memory_unit": "MB = 2^20 bytes; head memory not measured"},
+        packed_from_padded=True,
+        samples=samples,
+        tables=fit_tables(samples),
+    )
