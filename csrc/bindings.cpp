@@ -5,7 +5,10 @@
 
 #include <stdexcept>
 
+#include <algorithm>
+
 #include "cost_table.hpp"
+#include "microbatch.hpp"
 
 namespace py = pybind11;
 using dyn::CostTable;
@@ -79,4 +82,28 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("seq_lens"), py::arg("offsets"), py::arg("num_layers"), py::arg("first"), py::arg("last"),
           "[n, 4] costs of the micro-batches lens[offsets[i]:offsets[i+1]]");
+
+  m.def(
+      "partition",
+      [](py::array_t<int64_t, py::array::c_style | py::array::forcecast> sorted_lens, const std::vector<CostTable*>& tables,
+         const std::vector<std::tuple<int64_t, bool, bool>>& stages,
+         const std::vector<std::tuple<double, int64_t>>& memory, int64_t dp, double thin) {
+        if (stages.size() != memory.size() || stages.empty())
+          throw std::invalid_argument("need one memory entry per pipeline stage");
+        if (dp < 1) throw std::invalid_argument("dp must be >= 1");
+        std::vector<int64_t> lens(sorted_lens.data(), sorted_lens.data() + sorted_lens.shape(0));
+        std::vector<const CostTable*> ts(tables.begin(), tables.end());
+        std::vector<dyn::StageShape> ss;
+        for (const auto& s : stages) ss.push_back({std::get<0>(s), std::get<1>(s), std::get<2>(s)});
+        std::vector<dyn::StageMemory> ms;
+        for (const auto& mm : memory) ms.push_back({std::get<0>(mm), std::get<1>(mm)});
+        dyn::PartitionResult r;
+        {
+          py::gil_scoped_release release;
+          r = dyn::partition(lens, ts, ss, ms, dp, thin);
+        }
+        return py::make_tuple(r.ok, r.bounds, r.modes, r.t_max, r.objective, r.infeasible_at);
+      },
+      py::arg("sorted_lens"), py::arg("tables"), py::arg("stages"), py::arg("memory"), py::arg("dp"), py::arg("thin"),
+      "DynaPipe partition DP: (ok, bounds, modes, t_max, objective, infeasible_at)");
 }

@@ -6,7 +6,7 @@ import json
 import platform
 import time
 
-HELP = "benchmarks that print JSON: cost (cost-model evaluation, native vs Python)"
+HELP = "benchmarks that print JSON: cost (cost-model evaluation), planner (plans vs baselines on A100 costs)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,14 +14,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cost = sub.add_parser("cost", help="cost-model queries per second, C++ evaluator vs the Python twin")
     cost.add_argument("--queries", type=int, default=20000, help="micro-batches to price (default %(default)s)")
     cost.add_argument("--seed", type=int, default=0)
-    for p in (cost,):
-        p.add_argument("--json", action="store_true", help="print only the JSON record")
+    planner = sub.add_parser("planner", help="planning time and simulated step time against the baselines, "
+                                              "A100 GPT-6.7B costs, bundled length distributions")
+    planner.add_argument("--distributions", default="code,prose,mixture")
+    planner.add_argument("--global-tokens", default="16384,65536,262144")
+    planner.add_argument("--parallel", default="1x1,4x2,8x8", help="pp x dp configurations")
+    planner.add_argument("--batches", type=int, default=10, help="global batches per configuration")
+    planner.add_argument("--python-batches", type=int, default=2,
+                         help="of those, how many also go through the (slow) pure-Python planner")
+    planner.add_argument("--seed", type=int, default=0)
+    for p in (cost, planner):
+        p.add_argument("--json", action="store_true", help="one JSON object per line, no indentation")
 
 
 def run(args: argparse.Namespace) -> int:
+    host = dict(machine=platform.machine(), python=platform.python_version(), date=time.strftime("%Y-%m-%d"))
+    if args.what == "planner":
+        from ..plan.bench import bench_planner
+
+        for record in bench_planner(args):
+            print(json.dumps({**record, **host}, indent=None if args.json else 2), flush=True)
+        return 0
     record = {"cost": bench_cost}[args.what](args)
-    record.update(machine=platform.machine(), processor=platform.processor(), python=platform.python_version(),
-                  date=time.strftime("%Y-%m-%d"))
+    record.update(host)
     print(json.dumps(record, indent=None if args.json else 2))
     return 0
 

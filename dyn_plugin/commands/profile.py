@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", nargs="?", choices=("measure", "import"), default="measure",
                         help="measure (default) a model here, or import FILE")
     parser.add_argument("source", nargs="?", help="with import: per-layer cost tables JSON (a100-measured format)")
+    parser.add_argument("--num-layers", type=int, help="with import: layers of the model the tables describe")
+    parser.add_argument("--hidden-size", type=int, help="with import: the model's hidden size")
     parser.add_argument("--model", default="tiny-llama",
                         help="preset (tiny-llama, tiny-gpt2) or path to a HF config.json (default: tiny-llama)")
     parser.add_argument("--out", required=True, help="profile JSON to write")
@@ -93,9 +95,9 @@ def run_import(args: argparse.Namespace) -> int:
     from ..cost.measured_tables import import_measured_tables
     from ..cost.profile import save_profile
 
-    if not args.source:
-        raise ValueError("profile import needs the tables file: dynplugin profile import FILE --out profile.json")
-    profile = import_measured_tables(args.source)
+    if not (args.source and args.num_layers and args.hidden_size):
+        raise ValueError("usage: dynplugin profile import FILE --num-layers N --hidden-size H --out profile.json")
+    profile = import_measured_tables(args.source, num_layers=args.num_layers, hidden_size=args.hidden_size)
     save_profile(profile, args.out)
     print_summary(profile)
     print(f"{len(profile.samples)} samples from {args.source} -> {args.out}")

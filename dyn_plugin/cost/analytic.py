@@ -91,4 +91,5 @@ def analytic_cost_model(
         params=param_counts(shape),
         dtype=dtype,
         allow_extrapolation=True,  # a formula has no measured range to leave
+        hidden_size=shape.hidden_size,
     )

@@ -27,8 +27,13 @@ def _rows(table: dict[str, Any], key: str, name: str) -> dict[tuple[int, int], f
     return {(int(s), int(b)): float(v) for s, b, v in table[key].get(name, [])}
 
 
-def import_measured_tables(source: str | os.PathLike | dict[str, Any]) -> Profile:
-    raw = source if isinstance(source, dict) else json.load(open(source))
+def import_measured_tables(source: str | os.PathLike | dict[str, Any], *, num_layers: int, hidden_size: int) -> Profile:
+    """The tables hold one layer; the model's depth and width come from the caller."""
+    if isinstance(source, dict):
+        raw = source
+    else:
+        with open(source) as f:
+            raw = json.load(f)
     where = raw.get("name", "measured tables") if isinstance(raw, dict) else str(source)
     if not isinstance(raw, dict) or "tables" not in raw:
         raise ValueError(f"{where}: expected an object with 'tables' (see the a100-measured README)")
@@ -57,12 +62,12 @@ def import_measured_tables(source: str | os.PathLike | dict[str, Any]) -> Profil
             params = {"embedding": emb, "layer": t["params_mb"]["encoder"] * MB / 2, "head": emb}
     if not samples or params is None:
         raise ValueError(f"{where}: no complete rows (need encoder forward/backward/stored/peak at tp=1)")
-    num_layers = int(raw.get("num_layers", 32))
     return Profile(
         schema=SCHEMA, version=VERSION, created="",
-        model=ModelInfo(name=raw.get("name", "imported"), num_layers=num_layers, params=params, dtype="fp16",
+        model=ModelInfo(name=raw.get("name", "imported"), num_layers=num_layers, hidden_size=hidden_size,
+                        params=params, dtype="fp16",
                         config={"description": raw.get("description", "")}),
-        device=DeviceInfo(type="gpu", name=raw.get("measured_on", "unknown")),
+        device=DeviceInfo(type="gpu", name=raw.get("measured_on", "unknown").split(",")[0]),
         grid={"source": raw.get("source", ""), "memory_unit": "MB = 2^20 bytes; head memory not measured"},
         packed_from_padded=True,
         samples=samples,

@@ -62,6 +62,7 @@ class Table(_Record):
 class ModelInfo(_Record):
     name: str
     num_layers: int = Field(gt=0)
+    hidden_size: int | None = Field(default=None, gt=0, description="model width; sizes activations between stages")
     params: dict[Literal["embedding", "layer", "head"], float]
     dtype: Literal["fp32", "fp16", "bf16"]
     config: dict[str, Any] = {}
@@ -216,6 +217,7 @@ def cost_model_from_profile(profile: Profile, *, allow_extrapolation: bool = Fal
         dtype=profile.model.dtype,
         pad_multiple=profile.pad_multiple,
         allow_extrapolation=allow_extrapolation,
+        hidden_size=profile.model.hidden_size,
     )
 
 

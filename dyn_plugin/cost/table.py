@@ -141,6 +141,7 @@ class TableCostModel:
     dtype: str = "bf16"
     pad_multiple: int = 8
     allow_extrapolation: bool = False
+    hidden_size: int | None = None  # sizes the activations sent between pipeline stages
     _native: dict = field(default_factory=dict, repr=False)
 
     def table(self, layout: Layout, recompute: Recompute, tp: int = 1) -> CostTable:

@@ -1,0 +1,80 @@
+"""``dynplugin bench planner``: the planner against the baselines on measured A100 costs.
+
+A GPT-6.7B-class model (32 layers split over the pipeline stages, A100 40GB tables with a
+36000 MB limit, ZeRO-1), global batches drawn from the bundled length distributions.
+Sequences longer than the tables measured (8192) are truncated to it, as a trainer with
+max_seq_len 8192 would.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Iterator
+
+import numpy as np
+
+from ..config import DynPluginConfig
+from ..cost.profile import cost_model_from_profile
+from ..data.lengths import load_lengths
+from ..data.sampler import global_batches
+from ..profiles import load_bundled
+from .baselines import BASELINES, plan_baseline
+from .planner import critical_path_ms, ideal_ms, plan_step, planner_spec
+
+MAX_LEN = 8192
+
+
+def _ms(fn) -> tuple[object, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+def bench_planner(args: argparse.Namespace) -> Iterator[dict]:
+    cost = cost_model_from_profile(load_bundled("a100-gpt-6.7b"))
+    for dist in args.distributions.split(","):
+        lengths = np.minimum(load_lengths(dist), MAX_LEN)
+        for tokens in (int(t) for t in args.global_tokens.split(",")):
+            batches = [[int(lengths[i]) for i in b] for b in global_batches(lengths, tokens, args.batches, args.seed)]
+            for par in args.parallel.split(","):
+                pp, dp = (int(x) for x in par.split("x"))
+                cfg = DynPluginConfig.model_validate({
+                    "pipeline": {"stages": pp},
+                    "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
+                })
+                spec = planner_spec(cost, cfg, dp=dp, zero_stage=1, seed=args.seed)
+                base = {"distribution": dist, "global_tokens": tokens, "pp": pp, "dp": dp}
+                yield from _bench_config(base, batches, spec, args.python_batches)
+
+
+def _bench_config(base: dict, batches: list[list[int]], spec, python_batches: int) -> Iterator[dict]:
+    ideal = [ideal_ms(b, spec) for b in batches]
+    # max(ideal, longest sequence's critical path): what no plan can beat
+    bound = [max(i, critical_path_ms(b, spec)) for i, b in zip(ideal, batches)]
+    runs = [("dynapipe", "cpp", lambda b: plan_step(b, spec, native=True), len(batches)),
+            ("dynapipe", "python", lambda b: plan_step(b, spec, native=False), python_batches)]
+    runs += [(name, "python", lambda b, n=name: plan_baseline(n, b, spec, MAX_LEN), len(batches)) for name in BASELINES]
+    for method, impl, fn, count in runs:
+        if count == 0:
+            continue
+        rec = {**base, "method": method, "impl": impl, "batches": count}
+        try:
+            results = [_ms(lambda b=b: fn(b)) for b in batches[:count]]
+        except ValueError as exc:  # infeasible for this configuration (e.g. fewer sequences than replicas)
+            yield {**rec, "error": str(exc)}
+            continue
+        plans, times = zip(*results)
+        iters = [p.iteration_ms for p in plans]
+        rec.update(
+            plan_ms_p50=float(np.percentile(times, 50)), plan_ms_p99=float(np.percentile(times, 99)),
+            sim_iter_ms=float(np.mean(iters)), ideal_ms=float(np.mean(ideal[:count])),
+            vs_ideal=float(np.mean([i / d for i, d in zip(iters, ideal)])),
+            lower_bound_ms=float(np.mean(bound[:count])),
+            vs_lower_bound=float(np.mean([i / d for i, d in zip(iters, bound)])),
+            padding_fraction=float(np.mean([p.padding_fraction for p in plans])),
+            peak_mem_bytes=float(max(p.peak_bytes for p in plans)),
+            bubble=float(np.mean([p.bubble_fraction for p in plans])),
+            micro_batches=float(np.mean([len(p.micro_batches) for p in plans])),
+            layout=plans[0].layout,
+        )
+        yield rec

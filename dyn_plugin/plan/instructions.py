@@ -1,0 +1,249 @@
+"""Per-rank instruction lists that a pipeline engine executes, and their JSON form.
+
+Instruction names match DeepSpeed's ``PipeInstruction`` classes so a host engine can map each
+to the handler it already has (``_INSTRUCTION_MAP``). Unlike DeepSpeed's, ours carry the
+micro-batch, the tensor shapes and the peer rank: with variable micro-batches a receiver cannot
+assume the previous shape, and shapes known in advance need no meta-data exchange.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, fields
+from typing import Sequence
+
+from .types import MicroBatch, Op, Schedule
+
+SCHEMA = "dyn_plugin.execution_plan"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Instruction:
+    stage: int
+    mb: int | None = None  # index into ExecutionPlan.micro_batches
+    buffer: int | None = None  # activation slot on this rank, 0 .. num_buffers - 1
+    shapes: tuple[tuple[int, ...], ...] = ()  # tensors it moves or produces
+    peer: int | None = None  # global rank at the other end of a send or receive
+
+
+class LoadMicroBatch(Instruction):
+    """Build the micro-batch's tensors (inputs on the first stage, labels on the last)."""
+
+
+class ForwardPass(Instruction):
+    pass
+
+
+class BackwardPass(Instruction):
+    pass
+
+
+class SendActivation(Instruction):
+    pass
+
+
+class RecvActivation(Instruction):
+    pass
+
+
+class SendGrad(Instruction):
+    pass
+
+
+class RecvGrad(Instruction):
+    pass
+
+
+class ReduceGrads(Instruction):
+    pass
+
+
+class OptimizerStep(Instruction):
+    pass
+
+
+INSTRUCTIONS: dict[str, type[Instruction]] = {
+    cls.__name__: cls
+    for cls in (LoadMicroBatch, ForwardPass, BackwardPass, SendActivation, RecvActivation, SendGrad, RecvGrad, ReduceGrads, OptimizerStep)
+}
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """Everything one rank runs for one global batch.
+
+    ``micro_batches[i]`` describes local micro-batch ``i`` (``sample_ids``, ``seq_lens``,
+    ``layout``, ``recompute``, ``shape``) so the loader builds exactly the tensors the plan expects.
+    """
+
+    rank: int
+    replica: int
+    stage: int
+    num_stages: int
+    num_buffers: int
+    instructions: tuple[Instruction, ...]
+    micro_batches: tuple[dict, ...]
+
+
+def build_execution_plans(
+    micro_batches: Sequence[MicroBatch],
+    schedule: Schedule,
+    *,
+    replica: int,
+    stage_ranks: Sequence[int],
+    hidden_size: int,
+) -> list[ExecutionPlan]:
+    """One plan per stage of ``replica``, in stage order; ``stage_ranks[s]`` is stage s's global rank."""
+    num_stages = len(schedule.stages)
+    if len(stage_ranks) != num_stages:
+        raise ValueError(f"stage_ranks needs {num_stages} entries (one per stage), got {len(stage_ranks)}")
+    described = tuple(
+        {
+            "sample_ids": tuple(mb.sample_ids), "seq_lens": tuple(mb.seq_lens), "layout": mb.layout,
+            "recompute": mb.recompute, "shape": tuple(mb.shape),
+        }
+        for mb in micro_batches
+    )
+    return [
+        _stage_plan(micro_batches, ops, stage, stage_ranks, replica, hidden_size, described)
+        for stage, ops in enumerate(schedule.stages)
+    ]
+
+
+def _stage_plan(
+    micro_batches: Sequence[MicroBatch],
+    ops: Sequence[Op],
+    stage: int,
+    stage_ranks: Sequence[int],
+    replica: int,
+    hidden_size: int,
+    described: tuple[dict, ...],
+) -> ExecutionPlan:
+    last = len(stage_ranks) - 1
+    prev = stage_ranks[stage - 1] if stage > 0 else None
+    nxt = stage_ranks[stage + 1] if stage < last else None
+    slots: dict[int, int] = {}  # micro-batch -> buffer it occupies from its forward to its backward
+    num_buffers = 0
+    out: list[Instruction] = []
+    for op in ops:
+        mb = op.mb
+        rows, row_len = micro_batches[mb].shape
+        hidden = ((rows, row_len, hidden_size),)
+        if op.kind == "F":
+            buf = min(set(range(len(slots) + 1)) - set(slots.values()))
+            slots[mb] = buf
+            num_buffers = max(num_buffers, len(slots))
+            if stage == 0 or stage == last:
+                out.append(LoadMicroBatch(stage, mb, buf, ((rows, row_len),)))
+            if prev is not None:
+                out.append(RecvActivation(stage, mb, buf, hidden, prev))
+            out.append(ForwardPass(stage, mb, buf, hidden if nxt is not None else ((),)))  # the last stage yields the loss
+            if nxt is not None:
+                out.append(SendActivation(stage, mb, buf, hidden, nxt))
+        else:
+            buf = slots.pop(mb)
+            if nxt is not None:
+                out.append(RecvGrad(stage, mb, buf, hidden, nxt))
+            out.append(BackwardPass(stage, mb, buf, hidden if prev is not None else ()))  # stage 0's input needs no gradient
+            if prev is not None:
+                out.append(SendGrad(stage, mb, buf, hidden, prev))
+    out += [ReduceGrads(stage), OptimizerStep(stage)]
+    return ExecutionPlan(
+        rank=stage_ranks[stage], replica=replica, stage=stage, num_stages=len(stage_ranks),
+        num_buffers=num_buffers, instructions=tuple(out), micro_batches=described,
+    )
+
+
+def plan_to_json(plan: ExecutionPlan) -> str:
+    doc = {"schema": SCHEMA, "version": VERSION, **asdict(plan)}
+    doc["instructions"] = [{"op": type(i).__name__, **asdict(i)} for i in plan.instructions]
+    return json.dumps(doc)
+
+
+def plan_from_json(text: str) -> ExecutionPlan:
+    doc = json.loads(text)
+    if doc.get("schema") != SCHEMA or doc.get("version") != VERSION:
+        raise ValueError(
+            f"not a plan this code reads: schema {doc.get('schema')!r} version {doc.get('version')!r}; "
+            f"expected schema {SCHEMA!r} version {VERSION}"
+        )
+    instructions = []
+    for entry in doc["instructions"]:
+        entry = dict(entry)
+        op = entry.pop("op")
+        if op not in INSTRUCTIONS:
+            raise ValueError(f"unknown instruction {op!r}; this code knows {sorted(INSTRUCTIONS)}")
+        try:
+            entry["shapes"] = tuple(tuple(shape) for shape in entry.get("shapes", ()))
+            instructions.append(INSTRUCTIONS[op](**entry))
+        except TypeError as e:
+            raise ValueError(f"malformed {op} instruction {entry}: {e}") from None
+    micro_batches = tuple(
+        {**mb, "sample_ids": tuple(mb["sample_ids"]), "seq_lens": tuple(mb["seq_lens"]), "shape": tuple(mb["shape"])}
+        for mb in doc["micro_batches"]
+    )
+    plan_fields = {f.name for f in fields(ExecutionPlan)} - {"instructions", "micro_batches"}
+    return ExecutionPlan(**{k: doc[k] for k in plan_fields}, instructions=tuple(instructions), micro_batches=micro_batches)
+
+
+def check_plans(plans: Sequence[ExecutionPlan]) -> None:
+    """Raise ValueError unless the plans can run together.
+
+    Every send needs a receive at its peer, in the same order per (pair, direction), with equal
+    shapes; every stage runs each micro-batch's forward and backward once (forward first), and
+    the first and last stages load it once.
+    """
+    by_rank = {p.rank: p for p in plans}
+    if len(by_rank) != len(plans):
+        raise ValueError("two plans share a rank")
+    for plan in plans:
+        _check_one(plan)
+    # What each (sender, receiver, kind) pair carries, in order, seen from both ends.
+    sent: dict[tuple[int, int, str], list] = {}
+    received: dict[tuple[int, int, str], list] = {}
+    for plan in plans:
+        for i in plan.instructions:
+            if not isinstance(i, (SendActivation, SendGrad, RecvActivation, RecvGrad)):
+                continue
+            if i.peer not in by_rank:
+                raise ValueError(f"rank {plan.rank}: {type(i).__name__} of micro-batch {i.mb} names rank {i.peer}, which has no plan")
+            kind = "activation" if isinstance(i, (SendActivation, RecvActivation)) else "grad"
+            if isinstance(i, (SendActivation, SendGrad)):
+                sent.setdefault((plan.rank, i.peer, kind), []).append((i.mb, i.shapes))
+            else:
+                received.setdefault((i.peer, plan.rank, kind), []).append((i.mb, i.shapes))
+    for key in sorted(set(sent) | set(received)):
+        src, dst, kind = key
+        out, into = sent.get(key, []), received.get(key, [])
+        for n, (s, r) in enumerate(zip(out, into)):
+            if s != r:
+                raise ValueError(
+                    f"{kind} {src} -> {dst}, message {n}: rank {src} sends micro-batch {s[0]} shapes {s[1]}, "
+                    f"rank {dst} receives micro-batch {r[0]} shapes {r[1]}"
+                )
+        if len(out) != len(into):
+            raise ValueError(f"{kind} {src} -> {dst}: {len(out)} sends but {len(into)} receives")
+
+
+def _check_one(plan: ExecutionPlan) -> None:
+    where = f"rank {plan.rank} (stage {plan.stage})"
+    expected = Counter(range(len(plan.micro_batches)))
+    loads_expected = plan.stage in (0, plan.num_stages - 1)
+    forwarded: set[int] = set()
+    counts: dict[type, Counter] = {cls: Counter() for cls in (LoadMicroBatch, ForwardPass, BackwardPass)}
+    for i in plan.instructions:
+        if type(i) in counts:
+            counts[type(i)][i.mb] += 1
+        if isinstance(i, ForwardPass):
+            forwarded.add(i.mb)
+        elif isinstance(i, BackwardPass) and i.mb not in forwarded:
+            raise ValueError(f"{where}: BackwardPass of micro-batch {i.mb} before its ForwardPass")
+    for cls, seen in counts.items():
+        want = expected if cls is not LoadMicroBatch or loads_expected else Counter()
+        if seen != want:
+            wrong = sorted(set(seen) ^ set(want) | {mb for mb in seen if seen[mb] > 1}, key=str)
+            raise ValueError(f"{where}: {cls.__name__} of micro-batches {wrong} missing, repeated or unexpected")
+    tail = [type(i) for i in plan.instructions if isinstance(i, (ReduceGrads, OptimizerStep))]
+    if tail != [ReduceGrads, OptimizerStep] or type(plan.instructions[-1]) is not OptimizerStep:
+        raise ValueError(f"{where}: must end with one ReduceGrads then one OptimizerStep")

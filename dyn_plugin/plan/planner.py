@@ -1,0 +1,263 @@
+"""The planner: a global batch of sequence lengths in, the fastest step plan out.
+
+plan_step runs the DynaPipe partition (microbatch.py) for each allowed layout, spreads the
+micro-batches over the data-parallel replicas (assign.py), picks each replica's pipeline
+schedule by simulation (schedule.py) and keeps the layout whose simulated step is shortest.
+Baselines (baselines.py) go through the same pricing and simulation, so they compare fairly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..config import DynPluginConfig
+from ..cost.model import LAYOUTS, RECOMPUTES, Layout, Recompute, StageSpec, features, round_up, split_layers
+from ..cost.table import TableCostModel, evaluate_stage
+from .assign import assign_to_replicas
+from .microbatch import StageMemory, partition
+from .schedule import choose_schedule, one_f_one_b
+from .simulator import simulate
+from .types import LinkSpec, MicroBatch, Schedule, SimResult
+
+MB = 1 << 20
+ACT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class PlannerSpec:
+    """Everything the planner knows about the model and the cluster, for one step."""
+
+    cost: TableCostModel
+    stages: tuple[StageSpec, ...]
+    memory: tuple[StageMemory, ...]
+    dp: int
+    link: LinkSpec
+    hidden_size: int
+    layouts: tuple[Layout, ...] = LAYOUTS
+    recomputes: tuple[Recompute, ...] = RECOMPUTES
+    tp: int = 1
+    seed: int = 0
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+
+def planner_spec(
+    cost: TableCostModel, config: DynPluginConfig, *, dp: int, zero_stage: int = 0, tp: int = 1,
+    hidden_size: int | None = None, seed: int = 0,
+) -> PlannerSpec:
+    """Build the spec from the plugin config: stages, per-stage activation budget after model
+    states (ZeRO stage and dp), the link between stages, allowed layouts and recompute modes."""
+    pipe, cluster, mb = config.pipeline, config.cluster, config.microbatching
+    if pipe.layers_per_stage:
+        if sum(pipe.layers_per_stage) != cost.num_layers:
+            raise ValueError(f"pipeline.layers_per_stage sums to {sum(pipe.layers_per_stage)}, the model has {cost.num_layers} layers")
+        stages = tuple(StageSpec(n, i == 0, i == pipe.stages - 1) for i, n in enumerate(pipe.layers_per_stage))
+    else:
+        stages = balanced_split(cost, pipe.stages, tp=tp)
+    device_bytes = cluster.device.memory_mb * MB * cluster.device.memory_fraction
+    memory = []
+    for i, s in enumerate(stages):
+        states = cost.model_state_bytes(stage=s, zero_stage=zero_stage, dp=dp, tp=tp).total
+        if states >= device_bytes:
+            raise ValueError(
+                f"pipeline stage {i} needs {states / MB:.0f} MB for model states (ZeRO-{zero_stage}, dp={dp}) but "
+                f"a device has {device_bytes / MB:.0f} MB; add pipeline stages, raise the ZeRO stage or the memory"
+            )
+        memory.append(StageMemory(budget=device_bytes - states, in_flight=len(stages) - i))
+    same_node = len(stages) * tp <= cluster.devices_per_node
+    link = LinkSpec(cluster.intra_node_gb_per_s if same_node else cluster.inter_node_gb_per_s, cluster.latency_us)
+    hidden = hidden_size or cost.hidden_size
+    if not hidden:
+        raise ValueError("the planner needs the model's hidden size (cost_model.model.hidden_size)")
+    recomputes = RECOMPUTES if mb.recompute == "auto" else (mb.recompute,)
+    layouts = LAYOUTS if mb.layout == "auto" else (mb.layout,)
+    return PlannerSpec(cost, stages, tuple(memory), dp, link, hidden, layouts, recomputes, tp, seed)
+
+
+def balanced_split(cost: TableCostModel, num_stages: int, *, tokens: int = 4096, tp: int = 1) -> tuple[StageSpec, ...]:
+    """Layers per stage so that stage times are as even as they can be: the first stage also
+    runs the embedding and the last the head, so an even split leaves the last stage slowest
+    and every other stage waiting on it. Priced on a ``tokens``-token packed micro-batch."""
+    stages = list(split_layers(cost.num_layers, num_stages))
+    if num_stages == 1:
+        return tuple(stages)
+    table = cost.table("packed", "none", tp)
+    f = features([tokens], "packed", cost.pad_multiple)
+
+    def t(s: StageSpec) -> float:
+        c = evaluate_stage(table, f, s)
+        return c.forward_ms + c.backward_ms
+
+    while True:
+        times = [t(s) for s in stages]
+        hi, lo = int(np.argmax(times)), int(np.argmin(times))
+        if stages[hi].num_layers <= 1:
+            break
+        moved = list(stages)
+        moved[hi] = StageSpec(stages[hi].num_layers - 1, stages[hi].first, stages[hi].last)
+        moved[lo] = StageSpec(stages[lo].num_layers + 1, stages[lo].first, stages[lo].last)
+        if max(t(s) for s in moved) >= max(times) - 1e-9:
+            break
+        stages = moved
+    return tuple(stages)
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    micro_batches: tuple[MicroBatch, ...]
+    schedule: Schedule
+    sim: SimResult
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One optimizer step of the whole cluster: a pipeline plan per data-parallel replica."""
+
+    method: str
+    layout: Layout
+    replicas: tuple[ReplicaPlan, ...]
+
+    @property
+    def iteration_ms(self) -> float:
+        return max(r.sim.makespan_ms for r in self.replicas)
+
+    @property
+    def micro_batches(self) -> list[MicroBatch]:
+        return [mb for r in self.replicas for mb in r.micro_batches]
+
+    @property
+    def padding_fraction(self) -> float:
+        """Token slots holding padding (packed rows count the fill up to their row length)."""
+        slots = sum(mb.shape[0] * mb.shape[1] for mb in self.micro_batches)
+        return 1.0 - sum(mb.tokens for mb in self.micro_batches) / slots
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(max(r.sim.peak_bytes) for r in self.replicas)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return max(r.sim.bubble_fraction for r in self.replicas)
+
+
+def make_micro_batch(
+    sample_ids: Sequence[int], lengths: Sequence[int], spec: PlannerSpec, layout: Layout, recompute: Recompute,
+    row_len: int | None = None,
+) -> MicroBatch:
+    """Price one micro-batch on every stage. ``row_len`` pads a packed row (fixed-length packing)."""
+    lens = tuple(int(lengths[i]) for i in sample_ids)
+    priced = lens + ((row_len - sum(lens),) if row_len and layout == "packed" and row_len > sum(lens) else ())
+    table = spec.cost.table(layout, recompute, spec.tp)
+    f = features(priced, layout, spec.cost.pad_multiple)
+    costs = [evaluate_stage(table, f, s) for s in spec.stages]
+    shape = (len(lens), round_up(max(lens), spec.cost.pad_multiple)) if layout == "padded" else (1, sum(priced))
+    act = shape[0] * shape[1] * spec.hidden_size * ACT_BYTES.get(spec.cost.dtype, 2) / spec.tp
+    return MicroBatch(
+        sample_ids=tuple(int(i) for i in sample_ids), seq_lens=lens, layout=layout, recompute=recompute,
+        forward_ms=tuple(c.forward_ms for c in costs), backward_ms=tuple(c.backward_ms for c in costs),
+        stored_bytes=tuple(c.stored_bytes for c in costs), peak_bytes=tuple(c.peak_bytes for c in costs),
+        activation_bytes=act, shape=shape,
+    )
+
+
+def schedule_replicas(
+    micro_batches: Sequence[MicroBatch], spec: PlannerSpec, *, method: str, balance: bool = True, adaptive: bool = True,
+) -> StepPlan:
+    """Spread micro-batches over replicas (balanced, or round-robin as host frameworks do) and
+    schedule each replica's pipeline (searched, or plain 1F1B in the given order)."""
+    if balance:
+        groups = assign_to_replicas([mb.time_ms for mb in micro_batches], spec.dp)
+    else:
+        groups = [list(range(r, len(micro_batches), spec.dp)) for r in range(spec.dp)]
+    replicas = []
+    budget = [m.budget for m in spec.memory]
+    for g in groups:
+        mbs = tuple(micro_batches[i] for i in g)
+        if not mbs:
+            raise ValueError(f"{method}: a data-parallel replica got no micro-batch ({len(micro_batches)} for dp={spec.dp})")
+        if adaptive:
+            schedule, sim = choose_schedule(mbs, spec.link, memory_budget=budget, seed=spec.seed)
+            mbs, sim = relax_recompute(mbs, schedule, sim, spec)
+        else:
+            schedule = one_f_one_b(len(mbs), spec.pp)
+            sim = simulate(mbs, schedule, spec.link)
+        replicas.append(ReplicaPlan(mbs, schedule, sim))
+    return StepPlan(method, micro_batches[0].layout, tuple(replicas))
+
+
+def relax_recompute(
+    mbs: tuple[MicroBatch, ...], schedule: Schedule, sim: SimResult, spec: PlannerSpec
+) -> tuple[tuple[MicroBatch, ...], SimResult]:
+    """Recompute less where the schedule leaves memory to spare.
+
+    The partition prices each micro-batch as if every micro-batch in flight with it were as big,
+    which forces recompute on long ones that in fact share the pipeline with short ones. With
+    the schedule fixed, the simulator knows each stage's true peak: try each micro-batch in a
+    cheaper mode (most time saved first) and keep the change if every stage still fits and the
+    step got no slower, as DCP's pyramid checkpointing spends spare memory on less recompute.
+    """
+    budget = [m.budget for m in spec.memory]
+    cheaper = {rc: spec.recomputes[: spec.recomputes.index(rc)] for rc in spec.recomputes}
+    current = list(mbs)
+    for i in sorted(range(len(current)), key=lambda i: -current[i].time_ms):
+        for rc in cheaper[current[i].recompute]:
+            candidate = make_micro_batch(current[i].sample_ids, _lengths_of(current[i]), spec, current[i].layout, rc)
+            table = spec.cost.table(candidate.layout, rc, spec.tp)
+            if candidate.shape[0] * candidate.shape[1] > table.max_tokens or candidate.shape[1] > table.max_len:
+                continue
+            trial = current[:i] + [candidate] + current[i + 1:]
+            result = simulate(trial, schedule, spec.link)
+            if all(p <= b for p, b in zip(result.peak_bytes, budget)) and result.makespan_ms <= sim.makespan_ms:
+                current, sim = trial, result
+                break
+    return tuple(current), sim
+
+
+def _lengths_of(mb: MicroBatch) -> dict[int, int]:
+    return dict(zip(mb.sample_ids, mb.seq_lens))
+
+
+def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True) -> StepPlan:
+    """The plugin's plan: DP micro-batching per layout, balanced replicas, searched schedules."""
+    best = None
+    for layout in spec.layouts:
+        part = partition(lengths, spec.cost, layout=layout, stages=spec.stages, memory=spec.memory, dp=spec.dp,
+                         recomputes=spec.recomputes, tp=spec.tp, native=native)
+        mbs = [make_micro_batch(part.order[a:b], lengths, spec, layout, rc)
+               for a, b, rc in zip(part.bounds, part.bounds[1:], part.recompute)]
+        plan = schedule_replicas(mbs, spec, method="dynapipe")
+        if best is None or plan.iteration_ms < best.iteration_ms:
+            best = plan
+    return best
+
+
+def ideal_ms(lengths: Sequence[int], spec: PlannerSpec) -> float:
+    """The sequences' own work spread perfectly: per sequence its token and attention cost over
+    the whole model (no padding, no recompute, no fixed per-micro-batch cost), over pp*dp devices."""
+    table = spec.cost.table("packed", "none", spec.tp)
+    arr = np.asarray(lengths, dtype=float)
+    total = 0.0
+    counts = {"embedding": 1, "layer": spec.cost.num_layers, "head": 1}
+    for comp, k in counts.items():
+        for metric in ("forward_ms", "backward_ms"):
+            _, c1, c2 = table.fits[comp][metric].coef
+            total += k * float(np.sum(c1 * arr + c2 * arr * arr))
+    return total / (spec.pp * spec.dp)
+
+
+def critical_path_ms(lengths: Sequence[int], spec: PlannerSpec) -> float:
+    """A lower bound no plan can beat: the longest sequence alone, in the cheapest recompute mode
+    it fits in, must still pass forward through every stage and backward through every stage."""
+    longest = int(max(lengths))
+    best = float("inf")
+    for layout in spec.layouts:
+        for rc in spec.recomputes:
+            mb = make_micro_batch([0], [longest], spec, layout, rc)
+            if all(p <= m.budget for p, m in zip(mb.peak_bytes, spec.memory)):
+                hops = 2 * (spec.pp - 1) * spec.link.transfer_ms(mb.activation_bytes)
+                best = min(best, sum(mb.forward_ms) + sum(mb.backward_ms) + hops)
+    return best

@@ -1,0 +1,166 @@
+"""Discrete-event simulation of one pipeline replica running a schedule of variable micro-batches.
+
+Each stage has one compute stream that runs its ops in schedule order, and one send stream per
+direction. A send stream serialises its transfers, and since a stage produces activations (and
+gradients) in its own op order, the link's queue order is that op order: every start time follows
+from the dependencies alone, so a worklist over stages replaces a global event queue and the
+result does not depend on which stage the worklist advances first.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .types import LinkSpec, MicroBatch, Op, Schedule, SimResult
+
+
+def simulate(
+    micro_batches: Sequence[MicroBatch], schedule: Schedule, link: LinkSpec, *, record: bool = False
+) -> SimResult:
+    """Makespan, bubble and per-stage activation peak of ``schedule``; ``record`` adds trace events.
+
+    Raises ValueError for a schedule that cannot run: an op missing or duplicated, a backward
+    before its forward on a stage, or stages waiting on each other in a cycle.
+    """
+    num_stages = len(schedule.stages)
+    m = len(micro_batches)
+    _check_complete(micro_batches, schedule)
+    last = num_stages - 1
+
+    # Per stage and micro-batch: when the activation (gradient) is available on that stage; None = not yet.
+    act_ready: list[list[float | None]] = [[0.0] * m] + [[None] * m for _ in range(last)]
+    grad_ready: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
+    fwd_done = [[False] * m for _ in range(num_stages)]
+    fwd_link_free = [0.0] * num_stages  # stage s -> s+1
+    bwd_link_free = [0.0] * num_stages  # stage s -> s-1
+    clock = [0.0] * num_stages
+    busy = [0.0] * num_stages
+    pos = [0] * num_stages
+    events: list[tuple[int, str, str, float, float]] = []
+    ops = [[(op.kind == "F", op.mb) for op in stage] for stage in schedule.stages]
+    transfer = [link.transfer_ms(mb.activation_bytes) for mb in micro_batches]
+
+    # Per-stage columns, so the loop below does no attribute look-ups.
+    fwd_ms = [[mb.forward_ms[s] for mb in micro_batches] for s in range(num_stages)]
+    bwd_ms = [[mb.backward_ms[s] for mb in micro_batches] for s in range(num_stages)]
+
+    pending = list(range(num_stages - 1, -1, -1))
+    queued = [True] * num_stages
+    while pending:
+        s = pending.pop()
+        queued[s] = False
+        stage_ops = ops[s]
+        sent_fwd = sent_bwd = False
+        while pos[s] < len(stage_ops):
+            forward, i = stage_ops[pos[s]]
+            if forward:
+                ready = act_ready[s][i]
+                if ready is None:
+                    break
+                start = max(clock[s], ready)
+                end = start + fwd_ms[s][i]
+                fwd_done[s][i] = True
+            else:
+                if not fwd_done[s][i]:
+                    raise ValueError(f"stage {s}: op B{i} comes before F{i}")
+                # The last stage's backward follows its own forward, already behind clock[s].
+                ready = clock[s] if s == last else grad_ready[s][i]
+                if ready is None:
+                    break
+                start = max(clock[s], ready)
+                end = start + bwd_ms[s][i]
+            busy[s] += end - start
+            clock[s] = end
+            pos[s] += 1
+            if record:
+                events.append((s, "compute", f"{'F' if forward else 'B'}{i}", start, end))
+            if forward and s < last:
+                begin = max(end, fwd_link_free[s])
+                fwd_link_free[s] = act_ready[s + 1][i] = begin + transfer[i]
+                sent_fwd = True
+                if record:
+                    events.append((s, "send-fwd", f"act {i} -> {s + 1}", begin, fwd_link_free[s]))
+            elif not forward and s > 0:
+                begin = max(end, bwd_link_free[s])
+                bwd_link_free[s] = grad_ready[s - 1][i] = begin + transfer[i]
+                sent_bwd = True
+                if record:
+                    events.append((s, "send-bwd", f"grad {i} -> {s - 1}", begin, bwd_link_free[s]))
+        # Wake a neighbour only when this stage handed it something it may be waiting for.
+        for peer, sent in ((s + 1, sent_fwd), (s - 1, sent_bwd)):
+            if sent and not queued[peer] and pos[peer] < len(ops[peer]):
+                queued[peer] = True
+                pending.append(peer)
+
+    blocked = [s for s in range(num_stages) if pos[s] < len(ops[s])]
+    if blocked:
+        waits = ", ".join(
+            f"stage {s} at {'F' if ops[s][pos[s]][0] else 'B'}{ops[s][pos[s]][1]}" for s in blocked
+        )
+        raise ValueError(f"schedule deadlocks: stages wait on each other in a cycle ({waits})")
+
+    makespan = max(clock)
+    bubble = 1.0 - sum(busy) / (num_stages * makespan) if makespan > 0 else 0.0
+    peak = tuple(stage_peak_bytes(micro_batches, schedule.stages[s], s) for s in range(num_stages))
+    return SimResult(makespan_ms=makespan, bubble_fraction=bubble, peak_bytes=peak, events=tuple(events))
+
+
+def stage_peak_bytes(micro_batches: Sequence[MicroBatch], ops: Sequence[Op], stage: int) -> float:
+    """Activation peak of ``stage`` running ``ops``: it depends on their order only, not on timing."""
+    return max((during for during, _ in _memory_steps(micro_batches, ops, stage)), default=0.0)
+
+
+def memory_timeline(micro_batches: Sequence[MicroBatch], result: SimResult) -> list[tuple[int, float, float]]:
+    """(stage, time_ms, activation bytes) at the start and end of every op of a recorded result."""
+    by_stage: dict[int, list[tuple[Op, float, float]]] = {}
+    for stage, stream, name, start, end in result.events:
+        if stream == "compute":
+            by_stage.setdefault(stage, []).append((Op(name[0], int(name[1:])), start, end))
+    samples = []
+    for stage, timed in sorted(by_stage.items()):
+        steps = _memory_steps(micro_batches, [op for op, _, _ in timed], stage)
+        for (_, start, end), (during, after) in zip(timed, steps):
+            samples += [(stage, start, during), (stage, end, after)]
+    return samples
+
+
+def _memory_steps(micro_batches: Sequence[MicroBatch], ops: Sequence[Op], stage: int) -> list[tuple[float, float]]:
+    """Per op: bytes while it runs and after it ends.
+
+    F(mb) allocates mb's stored bytes at its start, kept until B(mb) on this stage ends; an op's
+    transient (peak - stored) lives while it runs.
+    """
+    alive = 0.0
+    steps = []
+    for op in ops:
+        mb = micro_batches[op.mb]
+        stored = mb.stored_bytes[stage]
+        if op.kind == "F":
+            alive += stored
+        # Grouped so that a lone micro-batch costs exactly its peak: budgets equal to it must fit.
+        during = (alive - stored) + mb.peak_bytes[stage]
+        if op.kind == "B":
+            alive -= stored
+        steps.append((during, alive))
+    return steps
+
+
+def _check_complete(micro_batches: Sequence[MicroBatch], schedule: Schedule) -> None:
+    num_stages = len(schedule.stages)
+    if num_stages == 0:
+        raise ValueError("schedule has no stages")
+    for i, mb in enumerate(micro_batches):
+        if not len(mb.forward_ms) == len(mb.backward_ms) == len(mb.stored_bytes) == len(mb.peak_bytes) == num_stages:
+            raise ValueError(f"micro-batch {i} is priced for {len(mb.forward_ms)} stages, schedule has {num_stages}")
+    expected = {(kind, i) for kind in "FB" for i in range(len(micro_batches))}
+    for s, stage in enumerate(schedule.stages):
+        seen: set[tuple[str, int]] = set()
+        for op in stage:
+            key = (op.kind, op.mb)
+            if key not in expected:
+                raise ValueError(f"stage {s}: unknown op {op.kind}{op.mb}")
+            if key in seen:
+                raise ValueError(f"stage {s}: op {op.kind}{op.mb} appears twice")
+            seen.add(key)
+        if len(seen) != len(expected):
+            missing = sorted(expected - seen, key=lambda k: (k[1], k[0]))
+            raise ValueError(f"stage {s}: op {missing[0][0]}{missing[0][1]} is missing")

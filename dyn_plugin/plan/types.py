@@ -1,0 +1,76 @@
+"""The plan dataclasses every planner produces and every runtime piece consumes."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..cost.model import Layout, Recompute
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of one data-parallel replica, priced on every pipeline stage.
+
+    ``sample_ids`` index the global batch; ``seq_lens`` are their lengths in the same order.
+    Per-stage tuples have one entry per pipeline stage.
+    """
+
+    sample_ids: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    layout: Layout
+    recompute: Recompute
+    forward_ms: tuple[float, ...]
+    backward_ms: tuple[float, ...]
+    stored_bytes: tuple[float, ...]
+    peak_bytes: tuple[float, ...]
+    activation_bytes: float  # one stage's output (= the next stage's input), sent between stages
+    shape: tuple[int, int]  # (rows, row length) of the token tensor: padded [n, S], packed [1, sum s]
+
+    @property
+    def tokens(self) -> int:
+        """Real (non-padding) tokens."""
+        return sum(self.seq_lens)
+
+    @property
+    def time_ms(self) -> float:
+        """Forward + backward on the slowest stage."""
+        return max(f + b for f, b in zip(self.forward_ms, self.backward_ms))
+
+
+@dataclass(frozen=True)
+class Op:
+    """One compute step of a schedule: forward ("F") or backward ("B") of micro-batch ``mb``."""
+
+    kind: str  # "F" | "B"
+    mb: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per pipeline stage, the order in which it runs forwards and backwards of its micro-batches.
+
+    ``name`` says which policy produced it (e.g. "1f1b", "adaptive"); ``order`` is the
+    micro-batch order it was built from.
+    """
+
+    name: str
+    order: tuple[int, ...]
+    stages: tuple[tuple[Op, ...], ...]
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """Point-to-point link between adjacent pipeline stages."""
+
+    gb_per_s: float
+    latency_us: float = 10.0
+
+    def transfer_ms(self, nbytes: float) -> float:
+        return self.latency_us / 1e3 + nbytes / (self.gb_per_s * 1e9) * 1e3
+
+
+@dataclass(frozen=True)
+class SimResult:
+    makespan_ms: float
+    bubble_fraction: float  # idle share of stage-time: 1 - busy / (stages * makespan)
+    peak_bytes: tuple[float, ...]  # per stage: model states excluded, activations only
+    events: tuple = field(default=(), repr=False)  # (stage, stream, name, start_ms, end_ms) for traces

@@ -1,0 +1,180 @@
+import dataclasses
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dyn_plugin.plan.instructions import (
+    BackwardPass,
+    ExecutionPlan,
+    ForwardPass,
+    LoadMicroBatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    SendActivation,
+    SendGrad,
+    build_execution_plans,
+    check_plans,
+    plan_from_json,
+    plan_to_json,
+)
+from dyn_plugin.plan.schedule import one_f_one_b
+from dyn_plugin.plan.types import MicroBatch
+
+HIDDEN = 16
+
+
+def mb(seq_lens, stages, layout="padded"):
+    rows, row_len = (len(seq_lens), max(seq_lens)) if layout == "padded" else (1, sum(seq_lens))
+    return MicroBatch(
+        sample_ids=tuple(range(len(seq_lens))), seq_lens=tuple(seq_lens), layout=layout, recompute="selective",
+        forward_ms=(1.0,) * stages, backward_ms=(2.0,) * stages, stored_bytes=(0.0,) * stages,
+        peak_bytes=(0.0,) * stages, activation_bytes=0.0, shape=(rows, row_len),
+    )
+
+
+def two_stage_plans():
+    mbs = [mb([4, 6], 2), mb([3], 2, layout="packed")]
+    return build_execution_plans(mbs, one_f_one_b(2, 2), replica=1, stage_ranks=[5, 9], hidden_size=HIDDEN)
+
+
+def test_two_stage_plans_spell_out_every_step():
+    first, last = two_stage_plans()
+    act0, act1 = ((2, 6, HIDDEN),), ((1, 3, HIDDEN),)
+    assert first.instructions == (
+        LoadMicroBatch(0, 0, 0, ((2, 6),)),
+        ForwardPass(0, 0, 0, act0),
+        SendActivation(0, 0, 0, act0, peer=9),
+        LoadMicroBatch(0, 1, 1, ((1, 3),)),
+        ForwardPass(0, 1, 1, act1),
+        SendActivation(0, 1, 1, act1, peer=9),
+        RecvGrad(0, 0, 0, act0, peer=9),
+        BackwardPass(0, 0, 0, ()),
+        RecvGrad(0, 1, 1, act1, peer=9),
+        BackwardPass(0, 1, 1, ()),
+        ReduceGrads(0),
+        OptimizerStep(0),
+    )
+    assert last.instructions == (
+        LoadMicroBatch(1, 0, 0, ((2, 6),)),  # the last stage loads the labels
+        RecvActivation(1, 0, 0, act0, peer=5),
+        ForwardPass(1, 0, 0, ((),)),
+        BackwardPass(1, 0, 0, act0),
+        SendGrad(1, 0, 0, act0, peer=5),
+        LoadMicroBatch(1, 1, 0, ((1, 3),)),
+        RecvActivation(1, 1, 0, act1, peer=5),
+        ForwardPass(1, 1, 0, ((),)),
+        BackwardPass(1, 1, 0, act1),
+        SendGrad(1, 1, 0, act1, peer=5),
+        ReduceGrads(1),
+        OptimizerStep(1),
+    )
+    assert (first.rank, first.replica, first.stage, first.num_stages, first.num_buffers) == (5, 1, 0, 2, 2)
+    assert (last.rank, last.num_buffers) == (9, 1)
+    assert first.micro_batches[1] == {
+        "sample_ids": (0,), "seq_lens": (3,), "layout": "packed", "recompute": "selective", "shape": (1, 3)
+    }
+    check_plans([first, last])
+
+
+def test_buffers_reuse_the_lowest_free_slot():
+    m, k = 6, 4
+    plans = build_execution_plans([mb([8], k)] * m, one_f_one_b(m, k), replica=0, stage_ranks=range(k), hidden_size=HIDDEN)
+    assert [p.num_buffers for p in plans] == [4, 3, 2, 1]
+    forwards = [i.buffer for i in plans[1].instructions if isinstance(i, ForwardPass)]
+    assert forwards == [0, 1, 2, 0, 1, 2]  # stage 1 runs F0 F1 F2 B0 F3 B1 F4 B2 F5 ...
+    for plan in plans:
+        by_mb = {}
+        for i in plan.instructions:
+            if i.mb is not None:
+                by_mb.setdefault(i.mb, set()).add(i.buffer)
+        assert all(len(b) == 1 for b in by_mb.values())  # one slot per micro-batch throughout
+
+
+def test_instructions_are_frozen_and_typed():
+    f = ForwardPass(0, 1, 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        f.mb = 2
+    assert f != BackwardPass(0, 1, 0)
+
+
+def test_json_is_plain_and_versioned():
+    plan = two_stage_plans()[1]
+    doc = json.loads(plan_to_json(plan))
+    assert (doc["schema"], doc["version"]) == ("dyn_plugin.execution_plan", 1)
+    assert doc["instructions"][1] == {"op": "RecvActivation", "stage": 1, "mb": 0, "buffer": 0, "shapes": [[2, 6, HIDDEN]], "peer": 5}
+    assert plan_from_json(plan_to_json(plan)) == plan
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"version": 2}, "expected schema 'dyn_plugin.execution_plan' version 1"),
+        ({"schema": "other"}, "version 1"),
+    ],
+)
+def test_json_rejects_other_versions(change, message):
+    doc = {**json.loads(plan_to_json(two_stage_plans()[0])), **change}
+    with pytest.raises(ValueError, match=message):
+        plan_from_json(json.dumps(doc))
+
+
+def test_json_rejects_unknown_ops():
+    doc = json.loads(plan_to_json(two_stage_plans()[0]))
+    doc["instructions"][2]["op"] = "SendActivationStart"
+    with pytest.raises(ValueError, match="SendActivationStart"):
+        plan_from_json(json.dumps(doc))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    k=st.integers(1, 4),
+    lens=st.lists(st.lists(st.integers(1, 64), min_size=1, max_size=3), min_size=1, max_size=6),
+    layout=st.sampled_from(["padded", "packed"]),
+    data=st.data(),
+)
+def test_built_plans_round_trip_and_check(k, lens, layout, data):
+    order = data.draw(st.permutations(range(len(lens))))
+    ranks = data.draw(st.lists(st.integers(0, 99), min_size=k, max_size=k, unique=True))
+    plans = build_execution_plans(
+        [mb(x, k, layout) for x in lens], one_f_one_b(len(lens), k, order=order), replica=3, stage_ranks=ranks, hidden_size=HIDDEN
+    )
+    check_plans(plans)
+    for plan in plans:
+        assert plan_from_json(plan_to_json(plan)) == plan
+
+
+def replace(plan: ExecutionPlan, index: int, new=None) -> ExecutionPlan:
+    """``plan`` with instruction ``index`` replaced by ``new``, or dropped."""
+    ins = list(plan.instructions)
+    ins[index:index + 1] = [] if new is None else [new]
+    return dataclasses.replace(plan, instructions=tuple(ins))
+
+
+def swap(plan: ExecutionPlan, a: int, b: int) -> ExecutionPlan:
+    ins = list(plan.instructions)
+    ins[a], ins[b] = ins[b], ins[a]
+    return dataclasses.replace(plan, instructions=tuple(ins))
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda f, l: [f, replace(l, 1)], r"1 sends but 0 receives|rank 9 receives micro-batch 1"),
+        (lambda f, l: [f, replace(l, 1, RecvActivation(1, 0, 0, ((2, 7, HIDDEN),), peer=5))], "shapes"),
+        (lambda f, l: [swap(f, 2, 5), l], "message 0: rank 5 sends micro-batch 1"),
+        (lambda f, l: [f, replace(l, 4, SendGrad(1, 0, 0, ((2, 6, HIDDEN),), peer=7))], "names rank 7, which has no plan"),
+        (lambda f, l: [f, replace(l, 0)], r"LoadMicroBatch of micro-batches \[0\]"),
+        (lambda f, l: [replace(f, 8, ForwardPass(0, 1, 1, ((1, 3, HIDDEN),))), l], "ForwardPass of micro-batches"),
+        (lambda f, l: [swap(f, 1, 7), l], "BackwardPass of micro-batch 0 before its ForwardPass"),
+        (lambda f, l: [replace(f, 11), l], "OptimizerStep"),
+        (lambda f, l: [f, dataclasses.replace(l, rank=5)], "share a rank"),
+    ],
+)
+def test_check_plans_catches_corruption(corrupt, message):
+    first, last = two_stage_plans()
+    with pytest.raises(ValueError, match=message):
+        check_plans(corrupt(first, last))
