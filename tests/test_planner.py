@@ -1,0 +1,112 @@
+"""The planner end to end on the measured A100 costs, against the baselines."""
+import json
+
+import numpy as np
+import pytest
+
+from dyn_plugin.cli import main
+from dyn_plugin.config import DynPluginConfig, load_config
+from dyn_plugin.cost.from_config import build_cost_model
+from dyn_plugin.cost.native import core
+from dyn_plugin.data.lengths import load_lengths
+from dyn_plugin.data.sampler import global_batches
+from dyn_plugin.plan.assign import assign_to_replicas
+from dyn_plugin.plan.baselines import BASELINES, pack_rows, plan_baseline
+from dyn_plugin.plan.instructions import build_execution_plans, check_plans, plan_from_json, plan_to_json
+from dyn_plugin.plan.planner import critical_path_ms, ideal_ms, plan_step, planner_spec
+
+CONFIG = load_config("examples/a100_gpt67b.json")
+COST = build_cost_model(CONFIG.plugin.cost_model, CONFIG.plugin.cluster)
+SPEC = planner_spec(COST, CONFIG.plugin, dp=2, zero_stage=1)
+CODE = np.minimum(load_lengths("code"), 8192)
+BATCHES = [[int(CODE[i]) for i in b] for b in global_batches(CODE, 65536, 3, seed=0)]
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return [plan_step(b, SPEC) for b in BATCHES]
+
+
+def test_every_sample_once_equal_counts_within_memory(plans):
+    for batch, plan in zip(BATCHES, plans):
+        ids = sorted(i for mb in plan.micro_batches for i in mb.sample_ids)
+        assert ids == list(range(len(batch)))
+        counts = {len(r.micro_batches) for r in plan.replicas}
+        assert len(counts) == 1, "ZeRO-2/3 need the same number of micro-batches on every replica"
+        for r in plan.replicas:
+            assert all(p <= m.budget for p, m in zip(r.sim.peak_bytes, SPEC.memory))
+            for mb in r.micro_batches:
+                assert list(mb.seq_lens) == [batch[i] for i in mb.sample_ids]
+
+
+def test_deterministic_and_native_matches_python(plans):
+    again = plan_step(BATCHES[0], SPEC)
+    assert again == plans[0]
+    if core is not None:
+        assert plan_step(BATCHES[0], SPEC, native=False) == plans[0]
+
+
+def test_beats_baselines_and_respects_bounds(plans):
+    speedup = {name: [] for name in BASELINES}
+    for batch, plan in zip(BATCHES, plans):
+        assert plan.iteration_ms >= max(ideal_ms(batch, SPEC), critical_path_ms(batch, SPEC)) * (1 - 1e-9)
+        for name in BASELINES:
+            speedup[name].append(plan_baseline(name, batch, SPEC, 8192).iteration_ms / plan.iteration_ms)
+    assert min(speedup["packing_varlen"]) >= 1.0, speedup  # never slower than the strongest baseline
+    assert np.mean(speedup["packing_full"]) >= 1.15, speedup
+    assert np.mean(speedup["fixed_padding"]) >= 2.0, speedup
+
+
+def test_execution_plans_round_trip_and_match_up(plans):
+    every = []
+    for r, rep in enumerate(plans[0].replicas):
+        every += build_execution_plans(rep.micro_batches, rep.schedule, replica=r,
+                                       stage_ranks=[r * SPEC.pp + s for s in range(SPEC.pp)], hidden_size=4096)
+    check_plans(every)
+    assert [plan_from_json(plan_to_json(p)) for p in every] == every
+
+
+def test_assignment_balances_with_equal_counts():
+    times = [9.0, 7.0, 6.0, 5.0, 4.0, 1.0]
+    groups = assign_to_replicas(times, 2)
+    assert sorted(sum(groups, [])) == list(range(6)) and [len(g) for g in groups] == [3, 3]
+    assert abs(sum(times[i] for i in groups[0]) - sum(times[i] for i in groups[1])) <= 1.0
+    with pytest.raises(ValueError, match="cannot be split evenly"):
+        assign_to_replicas([1.0, 2.0, 3.0], 2)
+
+
+def test_pack_rows_first_fit_decreasing():
+    assert pack_rows([5, 3, 4, 2, 6], 8) == [[4, 3], [0, 1], [2]]
+    with pytest.raises(ValueError, match="longer than the packing row"):
+        pack_rows([9], 8)
+
+
+def test_model_states_that_do_not_fit_are_a_clear_error():
+    cfg = DynPluginConfig.model_validate({"pipeline": {"stages": 1}, "cluster": {"device": {"memory_mb": 36000}}})
+    with pytest.raises(ValueError, match="pipeline stage 0 needs .* MB for model states"):
+        planner_spec(COST, cfg, dp=1, zero_stage=0)
+
+
+def test_plan_command(tmp_path, capsys):
+    trace, plans_dir, png = tmp_path / "t.json", tmp_path / "plans", tmp_path / "p.png"
+    rc = main(["plan", "--config", "examples/a100_gpt67b.json", "--lengths", "code", "--steps", "1",
+               "--trace", str(trace), "--plans", str(plans_dir), "--plot", str(png)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    for name in ("dynapipe", *BASELINES):
+        assert name in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name", "").startswith("F") and e["ph"] == "X" for e in events)
+    assert len(list(plans_dir.glob("rank*.json"))) == 8 and png.stat().st_size > 0
+    assert main(["plan", "--config", "examples/a100_gpt67b.json", "--lengths", "code", "--steps", "1", "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {r["method"] for r in records} == {"dynapipe", *BASELINES}
+
+
+def test_plan_command_refuses_too_long_sequences(tmp_path, capsys):
+    cfg = json.loads(open("examples/a100_gpt67b.json").read())
+    cfg["dyn_plugin"]["microbatching"]["truncate"] = False
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["plan", "--config", str(path), "--lengths", "code", "--steps", "1"]) == 2
+    assert "exceeds microbatching.max_seq_len = 8192" in capsys.readouterr().err
