@@ -42,8 +42,12 @@ def bench_planner(args: argparse.Namespace) -> Iterator[dict]:
                     "pipeline": {"stages": pp},
                     "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
                 })
-                spec = planner_spec(cost, cfg, dp=dp, zero_stage=1, seed=args.seed)
                 base = {"distribution": dist, "global_tokens": tokens, "pp": pp, "dp": dp}
+                try:
+                    spec = planner_spec(cost, cfg, dp=dp, zero_stage=1, seed=args.seed)
+                except ValueError as exc:  # e.g. the model states alone overflow a device
+                    yield {**base, "method": "all", "error": str(exc)}
+                    continue
                 yield from _bench_config(base, batches, spec, args.python_batches)
 
 

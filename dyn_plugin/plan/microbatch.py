@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..cost.model import Layout, Recompute, StageSpec, features
+from ..cost.model import Features, Layout, Recompute, StageSpec, round_up
 from ..cost.native import core
 from ..cost.table import TableCostModel, evaluate_stage
 
@@ -69,8 +69,16 @@ def run_costs(
     n = len(lens)
     for i in range(n):
         ts, ms = [], []
+        total = square = longest = 0
         for j in range(i + 1, n + 1):
-            f = features(lens[i:j].tolist(), layout, cost.pad_multiple)
+            # running sums, as the C++ twin keeps them (integers: exact in float64 either way)
+            s = int(lens[j - 1])
+            total, square, longest = total + s, square + s * s, max(longest, s)
+            if layout == "packed":
+                f = Features(float(total), float(square), longest)
+            else:
+                width = round_up(longest, cost.pad_multiple)
+                f = Features(float((j - i) * width), float((j - i) * width * width), width)
             best, best_mode = np.inf, -1
             for mi, table in enumerate(tables):
                 if f.tokens > table.max_tokens or f.max_len > table.max_len:
