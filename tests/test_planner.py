@@ -11,7 +11,8 @@ from dyn_plugin.cost.native import core
 from dyn_plugin.data.lengths import load_lengths
 from dyn_plugin.data.sampler import global_batches
 from dyn_plugin.plan.assign import assign_to_replicas
-from dyn_plugin.plan.baselines import BASELINES, pack_rows, plan_baseline
+from dyn_plugin.plan.baselines import BASELINES, plan_baseline
+from dyn_plugin.plan.packing import pack_rows
 from dyn_plugin.plan.instructions import build_execution_plans, check_plans, plan_from_json, plan_to_json
 from dyn_plugin.plan.planner import critical_path_ms, ideal_ms, plan_step, planner_spec
 

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 from ..cost.model import Layout, Recompute
 from .microbatch import InfeasibleError
+from .packing import pack_rows
 from .planner import PlannerSpec, StepPlan, make_micro_batch, schedule_replicas
 from .types import MicroBatch
 
@@ -103,25 +104,6 @@ def token_budget(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
         raise InfeasibleError("token_budget: the longest sequence alone does not fit")
     mbs = _uniform(groups_for(budget), lengths, spec, "padded", None, "token_budget")
     return schedule_replicas(mbs, spec, method="token_budget", balance=False, adaptive=False)
-
-
-def pack_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
-    """First-fit decreasing into rows of ``row_len`` tokens."""
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        s = lengths[i]
-        if s > row_len:
-            raise ValueError(f"sequence {i} (length {s}) is longer than the packing row ({row_len})")
-        for r, room in enumerate(free):
-            if s <= room:
-                rows[r].append(i)
-                free[r] -= s
-                break
-        else:
-            rows.append([i])
-            free.append(row_len - s)
-    return rows
 
 
 def packing(lengths: Sequence[int], spec: PlannerSpec, row_len: int, *, varlen: bool) -> StepPlan:

@@ -17,6 +17,7 @@ from ..cost.model import LAYOUTS, RECOMPUTES, Layout, Recompute, StageSpec, feat
 from ..cost.table import TableCostModel, evaluate_stage
 from .assign import assign_to_replicas
 from .microbatch import StageMemory, partition
+from .packing import pack_rows
 from .schedule import choose_schedule, one_f_one_b
 from .simulator import simulate
 from .types import LinkSpec, MicroBatch, Schedule, SimResult
@@ -39,6 +40,7 @@ class PlannerSpec:
     recomputes: tuple[Recompute, ...] = RECOMPUTES
     tp: int = 1
     seed: int = 0
+    row_len: int | None = None  # fixed-length packing rows (the max sequence length) tried as a candidate
 
     @property
     def pp(self) -> int:
@@ -75,7 +77,7 @@ def planner_spec(
         raise ValueError("the planner needs the model's hidden size (cost_model.model.hidden_size)")
     recomputes = RECOMPUTES if mb.recompute == "auto" else (mb.recompute,)
     layouts = LAYOUTS if mb.layout == "auto" else (mb.layout,)
-    return PlannerSpec(cost, stages, tuple(memory), dp, link, hidden, layouts, recomputes, tp, seed)
+    return PlannerSpec(cost, stages, tuple(memory), dp, link, hidden, layouts, recomputes, tp, seed, mb.max_seq_len)
 
 
 def balanced_split(cost: TableCostModel, num_stages: int, *, tokens: int = 4096, tp: int = 1) -> tuple[StageSpec, ...]:
@@ -180,7 +182,7 @@ def schedule_replicas(
         if not mbs:
             raise ValueError(f"{method}: a data-parallel replica got no micro-batch ({len(micro_batches)} for dp={spec.dp})")
         if adaptive:
-            schedule, sim = choose_schedule(mbs, spec.link, memory_budget=budget, seed=spec.seed)
+            schedule, sim = choose_schedule(mbs, spec.link, memory_budget=budget, seed=spec.seed, candidates=4)
             mbs, sim = relax_recompute(mbs, schedule, sim, spec)
         else:
             schedule = one_f_one_b(len(mbs), spec.pp)
@@ -222,17 +224,62 @@ def _lengths_of(mb: MicroBatch) -> dict[int, int]:
 
 
 def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True) -> StepPlan:
-    """The plugin's plan: DP micro-batching per layout, balanced replicas, searched schedules."""
-    best = None
+    """The plugin's plan for one global batch.
+
+    Candidates: the DP partition for each allowed layout and, with packing allowed, fixed-length
+    rows (first-fit decreasing into rows of ``spec.row_len``) given the planner's own recompute,
+    balancing and schedule search. Rows of similar size pipeline with small bubbles where the
+    DP's contiguous runs leave one long micro-batch holding up the rest; the simulation decides.
+    """
+    candidates: list[list[MicroBatch]] = []
     for layout in spec.layouts:
         part = partition(lengths, spec.cost, layout=layout, stages=spec.stages, memory=spec.memory, dp=spec.dp,
                          recomputes=spec.recomputes, tp=spec.tp, native=native)
-        mbs = [make_micro_batch(part.order[a:b], lengths, spec, layout, rc)
-               for a, b, rc in zip(part.bounds, part.bounds[1:], part.recompute)]
+        candidates.append([make_micro_batch(part.order[a:b], lengths, spec, layout, rc)
+                           for a, b, rc in zip(part.bounds, part.bounds[1:], part.recompute)])
+    if "packed" in spec.layouts and spec.row_len and max(lengths) <= spec.row_len:
+        rows = _rows_divisible(pack_rows(lengths, spec.row_len), spec.dp, lengths)
+        mbs = _cheapest_feasible(rows, lengths, spec) if rows else None
+        if mbs is not None:
+            candidates.append(mbs)
+    best = None
+    for mbs in candidates:
         plan = schedule_replicas(mbs, spec, method="dynapipe")
         if best is None or plan.iteration_ms < best.iteration_ms:
             best = plan
     return best
+
+
+def _rows_divisible(rows: list[list[int]], dp: int, lengths: Sequence[int]) -> list[list[int]] | None:
+    """Split the fullest rows in two until every replica can get the same number."""
+    rows = [list(r) for r in rows]
+    while len(rows) % dp or len(rows) < dp:
+        splittable = [r for r in rows if len(r) > 1]
+        if not splittable:
+            return None
+        big = max(splittable, key=lambda r: (sum(lengths[i] for i in r), -r[0]))
+        rows.remove(big)
+        rows += [big[0::2], big[1::2]]
+    return rows
+
+
+def _cheapest_feasible(groups: list[list[int]], lengths: Sequence[int], spec: PlannerSpec) -> list[MicroBatch] | None:
+    """Each packed group in its cheapest recompute mode that fits; None if one fits in none."""
+    out = []
+    for g in groups:
+        best = None
+        for rc in spec.recomputes:
+            mb = make_micro_batch(g, lengths, spec, "packed", rc)
+            table = spec.cost.table("packed", rc, spec.tp)
+            if mb.shape[1] > table.max_tokens or max(mb.seq_lens) > table.max_len:
+                continue
+            if all(m.in_flight * st + (pk - st) <= m.budget for m, st, pk in zip(spec.memory, mb.stored_bytes, mb.peak_bytes)):
+                if best is None or mb.time_ms < best.time_ms:
+                    best = mb
+        if best is None:
+            return None
+        out.append(best)
+    return out
 
 
 def ideal_ms(lengths: Sequence[int], spec: PlannerSpec) -> float:
