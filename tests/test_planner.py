@@ -111,3 +111,11 @@ def test_plan_command_refuses_too_long_sequences(tmp_path, capsys):
     path.write_text(json.dumps(cfg))
     assert main(["plan", "--config", str(path), "--lengths", "code", "--steps", "1"]) == 2
     assert "exceeds microbatching.max_seq_len = 8192" in capsys.readouterr().err
+
+
+def test_config_schedule_policy_is_honoured():
+    from dataclasses import replace
+
+    plain = plan_step(BATCHES[0], replace(SPEC, schedule="1f1b"))
+    assert {r.schedule.name for r in plain.replicas} == {"1f1b"}
+    assert plan_step(BATCHES[0], SPEC).iteration_ms <= plain.iteration_ms

@@ -41,6 +41,7 @@ class PlannerSpec:
     tp: int = 1
     seed: int = 0
     row_len: int | None = None  # fixed-length packing rows (the max sequence length) tried as a candidate
+    schedule: str = "auto"  # pipeline.schedule: auto | adaptive | 1f1b
 
     @property
     def pp(self) -> int:
@@ -77,7 +78,8 @@ def planner_spec(
         raise ValueError("the planner needs the model's hidden size (cost_model.model.hidden_size)")
     recomputes = RECOMPUTES if mb.recompute == "auto" else (mb.recompute,)
     layouts = LAYOUTS if mb.layout == "auto" else (mb.layout,)
-    return PlannerSpec(cost, stages, tuple(memory), dp, link, hidden, layouts, recomputes, tp, seed, mb.max_seq_len)
+    return PlannerSpec(cost, stages, tuple(memory), dp, link, hidden, layouts, recomputes, tp, seed, mb.max_seq_len,
+                       pipe.schedule)
 
 
 def balanced_split(cost: TableCostModel, num_stages: int, *, tokens: int = 4096, tp: int = 1) -> tuple[StageSpec, ...]:
@@ -182,7 +184,8 @@ def schedule_replicas(
         if not mbs:
             raise ValueError(f"{method}: a data-parallel replica got no micro-batch ({len(micro_batches)} for dp={spec.dp})")
         if adaptive:
-            schedule, sim = choose_schedule(mbs, spec.link, memory_budget=budget, seed=spec.seed, candidates=4)
+            schedule, sim = choose_schedule(mbs, spec.link, memory_budget=budget, seed=spec.seed, candidates=4,
+                                            policy=spec.schedule)
             mbs, sim = relax_recompute(mbs, schedule, sim, spec)
         else:
             schedule = one_f_one_b(len(mbs), spec.pp)

@@ -54,20 +54,25 @@ def choose_schedule(
     memory_budget: Sequence[float] | None = None,
     seed: int = 0,
     candidates: int = 8,
+    policy: str = "auto",
 ) -> tuple[Schedule, SimResult]:
     """The schedule with the shortest simulated makespan whose activation peak fits ``memory_budget``.
 
     Tries 1F1B in the given order, then reorderings (named "adaptive"); an order that overflows a
     stage's budget is retried with fewer micro-batches in flight there. A tie keeps the earlier
-    candidate, so plain 1F1B wins unless something is strictly faster.
+    candidate, so plain 1F1B wins unless something is strictly faster. ``policy`` "1f1b" keeps
+    the given order (memory caps still apply), as the config's ``pipeline.schedule`` may ask.
     """
+    if policy not in ("auto", "adaptive", "1f1b"):
+        raise ValueError(f"schedule policy must be auto, adaptive or 1f1b; got {policy!r}")
     if not micro_batches:
         raise ValueError("no micro-batches to schedule")
     num_stages = len(micro_batches[0].forward_ms)
     if memory_budget is not None and len(memory_budget) != num_stages:
         raise ValueError(f"memory_budget needs {num_stages} entries (one per stage), got {len(memory_budget)}")
     best: tuple[Schedule, SimResult] | None = None
-    for n, order in enumerate(_candidate_orders([mb.time_ms for mb in micro_batches], seed, candidates)):
+    orders = _candidate_orders([mb.time_ms for mb in micro_batches], seed, candidates)
+    for n, order in enumerate(orders[:1] if policy == "1f1b" else orders):
         schedule, result = _fit(micro_batches, link, order, num_stages, memory_budget)
         if best is None or result.makespan_ms < best[1].makespan_ms * (1 - 1e-12):
             name = "1f1b" if n == 0 else "adaptive"
