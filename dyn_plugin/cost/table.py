@@ -61,6 +61,10 @@ class CostTable:
     max_tokens: float = float("inf")  # measured range of one micro-batch
     max_len: float = float("inf")
 
+    def covers(self, tokens: float, longest: float) -> bool:
+        """Inside the measured range: no more tokens and no longer sequence than measured."""
+        return tokens <= self.max_tokens and longest <= self.max_len
+
     def coef_array(self) -> np.ndarray:
         """[component, metric, 4] = (c0, c1, c2, floor), the layout the C++ evaluator takes."""
         return np.array(
@@ -178,7 +182,7 @@ class TableCostModel:
         stage = stage or StageSpec(self.num_layers)
         t = self.table(layout, recompute, tp)
         f = features(seq_lens, layout, self.pad_multiple)
-        extrapolated = f.tokens > t.max_tokens or f.max_len > t.max_len
+        extrapolated = not t.covers(f.tokens, f.max_len)
         if extrapolated and not self.allow_extrapolation:
             raise OutOfProfileRange(
                 f"micro-batch of {len(seq_lens)} sequences ({int(f.tokens)} tokens, longest "

@@ -19,22 +19,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from ..cost.model import Layout, Recompute
+from ..cost.model import Layout
 from .microbatch import InfeasibleError
 from .packing import pack_rows
-from .planner import PlannerSpec, StepPlan, make_micro_batch, schedule_replicas
+from .planner import PlannerSpec, StepPlan, make_micro_batch, schedule_replicas, usable
 from .types import MicroBatch
-
-
-def _fits(mb: MicroBatch, spec: PlannerSpec) -> bool:
-    return all(
-        m.in_flight * st + (pk - st) <= m.budget for m, st, pk in zip(spec.memory, mb.stored_bytes, mb.peak_bytes)
-    )
-
-
-def _in_range(spec: PlannerSpec, layout: Layout, recompute: Recompute, tokens: int, longest: int) -> bool:
-    t = spec.cost.table(layout, recompute, spec.tp)
-    return tokens <= t.max_tokens and longest <= t.max_len
 
 
 def _uniform(groups: list[list[int]], lengths: Sequence[int], spec: PlannerSpec, layout: Layout,
@@ -45,7 +34,7 @@ def _uniform(groups: list[list[int]], lengths: Sequence[int], spec: PlannerSpec,
             mbs = [make_micro_batch(g, lengths, spec, layout, rc, row_len) for g in groups]
         except ValueError:
             continue
-        if all(_fits(mb, spec) and _in_range(spec, layout, rc, mb.shape[0] * mb.shape[1], mb.shape[1]) for mb in mbs):
+        if all(usable(mb, spec) for mb in mbs):
             return mbs
     raise InfeasibleError(f"{method}: some micro-batch fits in no recompute mode")
 
@@ -63,8 +52,7 @@ def _largest(feasible: Callable[[int], bool], lower: int, upper: int) -> int:
 
 def _fits_somehow(spec: PlannerSpec, lens: list[int], layout: Layout, row_len: int | None = None) -> bool:
     for rc in spec.recomputes:
-        mb = make_micro_batch(range(len(lens)), lens, spec, layout, rc, row_len)
-        if _fits(mb, spec) and _in_range(spec, layout, rc, mb.shape[0] * mb.shape[1], mb.shape[1]):
+        if usable(make_micro_batch(range(len(lens)), lens, spec, layout, rc, row_len), spec):
             return True
     return False
 

@@ -55,6 +55,10 @@ class StageMemory:
     budget: float
     in_flight: int
 
+    def fits(self, stored: float, peak: float) -> bool:
+        """Every micro-batch in flight keeps as much as this one, plus this one's transient."""
+        return self.in_flight * stored + (peak - stored) <= self.budget
+
 
 def run_costs(
     lens: np.ndarray, cost: TableCostModel, layout: Layout, recomputes: Sequence[Recompute],
@@ -81,12 +85,12 @@ def run_costs(
                 f = Features(float((j - i) * width), float((j - i) * width * width), width)
             best, best_mode = np.inf, -1
             for mi, table in enumerate(tables):
-                if f.tokens > table.max_tokens or f.max_len > table.max_len:
+                if not table.covers(f.tokens, f.max_len):
                     continue
                 t, fits = 0.0, True
                 for spec, mem in zip(stages, memory):
                     c = evaluate_stage(table, f, spec)
-                    if mem.in_flight * c.stored_bytes + (c.peak_bytes - c.stored_bytes) > mem.budget:
+                    if not mem.fits(c.stored_bytes, c.peak_bytes):
                         fits = False
                         break
                     t = max(t, c.forward_ms + c.backward_ms)

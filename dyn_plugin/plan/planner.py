@@ -211,8 +211,7 @@ def relax_recompute(
     for i in sorted(range(len(current)), key=lambda i: -current[i].time_ms):
         for rc in cheaper[current[i].recompute]:
             candidate = make_micro_batch(current[i].sample_ids, _lengths_of(current[i]), spec, current[i].layout, rc)
-            table = spec.cost.table(candidate.layout, rc, spec.tp)
-            if candidate.shape[0] * candidate.shape[1] > table.max_tokens or candidate.shape[1] > table.max_len:
+            if not in_range(candidate, spec):
                 continue
             trial = current[:i] + [candidate] + current[i + 1:]
             result = simulate(trial, schedule, spec.link)
@@ -220,6 +219,19 @@ def relax_recompute(
                 current, sim = trial, result
                 break
     return tuple(current), sim
+
+
+def in_range(mb: MicroBatch, spec: PlannerSpec) -> bool:
+    """Inside what the cost model measured for the micro-batch's layout and recompute mode."""
+    longest = mb.shape[1] if mb.layout == "padded" else max(mb.seq_lens)
+    return spec.cost.table(mb.layout, mb.recompute, spec.tp).covers(mb.shape[0] * mb.shape[1], longest)
+
+
+def usable(mb: MicroBatch, spec: PlannerSpec) -> bool:
+    """In range, and within every stage's activation budget with the 1F1B in-flight count."""
+    return in_range(mb, spec) and all(
+        m.fits(st, pk) for m, st, pk in zip(spec.memory, mb.stored_bytes, mb.peak_bytes)
+    )
 
 
 def _lengths_of(mb: MicroBatch) -> dict[int, int]:
@@ -273,12 +285,8 @@ def _cheapest_feasible(groups: list[list[int]], lengths: Sequence[int], spec: Pl
         best = None
         for rc in spec.recomputes:
             mb = make_micro_batch(g, lengths, spec, "packed", rc)
-            table = spec.cost.table("packed", rc, spec.tp)
-            if mb.shape[1] > table.max_tokens or max(mb.seq_lens) > table.max_len:
-                continue
-            if all(m.in_flight * st + (pk - st) <= m.budget for m, st, pk in zip(spec.memory, mb.stored_bytes, mb.peak_bytes)):
-                if best is None or mb.time_ms < best.time_ms:
-                    best = mb
+            if usable(mb, spec) and (best is None or mb.time_ms < best.time_ms):
+                best = mb
         if best is None:
             return None
         out.append(best)
