@@ -148,6 +148,31 @@ class TableCostModel:
     hidden_size: int | None = None  # sizes the activations sent between pipeline stages
     _native: dict = field(default_factory=dict, repr=False)
 
+    def to_dict(self) -> dict:
+        """Plain JSON-able form (coefficients only), e.g. for planner processes; see from_dict."""
+        return {
+            "name": self.name, "num_layers": self.num_layers, "params": self.params, "dtype": self.dtype,
+            "pad_multiple": self.pad_multiple, "allow_extrapolation": self.allow_extrapolation,
+            "hidden_size": self.hidden_size,
+            "tables": [
+                {"layout": t.layout, "recompute": t.recompute, "tp": t.tp, "max_tokens": t.max_tokens,
+                 "max_len": t.max_len,
+                 "fits": {c: {m: [*f.coef, f.floor] for m, f in ms.items()} for c, ms in t.fits.items()}}
+                for t in self.tables.values()
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TableCostModel":
+        tables = {}
+        for t in d["tables"]:
+            fits = {c: {m: LinearFit(tuple(v[:3]), floor=v[3]) for m, v in ms.items()} for c, ms in t["fits"].items()}
+            tables[(t["layout"], t["recompute"], t["tp"])] = CostTable(
+                t["layout"], t["recompute"], t["tp"], fits, t["max_tokens"], t["max_len"])
+        return cls(name=d["name"], num_layers=d["num_layers"], tables=tables, params=d["params"], dtype=d["dtype"],
+                   pad_multiple=d["pad_multiple"], allow_extrapolation=d["allow_extrapolation"],
+                   hidden_size=d["hidden_size"])
+
     def table(self, layout: Layout, recompute: Recompute, tp: int = 1) -> CostTable:
         key = (layout, recompute, tp)
         if key not in self.tables:

@@ -1,0 +1,68 @@
+"""Tensors of one micro-batch, in the layout its plan chose.
+
+- padded: ``input_ids`` [n, S] right-padded, ``attention_mask`` [n, S], ``labels`` with -100
+  on padding and on each row's first token (never scored after HF's shift, so the labels
+  that are not -100 are exactly the scored ones). Right padding under a causal mask leaves
+  real tokens' outputs untouched.
+- packed: one row ``input_ids`` [1, T], ``position_ids`` restarting at 0 per sequence (HF
+  models and the plugin's varlen kernel isolate sequences by these resets), the sequence
+  boundaries under the names HF's flash-attention path reads (``cu_seq_lens_q/k``,
+  ``max_length_q/k``; other kernels ignore them, so the dict can go to ``model(**batch)``), and
+  ``labels`` with -100 at each sequence's first token: HF shifts labels by one, so that position
+  would otherwise be predicted from the previous sequence's last token.
+
+``loss_tokens`` counts the labels a causal LM actually scores (length - 1 per sequence), the
+denominator of an exact token-mean loss.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+IGNORE = -100
+
+
+def sample_tokens(item: Any) -> torch.Tensor:
+    """A dataset item's token ids: a dict with ``input_ids``, or the ids themselves."""
+    ids = item["input_ids"] if isinstance(item, dict) else item
+    return torch.as_tensor(ids, dtype=torch.long).flatten()
+
+
+def loss_tokens(seq_lens: Sequence[int]) -> int:
+    return sum(max(s - 1, 0) for s in seq_lens)
+
+
+def collate(
+    sample_ids: Sequence[int], seq_lens: Sequence[int], layout: str, shape: Sequence[int],
+    fetch: Callable[[int], Any], *, pad_id: int = 0,
+) -> dict[str, Any]:
+    """Build the micro-batch; ``fetch(i)`` returns dataset item i, checked against its planned length."""
+    seqs = []
+    for i, s in zip(sample_ids, seq_lens):
+        ids = sample_tokens(fetch(i))
+        if len(ids) < s:
+            raise ValueError(f"dataset[{i}] has {len(ids)} tokens but its length was given as {s}; "
+                             "lengths must be the token counts of the dataset's samples")
+        seqs.append(ids[:s])  # longer only when the config asked for truncation
+    rows, width = int(shape[0]), int(shape[1])
+    if layout == "padded":
+        input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((rows, width), dtype=torch.long)
+        for r, ids in enumerate(seqs):
+            input_ids[r, : len(ids)] = ids
+            attention_mask[r, : len(ids)] = 1
+        labels = input_ids.masked_fill(attention_mask == 0, IGNORE)
+        labels[:, 0] = IGNORE
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    if layout == "packed":
+        input_ids = torch.cat(seqs).unsqueeze(0)
+        position_ids = torch.cat([torch.arange(len(ids)) for ids in seqs]).unsqueeze(0)
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor([len(ids) for ids in seqs]), 0)
+        labels = input_ids.clone()
+        labels[0, cu[:-1].long()] = IGNORE
+        longest = max(len(ids) for ids in seqs)
+        return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels,
+                "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")

@@ -1,0 +1,115 @@
+"""From a global batch to what one rank runs: the bridge between planners and the loader.
+
+Everything a planner process needs travels as JSON (``PlanningContext.to_json``): the plugin
+config, the cost model's coefficients, the lengths. Every rank, or every planner process,
+derives the same plan for the same (epoch, step), so nothing but the result crosses a store.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..config import DynPluginConfig
+from ..cost.table import TableCostModel
+from ..plan.instructions import ExecutionPlan, build_execution_plans, plan_from_json, plan_to_json
+from ..plan.planner import PlannerSpec, StepPlan, plan_step, planner_spec
+from .collate import loss_tokens
+from .sampler import epoch_batches
+
+RANK_PLAN_SCHEMA = "dyn_plugin.rank_plan"
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's share of one global batch."""
+
+    epoch: int
+    step: int
+    plan: ExecutionPlan
+    loss_tokens: int  # scored tokens of the whole global batch, every replica included
+    digest: str  # of the whole step plan: every rank must hold the same one
+
+    def to_meta(self) -> dict:
+        return {"epoch": self.epoch, "step": self.step, "loss_tokens": self.loss_tokens, "digest": self.digest,
+                "plan": json.loads(plan_to_json(self.plan))}
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "RankPlan":
+        return cls(meta["epoch"], meta["step"], plan_from_json(json.dumps(meta["plan"])), int(meta["loss_tokens"]),
+                   meta["digest"])
+
+
+def step_digest(plan: StepPlan) -> str:
+    """A fingerprint of the whole plan (which samples, where, in which order, how)."""
+    h = hashlib.sha256()
+    for r in plan.replicas:
+        h.update(repr(r.schedule.order).encode())
+        for mb in r.micro_batches:
+            h.update(repr((mb.sample_ids, mb.layout, mb.recompute, mb.shape)).encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class PlanningContext:
+    """The inputs of every plan of a run; plans (epoch, step) for every rank."""
+
+    config: DynPluginConfig
+    cost: TableCostModel
+    lengths: np.ndarray
+    dp: int
+    pp: int
+    zero_stage: int = 0
+    tp: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.spec: PlannerSpec = planner_spec(self.cost, self.config, dp=self.dp, zero_stage=self.zero_stage,
+                                              tp=self.tp, seed=self.seed)
+        self._epochs: dict[int, list[list[int]]] = {}
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """The epoch's global batches (sample indices), cached: every step of it needs them."""
+        if epoch not in self._epochs:
+            self._epochs = {epoch: epoch_batches(self.lengths, self.config.microbatching.global_tokens,
+                                                 seed=self.seed, epoch=epoch, min_sequences=self.dp)}
+        return self._epochs[epoch]
+
+    def plan(self, epoch: int, step: int) -> dict[tuple[int, int], RankPlan]:
+        """(dp_rank, pp_rank) -> that rank's plan, for global batch ``step`` of ``epoch``."""
+        ids = self.batches(epoch)[step]
+        lens = [int(self.lengths[i]) for i in ids]
+        plan = plan_step(lens, self.spec)
+        digest = step_digest(plan)
+        tokens = loss_tokens(lens)
+        out = {}
+        for r, rep in enumerate(plan.replicas):
+            # Plans index the global batch; the loader needs dataset indices.
+            mbs = [_to_dataset_ids(mb, ids) for mb in rep.micro_batches]
+            ranks = [r * self.pp + s for s in range(self.pp)]
+            for s, ep in enumerate(build_execution_plans(mbs, rep.schedule, replica=r, stage_ranks=ranks,
+                                                         hidden_size=self.spec.hidden_size)):
+                out[(r, s)] = RankPlan(epoch, step, ep, tokens, digest)
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "config": self.config.model_dump(mode="json"), "cost": self.cost.to_dict(),
+            "lengths": self.lengths.tolist(), "dp": self.dp, "pp": self.pp, "zero_stage": self.zero_stage,
+            "tp": self.tp, "seed": self.seed,
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> "PlanningContext":
+        d = json.loads(text)
+        return cls(DynPluginConfig.model_validate(d["config"]), TableCostModel.from_dict(d["cost"]),
+                   np.asarray(d["lengths"], dtype=np.int64), d["dp"], d["pp"], d["zero_stage"], d["tp"], d["seed"])
+
+
+def _to_dataset_ids(mb, ids: Sequence[int]):
+    from dataclasses import replace
+
+    return replace(mb, sample_ids=tuple(int(ids[i]) for i in mb.sample_ids))

@@ -1,0 +1,142 @@
+"""DynLoader without a store: exactly once, resume, collation, bad input."""
+import numpy as np
+import pytest
+import torch
+
+from dyn_plugin.config import DynPluginConfig
+from dyn_plugin.cost.from_config import build_cost_model
+from dyn_plugin.data.collate import collate, loss_tokens
+from dyn_plugin.data.loader import DynLoader
+from dyn_plugin.data.sampler import epoch_batches
+
+SECTION = {
+    "cost_model": {"kind": "analytic", "dtype": "fp32", "model": {
+        "hidden_size": 64, "num_layers": 4, "num_heads": 4, "ffn_hidden_size": 128, "vocab_size": 100}},
+    "microbatching": {"global_tokens": 3000, "max_seq_len": 600},
+    "cluster": {"device": {"memory_mb": 2000}},
+}
+
+
+def make(pp=1, n=120, seed=0, **over):
+    cfg = DynPluginConfig.model_validate({**SECTION, "pipeline": {"stages": pp}, **over})
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 600, size=n)
+    data = [{"input_ids": rng.integers(1, 100, size=int(s))} for s in lens]
+    return cfg, build_cost_model(cfg.cost_model, cfg.cluster), lens, data
+
+
+def loaders(cfg, cm, lens, data, dp, pp, **kw):
+    return {(r, s): DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=r, dp_size=dp, pp_rank=s,
+                              pp_size=pp, seed=7, **kw) for r in range(dp) for s in range(pp)}
+
+
+@pytest.mark.parametrize("dp,pp", [(1, 1), (2, 1), (2, 2), (3, 1)])
+def test_every_sample_exactly_once_per_epoch(dp, pp):
+    cfg, cm, lens, data = make(pp)
+    ls = loaders(cfg, cm, lens, data, dp, pp)
+    seen = []
+    steps = {k: list(l) for k, l in ls.items()}
+    for (r, s), st in steps.items():
+        for step in st:
+            if s == 0:
+                seen += [i for mb in step.sample_ids for i in mb]
+    assert sorted(seen) == list(range(len(lens)))
+    for k, st in steps.items():
+        assert [x.digest for x in st] == [x.digest for x in steps[(0, 0)]]  # all ranks, same plans
+        assert all(x.tokens == steps[(0, 0)][i].tokens for i, x in enumerate(st))
+    if pp == 2:  # the last stage loads the same micro-batches (labels) as the first
+        for r in range(dp):
+            assert [x.sample_ids for x in steps[(r, 1)]] == [x.sample_ids for x in steps[(r, 0)]]
+
+
+def test_tokens_count_every_replicas_scored_tokens():
+    cfg, cm, lens, data = make()
+    ls = loaders(cfg, cm, lens, data, 2, 1)
+    for a, b in zip(ls[(0, 0)], ls[(1, 0)]):
+        ids = [i for st in (a, b) for mb in st.sample_ids for i in mb]
+        assert a.tokens == loss_tokens([int(lens[i]) for i in ids])
+        scored = sum(int((mb["labels"] != -100).sum()) for st in (a, b) for mb in st.micro_batches)
+        assert scored == a.tokens
+
+
+def test_resume_gives_exactly_the_rest_with_the_same_plans():
+    cfg, cm, lens, data = make()
+    full = list(DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=0, dp_size=2, seed=3))
+    first = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=0, dp_size=2, seed=3)
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    state = first.state_dict()
+    resumed = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=0, dp_size=2, seed=3)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert [s.digest for s in rest] == [s.digest for s in full[3:]]
+    assert [s.sample_ids for s in rest] == [s.sample_ids for s in full[3:]]
+    # the next epoch starts afterwards, reshuffled
+    nxt = list(resumed)
+    assert nxt and nxt[0].epoch == 1 and [s.sample_ids for s in nxt] != [s.sample_ids for s in full]
+
+
+def test_resume_refuses_a_different_run():
+    cfg, cm, lens, data = make()
+    state = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, seed=3).state_dict()
+    other = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, seed=4)
+    with pytest.raises(ValueError, match="different lengths, seed"):
+        other.load_state_dict(state)
+
+
+def test_bad_input_names_the_index():
+    cfg, cm, lens, data = make()
+    with pytest.raises(ValueError, match="lengths has 119 entries but the dataset has 120"):
+        DynLoader(data, lengths=lens[:-1], config=cfg, cost_model=cm)
+    bad = lens.copy()
+    bad[5] = 0
+    with pytest.raises(ValueError, match=r"lengths\[5\] = 0"):
+        DynLoader(data, lengths=bad, config=cfg, cost_model=cm)
+    bad = lens.copy()
+    bad[9] = 5000
+    with pytest.raises(ValueError, match=r"lengths\[9\] = 5000 exceeds microbatching.max_seq_len = 600"):
+        DynLoader(data, lengths=bad, config=cfg, cost_model=cm)
+    with pytest.raises(ValueError, match="pp_size = 2 but dyn_plugin.pipeline.stages = 1"):
+        DynLoader(data, lengths=lens, config=cfg, cost_model=cm, pp_size=2)
+
+
+def test_truncation_only_when_asked():
+    cfg, cm, lens, data = make(microbatching={"global_tokens": 3000, "max_seq_len": 600, "truncate": True})
+    long = lens.copy()
+    long[0] = 900
+    data[0] = {"input_ids": np.arange(900) % 99 + 1}
+    steps = list(DynLoader(data, lengths=long, config=cfg, cost_model=cm))
+    for s in steps:
+        for mb in s.micro_batches:
+            longest = mb["max_length_q"] if "max_length_q" in mb else int(mb["attention_mask"].sum(1).max())
+            assert longest <= 600
+
+
+def test_length_mismatch_with_the_data_is_caught():
+    cfg, cm, lens, data = make()
+    data[2] = {"input_ids": np.arange(3)}
+    lens = lens.copy()
+    lens[2] = 10
+    with pytest.raises(ValueError, match=r"dataset\[2\] has 3 tokens but its length was given as 10"):
+        list(DynLoader(data, lengths=lens, config=cfg, cost_model=cm))
+
+
+def test_collate_layouts():
+    data = {0: [1, 2, 3], 1: [4, 5, 6, 7, 8]}
+    packed = collate([0, 1], [3, 5], "packed", (1, 8), data.__getitem__)
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
+    assert packed["labels"].tolist() == [[-100, 2, 3, -100, 5, 6, 7, 8]]
+    assert packed["cu_seq_lens_q"].tolist() == [0, 3, 8] and packed["max_length_q"] == 5
+    padded = collate([0, 1], [3, 5], "padded", (2, 8), data.__getitem__, pad_id=0)
+    assert padded["input_ids"].tolist() == [[1, 2, 3, 0, 0, 0, 0, 0], [4, 5, 6, 7, 8, 0, 0, 0]]
+    assert padded["labels"][0].tolist() == [-100, 2, 3, -100, -100, -100, -100, -100]
+    assert padded["attention_mask"].sum().item() == 8
+
+
+def test_epoch_batches_partition_and_keep_dp_sized_tails():
+    lens = np.array([5] * 11)
+    batches = epoch_batches(lens, 20, seed=0, epoch=0, min_sequences=4)
+    assert sorted(sum(batches, [])) == list(range(11))
+    assert all(len(b) >= 4 for b in batches)
+    assert epoch_batches(lens, 20, seed=0, epoch=1, min_sequences=4) != batches
