@@ -16,6 +16,8 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .store.base import StoreConfig
+
 SECTION = "dyn_plugin"
 
 
@@ -127,11 +129,19 @@ class PipelineConfig(_Section):
         return self
 
 
+class LoaderConfig(_Section):
+    planners: int = Field(default=1, ge=1, description="background planner processes (with a store)")
+    prefetch: int = Field(default=4, ge=1, description="global batches planned ahead of training (with a store)")
+    plan_timeout_s: float = Field(default=120, gt=0, description="how long a rank waits for its plan before failing")
+
+
 class DynPluginConfig(_Section):
     cost_model: CostModelConfig = CostModelConfig()
     microbatching: MicrobatchingConfig = MicrobatchingConfig()
     pipeline: PipelineConfig = PipelineConfig()
     cluster: ClusterConfig = ClusterConfig()
+    store: StoreConfig = StoreConfig()
+    loader: LoaderConfig = LoaderConfig()
 
     @model_validator(mode="after")
     def _pipeline_fits_model(self) -> "DynPluginConfig":

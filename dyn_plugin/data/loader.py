@@ -21,6 +21,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -84,6 +86,41 @@ class DynLoader:
         self.lengths = self._checked_lengths(lengths)
         self.context = PlanningContext(config, cost_model, self.lengths, dp_size, pp_size, zero_stage or 0, tp, seed)
         self.epoch, self.step = 0, 0
+        self.plan_wait_s: list[float] = []  # per step, how long this rank waited for its plan
+        self._offsets: dict[int, int] = {0: 0}
+        self._store = self._pool = None
+        if config.store.backend != "none":
+            self._open_store()
+
+    @property
+    def is_host(self) -> bool:
+        """The rank that hosts the embedded store and the planner processes."""
+        return self.dp_rank == 0 and self.pp_rank == 0
+
+    def _open_store(self) -> None:
+        from ..store import open_store
+
+        cfg = self.config.store
+        if not cfg.namespace:
+            run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "local")
+            cfg = cfg.model_copy(update={"namespace": f"{run}-{self._fingerprint()}"})
+        world = self.dp_size * self.pp_size
+        self._store = open_store(cfg, rank=self.dp_rank * self.pp_size + self.pp_rank, world_size=world)
+        # planner processes connect to the very port the host bound (it may have picked a free one)
+        self._store_cfg = cfg.model_copy(update={"port": self._store.port}) if cfg.backend == "tcp" else cfg
+        self._finalizer = weakref.finalize(self, _close, self._store)
+
+    def _start_planners(self) -> None:
+        from .planner_pool import CURSOR_KEY, PlannerPool
+
+        position = self._position(self.epoch, self.step)
+        self._store.put(CURSOR_KEY, str(position).encode())
+        plan_cfg = self.config.loader
+        self._pool = PlannerPool(self.context.to_json(), self._store_cfg.model_dump_json(exclude_unset=True),
+                                 num_planners=plan_cfg.planners, prefetch=plan_cfg.prefetch, start=position,
+                                 world_size=self.dp_size * self.pp_size)
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _close, self._store, self._pool)
 
     def _checked_lengths(self, lengths: Sequence[int]) -> np.ndarray:
         arr = validate_lengths(lengths)
@@ -119,7 +156,45 @@ class DynLoader:
             self.epoch, self.step = epoch + 1, 0
 
     def _plan(self, epoch: int, step: int) -> RankPlan:
-        return self.context.plan(epoch, step)[(self.dp_rank, self.pp_rank)]
+        t0 = time.perf_counter()
+        if self._store is None:
+            rp = self.context.plan(epoch, step)[(self.dp_rank, self.pp_rank)]
+        else:
+            rp = self._plan_from_store(epoch, step)
+        self.plan_wait_s.append(time.perf_counter() - t0)
+        return rp
+
+    def _plan_from_store(self, epoch: int, step: int) -> RankPlan:
+        from ..store import StoreTimeout
+        from ..store.payload import decode
+        from .planner_pool import CURSOR_KEY, plan_key
+        from .planning import RANK_PLAN_SCHEMA
+
+        position = self._position(epoch, step)
+        if self.is_host:
+            if self._pool is None:
+                self._start_planners()
+            self._store.put(CURSOR_KEY, str(position).encode())
+        key = plan_key(position, self.dp_rank, self.pp_rank)
+        try:
+            data = self._store.wait(key, self.config.loader.plan_timeout_s)
+        except StoreTimeout as exc:
+            why = self._pool.failed() if self._pool is not None else None
+            raise StoreTimeout(f"{exc}{'; ' + why if why else ''}") from None
+        self._store.delete(key)
+        meta, _ = decode(data, max_bytes=int(self.config.store.max_payload_mb * 2**20), schema=RANK_PLAN_SCHEMA)
+        rp = RankPlan.from_meta(meta)
+        if (rp.epoch, rp.step) != (epoch, step):
+            raise RuntimeError(f"store key {key} held the plan of epoch {rp.epoch} step {rp.step}, "
+                               f"expected epoch {epoch} step {step}: another run shares the store namespace")
+        return rp
+
+    def _position(self, epoch: int, step: int) -> int:
+        """Run-wide index of a global batch: epochs differ in batch count, so offsets accumulate."""
+        while epoch not in self._offsets:
+            last = max(self._offsets)
+            self._offsets[last + 1] = self._offsets[last] + len(self.context.batches(last))
+        return self._offsets[epoch] + step
 
     def _build(self, rp: RankPlan) -> Step:
         loads = [ins.mb for ins in rp.plan.instructions if isinstance(ins, LoadMicroBatch)]
@@ -150,3 +225,16 @@ class DynLoader:
 
     def close(self) -> None:
         """Stop whatever the loader started (planner processes, a store it hosts)."""
+        if self._store is not None:
+            self._finalizer()
+
+
+def _close(store, pool=None) -> None:
+    from .planner_pool import STOP_KEY
+
+    if pool is not None:
+        try:
+            store.put(STOP_KEY, b"1")
+        finally:
+            pool.close()
+    store.close()

@@ -97,7 +97,7 @@ class PlanningContext:
 
     def to_json(self) -> str:
         return json.dumps({
-            "config": self.config.model_dump(mode="json"), "cost": self.cost.to_dict(),
+            "config": self.config.model_dump(mode="json", exclude_unset=True), "cost": self.cost.to_dict(),
             "lengths": self.lengths.tolist(), "dp": self.dp, "pp": self.pp, "zero_stage": self.zero_stage,
             "tp": self.tp, "seed": self.seed,
         })

@@ -1,0 +1,77 @@
+"""One background planner process (started by planner_pool.PlannerPool)."""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+
+logger = logging.getLogger("dyn_plugin.planner_worker")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGTERM us when the trainer dies; elsewhere the poll in the loop covers it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # died before prctl took effect
+        sys.exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    for name in ("--context", "--store"):
+        p.add_argument(name, required=True)
+    for name in ("--worker", "--workers", "--prefetch", "--start", "--parent", "--world"):
+        p.add_argument(name, type=int, required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s planner[{args.worker}] %(levelname)s: %(message)s")
+    _die_with_parent(args.parent)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+    from ..store import open_store
+    from ..store.base import StoreConfig
+    from ..store.payload import encode
+    from .planner_pool import CURSOR_KEY, STOP_KEY, plan_key
+    from .planning import RANK_PLAN_SCHEMA, PlanningContext
+
+    with open(args.context) as f:
+        context = PlanningContext.from_json(f.read())
+    cfg = StoreConfig.model_validate_json(args.store)
+    # a client of the host rank's store, numbered after the training ranks (rank 0 hosts it)
+    store = open_store(cfg, rank=args.world + args.worker, world_size=args.world + args.workers)
+    position = args.start + args.worker
+    epoch, step, offset = _locate(context, position)
+    while True:
+        if os.getppid() != args.parent or store.get(STOP_KEY) is not None:
+            return 0
+        cursor = store.get(CURSOR_KEY)
+        if cursor is None or position >= int(cursor) + args.prefetch:
+            time.sleep(0.005)  # far enough ahead: let training catch up
+            continue
+        for (dp_rank, pp_rank), rank_plan in context.plan(epoch, step).items():
+            store.put(plan_key(position, dp_rank, pp_rank), encode(rank_plan.to_meta(), {}, schema=RANK_PLAN_SCHEMA))
+        position += args.workers
+        epoch, step, offset = _advance(context, epoch, offset, position)
+
+
+def _locate(context, position: int) -> tuple[int, int, int]:
+    """(epoch, step within it, position of the epoch's first batch) of a run-wide position."""
+    return _advance(context, 0, 0, position)
+
+
+def _advance(context, epoch: int, offset: int, position: int) -> tuple[int, int, int]:
+    while position - offset >= len(context.batches(epoch)):
+        offset += len(context.batches(epoch))
+        epoch += 1
+    return epoch, position - offset, offset
+
+
+if __name__ == "__main__":
+    sys.exit(main())
