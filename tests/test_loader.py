@@ -1,7 +1,6 @@
 """DynLoader without a store: exactly once, resume, collation, bad input."""
 import numpy as np
 import pytest
-import torch
 
 from dyn_plugin.config import DynPluginConfig
 from dyn_plugin.cost.from_config import build_cost_model

@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.context) as f:
         context = PlanningContext.from_json(f.read())
     cfg = StoreConfig.model_validate_json(args.store)
-    # a client of the host rank's store, numbered after the training ranks (rank 0 hosts it)
-    store = open_store(cfg, rank=args.world + args.worker, world_size=args.world + args.workers)
+    # a client of the host rank's store (any rank but 0, which hosts it), on the host's node
+    store = open_store(cfg, rank=1, world_size=max(args.world, 2))
     position = args.start + args.worker
     epoch, step, offset = _locate(context, position)
     while True:

@@ -1,0 +1,56 @@
+"""One training rank for the multi-process loader tests (run as a script, env-based rendezvous).
+
+Writes, per step it consumed, the step's digest and its samples to OUT/rank{r}.jsonl; checks
+with gloo that every rank holds the same plan digest at every step.
+"""
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_loader import make  # noqa: E402
+
+from dyn_plugin.data.loader import DynLoader  # noqa: E402
+
+
+def main() -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out, mode = sys.argv[1], sys.argv[2]  # mode: full | stop-after:K | resume
+    store = json.loads(os.environ.get("TEST_STORE", '{"backend": "none"}'))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg, cm, lens, data = make(store=store, loader={"planners": 2, "prefetch": 3, "plan_timeout_s": 30})
+    loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=rank, dp_size=world, seed=11)
+    state_path = os.path.join(out, f"state{rank}.json")
+    if mode == "resume":
+        with open(state_path) as f:
+            loader.load_state_dict(json.load(f))
+    if loader._pool is None and loader.is_host and store["backend"] != "none":
+        loader._start_planners()
+    with open(os.path.join(out, f"pids{rank}.json"), "w") as f:
+        json.dump([p.pid for p in loader._pool.procs] if loader._pool else [], f)
+    stop_after = int(mode.split(":")[1]) if mode.startswith("stop-after") else None
+    with open(os.path.join(out, f"rank{rank}.jsonl"), "a") as log:
+        for n, step in enumerate(loader):
+            digest = torch.tensor([int(step.digest, 16) % (1 << 62)])
+            gathered = [torch.zeros_like(digest) for _ in range(world)]
+            dist.all_gather(gathered, digest)
+            assert all(int(g) == int(digest) for g in gathered), f"ranks disagree on step {step.index}"
+            log.write(json.dumps({"step": step.index, "digest": step.digest,
+                                  "samples": [i for mb in step.sample_ids for i in mb]}) + "\n")
+            log.flush()
+            if stop_after is not None and n + 1 == stop_after:
+                with open(state_path, "w") as f:
+                    json.dump(loader.state_dict(), f)
+                dist.barrier()
+                os.kill(os.getpid(), signal.SIGKILL)  # a crash: nothing is cleaned up by us
+    dist.barrier()
+    loader.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
