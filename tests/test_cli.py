@@ -63,3 +63,11 @@ def test_pure_python_path_works_and_says_so():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     status, fwd = json.loads(out.stdout)
     assert status.startswith("not built") and fwd > 0
+
+
+def test_bench_loader_prints_json(capsys):
+    assert main(["bench", "loader", "--steps", "3", "--step-ms", "0", "--planners", "1", "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    modes = {r.get("mode") for r in records if r["benchmark"] == "loader"}
+    assert modes == {"local", "tcp-store"}
+    assert {r["backend"] for r in records if r["benchmark"] == "store-round-trip"} == {"tcp", "redis"}

@@ -6,7 +6,8 @@ import json
 import platform
 import time
 
-HELP = "benchmarks that print JSON: cost (cost-model evaluation), planner (plans vs baselines on A100 costs)"
+HELP = ("benchmarks that print JSON: cost (cost-model evaluation), planner (plans vs baselines on A100 costs), "
+        "loader (planning ahead, plan wait, store latency)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,16 +24,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     planner.add_argument("--python-batches", type=int, default=2,
                          help="of those, how many also go through the (slow) pure-Python planner")
     planner.add_argument("--seed", type=int, default=0)
-    for p in (cost, planner):
+    loader = sub.add_parser("loader", help="loader steps/s, time each step waits for its plan (planning locally or "
+                                            "ahead through a store), store round-trip latency")
+    loader.add_argument("--steps", type=int, default=20)
+    loader.add_argument("--step-ms", default="0,50,200", help="simulated training step times (ms), comma-separated")
+    loader.add_argument("--planners", type=int, default=2)
+    loader.add_argument("--prefetch", type=int, default=4)
+    for p in (cost, planner, loader):
         p.add_argument("--json", action="store_true", help="one JSON object per line, no indentation")
 
 
 def run(args: argparse.Namespace) -> int:
     host = dict(machine=platform.machine(), python=platform.python_version(), date=time.strftime("%Y-%m-%d"))
-    if args.what == "planner":
-        from ..plan.bench import bench_planner
+    if args.what in ("planner", "loader"):
+        if args.what == "planner":
+            from ..plan.bench import bench_planner
 
-        for record in bench_planner(args):
+            records = bench_planner(args)
+        else:
+            from ..data.bench_loader import bench_loader
+
+            records = bench_loader(steps=args.steps, step_ms=tuple(float(x) for x in args.step_ms.split(",")),
+                                   planners=args.planners, prefetch=args.prefetch)
+        for record in records:
             print(json.dumps({**record, **host}, indent=None if args.json else 2), flush=True)
         return 0
     record = {"cost": bench_cost}[args.what](args)

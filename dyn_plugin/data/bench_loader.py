@@ -1,0 +1,79 @@
+"""``dynplugin bench loader``: the loader alone, with and without planning ahead.
+
+Real planning work (A100 GPT-6.7B costs, pp=4, dp=2, bundled ``mixture`` lengths, 64k-token
+global batches) on a synthetic dataset of those lengths. A training step is stood in for by a
+sleep of ``step_ms``: with steps shorter than planning, a rank that plans for itself stalls for
+the whole planning time each step, while planners working ahead through a store should hide it
+once ``step_ms`` exceeds planning time / planners.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import numpy as np
+
+MAX_LEN = 8192
+
+
+class _Tokens:
+    """Token ids of the right lengths, made on demand (no big allocation up front)."""
+
+    def __init__(self, lengths: np.ndarray) -> None:
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.full(int(self.lengths[i]), 7, dtype=np.int64)
+
+
+def _loader(store: dict, planners: int, prefetch: int):
+    from ..config import load_config
+    from ..cost.from_config import build_cost_model
+    from ..data.lengths import load_lengths
+    from .loader import DynLoader
+
+    cfg = load_config({"zero_optimization": {"stage": 1}, "dyn_plugin": {
+        # as examples/a100_gpt67b.json
+        "cost_model": {"kind": "profile", "profile": "a100-gpt-6.7b", "dtype": "fp16"},
+        "microbatching": {"global_tokens": 65536, "max_seq_len": MAX_LEN, "truncate": True},
+        "pipeline": {"stages": 4},
+        "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
+        "store": store, "loader": {"planners": planners, "prefetch": prefetch},
+    }})
+    lengths = np.minimum(load_lengths("mixture"), MAX_LEN)
+    cost = build_cost_model(cfg.plugin.cost_model, cfg.plugin.cluster)
+    return DynLoader(_Tokens(lengths), lengths=lengths, config=cfg, cost_model=cost, dp_rank=0, dp_size=2,
+                     pp_rank=0, pp_size=4, seed=0)
+
+
+def bench_loader(steps: int = 20, step_ms: tuple[float, ...] = (0.0, 50.0, 200.0), planners: int = 2,
+                 prefetch: int = 4, port: int | None = None) -> Iterator[dict]:
+    modes = [("local", {"backend": "none"})]
+    modes.append(("tcp-store", {"backend": "tcp", "namespace": f"bench-{time.time_ns()}", "port": port or 0}))
+    for mode, store in modes:
+        for ms in step_ms:
+            loader = _loader(store, planners, prefetch)
+            try:
+                t0 = None
+                for n, _ in enumerate(loader):
+                    if n == 0:  # steady state: leave out planner start-up (first_wait_ms)
+                        t0 = time.perf_counter()
+                    if n + 1 >= steps:
+                        break
+                    time.sleep(ms / 1e3)
+                elapsed = time.perf_counter() - t0
+                waits = np.array(loader.plan_wait_s[1:]) * 1e3  # the first includes planner start-up
+                yield {"benchmark": "loader", "mode": mode, "planners": planners if mode != "local" else 0,
+                       "step_ms": ms, "steps": steps, "steps_per_s": (steps - 1) / elapsed,
+                       "plan_wait_ms_p50": float(np.percentile(waits, 50)),
+                       "plan_wait_ms_p99": float(np.percentile(waits, 99)),
+                       "first_wait_ms": loader.plan_wait_s[0] * 1e3}
+            finally:
+                loader.close()
+    from ..store.bench import bench_stores
+
+    for row in bench_stores():
+        yield {"benchmark": "store-round-trip", **row}
