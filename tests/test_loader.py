@@ -139,3 +139,28 @@ def test_epoch_batches_partition_and_keep_dp_sized_tails():
     assert sorted(sum(batches, [])) == list(range(11))
     assert all(len(b) >= 4 for b in batches)
     assert epoch_batches(lens, 20, seed=0, epoch=1, min_sequences=4) != batches
+
+
+@pytest.mark.parametrize("how", ["close", "garbage-collected"])
+def test_planner_processes_stop_with_the_loader(how):
+    import gc
+    import os
+    import time
+
+    cfg, cm, lens, data = make(store={"backend": "tcp", "port": 0, "namespace": f"lifecycle-{how}"})
+    loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, seed=7)
+    it = iter(loader)
+    first = next(it)
+    assert first.micro_batches
+    pids = [p.pid for p in loader._pool.procs]
+    assert pids and all(os.path.exists(f"/proc/{p}") for p in pids)
+    it.close()
+    if how == "close":
+        loader.close()
+    else:
+        del it, loader
+        gc.collect()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids)
