@@ -1,0 +1,130 @@
+"""DeepSpeed adapter: one JSON config, the plugin's loader, exact token-weighted steps.
+
+    import deepspeed_ext
+    engine, optimizer, loader, scheduler = deepspeed_ext.initialize(
+        model=model, config="ds_config.json", dataset=dataset, lengths=lengths)
+    for step in loader:
+        loss = deepspeed_ext.train_step(engine, step)
+
+The plugin decides the micro-batches, so DeepSpeed is told one micro-batch per step and the
+accumulation boundary is set per micro-batch from the plan; each micro-batch's summed token
+loss is scaled by dp / (scored tokens of the whole global batch), so after DeepSpeed averages
+gradients over data-parallel ranks the update is that of the token-mean loss of the global
+batch, whatever the plan (sizes, layout, counts per rank) and for every ZeRO stage.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from dyn_plugin.config import LoadedConfig, ModelShape, load_config
+from dyn_plugin.cost.from_config import build_cost_model
+from dyn_plugin.cost.table import TableCostModel
+from dyn_plugin.data.loader import DynLoader, Step
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["initialize", "train_step", "skip_cpu_shm_build", "model_shape"]
+
+# Keys of a micro-batch a causal LM takes; the rest (boundaries for other kernels) stay out.
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
+
+
+def skip_cpu_shm_build() -> None:
+    """Skip the shared-memory op DeepSpeed JIT-compiles on CPU at init (40-90 s); gloo does
+    the collectives either way. Patch the module itself: ``deepspeed.comm.torch`` as an
+    attribute is the torch module, so patching through it would silently do nothing."""
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+def model_shape(model: torch.nn.Module) -> ModelShape:
+    """The analytic cost model's view of a transformers model, from its config."""
+    c = model.config
+    hidden = getattr(c, "hidden_size", None) or c.n_embd
+    return ModelShape(
+        hidden_size=hidden,
+        num_layers=getattr(c, "num_hidden_layers", None) or c.n_layer,
+        num_heads=getattr(c, "num_attention_heads", None) or c.n_head,
+        num_kv_heads=getattr(c, "num_key_value_heads", None),
+        ffn_hidden_size=getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden,
+        vocab_size=c.vocab_size,
+        gated_mlp=getattr(c, "model_type", "") in ("llama", "mistral", "qwen2"),
+    )
+
+
+def _cost_model(cfg: LoadedConfig, model: torch.nn.Module) -> TableCostModel:
+    cm = cfg.plugin.cost_model
+    if cm.kind == "analytic" and cm.model is None:
+        cm = cm.model_copy(update={"model": model_shape(model)})
+    return build_cost_model(cm, cfg.plugin.cluster)
+
+
+def _deepspeed_config(ds: dict[str, Any], dp: int) -> dict[str, Any]:
+    ds = dict(ds)
+    for key, value in (("train_micro_batch_size_per_gpu", 1), ("gradient_accumulation_steps", 1),
+                       ("train_batch_size", dp)):
+        if key in ds and ds[key] != value:
+            logger.info("dyn_plugin plans micro-batches per step: %s %s -> %s", key, ds[key], value)
+        ds[key] = value
+    return ds
+
+
+def initialize(
+    *,
+    model: torch.nn.Module,
+    config: str | os.PathLike | Mapping[str, Any] | LoadedConfig,
+    dataset: Sequence[Any],
+    lengths: Sequence[int],
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    lr_scheduler: Any = None,
+    cost_model: TableCostModel | None = None,
+    seed: int = 0,
+):
+    """``deepspeed.initialize`` with the plugin's loader; returns (engine, optimizer, loader, scheduler)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    cfg = config if isinstance(config, LoadedConfig) else load_config(config)
+    if cfg.plugin.pipeline.stages != 1:
+        raise ValueError("deepspeed_ext.initialize runs data parallelism (ZeRO 0-3); pipeline.stages > 1 "
+                         "needs a PipelineModule and the plugin's pipeline engine")
+    if not dist.is_initialized():
+        deepspeed.init_distributed()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ds_config = _deepspeed_config(cfg.deepspeed, world)
+    loader = DynLoader(dataset, lengths=lengths, config=cfg, cost_model=cost_model or _cost_model(cfg, model),
+                       dp_rank=rank, dp_size=world, seed=seed)
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=optimizer, model_parameters=model_parameters or model.parameters(),
+        lr_scheduler=lr_scheduler, config=ds_config, dist_init_required=False)
+    return engine, optimizer, loader, scheduler
+
+
+def train_step(engine, step: Step) -> float:
+    """Run this rank's micro-batches of one planned step and take the optimizer step.
+
+    Returns the token-mean loss of the whole global batch (summed over ranks)."""
+    import torch.distributed as dist
+
+    dp = dist.get_world_size() if dist.is_initialized() else 1
+    n = len(step.micro_batches)
+    if n == 0:
+        raise ValueError(f"step {step.index} gave this rank no micro-batch; every replica needs at least one")
+    total = torch.zeros((), dtype=torch.float64)
+    for i, mb in enumerate(step.micro_batches):
+        engine.set_gradient_accumulation_boundary(i == n - 1)
+        inputs = {k: v.to(engine.device) for k, v in mb.items() if k in MODEL_KEYS}
+        out = engine(**inputs, use_cache=False)
+        scored = int((mb["labels"] != -100).sum())
+        loss_sum = out.loss * scored  # HF returns the mean over this micro-batch's scored tokens
+        engine.backward(loss_sum * (dp / step.tokens), scale_wrt_gas=False)
+        total += loss_sum.detach().double().cpu()
+    engine.step()
+    if dp > 1:
+        dist.all_reduce(total)
+    return float(total / step.tokens)
