@@ -28,7 +28,9 @@ from dyn_plugin.data.loader import DynLoader, Step
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["initialize", "train_step", "skip_cpu_shm_build", "model_shape"]
+__all__ = ["initialize", "train_step", "save_checkpoint", "load_checkpoint", "skip_cpu_shm_build", "model_shape"]
+
+LOADER_STATE = "dyn_plugin_loader.json"
 
 # Keys of a micro-batch a causal LM takes; the rest (boundaries for other kernels) stay out.
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
@@ -90,6 +92,10 @@ def initialize(
     import torch.distributed as dist
 
     cfg = config if isinstance(config, LoadedConfig) else load_config(config)
+    if cfg.plugin.pipeline.stages > 1 and cfg.zero_stage >= 2:
+        raise ValueError(f"pipeline.stages = {cfg.plugin.pipeline.stages} with zero_optimization.stage = "
+                         f"{cfg.zero_stage}: DeepSpeed's pipeline engine supports ZeRO stages 0 and 1 only; "
+                         "use ZeRO-1 with pipelines, or ZeRO-2/3 without")
     if cfg.plugin.pipeline.stages != 1:
         raise ValueError("deepspeed_ext.initialize runs data parallelism (ZeRO 0-3); pipeline.stages > 1 "
                          "needs a PipelineModule and the plugin's pipeline engine")
@@ -128,3 +134,31 @@ def train_step(engine, step: Step) -> float:
     if dp > 1:
         dist.all_reduce(total)
     return float(total / step.tokens)
+
+
+def save_checkpoint(engine, loader: DynLoader, save_dir: str | os.PathLike, tag: str | None = None) -> str:
+    """DeepSpeed's checkpoint plus the loader's position (as JSON beside it, not pickled)."""
+    import json
+
+    import torch.distributed as dist
+
+    tag = tag or f"step{engine.global_steps}"
+    engine.save_checkpoint(str(save_dir), tag=tag)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with open(os.path.join(save_dir, tag, LOADER_STATE), "w") as f:
+            json.dump(loader.state_dict(), f)
+    if dist.is_initialized():
+        dist.barrier()
+    return tag
+
+
+def load_checkpoint(engine, loader: DynLoader, load_dir: str | os.PathLike, tag: str | None = None) -> None:
+    """Restore the engine (weights, optimizer, scheduler) and the loader's position: training then
+    continues with exactly the samples the interrupted epoch had left."""
+    import json
+
+    path, _ = engine.load_checkpoint(str(load_dir), tag=tag)
+    if path is None:
+        raise FileNotFoundError(f"no DeepSpeed checkpoint in {load_dir} (tag {tag or 'latest'})")
+    with open(os.path.join(os.path.dirname(path) if os.path.isfile(path) else path, LOADER_STATE)) as f:
+        loader.load_state_dict(json.load(f))

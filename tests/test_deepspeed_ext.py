@@ -15,19 +15,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_exact_token_mean_step_for_every_zero_stage(tmp_path):
-    out, port = tmp_path / "result.json", free_port()
+def run_ranks(script, *args, world=2):
+    port = free_port()
     procs = []
-    for r in range(2):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "ds_exact_worker.py"), str(out)], env=env,
+    for r in range(world):
+        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, script), *map(str, args)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     logs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:]
+    return [p.returncode for p in procs], logs
+
+
+def test_exact_token_mean_step_for_every_zero_stage(tmp_path):
+    out = tmp_path / "result.json"
+    codes, logs = run_ranks("ds_exact_worker.py", out)
+    assert codes == [0, 0], logs[0][-3000:]
     results = json.loads(out.read_text())
     assert {(r["stage"], r["layout"]) for r in results} == {(s, l) for s in range(4) for l in ("padded", "packed")}
     for r in results:
         assert r["max_abs_diff"] <= 1e-5, r
         assert len(r["micro_batch_sizes"]) > 1, r  # the plan cut the step into several micro-batches
     assert any(len(set(r["micro_batch_sizes"])) > 1 for r in results)  # of uneven sizes
+
+
+def test_kill_and_resume_matches_an_uninterrupted_epoch(tmp_path):
+    import torch
+
+    codes, logs = run_ranks("ds_resume_worker.py", tmp_path, "full")
+    assert codes == [0, 0], logs[0][-3000:]
+    codes, logs = run_ranks("ds_resume_worker.py", tmp_path, "stop-after:2")
+    assert codes == [-9, -9], logs[0][-3000:]  # killed mid-epoch, after its checkpoint
+    codes, logs = run_ranks("ds_resume_worker.py", tmp_path, "resume")
+    assert codes == [0, 0], logs[0][-3000:]
+    full = torch.load(tmp_path / "params-full.pt")
+    resumed = torch.load(tmp_path / "params-resume.pt")
+    assert float((full - resumed).abs().max()) <= 1e-5
+
+
+def test_pipeline_with_zero_2_is_refused_before_training():
+    import pytest
+
+    import deepspeed_ext
+
+    cfg = {"zero_optimization": {"stage": 2}, "dyn_plugin": {"pipeline": {"stages": 2}}}
+    with pytest.raises(ValueError, match="supports ZeRO stages 0 and 1 only"):
+        deepspeed_ext.initialize(model=None, config=cfg, dataset=[], lengths=[])
