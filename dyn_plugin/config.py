@@ -98,6 +98,10 @@ class CostModelConfig(_Section):
 
 
 class MicrobatchingConfig(_Section):
+    method: Literal["dynapipe", "fixed_padding", "token_budget", "packing_varlen"] = Field(
+        default="dynapipe",
+        description="the plugin's plan, or a baseline's batching (for side-by-side comparisons)",
+    )
     layout: Literal["padded", "packed", "auto"] = Field(
         default="auto", description="micro-batch layout; 'auto' lets the planner pick the faster one"
     )

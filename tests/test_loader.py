@@ -164,3 +164,14 @@ def test_planner_processes_stop_with_the_loader(how):
     while time.time() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
         time.sleep(0.05)
     assert not any(os.path.exists(f"/proc/{p}") for p in pids)
+
+
+@pytest.mark.parametrize("method", ["fixed_padding", "token_budget", "packing_varlen"])
+def test_baseline_batching_through_the_same_loader(method):
+    cfg, cm, lens, data = make(microbatching={"global_tokens": 3000, "max_seq_len": 600, "method": method})
+    seen = []
+    for r in range(2):
+        for step in DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=r, dp_size=2, seed=1):
+            seen += [i for mb in step.sample_ids for i in mb]
+            assert step.predicted_ms > 0
+    assert sorted(seen) == list(range(len(lens)))

@@ -50,6 +50,7 @@ class Step:
     sample_ids: list[list[int]]  # dataset indices of each micro-batch in micro_batches
     tokens: int  # scored tokens over the whole global batch
     digest: str  # fingerprint of the whole step's plan, equal on every rank
+    predicted_ms: float  # the cost model's simulated time of the whole step
 
 
 class DynLoader:
@@ -204,7 +205,7 @@ class DynLoader:
             tensors.append(collate(desc["sample_ids"], desc["seq_lens"], desc["layout"], desc["shape"],
                                    self.dataset.__getitem__, pad_id=self.pad_id))
             ids.append(list(desc["sample_ids"]))
-        return Step(rp.epoch, rp.step, rp.plan, tensors, ids, rp.loss_tokens, rp.digest)
+        return Step(rp.epoch, rp.step, rp.plan, tensors, ids, rp.loss_tokens, rp.digest, rp.predicted_ms)
 
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "epoch": self.epoch, "step": self.step, "seed": self.seed,

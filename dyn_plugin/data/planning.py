@@ -15,6 +15,7 @@ import numpy as np
 
 from ..config import DynPluginConfig
 from ..cost.table import TableCostModel
+from ..plan.baselines import plan_baseline
 from ..plan.instructions import ExecutionPlan, build_execution_plans, plan_from_json, plan_to_json
 from ..plan.planner import PlannerSpec, StepPlan, plan_step, planner_spec
 from .collate import loss_tokens
@@ -32,15 +33,16 @@ class RankPlan:
     plan: ExecutionPlan
     loss_tokens: int  # scored tokens of the whole global batch, every replica included
     digest: str  # of the whole step plan: every rank must hold the same one
+    predicted_ms: float  # the simulated step time of the whole plan
 
     def to_meta(self) -> dict:
         return {"epoch": self.epoch, "step": self.step, "loss_tokens": self.loss_tokens, "digest": self.digest,
-                "plan": json.loads(plan_to_json(self.plan))}
+                "predicted_ms": self.predicted_ms, "plan": json.loads(plan_to_json(self.plan))}
 
     @classmethod
     def from_meta(cls, meta: dict) -> "RankPlan":
         return cls(meta["epoch"], meta["step"], plan_from_json(json.dumps(meta["plan"])), int(meta["loss_tokens"]),
-                   meta["digest"])
+                   meta["digest"], float(meta["predicted_ms"]))
 
 
 def step_digest(plan: StepPlan) -> str:
@@ -82,7 +84,11 @@ class PlanningContext:
         """(dp_rank, pp_rank) -> that rank's plan, for global batch ``step`` of ``epoch``."""
         ids = self.batches(epoch)[step]
         lens = [int(self.lengths[i]) for i in ids]
-        plan = plan_step(lens, self.spec)
+        method = self.config.microbatching.method
+        if method == "dynapipe":
+            plan = plan_step(lens, self.spec)
+        else:
+            plan = plan_baseline(method, lens, self.spec, self.config.microbatching.max_seq_len)
         digest = step_digest(plan)
         tokens = loss_tokens(lens)
         out = {}
@@ -92,7 +98,7 @@ class PlanningContext:
             ranks = [r * self.pp + s for s in range(self.pp)]
             for s, ep in enumerate(build_execution_plans(mbs, rep.schedule, replica=r, stage_ranks=ranks,
                                                          hidden_size=self.spec.hidden_size)):
-                out[(r, s)] = RankPlan(epoch, step, ep, tokens, digest)
+                out[(r, s)] = RankPlan(epoch, step, ep, tokens, digest, plan.iteration_ms)
         return out
 
     def to_json(self) -> str:
