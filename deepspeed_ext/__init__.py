@@ -62,7 +62,10 @@ def _cost_model(cfg: LoadedConfig, model: torch.nn.Module) -> TableCostModel:
     cm = cfg.plugin.cost_model
     if cm.kind == "analytic" and cm.model is None:
         cm = cm.model_copy(update={"model": model_shape(model)})
-    return build_cost_model(cm, cfg.plugin.cluster)
+    cost = build_cost_model(cm, cfg.plugin.cluster)
+    if cost.hidden_size is None:  # a profile that does not record it: the live model does
+        cost.hidden_size = model_shape(model).hidden_size
+    return cost
 
 
 def _deepspeed_config(ds: dict[str, Any], dp: int) -> dict[str, Any]:

@@ -168,8 +168,10 @@ def partition(
         specs = [(s.num_layers, s.first, s.last) for s in stages]
         mems = [(m.budget, m.in_flight) for m in memory]
         ok, bounds, modes, t_max, obj, bad = core.partition(sorted_lens, tables, specs, mems, dp, THIN)
-        if not ok:
+        if not ok and bad >= 0:
             _infeasible(arr, order, bad, layout, memory)
+        if not ok:
+            _no_even_split(len(arr), dp)
         return Partition(tuple(int(x) for x in order), tuple(bounds), tuple(recomputes[m] for m in modes), layout, t_max, obj)
     times, modes = run_costs(sorted_lens, cost, layout, recomputes, stages, memory, tp)
     for i, t in enumerate(times):
@@ -188,10 +190,18 @@ def partition(
         if best is None or obj < best[0]:
             best = (obj, t_max, res[1])
     if best is None:
-        raise InfeasibleError(f"no way to cut {len(arr)} sequences into a multiple of {dp} micro-batches that fit")
+        _no_even_split(len(arr), dp)
     obj, t_max, bounds = best
     run_modes = [recomputes[int(modes[a][b - a - 1])] for a, b in zip(bounds, bounds[1:])]
     return Partition(tuple(int(x) for x in order), tuple(bounds), tuple(run_modes), layout, float(t_max), float(obj))
+
+
+def _no_even_split(n: int, dp: int):
+    raise InfeasibleError(
+        f"no way to cut {n} sequences into a multiple of {dp} micro-batches that fit: every replica needs the "
+        "same number, and the sequences that would have to share a micro-batch do not fit together (in memory, "
+        "or in the range the cost model measured); profile larger micro-batches or change the token budget"
+    )
 
 
 def _infeasible(arr, order, pos: int, layout: Layout, memory: Sequence[StageMemory]):

@@ -76,8 +76,15 @@ def planner_spec(
     hidden = hidden_size or cost.hidden_size
     if not hidden:
         raise ValueError("the planner needs the model's hidden size (cost_model.model.hidden_size)")
-    recomputes = RECOMPUTES if mb.recompute == "auto" else (mb.recompute,)
-    layouts = LAYOUTS if mb.layout == "auto" else (mb.layout,)
+    # Only what the cost model can price: a profile may measure fewer modes than exist.
+    layouts = tuple(l for l in (LAYOUTS if mb.layout == "auto" else (mb.layout,))
+                    if any((l, r, tp) in cost.tables for r in RECOMPUTES))
+    recomputes = tuple(r for r in (RECOMPUTES if mb.recompute == "auto" else (mb.recompute,))
+                       if all((l, r, tp) in cost.tables for l in layouts))
+    if not layouts or not recomputes:
+        have = ", ".join(f"{l}/{r}/tp{t}" for l, r, t in sorted(cost.tables))
+        raise ValueError(f"cost model {cost.name!r} cannot price microbatching.layout={mb.layout!r}, "
+                         f"recompute={mb.recompute!r} at tp={tp} (it has {have}); profile those or change the config")
     return PlannerSpec(cost, stages, tuple(memory), dp, link, hidden, layouts, recomputes, tp, seed, mb.max_seq_len,
                        pipe.schedule)
 
