@@ -1,36 +1,13 @@
 """DeepSpeed on 2 CPU ranks (gloo): one planned step equals the single-process token-mean
 reference for ZeRO 0-3, padded and packed, with several uneven micro-batches per rank."""
 import json
-import os
-import socket
-import subprocess
-import sys
 
-HERE = os.path.dirname(__file__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(script, *args, world=2):
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, script), *map(str, args)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    logs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
-    return [p.returncode for p in procs], logs
+from ranks import run
 
 
 def test_exact_token_mean_step_for_every_zero_stage(tmp_path):
     out = tmp_path / "result.json"
-    codes, logs = run_ranks("ds_exact_worker.py", out)
+    codes, logs = run("ds_exact_worker.py", out)
     assert codes == [0, 0], logs[0][-3000:]
     results = json.loads(out.read_text())
     assert {(r["stage"], r["layout"]) for r in results} == {(s, l) for s in range(4) for l in ("padded", "packed")}
@@ -43,11 +20,11 @@ def test_exact_token_mean_step_for_every_zero_stage(tmp_path):
 def test_kill_and_resume_matches_an_uninterrupted_epoch(tmp_path):
     import torch
 
-    codes, logs = run_ranks("ds_resume_worker.py", tmp_path, "full")
+    codes, logs = run("ds_resume_worker.py", tmp_path, "full")
     assert codes == [0, 0], logs[0][-3000:]
-    codes, logs = run_ranks("ds_resume_worker.py", tmp_path, "stop-after:2")
+    codes, logs = run("ds_resume_worker.py", tmp_path, "stop-after:2")
     assert codes == [-9, -9], logs[0][-3000:]  # killed mid-epoch, after its checkpoint
-    codes, logs = run_ranks("ds_resume_worker.py", tmp_path, "resume")
+    codes, logs = run("ds_resume_worker.py", tmp_path, "resume")
     assert codes == [0, 0], logs[0][-3000:]
     full = torch.load(tmp_path / "params-full.pt")
     resumed = torch.load(tmp_path / "params-resume.pt")

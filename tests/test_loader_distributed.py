@@ -2,39 +2,20 @@
 with no store, the embedded TCPStore and a real Redis server."""
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 from redis_server import redis_server  # noqa: F401  (fixture)
 
+from ranks import free_port, run
 from test_loader import make
 
-HERE = os.path.dirname(__file__)
-WORKER = os.path.join(HERE, "dist_loader_worker.py")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(out, mode, world=2, store=None, env_extra=None):
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "TEST_STORE": json.dumps(store or {"backend": "none"}), **(env_extra or {})}
-        procs.append(subprocess.Popen([sys.executable, WORKER, str(out), mode], env=env, cwd=os.path.dirname(HERE)))
-    return procs
-
-
-def wait_all(procs, timeout=120):
-    return [p.wait(timeout=timeout) for p in procs]
+def run_ranks(out, mode, store=None, env=None):
+    codes, _ = run("dist_loader_worker.py", out, mode, env={"TEST_STORE": json.dumps(store or {"backend": "none"}),
+                                                          **(env or {})}, timeout=120)
+    return codes
 
 
 def consumed(out, world=2):
@@ -64,20 +45,20 @@ def test_two_ranks_agree_and_consume_every_sample_once(tmp_path, backend, reques
         server = request.getfixturevalue("redis_server")
         store = {"backend": "redis", "url": server.url, "namespace": f"dist-{time.time_ns()}"}
         env = {"DYN_PLUGIN_REDIS_PASSWORD": server.password}
-    assert wait_all(launch(tmp_path, "full", store=store, env_extra=env)) == [0, 0]
+    assert run_ranks(tmp_path, "full", store=store, env=env) == [0, 0]
     check_exactly_once(tmp_path, len(make()[2]))
 
 
 @pytest.mark.parametrize("backend", ["none", "tcp"])
 def test_crash_and_resume_gives_exactly_the_rest(tmp_path, backend):
     store = {"backend": "tcp", "port": free_port(), "namespace": "resume-test"} if backend == "tcp" else None
-    codes = wait_all(launch(tmp_path, "stop-after:3", store=store))
+    codes = run_ranks(tmp_path, "stop-after:3", store=store)
     assert all(c == -9 for c in codes), codes  # both ranks died by SIGKILL mid-epoch
     pids = json.load(open(tmp_path / "pids0.json"))
     _assert_gone(pids)
     if store:
         store = {**store, "port": free_port()}
-    assert wait_all(launch(tmp_path, "resume", store=store)) == [0, 0]
+    assert run_ranks(tmp_path, "resume", store=store) == [0, 0]
     check_exactly_once(tmp_path, len(make()[2]))
 
 
