@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from dyn_plugin.config import LoadedConfig, ModelShape, load_config
+from dyn_plugin.cost.allocator import stable_cpu_allocator
 from dyn_plugin.cost.from_config import build_cost_model
 from dyn_plugin.cost.table import TableCostModel
 from dyn_plugin.data.loader import DynLoader, Step
@@ -102,6 +103,9 @@ def initialize(
     if cfg.plugin.pipeline.stages != 1:
         raise ValueError("deepspeed_ext.initialize runs data parallelism (ZeRO 0-3); pipeline.stages > 1 "
                          "needs a PipelineModule and the plugin's pipeline engine")
+    if not torch.cuda.is_available():
+        # the allocator the CPU profile was measured under (dyn_plugin/cost/allocator.py)
+        stable_cpu_allocator()
     if not dist.is_initialized():
         deepspeed.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
