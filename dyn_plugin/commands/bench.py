@@ -7,7 +7,7 @@ import platform
 import time
 
 HELP = ("benchmarks that print JSON: cost (cost-model evaluation), planner (plans vs baselines on A100 costs), "
-        "loader (planning ahead, plan wait, store latency)")
+        "loader (planning ahead, plan wait, store latency), train (DeepSpeed on 2 CPU ranks, batchings side by side)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,12 +30,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     loader.add_argument("--step-ms", default="0,50,200", help="simulated training step times (ms), comma-separated")
     loader.add_argument("--planners", type=int, default=2)
     loader.add_argument("--prefetch", type=int, default=4)
-    for p in (cost, planner, loader):
+    train = sub.add_parser("train", help="tiny Llama with DeepSpeed on 2 CPU ranks: padded, token budget, packing "
+                                          "and the plugin side by side (effective tokens/s, predicted vs measured)")
+    train.add_argument("--profile", required=True, help="tiny-llama profile of this machine (dynplugin profile)")
+    train.add_argument("--out", default="out/bench-train")
+    train.add_argument("--steps", type=int, default=6)
+    train.add_argument("--ranks", type=int, default=2)
+    for p in (cost, planner, loader, train):
         p.add_argument("--json", action="store_true", help="one JSON object per line, no indentation")
 
 
 def run(args: argparse.Namespace) -> int:
     host = dict(machine=platform.machine(), python=platform.python_version(), date=time.strftime("%Y-%m-%d"))
+    if args.what == "train":
+        return bench_train(args, host)
     if args.what in ("planner", "loader"):
         if args.what == "planner":
             from ..plan.bench import bench_planner
@@ -94,3 +102,20 @@ def bench_cost(args: argparse.Namespace) -> dict:
     out["max_rel_diff_native_vs_python"] = float(np.max(np.abs(many[:, 0] - py) / np.array(py)))
     out["speedup_batched_vs_python"] = out["python_us_per_query"] / out["native_batched_us_per_query"]
     return out
+
+
+def bench_train(args: argparse.Namespace, host: dict) -> int:
+    """Launch the comparison on local ranks (torchrun), then print its summary rows."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", "-m", "deepspeed_ext.compare",
+           "--profile", args.profile, "--out", args.out, "--steps", str(args.steps)]
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL if args.json else None)
+    if done.returncode != 0:
+        raise RuntimeError(f"training comparison failed (exit {done.returncode}): {' '.join(cmd)}")
+    with open(os.path.join(args.out, "summary.json")) as f:
+        for row in json.load(f):
+            print(json.dumps({"benchmark": "train", **row, **host}, indent=None if args.json else 2))
+    return 0
