@@ -145,7 +145,7 @@ def main() -> None:
     p.add_argument("--lengths", default="code", help="corpus: code, prose or mixture")
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--global-tokens", type=int, default=8192)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--seed", type=int, default=0)
