@@ -71,3 +71,20 @@ def test_bench_loader_prints_json(capsys):
     modes = {r.get("mode") for r in records if r["benchmark"] == "loader"}
     assert modes == {"local", "tcp-store"}
     assert {r["backend"] for r in records if r["benchmark"] == "store-round-trip"} == {"tcp", "redis"}
+
+
+def test_bench_planner_prints_json(capsys):
+    assert main(["bench", "planner", "--distributions", "code", "--global-tokens", "65536", "--parallel", "4x2",
+                 "--batches", "1", "--python-batches", "1", "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    methods = {(r["method"], r["impl"]) for r in records}
+    assert ("dynapipe", "cpp" if dyn_plugin_native() else "python") in methods
+    assert {m for m, _ in methods} == {"dynapipe", "fixed_padding", "token_budget", "packing_full", "packing_varlen"}
+    plan = next(r for r in records if r["method"] == "dynapipe")
+    assert plan["sim_iter_ms"] >= plan["lower_bound_ms"] * (1 - 1e-9) and plan["plan_ms_p50"] > 0
+
+
+def dyn_plugin_native() -> bool:
+    import dyn_plugin
+
+    return dyn_plugin.native_available()

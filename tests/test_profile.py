@@ -1,4 +1,5 @@
 import json
+import os
 
 import numpy as np
 import pytest
@@ -112,14 +113,13 @@ def test_rejects_unknown_version_and_bad_files(tmp_path):
         fit_tables([s for s in synthetic_samples() if s.num_layers in (None, 1)])
 
 
-A100 = "/work/shared/data/a100-measured/gpt-6.7b.json"
+# shared/ sits beside the repository (the project's data, not part of the package)
+A100 = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "a100-measured", "gpt-6.7b.json")
 
 
 def test_bundled_a100_profile_matches_the_measured_tables():
     """The bundled profile is what `dynplugin profile import` makes of the A100 tables, and it
     reproduces their measured points within the fit error."""
-    import os
-
     from dyn_plugin.cost.measured_tables import import_measured_tables
     from dyn_plugin.profiles import load_bundled
 
@@ -140,3 +140,25 @@ def test_bundled_a100_profile_matches_the_measured_tables():
     padded = cm.micro_batch_cost([2048, 512, 512], layout="padded", stage=one_layer)
     assert packed.forward_ms < padded.forward_ms
     assert cm.micro_batch_cost([16], layout="padded", stage=one_layer).forward_ms >= 1.0  # the GPU floor
+
+
+def test_profile_import_command(tmp_path, capsys):
+    """Per-layer tables in the a100-measured format become a profile that prices micro-batches."""
+    from dyn_plugin.cli import main
+
+    rows = lambda f: [[s, b, f(s, b)] for s in (128, 512, 2048) for b in (1, 2, 4)]  # noqa: E731
+    table = {"tp": 1, "recompute": "none",
+             "time_ms": {"encoder.forward": rows(lambda s, b: 1 + 1e-3 * s * b), "encoder.backward": rows(lambda s, b: 2 + 2e-3 * s * b),
+                         "postprocess.forward": rows(lambda s, b: 0.5 + 1e-4 * s * b), "postprocess.backward": rows(lambda s, b: 1 + 2e-4 * s * b)},
+             "stored_activation_mb": {"encoder": rows(lambda s, b: 0.01 * s * b)},
+             "peak_activation_mb": {"encoder": rows(lambda s, b: 0.02 * s * b)},
+             "params_mb": {"embedding": 100.0, "encoder": 50.0}}
+    src, out = tmp_path / "tables.json", tmp_path / "p.json"
+    src.write_text(json.dumps({"name": "toy", "measured_on": "nowhere", "tables": [table]}))
+    assert main(["profile", "import", str(src), "--num-layers", "4", "--hidden-size", "256", "--out", str(out)]) == 0
+    assert "18 samples" in capsys.readouterr().out  # 9 points x (layer, head)
+    cm = cost_model_from_profile(load_profile(out))
+    got = cm.micro_batch_cost([512, 512], layout="padded", stage=StageSpec(1, first=False, last=False))
+    assert got.forward_ms == pytest.approx(1 + 1e-3 * 1024, rel=1e-3)
+    assert cm.hidden_size == 256 and cm.table("packed", "none").max_len == 2048
+    assert main(["profile", "import", str(src), "--out", str(out)]) == 2  # depth and width are required
