@@ -43,6 +43,7 @@ demo: install
 	@echo "  plan.png, plan-trace.json     A100 GPT-6.7B plans vs baselines; open the trace in https://ui.perfetto.dev"
 	@echo "  plans/rank*.json              per-rank execution plans (instructions) of the first step"
 	@echo "  train/report.md, report.png   DeepSpeed on 2 CPU ranks: padded, token budget, packing, dyn_plugin"
+	@echo "  train/step-trace.json         one executed plugin step, measured vs predicted per micro-batch"
 
 clean:
 	rm -rf $(VENV) build *.egg-info dyn_plugin/_core*.so $(OUT)

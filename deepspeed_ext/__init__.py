@@ -118,10 +118,13 @@ def initialize(
     return engine, optimizer, loader, scheduler
 
 
-def train_step(engine, step: Step) -> float:
+def train_step(engine, step: Step, timings: list | None = None) -> float:
     """Run this rank's micro-batches of one planned step and take the optimizer step.
 
-    Returns the token-mean loss of the whole global batch (summed over ranks)."""
+    Returns the token-mean loss of the whole global batch (summed over ranks). ``timings``, if
+    given, receives (forward_ms, backward_ms) of each micro-batch and ("step", optimizer ms)."""
+    import time
+
     import torch.distributed as dist
 
     dp = dist.get_world_size() if dist.is_initialized() else 1
@@ -132,12 +135,19 @@ def train_step(engine, step: Step) -> float:
     for i, mb in enumerate(step.micro_batches):
         engine.set_gradient_accumulation_boundary(i == n - 1)
         inputs = {k: v.to(engine.device) for k, v in mb.items() if k in MODEL_KEYS}
+        t0 = time.perf_counter()
         out = engine(**inputs, use_cache=False)
         scored = int((mb["labels"] != -100).sum())
         loss_sum = out.loss * scored  # HF returns the mean over this micro-batch's scored tokens
+        t1 = time.perf_counter()
         engine.backward(loss_sum * (dp / step.tokens), scale_wrt_gas=False)
         total += loss_sum.detach().double().cpu()
+        if timings is not None:
+            timings.append(((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
+    t0 = time.perf_counter()
     engine.step()
+    if timings is not None:
+        timings.append(("step", (time.perf_counter() - t0) * 1e3))
     if dp > 1:
         dist.all_reduce(total)
     return float(total / step.tokens)

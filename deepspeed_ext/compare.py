@@ -68,14 +68,17 @@ def run_mode(mode: str, args, docs, lengths) -> list[dict]:
     for n, step in enumerate(loader):
         real = torch.tensor([sum(sum(len(docs[i]) for i in mb) for mb in step.sample_ids)], dtype=torch.float64)
         slots = torch.tensor([sum(int(m["input_ids"].numel()) for m in step.micro_batches)], dtype=torch.float64)
+        timings: list = []
         dist.barrier()
         t0 = time.perf_counter()
-        loss = deepspeed_ext.train_step(engine, step)
+        loss = deepspeed_ext.train_step(engine, step, timings)
         dist.barrier()
         ms = (time.perf_counter() - t0) * 1e3
         for t in (real, slots):
             dist.all_reduce(t)
         bar.update()
+        if n == args.warmup and mode == "dyn_plugin":
+            write_step_trace(step, timings, loader.context.cost, args.out)
         if n >= args.warmup:
             records.append({"mode": mode, "step": n, "measured_ms": ms, "predicted_ms": step.predicted_ms,
                             "real_tokens": float(real), "token_slots": float(slots), "loss": loss,
@@ -84,6 +87,49 @@ def run_mode(mode: str, args, docs, lengths) -> list[dict]:
             break
     bar.close()
     return records
+
+
+def write_step_trace(step, timings: list, cost, out: str) -> None:
+    """Chrome trace of one executed step: per rank, measured forward/backward of each
+    micro-batch next to the cost model's prediction for it (open in https://ui.perfetto.dev)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from dyn_plugin.plan.instructions import LoadMicroBatch
+
+    mine = []
+    executed = [ins.mb for ins in step.plan.instructions if isinstance(ins, LoadMicroBatch)]  # in run order
+    for k, m in enumerate(executed):
+        desc = step.plan.micro_batches[m]
+        c = cost.micro_batch_cost(desc["seq_lens"], layout=desc["layout"], recompute=desc["recompute"])
+        fwd, bwd = timings[k]
+        mine += [fwd, bwd, c.forward_ms, c.backward_ms]
+    mine.append(timings[-1][1])  # optimizer step
+    width = torch.tensor([len(mine)])
+    widths = [torch.zeros_like(width) for _ in range(world)]
+    dist.all_gather(widths, width)
+    padded = torch.zeros(int(max(widths)), dtype=torch.float64)
+    padded[: len(mine)] = torch.tensor(mine, dtype=torch.float64)
+    gathered = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    if rank != 0:
+        return
+    events = []
+    for r, (vals, w) in enumerate(zip(gathered, widths)):
+        vals = vals[: int(w)].tolist()
+        events.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
+        for tid, name in ((0, "measured"), (1, "predicted")):
+            events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": name}})
+        clocks = [0.0, 0.0]
+        for m in range((len(vals) - 1) // 4):
+            f, b, pf, pb = vals[4 * m: 4 * m + 4]
+            for tid, (fwd, bwd) in enumerate(((f, b), (pf, pb))):
+                for kind, dur in (("F", fwd), ("B", bwd)):
+                    events.append({"ph": "X", "name": f"{kind}{m}", "pid": r, "tid": tid, "ts": clocks[tid] * 1e3,
+                                   "dur": dur * 1e3, "args": {"micro_batch": m}})
+                    clocks[tid] += dur
+        events.append({"ph": "X", "name": "optimizer step + all-reduce", "pid": r, "tid": 0, "ts": clocks[0] * 1e3,
+                       "dur": vals[-1] * 1e3})
+    with open(os.path.join(out, "step-trace.json"), "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -164,7 +210,8 @@ def main() -> None:
         with open(os.path.join(args.out, "summary.json"), "w") as f:
             json.dump(rows, f)
         print("\n" + report(rows, args.out, args))
-        print(f"report: {args.out}/report.md, {args.out}/report.png, per-step records: {args.out}/records.jsonl")
+        print(f"report: {args.out}/report.md, {args.out}/report.png, per-step records: {args.out}/records.jsonl, "
+              f"one executed step measured vs predicted: {args.out}/step-trace.json")
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # DeepSpeed sometimes aborts in its exit handlers on CPU

@@ -57,3 +57,6 @@ def test_bench_train_runs_the_comparison(tmp_path, capsys):
     assert all(r["effective_tokens_per_s"] > 0 and r["predicted_step_ms"] > 0 for r in rows)
     assert len({round(r["final_loss"], 4) for r in rows}) == 1  # exact token-mean updates: same loss every way
     assert (tmp_path / "train" / "report.png").stat().st_size > 0
+    events = json.loads((tmp_path / "train" / "step-trace.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["tid"] for e in spans} == {0, 1} and {e["pid"] for e in spans} == {0, 1}  # measured, predicted; 2 ranks
