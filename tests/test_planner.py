@@ -13,8 +13,8 @@ from dyn_plugin.data.sampler import global_batches
 from dyn_plugin.plan.assign import assign_to_replicas
 from dyn_plugin.plan.baselines import BASELINES, plan_baseline
 from dyn_plugin.plan.packing import pack_rows
-from dyn_plugin.plan.instructions import build_execution_plans, check_plans, plan_from_json, plan_to_json
-from dyn_plugin.plan.planner import critical_path_ms, ideal_ms, plan_step, planner_spec
+from dyn_plugin.plan.instructions import check_plans, plan_from_json, plan_to_json
+from dyn_plugin.plan.planner import critical_path_ms, execution_plans, ideal_ms, plan_step, planner_spec
 
 CONFIG = load_config("examples/a100_gpt67b.json")
 COST = build_cost_model(CONFIG.plugin.cost_model, CONFIG.plugin.cluster)
@@ -59,10 +59,8 @@ def test_beats_baselines_and_respects_bounds(plans):
 
 
 def test_execution_plans_round_trip_and_match_up(plans):
-    every = []
-    for r, rep in enumerate(plans[0].replicas):
-        every += build_execution_plans(rep.micro_batches, rep.schedule, replica=r,
-                                       stage_ranks=[r * SPEC.pp + s for s in range(SPEC.pp)], hidden_size=4096)
+    every = list(execution_plans(plans[0], 4096).values())
+    assert sorted(p.rank for p in every) == list(range(SPEC.pp * SPEC.dp))
     check_plans(every)
     assert [plan_from_json(plan_to_json(p)) for p in every] == every
 

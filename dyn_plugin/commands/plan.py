@@ -119,14 +119,11 @@ def _write_trace(plan, link, path: str) -> None:
 def _write_plans(plan, spec, directory: str) -> None:
     import os
 
-    from ..plan.instructions import build_execution_plans, check_plans, plan_to_json
+    from ..plan.instructions import check_plans, plan_to_json
+    from ..plan.planner import execution_plans
 
     os.makedirs(directory, exist_ok=True)
-    every = []
-    for i, r in enumerate(plan.replicas):
-        ranks = [i * spec.pp + s for s in range(spec.pp)]
-        every += build_execution_plans(r.micro_batches, r.schedule, replica=i, stage_ranks=ranks,
-                                       hidden_size=spec.hidden_size)
+    every = list(execution_plans(plan, spec.hidden_size).values())
     check_plans(every)
     for p in every:
         with open(os.path.join(directory, f"rank{p.rank}.json"), "w") as f:

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..config import DynPluginConfig
 from ..cost.table import TableCostModel
 from ..plan.baselines import plan_baseline
-from ..plan.instructions import ExecutionPlan, build_execution_plans, plan_from_json, plan_to_json
-from ..plan.planner import PlannerSpec, StepPlan, plan_step, planner_spec
+from ..plan.instructions import ExecutionPlan, plan_from_json, plan_to_json
+from ..plan.planner import PlannerSpec, StepPlan, execution_plans, plan_step, planner_spec
 from .collate import loss_tokens
 from .sampler import epoch_batches
 
@@ -91,15 +90,13 @@ class PlanningContext:
             plan = plan_baseline(method, lens, self.spec, self.config.microbatching.max_seq_len)
         digest = step_digest(plan)
         tokens = loss_tokens(lens)
-        out = {}
-        for r, rep in enumerate(plan.replicas):
-            # Plans index the global batch; the loader needs dataset indices.
-            mbs = [_to_dataset_ids(mb, ids) for mb in rep.micro_batches]
-            ranks = [r * self.pp + s for s in range(self.pp)]
-            for s, ep in enumerate(build_execution_plans(mbs, rep.schedule, replica=r, stage_ranks=ranks,
-                                                         hidden_size=self.spec.hidden_size)):
-                out[(r, s)] = RankPlan(epoch, step, ep, tokens, digest, plan.iteration_ms)
-        return out
+        # Plans index the global batch; the loader needs dataset indices.
+        plan = replace(plan, replicas=tuple(
+            replace(rep, micro_batches=tuple(replace(mb, sample_ids=tuple(int(ids[i]) for i in mb.sample_ids))
+                                             for mb in rep.micro_batches))
+            for rep in plan.replicas))
+        return {key: RankPlan(epoch, step, ep, tokens, digest, plan.iteration_ms)
+                for key, ep in execution_plans(plan, self.spec.hidden_size).items()}
 
     def to_json(self) -> str:
         return json.dumps({
@@ -113,9 +110,3 @@ class PlanningContext:
         d = json.loads(text)
         return cls(DynPluginConfig.model_validate(d["config"]), TableCostModel.from_dict(d["cost"]),
                    np.asarray(d["lengths"], dtype=np.int64), d["dp"], d["pp"], d["zero_stage"], d["tp"], d["seed"])
-
-
-def _to_dataset_ids(mb, ids: Sequence[int]):
-    from dataclasses import replace
-
-    return replace(mb, sample_ids=tuple(int(ids[i]) for i in mb.sample_ids))

@@ -16,6 +16,7 @@ from ..config import DynPluginConfig
 from ..cost.model import LAYOUTS, RECOMPUTES, Layout, Recompute, StageSpec, features, round_up, split_layers
 from ..cost.table import TableCostModel, evaluate_stage
 from .assign import assign_to_replicas
+from .instructions import ExecutionPlan, build_execution_plans
 from .microbatch import StageMemory, partition
 from .packing import pack_rows
 from .schedule import choose_schedule, one_f_one_b
@@ -153,6 +154,18 @@ class StepPlan:
     @property
     def bubble_fraction(self) -> float:
         return max(r.sim.bubble_fraction for r in self.replicas)
+
+
+def execution_plans(plan: StepPlan, hidden_size: int) -> dict[tuple[int, int], ExecutionPlan]:
+    """Every rank's execution plan of a step, keyed (replica, stage); global rank = replica * pp + stage."""
+    out = {}
+    for r, rep in enumerate(plan.replicas):
+        pp = len(rep.schedule.stages)
+        ranks = [r * pp + s for s in range(pp)]
+        for s, ep in enumerate(build_execution_plans(rep.micro_batches, rep.schedule, replica=r, stage_ranks=ranks,
+                                                     hidden_size=hidden_size)):
+            out[(r, s)] = ep
+    return out
 
 
 def make_micro_batch(
