@@ -25,11 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
 
     from ..config import load_config
     from ..cost.from_config import build_cost_model
-    from ..data.lengths import load_lengths
+    from ..data.lengths import cap_lengths, load_lengths
     from ..data.sampler import global_batches
     from ..plan.baselines import BASELINES, plan_baseline
     from ..plan.planner import critical_path_ms, ideal_ms, plan_step, planner_spec
@@ -40,16 +39,8 @@ def run(args: argparse.Namespace) -> int:
     pp = plugin.pipeline.stages
     dp = args.dp or max(1, plugin.cluster.world_size // pp)
     spec = planner_spec(cost, plugin, dp=dp, zero_stage=cfg.zero_stage, seed=args.seed)
-    lengths = load_lengths(args.lengths)
     max_len = plugin.microbatching.max_seq_len
-    too_long = np.flatnonzero(lengths > max_len)
-    if len(too_long):
-        if not plugin.microbatching.truncate:
-            i = int(too_long[0])
-            raise ValueError(f"lengths[{i}] = {int(lengths[i])} exceeds microbatching.max_seq_len = {max_len} "
-                             f"({len(too_long)} such); set microbatching.truncate = true or raise max_seq_len")
-        logger.info("truncating %d of %d sequences to max_seq_len %d", len(too_long), len(lengths), max_len)
-        lengths = np.minimum(lengths, max_len)
+    lengths = cap_lengths(load_lengths(args.lengths), max_len, plugin.microbatching.truncate)
     tokens = args.global_tokens or plugin.microbatching.global_tokens
     batches = global_batches(lengths, tokens, args.steps, args.seed)
     records = []

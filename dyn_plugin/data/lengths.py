@@ -73,6 +73,21 @@ def _is_integral(v: object) -> bool:
     return isinstance(v, (float, np.floating)) and float(v).is_integer()
 
 
+def cap_lengths(lengths: np.ndarray, max_len: int, truncate: bool) -> np.ndarray:
+    """Lengths no longer than ``microbatching.max_seq_len``: cut when the config asks for
+    truncation, otherwise an error naming the first sample that is too long."""
+    too_long = np.flatnonzero(lengths > max_len)
+    if not len(too_long):
+        return lengths
+    i = int(too_long[0])
+    if not truncate:
+        raise ValueError(f"lengths[{i}] = {int(lengths[i])} exceeds microbatching.max_seq_len = {max_len} "
+                         f"({len(too_long)} samples do); set microbatching.truncate = true to cut them, "
+                         "or raise max_seq_len")
+    logger.info("truncating %d of %d samples to max_seq_len %d", len(too_long), len(lengths), max_len)
+    return np.minimum(lengths, max_len)
+
+
 def validate_lengths(values: ArrayLike) -> np.ndarray:
     """Check and convert to int64; errors name the first bad index so a bad file is quick to fix.
 

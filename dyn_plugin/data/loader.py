@@ -19,7 +19,6 @@ global batch, with the same plans.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import time
 import weakref
@@ -33,10 +32,9 @@ from ..config import DynPluginConfig, LoadedConfig, load_config
 from ..cost.table import TableCostModel
 from ..plan.instructions import ExecutionPlan, LoadMicroBatch
 from .collate import collate
-from .lengths import validate_lengths
+from .lengths import cap_lengths, validate_lengths
 from .planning import PlanningContext, RankPlan
 
-logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 
@@ -129,15 +127,7 @@ class DynLoader:
             raise ValueError(f"lengths has {len(arr)} entries but the dataset has {len(self.dataset)} samples; "
                              "give one length (token count) per sample")
         mb = self.config.microbatching
-        too_long = np.flatnonzero(arr > mb.max_seq_len)
-        if len(too_long):
-            i = int(too_long[0])
-            if not mb.truncate:
-                raise ValueError(f"lengths[{i}] = {int(arr[i])} exceeds microbatching.max_seq_len = {mb.max_seq_len} "
-                                 f"({len(too_long)} samples do); set microbatching.truncate = true to cut them, "
-                                 "or raise max_seq_len")
-            logger.info("truncating %d samples to max_seq_len %d", len(too_long), mb.max_seq_len)
-            arr = np.minimum(arr, mb.max_seq_len)
+        arr = cap_lengths(arr, mb.max_seq_len, mb.truncate)
         return arr
 
     def __len__(self) -> int:
