@@ -35,7 +35,6 @@ from .collate import collate
 from .lengths import cap_lengths, validate_lengths
 from .planning import PlanningContext, RankPlan
 
-
 STATE_VERSION = 1
 
 
