@@ -175,3 +175,13 @@ def test_baseline_batching_through_the_same_loader(method):
             seen += [i for mb in step.sample_ids for i in mb]
             assert step.predicted_ms > 0
     assert sorted(seen) == list(range(len(lens)))
+
+
+def test_run_wide_positions_round_trip_across_epochs():
+    cfg, cm, lens, data = make()
+    ctx = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, seed=7).context
+    per_epoch = [len(ctx.batches(e)) for e in range(3)]
+    assert ctx.position(2, 1) == per_epoch[0] + per_epoch[1] + 1
+    for epoch in range(3):
+        for step in range(per_epoch[epoch]):
+            assert ctx.locate(ctx.position(epoch, step)) == (epoch, step)

@@ -85,7 +85,6 @@ class DynLoader:
         self.context = PlanningContext(config, cost_model, self.lengths, dp_size, pp_size, zero_stage or 0, tp, seed)
         self.epoch, self.step = 0, 0
         self.plan_wait_s: list[float] = []  # per step, how long this rank waited for its plan
-        self._offsets: dict[int, int] = {0: 0}
         self._store = self._pool = None
         if config.store.backend != "none":
             self._open_store()
@@ -111,7 +110,7 @@ class DynLoader:
     def _start_planners(self) -> None:
         from .planner_pool import CURSOR_KEY, PlannerPool
 
-        position = self._position(self.epoch, self.step)
+        position = self.context.position(self.epoch, self.step)
         self._store.put(CURSOR_KEY, str(position).encode())
         plan_cfg = self.config.loader
         self._pool = PlannerPool(self.context.to_json(), self._store_cfg.model_dump_json(exclude_unset=True),
@@ -160,7 +159,7 @@ class DynLoader:
         from .planner_pool import CURSOR_KEY, plan_key
         from .planning import RANK_PLAN_SCHEMA
 
-        position = self._position(epoch, step)
+        position = self.context.position(epoch, step)
         if self.is_host:
             if self._pool is None:
                 self._start_planners()
@@ -178,13 +177,6 @@ class DynLoader:
             raise RuntimeError(f"store key {key} held the plan of epoch {rp.epoch} step {rp.step}, "
                                f"expected epoch {epoch} step {step}: another run shares the store namespace")
         return rp
-
-    def _position(self, epoch: int, step: int) -> int:
-        """Run-wide index of a global batch: epochs differ in batch count, so offsets accumulate."""
-        while epoch not in self._offsets:
-            last = max(self._offsets)
-            self._offsets[last + 1] = self._offsets[last] + len(self.context.batches(last))
-        return self._offsets[epoch] + step
 
     def _build(self, rp: RankPlan) -> Step:
         loads = [ins.mb for ins in rp.plan.instructions if isinstance(ins, LoadMicroBatch)]

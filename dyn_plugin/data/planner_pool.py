@@ -47,9 +47,6 @@ class PlannerPool:
         logger.info("started %d planner processes (pids %s)", num_planners, [p.pid for p in self.procs])
         self._finalizer = weakref.finalize(self, _shutdown, list(self.procs), self._dir)
 
-    def alive(self) -> bool:
-        return all(p.poll() is None for p in self.procs)
-
     def failed(self) -> str | None:
         """A planner that exited with an error, described; None while all run."""
         for p in self.procs:

@@ -48,7 +48,6 @@ def main(argv: list[str] | None = None) -> int:
     # a client of the host rank's store (any rank but 0, which hosts it), on the host's node
     store = open_store(cfg, rank=1, world_size=max(args.world, 2))
     position = args.start + args.worker
-    epoch, step, offset = _locate(context, position)
     while True:
         if os.getppid() != args.parent or store.get(STOP_KEY) is not None:
             return 0
@@ -56,22 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         if cursor is None or position >= int(cursor) + args.prefetch:
             time.sleep(0.005)  # far enough ahead: let training catch up
             continue
-        for (dp_rank, pp_rank), rank_plan in context.plan(epoch, step).items():
+        for (dp_rank, pp_rank), rank_plan in context.plan(*context.locate(position)).items():
             store.put(plan_key(position, dp_rank, pp_rank), encode(rank_plan.to_meta(), {}, schema=RANK_PLAN_SCHEMA))
         position += args.workers
-        epoch, step, offset = _advance(context, epoch, offset, position)
-
-
-def _locate(context, position: int) -> tuple[int, int, int]:
-    """(epoch, step within it, position of the epoch's first batch) of a run-wide position."""
-    return _advance(context, 0, 0, position)
-
-
-def _advance(context, epoch: int, offset: int, position: int) -> tuple[int, int, int]:
-    while position - offset >= len(context.batches(epoch)):
-        offset += len(context.batches(epoch))
-        epoch += 1
-    return epoch, position - offset, offset
 
 
 if __name__ == "__main__":

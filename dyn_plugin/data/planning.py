@@ -71,6 +71,7 @@ class PlanningContext:
         self.spec: PlannerSpec = planner_spec(self.cost, self.config, dp=self.dp, zero_stage=self.zero_stage,
                                               tp=self.tp, seed=self.seed)
         self._epochs: dict[int, list[list[int]]] = {}
+        self._offsets: dict[int, int] = {0: 0}  # run-wide position of each epoch's first batch
 
     def batches(self, epoch: int) -> list[list[int]]:
         """The epoch's global batches (sample indices), cached: every step of it needs them."""
@@ -78,6 +79,21 @@ class PlanningContext:
             self._epochs = {epoch: epoch_batches(self.lengths, self.config.microbatching.global_tokens,
                                                  seed=self.seed, epoch=epoch, min_sequences=self.dp)}
         return self._epochs[epoch]
+
+    def position(self, epoch: int, step: int) -> int:
+        """Run-wide index of a global batch: epochs differ in batch count, so offsets accumulate."""
+        while epoch not in self._offsets:
+            last = max(self._offsets)
+            self._offsets[last + 1] = self._offsets[last] + len(self.batches(last))
+        return self._offsets[epoch] + step
+
+    def locate(self, position: int) -> tuple[int, int]:
+        """(epoch, step) of a run-wide position; the inverse of ``position``."""
+        epoch = max(e for e, off in self._offsets.items() if off <= position)
+        while position - self._offsets[epoch] >= len(self.batches(epoch)):
+            self.position(epoch + 1, 0)
+            epoch += 1
+        return epoch, position - self._offsets[epoch]
 
     def plan(self, epoch: int, step: int) -> dict[tuple[int, int], RankPlan]:
         """(dp_rank, pp_rank) -> that rank's plan, for global batch ``step`` of ``epoch``."""
