@@ -11,9 +11,13 @@ accumulation boundary is set per micro-batch from the plan; each micro-batch's s
 loss is scaled by dp / (scored tokens of the whole global batch), so after DeepSpeed averages
 gradients over data-parallel ranks the update is that of the token-mean loss of the global
 batch, whatever the plan (sizes, layout, counts per rank) and for every ZeRO stage.
+
+With ``pipeline.stages > 1`` the engine is the plugin's ``PlanPipelineEngine`` (pipe_engine.py),
+which runs each step's execution plan; ``train_step`` hands it the step.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -96,26 +100,50 @@ def initialize(
     import torch.distributed as dist
 
     cfg = config if isinstance(config, LoadedConfig) else load_config(config)
-    if cfg.plugin.pipeline.stages > 1 and cfg.zero_stage >= 2:
-        raise ValueError(f"pipeline.stages = {cfg.plugin.pipeline.stages} with zero_optimization.stage = "
-                         f"{cfg.zero_stage}: DeepSpeed's pipeline engine supports ZeRO stages 0 and 1 only; "
-                         "use ZeRO-1 with pipelines, or ZeRO-2/3 without")
-    if cfg.plugin.pipeline.stages != 1:
-        raise ValueError("deepspeed_ext.initialize runs data parallelism (ZeRO 0-3); pipeline.stages > 1 "
-                         "needs a PipelineModule and the plugin's pipeline engine")
+    pp = cfg.plugin.pipeline.stages
+    if pp > 1 and cfg.zero_stage >= 2:
+        raise ValueError(f"pipeline.stages = {pp} with zero_optimization.stage = {cfg.zero_stage}: DeepSpeed's "
+                         "pipeline engine supports ZeRO stages 0 and 1 only; use ZeRO-1 with pipelines, or ZeRO-2/3 without")
     if not torch.cuda.is_available():
         # the allocator the CPU profile was measured under (dyn_plugin/cost/allocator.py)
         stable_cpu_allocator()
     if not dist.is_initialized():
         deepspeed.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
-    ds_config = _deepspeed_config(cfg.deepspeed, world)
+    if world % pp:
+        raise ValueError(f"pipeline.stages = {pp} does not divide the {world} ranks; launch a multiple of {pp} ranks")
+    dp = world // pp
+    stage, replica = divmod(rank, dp)  # stage-major, as DeepSpeed's PipeDataParallelTopology lays ranks out
     loader = DynLoader(dataset, lengths=lengths, config=cfg, cost_model=cost_model or _cost_model(cfg, model),
-                       dp_rank=rank, dp_size=world, seed=seed)
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=optimizer, model_parameters=model_parameters or model.parameters(),
-        lr_scheduler=lr_scheduler, config=ds_config, dist_init_required=False)
+                       dp_rank=replica, dp_size=dp, pp_rank=stage, pp_size=pp, seed=seed)
+    ds_config = _deepspeed_config(cfg.deepspeed, dp)
+    swap = contextlib.nullcontext()
+    if pp > 1:
+        from deepspeed.pipe import PipelineModule
+
+        from .pipe_engine import PlanPipelineEngine
+        from .pipe_module import causal_lm_pipe
+
+        if not isinstance(model, PipelineModule):
+            model = causal_lm_pipe(model, [s.num_layers for s in loader.context.spec.stages])
+        swap = _engine_class(deepspeed, PlanPipelineEngine)
+    with swap:
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, model_parameters=model_parameters or model.parameters(),
+            lr_scheduler=lr_scheduler, config=ds_config, dist_init_required=False)
     return engine, optimizer, loader, scheduler
+
+
+@contextlib.contextmanager
+def _engine_class(deepspeed, cls):
+    """``deepspeed.initialize`` builds ``PipelineEngine`` by name with no factory hook: swap the
+    name for the call, so DeepSpeed's own config and optimizer set-up build the plugin's engine."""
+    saved = deepspeed.PipelineEngine
+    deepspeed.PipelineEngine = cls
+    try:
+        yield
+    finally:
+        deepspeed.PipelineEngine = saved
 
 
 def train_step(engine, step: Step, timings: list | None = None) -> float:
@@ -127,6 +155,10 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
 
     import torch.distributed as dist
 
+    from .pipe_engine import PlanPipelineEngine
+
+    if isinstance(engine, PlanPipelineEngine):
+        return engine.train_batch(step)
     dp = dist.get_world_size() if dist.is_initialized() else 1
     n = len(step.micro_batches)
     if n == 0:

@@ -1,6 +1,9 @@
-"""DeepSpeed on 2 CPU ranks (gloo): one planned step equals the single-process token-mean
-reference for ZeRO 0-3, padded and packed, with several uneven micro-batches per rank."""
+"""DeepSpeed on CPU ranks (gloo): one planned step equals the single-process token-mean
+reference for ZeRO 0-3, padded and packed, with several uneven micro-batches per rank, and
+for the plugin's pipeline engine at pp=2 and pp=2 x dp=2."""
 import json
+
+import pytest
 
 from ranks import run
 
@@ -15,6 +18,22 @@ def test_exact_token_mean_step_for_every_zero_stage(tmp_path):
         assert r["max_abs_diff"] <= 1e-5, r
         assert len(r["micro_batch_sizes"]) > 1, r  # the plan cut the step into several micro-batches
     assert any(len(set(r["micro_batch_sizes"])) > 1 for r in results)  # of uneven sizes
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["pp2", "pp2xdp2"])
+def test_pipeline_engine_runs_the_plan_exactly(tmp_path, world):
+    out = tmp_path / "result.json"
+    codes, logs = run("ds_pipe_worker.py", out, world=world)
+    assert codes == [0] * world, logs[0][-3000:]
+    results = json.loads(out.read_text())
+    assert {(r["zero"], r["layout"]) for r in results} == {(0, "padded"), (1, "packed")}
+    for r in results:
+        assert r["dp"] == world // 2
+        assert r["max_abs_diff"] <= 1e-5, r
+        assert r["params_compared"] == r["params"] * r["dp"], r  # every parameter, on the stage that holds it
+        assert r["samples"] == r["distinct"] == r["global_batch"], r  # each sample once, over all replicas
+        assert r["micro_batches"] > 1, r
+    assert any(len(set(r["sizes"])) > 1 for r in results)  # of uneven sizes
 
 
 def test_kill_and_resume_matches_an_uninterrupted_epoch(tmp_path):
@@ -32,8 +51,6 @@ def test_kill_and_resume_matches_an_uninterrupted_epoch(tmp_path):
 
 
 def test_pipeline_with_zero_2_is_refused_before_training():
-    import pytest
-
     import deepspeed_ext
 
     cfg = {"zero_optimization": {"stage": 2}, "dyn_plugin": {"pipeline": {"stages": 2}}}

@@ -33,6 +33,17 @@ def loss_tokens(seq_lens: Sequence[int]) -> int:
     return sum(max(s - 1, 0) for s in seq_lens)
 
 
+def position_ids(seq_lens: Sequence[int], layout: str, shape: Sequence[int]) -> torch.Tensor:
+    """A micro-batch's position ids from its plan alone (no token ids): pipeline stages after the
+    first rebuild them locally instead of receiving them with the activations."""
+    rows, width = int(shape[0]), int(shape[1])
+    if layout == "padded":
+        return torch.arange(width).expand(rows, width)
+    if layout == "packed":
+        return torch.cat([torch.arange(s) for s in seq_lens]).unsqueeze(0)
+    raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
+
+
 def collate(
     sample_ids: Sequence[int], seq_lens: Sequence[int], layout: str, shape: Sequence[int],
     fetch: Callable[[int], Any], *, pad_id: int = 0,
@@ -57,12 +68,11 @@ def collate(
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
     if layout == "packed":
         input_ids = torch.cat(seqs).unsqueeze(0)
-        position_ids = torch.cat([torch.arange(len(ids)) for ids in seqs]).unsqueeze(0)
         cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor([len(ids) for ids in seqs]), 0)
         labels = input_ids.clone()
         labels[0, cu[:-1].long()] = IGNORE
         longest = max(len(ids) for ids in seqs)
-        return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels,
+        return {"input_ids": input_ids, "position_ids": position_ids(seq_lens, layout, shape), "labels": labels,
                 "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
     raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")

@@ -102,7 +102,7 @@ class DynLoader:
             run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "local")
             cfg = cfg.model_copy(update={"namespace": f"{run}-{self._fingerprint()}"})
         world = self.dp_size * self.pp_size
-        self._store = open_store(cfg, rank=self.dp_rank * self.pp_size + self.pp_rank, world_size=world)
+        self._store = open_store(cfg, rank=self.pp_rank * self.dp_size + self.dp_rank, world_size=world)
         # planner processes connect to the very port the host bound (it may have picked a free one)
         self._store_cfg = cfg.model_copy(update={"port": self._store.port}) if cfg.backend == "tcp" else cfg
         self._finalizer = weakref.finalize(self, _close, self._store)

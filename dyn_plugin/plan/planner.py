@@ -157,11 +157,15 @@ class StepPlan:
 
 
 def execution_plans(plan: StepPlan, hidden_size: int) -> dict[tuple[int, int], ExecutionPlan]:
-    """Every rank's execution plan of a step, keyed (replica, stage); global rank = replica * pp + stage."""
+    """Every rank's execution plan of a step, keyed (replica, stage).
+
+    Global rank = stage * dp + replica: stage-major, as DeepSpeed's PipeDataParallelTopology and
+    Megatron's default rank order lay ranks out, so peers name the host's own ranks."""
     out = {}
+    dp = len(plan.replicas)
     for r, rep in enumerate(plan.replicas):
         pp = len(rep.schedule.stages)
-        ranks = [r * pp + s for s in range(pp)]
+        ranks = [s * dp + r for s in range(pp)]
         for s, ep in enumerate(build_execution_plans(rep.micro_batches, rep.schedule, replica=r, stage_ranks=ranks,
                                                      hidden_size=hidden_size)):
             out[(r, s)] = ep

@@ -1,0 +1,107 @@
+"""A transformers causal LM as a DeepSpeed ``PipelineModule``, cut where the planner cut it.
+
+The planner prices each stage by its layer count (``PlannerSpec.stages``), so the module must
+hold exactly those layers on each stage: DeepSpeed's partition methods balance parameters or
+layer types instead, hence ``PlannedPipelineModule`` takes the cut points directly.
+
+Between layers flows ``(hidden, position_ids)``; only ``hidden`` crosses stages, every stage
+rebuilds the position ids from its plan. Attention gets no mask: the plugin's per-document
+kernel (or flash-attention) isolates packed documents by position-id resets, and right-padded
+rows are handled by causality.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import PipelineModule
+from torch import nn
+
+from dyn_plugin.data.collate import IGNORE
+
+# Kernels that isolate packed documents by position-id resets, with no mask.
+MASK_FREE_ATTENTION = ("dyn_varlen", "flash_attention_2", "flash_attention_3")
+
+
+class PlannedPipelineModule(PipelineModule):
+    """``PipelineModule`` with ``layers_per_stage`` counts of ``layers`` on each stage, in order."""
+
+    def __init__(self, layers: Sequence[nn.Module], layers_per_stage: Sequence[int], **kwargs) -> None:
+        if sum(layers_per_stage) != len(layers):
+            raise ValueError(f"layers_per_stage {list(layers_per_stage)} covers {sum(layers_per_stage)} layers, "
+                             f"the module has {len(layers)}")
+        self._cuts = [0]
+        for n in layers_per_stage:
+            self._cuts.append(self._cuts[-1] + n)
+        super().__init__(layers, num_stages=len(layers_per_stage), **kwargs)
+
+    def _partition_layers(self, method: str = "planned") -> None:
+        self.parts = list(self._cuts)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+class Embed(nn.Module):
+    def __init__(self, embed_tokens: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids, position_ids = inputs
+        return self.embed_tokens(input_ids), position_ids
+
+
+class Decoder(nn.Module):
+    def __init__(self, layer: nn.Module, rotary_emb: nn.Module) -> None:
+        super().__init__()
+        self.layer, self.rotary_emb = layer, rotary_emb
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, position_ids = inputs
+        # Recomputed per layer (a [tokens, head_dim] table) so that no layer depends on another's state.
+        rope = self.rotary_emb(hidden, position_ids=position_ids)
+        return self.layer(hidden, attention_mask=None, position_ids=position_ids, position_embeddings=rope), position_ids
+
+
+class Head(nn.Module):
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.lm_head(self.norm(inputs[0]))
+
+
+def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over the scored tokens (HF's shift: position t predicts label t+1).
+
+    A sum, not a mean: the engine divides by the whole global batch's scored tokens."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE,
+                           reduction="sum")
+
+
+def causal_lm_pipe(model: nn.Module, layers_per_stage: Sequence[int]) -> PlannedPipelineModule:
+    """Llama-family ``*ForCausalLM`` (embed_tokens, layers, norm, rotary_emb, lm_head) as pipeline
+    stages holding ``layers_per_stage`` decoder layers each; the first stage also embeds, the
+    last also runs the norm and the head, as the planner's cost model assumes."""
+    body = getattr(model, "model", None)
+    if body is None or not all(hasattr(body, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        raise ValueError(f"{type(model).__name__} is not a Llama-family causal LM (model.embed_tokens/layers/norm/"
+                         "rotary_emb); build a PipelineModule yourself and pass it as the model")
+    attn = getattr(model.config, "_attn_implementation", None)
+    if attn not in MASK_FREE_ATTENTION:
+        raise ValueError(f"attention implementation {attn!r} needs a mask to keep packed documents apart; pipeline "
+                         f"stages pass none: use one of {MASK_FREE_ATTENTION} (dyn_plugin.models.hf.build_causal_lm "
+                         "defaults to 'dyn_varlen')")
+    if getattr(model.config, "tie_word_embeddings", False) and len(layers_per_stage) > 1:
+        raise ValueError("tied input and output embeddings would live on two stages; set tie_word_embeddings=False")
+    if sum(layers_per_stage) != len(body.layers):
+        raise ValueError(f"layers_per_stage {list(layers_per_stage)} sums to {sum(layers_per_stage)}, "
+                         f"the model has {len(body.layers)} decoder layers")
+    layers = [Embed(body.embed_tokens), *(Decoder(l, body.rotary_emb) for l in body.layers),
+              Head(body.norm, model.lm_head)]
+    counts = list(layers_per_stage)
+    counts[0] += 1
+    counts[-1] += 1
+    return PlannedPipelineModule(layers, counts, loss_fn=summed_token_loss, partition_method="planned")

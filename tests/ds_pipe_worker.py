@@ -1,0 +1,77 @@
+"""One rank of the pipeline exactness test: the plugin's PipelineEngine runs one planned step
+(pp=2, with dp = world / 2), compared with a single-process reference (run as a script)."""
+import copy
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import deepspeed_ext
+
+deepspeed_ext.skip_cpu_shm_build()
+
+import deepspeed  # noqa: E402
+
+from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
+from ds_exact_worker import LR, MODEL, reference  # noqa: E402
+
+
+def main():
+    out = sys.argv[1]
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(2, 200, size=40)
+    data = [{"input_ids": rng.integers(0, 97, size=int(n))} for n in lengths]
+    results = []
+    for zero, layout in ((0, "padded"), (1, "packed")):
+        torch.manual_seed(0)
+        model = build_causal_lm({**MODEL, "num_hidden_layers": 3})
+        ref = copy.deepcopy(model)
+        config = {
+            "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True,
+            "dyn_plugin": {
+                "microbatching": {"layout": layout, "global_tokens": 1500, "max_seq_len": 256, "recompute": "none"},
+                "pipeline": {"stages": 2},
+                # a small device: the plan must cut the global batch into several micro-batches
+                "cluster": {"device": {"memory_mb": 4, "memory_fraction": 1.0}},
+                "cost_model": {"kind": "analytic", "dtype": "fp32"},
+            },
+        }
+        engine, _, loader, _ = deepspeed_ext.initialize(
+            model=model, config=config, dataset=data, lengths=lengths,
+            optimizer=lambda params: torch.optim.SGD(params, lr=LR), seed=3)
+        step = next(iter(loader))
+        loss = deepspeed_ext.train_step(engine, step)
+        # every replica's samples, from its first stage (the last stage loads the same ones)
+        mine = [i for mb in step.sample_ids for i in mb] if engine.is_first_stage() else []
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+        ids = sorted(i for g in gathered for i in g)
+        reference(ref, [data[i]["input_ids"] for i in ids], LR)
+        local = {id(p) for p in engine.module.parameters()}
+        diffs = [float((p.detach() - q.detach()).abs().max())
+                 for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()) if id(p) in local]
+        stats = torch.tensor([max(diffs), len(diffs)], dtype=torch.float64)
+        both = [torch.zeros_like(stats) for _ in range(world)]
+        dist.all_gather(both, stats)
+        results.append({
+            "zero": zero, "layout": layout, "max_abs_diff": max(float(s[0]) for s in both),
+            "params_compared": sum(int(s[1]) for s in both), "params": len(list(model.parameters())),
+            "samples": len(ids), "distinct": len(set(ids)), "global_batch": len(loader.context.batches(0)[0]),
+            "micro_batches": len(step.plan.micro_batches), "sizes": [len(mb["sample_ids"]) for mb in step.plan.micro_batches],
+            "loss": loss, "dp": engine.dp_world_size,
+        })
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # DeepSpeed sometimes aborts in its exit handlers on CPU
+
+
+if __name__ == "__main__":
+    main()
