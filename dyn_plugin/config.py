@@ -98,7 +98,7 @@ class CostModelConfig(_Section):
 
 
 class MicrobatchingConfig(_Section):
-    method: Literal["dynapipe", "fixed_padding", "token_budget", "packing_varlen"] = Field(
+    method: Literal["dynapipe", "fixed_padding", "token_budget", "packing_full", "packing_varlen"] = Field(
         default="dynapipe",
         description="the plugin's plan, or a baseline's batching (for side-by-side comparisons)",
     )

@@ -59,7 +59,7 @@ def test_pipeline_with_zero_2_is_refused_before_training():
 
 
 def test_bench_train_runs_the_comparison(tmp_path, capsys):
-    """`make demo`'s main job, small: profile the tiny Llama, then train it four ways on 2 ranks."""
+    """`make demo`'s main job, small: profile the tiny Llama, then train it five ways on 2 ranks."""
     from dyn_plugin.cli import main
 
     profile = tmp_path / "profile.json"
@@ -70,9 +70,10 @@ def test_bench_train_runs_the_comparison(tmp_path, capsys):
     assert main(["bench", "train", "--profile", str(profile), "--out", str(tmp_path / "train"), "--steps", "1",
                  "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert [r["mode"] for r in rows] == ["padded", "token_budget", "packing", "dyn_plugin"]
+    assert [r["mode"] for r in rows] == ["padded", "token_budget", "packing", "packing_varlen", "dyn_plugin"]
     assert all(r["effective_tokens_per_s"] > 0 and r["predicted_step_ms"] > 0 for r in rows)
-    assert len({round(r["final_loss"], 4) for r in rows}) == 1  # exact token-mean updates: same loss every way
+    # exact token-mean updates: the same loss every way, except where documents attend across a packed row
+    assert len({round(r["final_loss"], 4) for r in rows if r["mode"] != "packing"}) == 1
     assert (tmp_path / "train" / "report.png").stat().st_size > 0
     events = json.loads((tmp_path / "train" / "step-trace.json").read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]

@@ -131,6 +131,9 @@ def test_collate_layouts():
     assert padded["input_ids"].tolist() == [[1, 2, 3, 0, 0, 0, 0, 0], [4, 5, 6, 7, 8, 0, 0, 0]]
     assert padded["labels"][0].tolist() == [-100, 2, 3, -100, -100, -100, -100, -100]
     assert padded["attention_mask"].sum().item() == 8
+    row = collate([0, 1], [3, 5], "padded", (1, 10), data.__getitem__, pad_id=0)  # fixed-length packing
+    assert row["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 0, 0]]
+    assert row["labels"].tolist() == [[-100, 2, 3, -100, 5, 6, 7, 8, -100, -100]]
 
 
 def test_epoch_batches_partition_and_keep_dp_sized_tails():
@@ -166,7 +169,7 @@ def test_planner_processes_stop_with_the_loader(how):
     assert not any(os.path.exists(f"/proc/{p}") for p in pids)
 
 
-@pytest.mark.parametrize("method", ["fixed_padding", "token_budget", "packing_varlen"])
+@pytest.mark.parametrize("method", ["fixed_padding", "token_budget", "packing_full", "packing_varlen"])
 def test_baseline_batching_through_the_same_loader(method):
     cfg, cm, lens, data = make(microbatching={"global_tokens": 3000, "max_seq_len": 600, "method": method})
     seen = []

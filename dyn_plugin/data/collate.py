@@ -3,7 +3,10 @@
 - padded: ``input_ids`` [n, S] right-padded, ``attention_mask`` [n, S], ``labels`` with -100
   on padding and on each row's first token (never scored after HF's shift, so the labels
   that are not -100 are exactly the scored ones). Right padding under a causal mask leaves
-  real tokens' outputs untouched.
+  real tokens' outputs untouched. A padded micro-batch of one row and several sequences is a
+  fixed-length packed row (the ``packing_full`` baseline, Megatron's packing): the documents
+  are concatenated and attend across each other, positions run on; labels are -100 at each
+  document's first token, so the same tokens are scored as in every other layout.
 - packed: one row ``input_ids`` [1, T], ``position_ids`` restarting at 0 per sequence (HF
   models and the plugin's varlen kernel isolate sequences by these resets), the sequence
   boundaries under the names HF's flash-attention path reads (``cu_seq_lens_q/k``,
@@ -57,6 +60,11 @@ def collate(
                              "lengths must be the token counts of the dataset's samples")
         seqs.append(ids[:s])  # longer only when the config asked for truncation
     rows, width = int(shape[0]), int(shape[1])
+    if layout == "padded" and rows == 1 and len(seqs) > 1:
+        starts = torch.cumsum(torch.tensor([0] + [len(ids) for ids in seqs[:-1]]), 0)
+        seqs = [torch.cat(seqs)]
+    else:
+        starts = None
     if layout == "padded":
         input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((rows, width), dtype=torch.long)
@@ -65,6 +73,8 @@ def collate(
             attention_mask[r, : len(ids)] = 1
         labels = input_ids.masked_fill(attention_mask == 0, IGNORE)
         labels[:, 0] = IGNORE
+        if starts is not None:
+            labels[0, starts] = IGNORE
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
     if layout == "packed":
         input_ids = torch.cat(seqs).unsqueeze(0)
