@@ -104,6 +104,11 @@ def initialize(
     if pp > 1 and cfg.zero_stage >= 2:
         raise ValueError(f"pipeline.stages = {pp} with zero_optimization.stage = {cfg.zero_stage}: DeepSpeed's "
                          "pipeline engine supports ZeRO stages 0 and 1 only; use ZeRO-1 with pipelines, or ZeRO-2/3 without")
+    method = cfg.plugin.microbatching.method
+    if cfg.zero_stage >= 2 and method != "dynapipe":
+        raise ValueError(f"microbatching.method {method!r} with zero_optimization.stage = {cfg.zero_stage}: that batching "
+                         "does not give every data-parallel rank the same number of micro-batches, which ZeRO-2/3 "
+                         "need; use method 'dynapipe' (it plans equal counts) or ZeRO stage 0 or 1")
     if not torch.cuda.is_available():
         # the allocator the CPU profile was measured under (dyn_plugin/cost/allocator.py)
         stable_cpu_allocator()

@@ -149,3 +149,21 @@ def test_analytic_cost_structure():
     # one layer, 2k tokens on an A100: a few ms (the measured A100 figure is 5.8 ms with recompute)
     one = m.micro_batch_cost([2048], layout="padded", stage=StageSpec(1, False, False))
     assert 2 < one.forward_ms < 12
+
+
+def test_update_cost_lines_and_scaling():
+    from dyn_plugin.cost.update import UpdateCost
+
+    cost = UpdateCost.fit([(1e6, 3.0), (3e6, 7.0)], [(1e6, 1.0), (4e6, 2.5)], ranks=2)
+    assert cost.optimizer == pytest.approx((1.0, 2e-6))
+    assert cost.optimizer_ms(2e6) == pytest.approx(5.0)
+    assert cost.allreduce_ms(4e6, dp=1, link_gb_per_s=1.0) == 0.0  # nothing to reduce alone
+    assert cost.allreduce_ms(4e6, dp=2, link_gb_per_s=1.0) == pytest.approx(2.5)  # as measured
+    # 4 ranks move 2*3/4 of the bytes where 2 moved 2*1/2: the per-byte part grows by 1.5
+    assert cost.allreduce_ms(4e6, dp=4, link_gb_per_s=1.0) == pytest.approx(0.5 + 2.0 * 1.5)
+    falling = UpdateCost.fit([(1e6, 1.0), (2e6, 3.0)], None, ranks=2)  # would need a negative fixed cost
+    assert falling.optimizer[0] == 0.0 and falling.allreduce is None
+    unmeasured = UpdateCost()
+    assert unmeasured.optimizer_ms(1e9) == 0.0
+    assert unmeasured.allreduce_ms(1e9, dp=2, link_gb_per_s=100.0) == pytest.approx(10.0)  # 1 GB over 100 GB/s
+    assert UpdateCost.from_dict(cost.to_dict()) == cost

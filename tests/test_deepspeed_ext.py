@@ -56,6 +56,10 @@ def test_pipeline_with_zero_2_is_refused_before_training():
     cfg = {"zero_optimization": {"stage": 2}, "dyn_plugin": {"pipeline": {"stages": 2}}}
     with pytest.raises(ValueError, match="supports ZeRO stages 0 and 1 only"):
         deepspeed_ext.initialize(model=None, config=cfg, dataset=[], lengths=[])
+    # a batching that cannot promise every rank the same number of micro-batches
+    cfg = {"zero_optimization": {"stage": 3}, "dyn_plugin": {"microbatching": {"method": "fixed_padding"}}}
+    with pytest.raises(ValueError, match="same number of micro-batches, which ZeRO-2/3 need"):
+        deepspeed_ext.initialize(model=None, config=cfg, dataset=[], lengths=[])
 
 
 def test_bench_train_runs_the_comparison(tmp_path, capsys):
@@ -68,7 +72,7 @@ def test_bench_train_runs_the_comparison(tmp_path, capsys):
                  "--threads", "1", "--no-progress"]) == 0
     capsys.readouterr()
     assert main(["bench", "train", "--profile", str(profile), "--out", str(tmp_path / "train"), "--steps", "1",
-                 "--json"]) == 0
+                 "--max-len", "1024", "--global-tokens", "8192", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["mode"] for r in rows] == ["padded", "token_budget", "packing", "packing_varlen", "dyn_plugin"]
     assert all(r["effective_tokens_per_s"] > 0 and r["predicted_step_ms"] > 0 for r in rows)

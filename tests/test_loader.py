@@ -188,3 +188,13 @@ def test_run_wide_positions_round_trip_across_epochs():
     for epoch in range(3):
         for step in range(per_epoch[epoch]):
             assert ctx.locate(ctx.position(epoch, step)) == (epoch, step)
+
+
+def test_uneven_micro_batch_counts_refused_under_zero_2():
+    """Round-robin batchings can leave one replica a micro-batch short; ZeRO-2/3 would hang."""
+    cfg, cm, lens, data = make(microbatching={"global_tokens": 3000, "max_seq_len": 600, "method": "packing_varlen"})
+    loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=0, dp_size=2, seed=1, zero_stage=2)
+    with pytest.raises(ValueError, match=r"gave the replicas \[.*\] micro-batches, but ZeRO-2 needs the same number"):
+        list(loader)
+    plugin = make(microbatching={"global_tokens": 3000, "max_seq_len": 600})[0]
+    assert list(DynLoader(data, lengths=lens, config=plugin, cost_model=cm, dp_size=2, seed=1, zero_stage=2))

@@ -15,7 +15,8 @@ def profile():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield run_profile(PRESETS["tiny-llama"], name="tiny-llama", grid=GRID, validate=12, progress=False)
+        # as one of 2 training ranks: a load process beside it, the all-reduce among 2
+        yield run_profile(PRESETS["tiny-llama"], name="tiny-llama", grid=GRID, validate=12, progress=False, ranks=2)
     finally:
         torch.set_num_threads(threads)
 
@@ -30,6 +31,24 @@ def test_profile_contents(profile):
         layer = t.fits["layer"]
         assert layer["forward_ms"].coef[1] > 0, "a layer's time must grow with tokens"
         assert layer["stored_bytes"].coef[1] > 0, "a layer must keep activations per token"
+
+
+def test_update_measured_with_the_load_gone(profile):
+    import subprocess
+
+    from dyn_plugin.cost.profile import cost_model_from_profile
+    from dyn_plugin.cost.table import TableCostModel
+
+    assert profile.ranks == 2
+    (p1, t1), (p3, t3) = profile.update.optimizer  # AdamW at depths 1 and 3
+    assert p3 > p1 and t3 > 0 and t1 > 0
+    sizes = [b for b, _ in profile.update.allreduce]
+    assert len(sizes) == 3 and all(ms > 0 for _, ms in profile.update.allreduce)
+    cost = cost_model_from_profile(profile)
+    assert cost.update.optimizer is not None and cost.update.allreduce is not None
+    assert TableCostModel.from_dict(cost.to_dict()).update == cost.update
+    left = subprocess.run(["pgrep", "-f", "dyn_plugin.cost.(shadow|collective)"], capture_output=True, text=True).stdout
+    assert left == "", f"profiling helpers still running: {left}"
 
 
 def test_held_out_prediction_within_15_percent(profile):

@@ -30,12 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     loader.add_argument("--step-ms", default="0,50,200", help="simulated training step times (ms), comma-separated")
     loader.add_argument("--planners", type=int, default=2)
     loader.add_argument("--prefetch", type=int, default=4)
-    train = sub.add_parser("train", help="tiny Llama with DeepSpeed on 2 CPU ranks: padded, token budget, packing "
-                                          "and the plugin side by side (effective tokens/s, predicted vs measured)")
+    train = sub.add_parser("train", help="tiny Llama with DeepSpeed on 2 CPU ranks: padded, token budget, fixed-length "
+                                          "and varlen packing, and the plugin side by side (effective tokens/s, "
+                                          "predicted vs measured)")
     train.add_argument("--profile", required=True, help="tiny-llama profile of this machine (dynplugin profile)")
     train.add_argument("--out", default="out/bench-train")
-    train.add_argument("--steps", type=int, default=6)
+    train.add_argument("--steps", type=int, default=4)
     train.add_argument("--ranks", type=int, default=2)
+    train.add_argument("--max-len", type=int, default=4096, help="sequences are truncated to this many tokens")
+    train.add_argument("--global-tokens", type=int, default=16384, help="tokens per global batch")
     for p in (cost, planner, loader, train):
         p.add_argument("--json", action="store_true", help="one JSON object per line, no indentation")
 
@@ -111,7 +114,8 @@ def bench_train(args: argparse.Namespace, host: dict) -> int:
     import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", "-m", "deepspeed_ext.compare",
-           "--profile", args.profile, "--out", args.out, "--steps", str(args.steps)]
+           "--profile", args.profile, "--out", args.out, "--steps", str(args.steps), "--max-len", str(args.max_len),
+           "--global-tokens", str(args.global_tokens)]
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL if args.json else None)
     if done.returncode != 0:
         raise RuntimeError(f"training comparison failed (exit {done.returncode}): {' '.join(cmd)}")

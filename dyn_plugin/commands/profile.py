@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute", default="none,selective,full",
                         help="recompute modes to measure (comma-separated; default all three)")
     parser.add_argument("--repeats", type=int, help="timed repeats per point (the minimum is kept)")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="measure as one of N training ranks on this host: N-1 processes train beside it, and "
+                             "the gradient all-reduce is measured among N (use the ranks per host you train with)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (training ranks often run with 1)")
     parser.add_argument("--validate", type=int, default=16, metavar="N",
                         help="also time N held-out random micro-batches through the full model and report "
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     name = args.model if isinstance(args.model, str) and "/" not in args.model else model_cfg["model_type"]
     profile = run_profile(model_cfg, name=name, grid=grid, validate=args.validate, threads=args.threads,
-                          fixed_allocator=not args.system_allocator, progress=progress)
+                          fixed_allocator=not args.system_allocator, progress=progress, ranks=args.ranks)
     save_profile(profile, args.out)
     print_summary(profile)
     print(f"profile written to {args.out}")
@@ -79,12 +82,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_summary(profile) -> None:
-    """Fit error of each table (of the layer), and the held-out error if measured."""
+    """Fit error of each table (of the layer), the update's cost, and the held-out error if measured."""
+    from ..cost.update import UpdateCost
+
     print(f"{'table':<24}{'fwd MAPE':>10}{'bwd MAPE':>10}{'stored MAPE':>13}  (fit error)")
     for t in profile.tables:
         f = t.fits["layer"]
         print(f"{t.layout + '/' + t.recompute + '/tp' + str(t.tp):<24}{f['forward_ms'].mape:>10.1%}"
               f"{f['backward_ms'].mape:>10.1%}{f['stored_bytes'].mape:>13.1%}")
+    u = profile.update
+    if u is not None and (u.optimizer or u.allreduce):
+        cost = UpdateCost.fit(u.optimizer, u.allreduce, max(profile.ranks, 2))
+        params = profile.model.params["layer"] * profile.model.num_layers + profile.model.params["embedding"] \
+            + profile.model.params["head"]
+        line = f"update of the whole model ({params / 1e6:.1f}M parameters): AdamW step {cost.optimizer_ms(params):.1f} ms"
+        if u.allreduce:
+            line += f", {u.backend} all-reduce of its fp32 gradients among {profile.ranks}: " \
+                    f"{cost.allreduce_ms(4 * params, profile.ranks, 1.0):.1f} ms"
+        print(line)
     v = profile.validation
     if v:
         print(f"held-out: {v['count']} random micro-batches through the {v['num_layers']}-layer model "

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .model import COMPONENTS, METRICS, features
 from .table import CostTable, LinearFit, TableCostModel, fit_error, fit_linear, nnls_relative
+from .update import UpdateCost
 
 SCHEMA = "dyn_plugin.profile"
 VERSION = 1
@@ -75,6 +76,14 @@ class DeviceInfo(_Record):
     torch: str | None = None
 
 
+class UpdateSamples(_Record):
+    """Measured costs of a step's update (see update.py)."""
+
+    backend: str = "gloo"
+    optimizer: list[tuple[float, float]] = Field(default=[], description="(parameters, ms) of one AdamW step")
+    allreduce: list[tuple[float, float]] = Field(default=[], description="(bytes, ms) of an all-reduce among `ranks`")
+
+
 class Profile(_Record):
     schema_: Literal["dyn_plugin.profile"] = Field(alias="schema", default=SCHEMA)
     version: int = VERSION
@@ -91,6 +100,9 @@ class Profile(_Record):
         "on padded batches only, with kernels whose cost follows tokens and sum(s_i^2), as varlen attention does",
     )
     validation: dict[str, Any] | None = Field(default=None, description="held-out check of the fit, if one was run")
+    ranks: int = Field(default=1, ge=1, description="processes training side by side while measuring: the profiled "
+                       "one and ranks-1 load processes (ranks on one host slow each other down)")
+    update: UpdateSamples | None = Field(default=None, description="gradient all-reduce and optimizer step, measured")
 
 
 def _fit_from_models(models: list[Sample], embedding: dict[str, LinearFit], layout, pad_multiple) -> dict:
@@ -218,6 +230,8 @@ def cost_model_from_profile(profile: Profile, *, allow_extrapolation: bool = Fal
         pad_multiple=profile.pad_multiple,
         allow_extrapolation=allow_extrapolation,
         hidden_size=profile.model.hidden_size,
+        update=UpdateCost.fit(profile.update.optimizer, profile.update.allreduce, max(profile.ranks, 2))
+        if profile.update else UpdateCost(),
     )
 
 

@@ -11,6 +11,7 @@ slows ops down).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import platform
@@ -21,7 +22,10 @@ import numpy as np
 
 from .allocator import stable_cpu_allocator
 from .model import LAYOUTS, RECOMPUTES, Layout, Recompute, features, round_up
-from .profile import SCHEMA, VERSION, DeviceInfo, ModelInfo, Profile, Sample, fit_tables
+from .profile import SCHEMA, VERSION, DeviceInfo, ModelInfo, Profile, Sample, UpdateSamples, fit_tables
+from .shadow import ShadowLoad
+from .collective import measure_allreduce
+from .update import measure_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +176,7 @@ def time_round_robin(jobs: list[Job], *, warmup: int, repeats: int, seed: int = 
 
 def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = ProfileGrid(),
                 validate: int = 16, threads: int | None = None, fixed_allocator: bool = True,
-                progress: bool = True) -> Profile:
+                progress: bool = True, ranks: int = 1) -> Profile:
     """Profile the model described by a HF config dict on the current device (CPU, fp32).
 
     ``validate`` > 0 also times that many held-out micro-batches (random lengths, padded and
@@ -180,6 +184,10 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
     the profile, so that drift of a shared machine cannot pass for model error, and records
     how far the fit's predictions are from them. ``fixed_allocator`` pins glibc's malloc
     thresholds (see allocator.py); turn it off only to see what it buys.
+
+    ``ranks`` > 1 measures as one of that many training ranks on this host: ranks-1 processes
+    train the same model beside it while it times (shadow.py), and the gradient all-reduce is
+    measured among ``ranks`` processes; the optimizer step is measured in every case (update.py).
     """
     import torch
     from tqdm import tqdm
@@ -222,8 +230,15 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
         held_jobs = []
     bar = tqdm(total=grid.repeats, desc=f"profiling {len(jobs) + len(held_jobs)} micro-batches", unit="round",
                disable=not progress)
-    times = time_round_robin(jobs + held_jobs, warmup=grid.warmup, repeats=grid.repeats, seed=grid.seed, bar=bar)
-    bar.close()
+    load = ShadowLoad(model_cfg, grid, count=ranks - 1, threads=threads) if ranks > 1 else contextlib.nullcontext()
+    with load:
+        times = time_round_robin(jobs + held_jobs, warmup=grid.warmup, repeats=grid.repeats, seed=grid.seed, bar=bar)
+        bar.close()
+        optimizer = measure_optimizer([models[(l1, grid.recomputes[0])], models[(l2, grid.recomputes[0])]],
+                                      grid.repeats)
+    grad_bytes = 4 * sum(p.numel() for p in (full if held_out else ref).parameters())
+    allreduce = measure_allreduce(ranks, [1 << 20, 4 << 20, int(grad_bytes)], repeats=grid.repeats,
+                                  threads=threads) if ranks > 1 else []
     samples: list[Sample] = []
     for (layout, lens, rc, depth), job, (fwd, bwd) in zip(keys, jobs, times):
         stored, peak = _memory(job.model, *job.inputs)
@@ -245,6 +260,8 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
         grid={k: list(v) if isinstance(v, tuple) else v for k, v in asdict(grid).items()},
         samples=samples,
         tables=fit_tables(samples, pad),
+        ranks=ranks,
+        update=UpdateSamples(optimizer=optimizer, allreduce=allreduce),
     )
     if held_out:
         profile = profile.model_copy(update={"validation": _score(profile, held_out, times[len(jobs):], grid.recomputes[0])})

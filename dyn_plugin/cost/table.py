@@ -28,6 +28,7 @@ from .model import (
     zero_sharded_states,
 )
 from .native import core
+from .update import UpdateCost
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ class TableCostModel:
     pad_multiple: int = 8
     allow_extrapolation: bool = False
     hidden_size: int | None = None  # sizes the activations sent between pipeline stages
+    update: UpdateCost = field(default_factory=UpdateCost)  # gradient all-reduce + optimizer step
     _native: dict = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict:
@@ -153,7 +155,7 @@ class TableCostModel:
         return {
             "name": self.name, "num_layers": self.num_layers, "params": self.params, "dtype": self.dtype,
             "pad_multiple": self.pad_multiple, "allow_extrapolation": self.allow_extrapolation,
-            "hidden_size": self.hidden_size,
+            "hidden_size": self.hidden_size, "update": self.update.to_dict(),
             "tables": [
                 {"layout": t.layout, "recompute": t.recompute, "tp": t.tp, "max_tokens": t.max_tokens,
                  "max_len": t.max_len,
@@ -171,7 +173,7 @@ class TableCostModel:
                 t["layout"], t["recompute"], t["tp"], fits, t["max_tokens"], t["max_len"])
         return cls(name=d["name"], num_layers=d["num_layers"], tables=tables, params=d["params"], dtype=d["dtype"],
                    pad_multiple=d["pad_multiple"], allow_extrapolation=d["allow_extrapolation"],
-                   hidden_size=d["hidden_size"])
+                   hidden_size=d["hidden_size"], update=UpdateCost.from_dict(d.get("update")))
 
     def table(self, layout: Layout, recompute: Recompute, tp: int = 1) -> CostTable:
         key = (layout, recompute, tp)
@@ -220,13 +222,24 @@ class TableCostModel:
     def model_state_bytes(
         self, *, stage: StageSpec | None = None, zero_stage: int = 0, dp: int = 1, tp: int = 1
     ) -> ModelStateBytes:
+        return zero_sharded_states(self.stage_params(stage, tp), Precision.of(self.dtype), zero_stage, dp)
+
+    def stage_params(self, stage: StageSpec | None = None, tp: int = 1) -> float:
         stage = stage or StageSpec(self.num_layers)
-        n = (
-            self.params["layer"] * stage.num_layers / tp
-            + self.params["embedding"] * stage.first
-            + self.params["head"] * stage.last
-        )
-        return zero_sharded_states(n, Precision.of(self.dtype), zero_stage, dp)
+        return (self.params["layer"] * stage.num_layers / tp + self.params["embedding"] * stage.first
+                + self.params["head"] * stage.last)
+
+    def update_ms(self, stages: Sequence[StageSpec], *, zero_stage: int, dp: int, tp: int, link_gb_per_s: float) -> float:
+        """After the last micro-batch: the gradient all-reduce over dp replicas and the optimizer
+        step (on 1/dp of the parameters from ZeRO-1 on), of the slowest stage."""
+        grad = Precision.of(self.dtype).grad
+
+        def one(stage: StageSpec) -> float:
+            n = self.stage_params(stage, tp)
+            return (self.update.allreduce_ms(n * grad, dp, link_gb_per_s)
+                    + self.update.optimizer_ms(n / dp if zero_stage >= 1 else n))
+
+        return max(one(s) for s in stages)
 
 
 def evaluate_stage(t: CostTable, f: Features, stage: StageSpec, extrapolated: bool = False) -> MicroBatchCost:

@@ -2,26 +2,15 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
 import sys
 import time
 
+from ..child import die_with_parent
+
 logger = logging.getLogger("dyn_plugin.planner_worker")
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent: int) -> None:
-    """Ask Linux to SIGTERM us when the trainer dies; elsewhere the poll in the loop covers it."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:  # died before prctl took effect
-        sys.exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(name, type=int, required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s planner[{args.worker}] %(levelname)s: %(message)s")
-    _die_with_parent(args.parent)
+    die_with_parent(args.parent)
     # nothing to flush: plans not yet read are recomputed by whoever plans next
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
 

@@ -104,6 +104,11 @@ class PlanningContext:
             plan = plan_step(lens, self.spec)
         else:
             plan = plan_baseline(method, lens, self.spec, self.config.microbatching.max_seq_len)
+        counts = [len(r.micro_batches) for r in plan.replicas]
+        if self.zero_stage >= 2 and len(set(counts)) > 1:
+            raise ValueError(f"global batch {step} of epoch {epoch}: microbatching.method {method!r} gave the replicas "
+                             f"{counts} micro-batches, but ZeRO-{self.zero_stage} needs the same number on every "
+                             "data-parallel rank; use method 'dynapipe' (it plans equal counts) or ZeRO stage 0 or 1")
         digest = step_digest(plan)
         tokens = loss_tokens(lens)
         # Plans index the global batch; the loader needs dataset indices.

@@ -43,6 +43,7 @@ class PlannerSpec:
     seed: int = 0
     row_len: int | None = None  # fixed-length packing rows (the max sequence length) tried as a candidate
     schedule: str = "auto"  # pipeline.schedule: auto | adaptive | 1f1b
+    update_ms: float = 0.0  # gradient all-reduce + optimizer step after the last micro-batch
 
     @property
     def pp(self) -> int:
@@ -86,8 +87,11 @@ def planner_spec(
         have = ", ".join(f"{l}/{r}/tp{t}" for l, r, t in sorted(cost.tables))
         raise ValueError(f"cost model {cost.name!r} cannot price microbatching.layout={mb.layout!r}, "
                          f"recompute={mb.recompute!r} at tp={tp} (it has {have}); profile those or change the config")
+    dp_same_node = dp * len(stages) * tp <= cluster.devices_per_node
+    update = cost.update_ms(stages, zero_stage=zero_stage, dp=dp, tp=tp,
+                            link_gb_per_s=cluster.intra_node_gb_per_s if dp_same_node else cluster.inter_node_gb_per_s)
     return PlannerSpec(cost, stages, tuple(memory), dp, link, hidden, layouts, recomputes, tp, seed, mb.max_seq_len,
-                       pipe.schedule)
+                       pipe.schedule, update)
 
 
 def balanced_split(cost: TableCostModel, num_stages: int, *, tokens: int = 4096, tp: int = 1) -> tuple[StageSpec, ...]:
@@ -132,10 +136,11 @@ class StepPlan:
     method: str
     layout: Layout
     replicas: tuple[ReplicaPlan, ...]
+    update_ms: float = 0.0  # after every replica's pipeline drains: all-reduce + optimizer step
 
     @property
     def iteration_ms(self) -> float:
-        return max(r.sim.makespan_ms for r in self.replicas)
+        return max(r.sim.makespan_ms for r in self.replicas) + self.update_ms
 
     @property
     def micro_batches(self) -> list[MicroBatch]:
@@ -215,7 +220,7 @@ def schedule_replicas(
             schedule = one_f_one_b(len(mbs), spec.pp)
             sim = simulate(mbs, schedule, spec.link)
         replicas.append(ReplicaPlan(mbs, schedule, sim))
-    return StepPlan(method, micro_batches[0].layout, tuple(replicas))
+    return StepPlan(method, micro_batches[0].layout, tuple(replicas), spec.update_ms)
 
 
 def relax_recompute(
@@ -319,7 +324,8 @@ def _cheapest_feasible(groups: list[list[int]], lengths: Sequence[int], spec: Pl
 
 def ideal_ms(lengths: Sequence[int], spec: PlannerSpec) -> float:
     """The sequences' own work spread perfectly: per sequence its token and attention cost over
-    the whole model (no padding, no recompute, no fixed per-micro-batch cost), over pp*dp devices."""
+    the whole model (no padding, no recompute, no fixed per-micro-batch cost), over pp*dp devices,
+    plus the update every plan pays."""
     table = spec.cost.table("packed", "none", spec.tp)
     arr = np.asarray(lengths, dtype=float)
     total = 0.0
@@ -328,12 +334,13 @@ def ideal_ms(lengths: Sequence[int], spec: PlannerSpec) -> float:
         for metric in ("forward_ms", "backward_ms"):
             _, c1, c2 = table.fits[comp][metric].coef
             total += k * float(np.sum(c1 * arr + c2 * arr * arr))
-    return total / (spec.pp * spec.dp)
+    return total / (spec.pp * spec.dp) + spec.update_ms
 
 
 def critical_path_ms(lengths: Sequence[int], spec: PlannerSpec) -> float:
     """A lower bound no plan can beat: the longest sequence alone, in the cheapest recompute mode
-    it fits in, must still pass forward through every stage and backward through every stage."""
+    it fits in, must still pass forward through every stage and backward through every stage,
+    and the update follows."""
     longest = int(max(lengths))
     best = float("inf")
     for layout in spec.layouts:
@@ -342,4 +349,4 @@ def critical_path_ms(lengths: Sequence[int], spec: PlannerSpec) -> float:
             if all(p <= m.budget for p, m in zip(mb.peak_bytes, spec.memory)):
                 hops = 2 * (spec.pp - 1) * spec.link.transfer_ms(mb.activation_bytes)
                 best = min(best, sum(mb.forward_ms) + sum(mb.backward_ms) + hops)
-    return best
+    return best + spec.update_ms
