@@ -1,8 +1,6 @@
 """One rank of the DeepSpeed exactness test: one planned step per ZeRO stage and layout,
 compared with a single-process reference on the whole global batch (run as a script)."""
 import copy
-import json
-import os
 import sys
 
 import numpy as np
@@ -16,6 +14,7 @@ deepspeed_ext.skip_cpu_shm_build()
 import deepspeed  # noqa: E402
 
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
+from ranks import finish  # noqa: E402
 
 MODEL = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=97, max_position_embeddings=512, tie_word_embeddings=False)
@@ -41,7 +40,7 @@ def reference(model, samples, lr):
 def main():
     out = sys.argv[1]
     deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     rng = np.random.default_rng(0)
     lengths = rng.integers(2, 200, size=40)
     data = [{"input_ids": rng.integers(0, 97, size=int(n))} for n in lengths]
@@ -77,12 +76,7 @@ def main():
             results.append({"stage": stage, "layout": layout, "max_abs_diff": diff, "micro_batch_sizes": sizes,
                             "samples": len(ids)})
             engine.destroy() if hasattr(engine, "destroy") else None
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # DeepSpeed sometimes aborts in its exit handlers on CPU
+    finish(results, out)
 
 
 if __name__ == "__main__":

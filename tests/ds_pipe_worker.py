@@ -1,8 +1,6 @@
 """One rank of the pipeline exactness test: the plugin's PipelineEngine runs one planned step
 (pp=2, with dp = world / 2), compared with a single-process reference (run as a script)."""
 import copy
-import json
-import os
 import sys
 
 import numpy as np
@@ -17,12 +15,13 @@ import deepspeed  # noqa: E402
 
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
 from ds_exact_worker import LR, MODEL, reference  # noqa: E402
+from ranks import finish  # noqa: E402
 
 
 def main():
     out = sys.argv[1]
     deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     rng = np.random.default_rng(1)
     lengths = rng.integers(2, 200, size=40)
     data = [{"input_ids": rng.integers(0, 97, size=int(n))} for n in lengths]
@@ -65,12 +64,7 @@ def main():
             "micro_batches": len(step.plan.micro_batches), "sizes": [len(mb["sample_ids"]) for mb in step.plan.micro_batches],
             "loss": loss, "dp": engine.dp_world_size,
         })
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # DeepSpeed sometimes aborts in its exit handlers on CPU
+    finish(results, out)
 
 
 if __name__ == "__main__":

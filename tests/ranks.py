@@ -31,3 +31,18 @@ def run(script: str, *args, world: int = 2, env: dict | None = None, timeout: fl
     procs = launch(script, *args, world=world, env=env, capture=True)
     logs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
     return [p.returncode for p in procs], logs
+
+
+def finish(results, out) -> None:
+    """End a DeepSpeed rank script: rank 0 writes the results as JSON, then every rank leaves
+    without DeepSpeed's exit handlers, which sometimes abort on CPU."""
+    import json
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)

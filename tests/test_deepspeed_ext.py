@@ -82,3 +82,15 @@ def test_bench_train_runs_the_comparison(tmp_path, capsys):
     events = json.loads((tmp_path / "train" / "step-trace.json").read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["tid"] for e in spans} == {0, 1} and {e["pid"] for e in spans} == {0, 1}  # measured, predicted; 2 ranks
+
+    # the same script under DeepSpeed's own launcher (which adds --local_rank)
+    import os
+    import subprocess
+    import sys
+
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    done = subprocess.run([launcher, "--num_gpus", "2", "examples/deepspeed_llama/train.py", "--profile", str(profile),
+                           "--out", str(tmp_path / "ds"), "--steps", "1", "--max-len", "1024", "--global-tokens", "8192",
+                           "--modes", "dyn_plugin"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert [r["mode"] for r in json.loads((tmp_path / "ds" / "summary.json").read_text())] == ["dyn_plugin"]
