@@ -169,7 +169,9 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
     if n == 0:
         raise ValueError(f"step {step.index} gave this rank no micro-batch; every replica needs at least one")
     total = torch.zeros((), dtype=torch.float64)
-    for i, mb in enumerate(step.micro_batches):
+    recompute = _recompute_switch(engine)
+    for i, (desc, mb) in enumerate(zip(step.loaded, step.micro_batches)):
+        recompute.set(desc["recompute"])
         engine.set_gradient_accumulation_boundary(i == n - 1)
         inputs = {k: v.to(engine.device) for k, v in mb.items() if k in MODEL_KEYS}
         t0 = time.perf_counter()
@@ -188,6 +190,15 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
     if dp > 1:
         dist.all_reduce(total)
     return float(total / step.tokens)
+
+
+def _recompute_switch(engine):
+    """One switch per engine: it flips the module's layers between recompute modes."""
+    from dyn_plugin.models.recompute import RecomputeSwitch
+
+    if getattr(engine, "_dyn_plugin_recompute", None) is None:
+        engine._dyn_plugin_recompute = RecomputeSwitch(engine.module)
+    return engine._dyn_plugin_recompute
 
 
 def save_checkpoint(engine, loader: DynLoader, save_dir: str | os.PathLike, tag: str | None = None) -> str:

@@ -95,12 +95,8 @@ def write_step_trace(step, timings: list, cost, out: str) -> None:
     """Chrome trace of one executed step: per rank, measured forward/backward of each
     micro-batch next to the cost model's prediction for it (open in https://ui.perfetto.dev)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    from dyn_plugin.plan.instructions import LoadMicroBatch
-
     mine = []
-    executed = [ins.mb for ins in step.plan.instructions if isinstance(ins, LoadMicroBatch)]  # in run order
-    for k, m in enumerate(executed):
-        desc = step.plan.micro_batches[m]
+    for k, desc in enumerate(step.loaded):  # in run order
         c = cost.micro_batch_cost(desc["seq_lens"], layout=desc["layout"], recompute=desc["recompute"])
         fwd, bwd = timings[k]
         mine += [fwd, bwd, c.forward_ms, c.backward_ms]

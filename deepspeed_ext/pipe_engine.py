@@ -22,6 +22,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from dyn_plugin.data.collate import position_ids
 from dyn_plugin.data.loader import Step
+from dyn_plugin.models.recompute import RecomputeSwitch
 from dyn_plugin.plan.instructions import (BackwardPass, ExecutionPlan, ForwardPass, Instruction, LoadMicroBatch,
                                           OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, SendActivation,
                                           SendGrad)
@@ -34,6 +35,7 @@ class PlanPipelineEngine(PipelineEngine):
         super().__init__(*args, **kwargs)
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []  # in flight until ReduceGrads
         self._losses: dict[int, torch.Tensor] = {}  # buffer -> scaled loss awaiting its backward
+        self._recompute = RecomputeSwitch(self.module)  # the plan's recompute mode, per micro-batch
 
     def train_batch(self, step: Step) -> float:  # type: ignore[override]
         """Run this rank's plan of ``step``; returns the global batch's token-mean loss."""
@@ -89,6 +91,7 @@ class PlanPipelineEngine(PipelineEngine):
         self.pipe_buffers["inputs"][ins.buffer] = (hidden, self._positions(ins.mb))
 
     def _exec_forward(self, ins: ForwardPass) -> None:
+        self._recompute.set(self._step.plan.micro_batches[ins.mb]["recompute"])
         outputs = super(PipelineEngine, self).forward(self.pipe_buffers["inputs"][ins.buffer])
         if self.is_last_stage():
             loss = self.module.loss_fn(outputs, self.pipe_buffers["labels"][ins.buffer])

@@ -46,6 +46,7 @@ def main():
     data = [{"input_ids": rng.integers(0, 97, size=int(n))} for n in lengths]
     results = []
     for stage in (0, 1, 2, 3):
+        recompute = ("none", "full", "none", "selective")[stage]  # the plan's mode, applied per micro-batch
         for layout in ("padded", "packed"):
             torch.manual_seed(0)
             model = build_causal_lm(MODEL)
@@ -53,9 +54,9 @@ def main():
             config = {
                 "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
                 "dyn_plugin": {
-                    "microbatching": {"layout": layout, "global_tokens": 1500, "max_seq_len": 256, "recompute": "none"},
+                    "microbatching": {"layout": layout, "global_tokens": 1500, "max_seq_len": 256, "recompute": recompute},
                     # a small device: the plan must cut the global batch into several micro-batches
-                    "cluster": {"device": {"memory_mb": 2, "memory_fraction": 1.0}},
+                    "cluster": {"device": {"memory_mb": {"none": 2, "selective": 1.6, "full": 1.0}[recompute], "memory_fraction": 1.0}},
                     "cost_model": {"kind": "analytic", "dtype": "fp32"},
                 },
             }
@@ -74,6 +75,7 @@ def main():
                 diff = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(params, ref.parameters()))
             sizes = [len(s) for s in step.sample_ids]
             results.append({"stage": stage, "layout": layout, "max_abs_diff": diff, "micro_batch_sizes": sizes,
+                            "recompute": recompute, "recompute_ran": engine._dyn_plugin_recompute.mode,
                             "samples": len(ids)})
             engine.destroy() if hasattr(engine, "destroy") else None
     finish(results, out)

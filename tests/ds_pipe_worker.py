@@ -26,17 +26,17 @@ def main():
     lengths = rng.integers(2, 200, size=40)
     data = [{"input_ids": rng.integers(0, 97, size=int(n))} for n in lengths]
     results = []
-    for zero, layout in ((0, "padded"), (1, "packed")):
+    for zero, layout, recompute in ((0, "padded", "none"), (1, "packed", "full")):
         torch.manual_seed(0)
         model = build_causal_lm({**MODEL, "num_hidden_layers": 3})
         ref = copy.deepcopy(model)
         config = {
             "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True,
             "dyn_plugin": {
-                "microbatching": {"layout": layout, "global_tokens": 1500, "max_seq_len": 256, "recompute": "none"},
+                "microbatching": {"layout": layout, "global_tokens": 1500, "max_seq_len": 256, "recompute": recompute},
                 "pipeline": {"stages": 2},
                 # a small device: the plan must cut the global batch into several micro-batches
-                "cluster": {"device": {"memory_mb": 4, "memory_fraction": 1.0}},
+                "cluster": {"device": {"memory_mb": {"none": 4, "full": 1.1}[recompute], "memory_fraction": 1.0}},
                 "cost_model": {"kind": "analytic", "dtype": "fp32"},
             },
         }
@@ -62,7 +62,7 @@ def main():
             "params_compared": sum(int(s[1]) for s in both), "params": len(list(model.parameters())),
             "samples": len(ids), "distinct": len(set(ids)), "global_batch": len(loader.context.batches(0)[0]),
             "micro_batches": len(step.plan.micro_batches), "sizes": [len(mb["sample_ids"]) for mb in step.plan.micro_batches],
-            "loss": loss, "dp": engine.dp_world_size,
+            "loss": loss, "dp": engine.dp_world_size, "recompute": recompute, "recompute_ran": engine._recompute.mode,
         })
     finish(results, out)
 

@@ -16,6 +16,7 @@ def test_exact_token_mean_step_for_every_zero_stage(tmp_path):
     assert {(r["stage"], r["layout"]) for r in results} == {(s, l) for s in range(4) for l in ("padded", "packed")}
     for r in results:
         assert r["max_abs_diff"] <= 1e-5, r
+        assert r["recompute_ran"] == r["recompute"], r  # recompute changes memory, never the gradients
         assert len(r["micro_batch_sizes"]) > 1, r  # the plan cut the step into several micro-batches
     assert any(len(set(r["micro_batch_sizes"])) > 1 for r in results)  # of uneven sizes
 
@@ -30,6 +31,7 @@ def test_pipeline_engine_runs_the_plan_exactly(tmp_path, world):
     for r in results:
         assert r["dp"] == world // 2
         assert r["max_abs_diff"] <= 1e-5, r
+        assert r["recompute_ran"] == r["recompute"], r
         assert r["params_compared"] == r["params"] * r["dp"], r  # every parameter, on the stage that holds it
         assert r["samples"] == r["distinct"] == r["global_batch"], r  # each sample once, over all replicas
         assert r["micro_batches"] > 1, r

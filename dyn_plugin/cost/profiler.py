@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .allocator import stable_cpu_allocator
+from ..models.recompute import RecomputeSwitch, decoder_layers
 from .model import LAYOUTS, RECOMPUTES, Layout, Recompute, features, round_up
 from .profile import SCHEMA, VERSION, DeviceInfo, ModelInfo, Profile, Sample, UpdateSamples, fit_tables
 from .shadow import ShadowLoad
@@ -80,25 +81,6 @@ def make_inputs(seq_lens: list[int], layout: Layout, vocab: int, pad_multiple: i
     starts = np.cumsum([0] + seq_lens[:-1])
     labels[0, starts] = -100  # no prediction across a document boundary
     return ids, pos, labels
-
-
-def _set_recompute(model, recompute: Recompute) -> None:
-    """Full: checkpoint every decoder layer. Selective: checkpoint only each attention block."""
-    import functools
-
-    import torch.utils.checkpoint as cp
-
-    if recompute == "full":
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    elif recompute == "selective":
-        for layer in _decoder_layers(model):
-            attn = getattr(layer, "self_attn", None) or getattr(layer, "attn")
-            attn.forward = functools.partial(cp.checkpoint, attn.forward, use_reentrant=False)
-
-
-def _decoder_layers(model):
-    inner = getattr(model, "model", None) or getattr(model, "transformer")
-    return getattr(inner, "layers", None) or getattr(inner, "h")
 
 
 def _step(model, ids, pos, labels) -> tuple[float, float]:
@@ -206,7 +188,7 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
         for rc in grid.recomputes:
             torch.manual_seed(grid.seed)
             models[(depth, rc)] = build_causal_lm(model_cfg, num_layers=depth).train()
-            _set_recompute(models[(depth, rc)], rc)
+            RecomputeSwitch(models[(depth, rc)]).set(rc)
     ref = models[(l1, grid.recomputes[0])]
     vocab = ref.config.vocab_size
     # One job per (layout, micro-batch, recompute, depth); memory is measured once per job.
@@ -224,7 +206,7 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
     if held_out:
         torch.manual_seed(grid.seed)
         full = build_causal_lm(model_cfg).train()
-        _set_recompute(full, grid.recomputes[0])
+        RecomputeSwitch(full).set(grid.recomputes[0])
         held_jobs = [Job(full, make_inputs(c["seq_lens"], c["layout"], vocab, pad, rng)) for c in held_out]
     else:
         held_jobs = []
@@ -298,7 +280,7 @@ def _full_depth(cfg: dict) -> int:
 
 
 def _param_counts(model, depth: int) -> dict[str, float]:
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     layer = sum(p.numel() for p in layers[0].parameters())
     embedding = sum(p.numel() for p in model.get_input_embeddings().parameters())
     total = sum(p.numel() for p in model.parameters())

@@ -49,6 +49,12 @@ class Step:
     digest: str  # fingerprint of the whole step's plan, equal on every rank
     predicted_ms: float  # the cost model's simulated time of the whole step
 
+    @property
+    def loaded(self) -> list[dict]:
+        """The plan's description (sample_ids, seq_lens, layout, recompute, shape) of each entry
+        of ``micro_batches``, in the same order."""
+        return [self.plan.micro_batches[i.mb] for i in self.plan.instructions if isinstance(i, LoadMicroBatch)]
+
 
 class DynLoader:
     def __init__(
