@@ -163,6 +163,8 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
     from .pipe_engine import PlanPipelineEngine
 
     if isinstance(engine, PlanPipelineEngine):
+        if timings is not None:
+            raise ValueError("timings are recorded for data-parallel steps only: a pipeline's micro-batches overlap")
         return engine.train_batch(step)
     dp = dist.get_world_size() if dist.is_initialized() else 1
     n = len(step.micro_batches)

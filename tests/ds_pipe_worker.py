@@ -1,6 +1,7 @@
 """One rank of the pipeline exactness test: the plugin's PipelineEngine runs one planned step
 (pp=2, with dp = world / 2), compared with a single-process reference (run as a script)."""
 import copy
+import os
 import sys
 
 import numpy as np
@@ -51,6 +52,16 @@ def main():
         dist.all_gather_object(gathered, mine)
         ids = sorted(i for g in gathered for i in g)
         reference(ref, [data[i]["input_ids"] for i in ids], LR)
+        # DeepSpeed's pipeline checkpoint (per layer) plus the loader position round-trips
+        ckpt = os.path.join(os.path.dirname(out), f"ckpt-{zero}")
+        deepspeed_ext.save_checkpoint(engine, loader, ckpt)
+        saved = [p.detach().clone() for p in engine.module.parameters()]
+        with torch.no_grad():
+            for p in engine.module.parameters():
+                p.add_(1.0)
+        next(iter(loader))  # moves the loader on; the checkpoint must move it back
+        deepspeed_ext.load_checkpoint(engine, loader, ckpt)
+        restored = max(float((p.detach() - q).abs().max()) for p, q in zip(engine.module.parameters(), saved))
         local = {id(p) for p in engine.module.parameters()}
         diffs = [float((p.detach() - q.detach()).abs().max())
                  for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()) if id(p) in local]
@@ -62,7 +73,7 @@ def main():
             "params_compared": sum(int(s[1]) for s in both), "params": len(list(model.parameters())),
             "samples": len(ids), "distinct": len(set(ids)), "global_batch": len(loader.context.batches(0)[0]),
             "micro_batches": len(step.plan.micro_batches), "sizes": [len(mb["sample_ids"]) for mb in step.plan.micro_batches],
-            "loss": loss, "dp": engine.dp_world_size, "recompute": recompute, "recompute_ran": engine._recompute.mode,
+            "loss": loss, "dp": engine.dp_world_size, "restored_diff": restored, "resume_step": loader.step, "recompute": recompute, "recompute_ran": engine._recompute.mode,
         })
     finish(results, out)
 

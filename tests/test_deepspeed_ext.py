@@ -32,6 +32,7 @@ def test_pipeline_engine_runs_the_plan_exactly(tmp_path, world):
         assert r["dp"] == world // 2
         assert r["max_abs_diff"] <= 1e-5, r
         assert r["recompute_ran"] == r["recompute"], r
+        assert r["restored_diff"] == 0.0 and r["resume_step"] == 1, r  # checkpoint: weights and loader position
         assert r["params_compared"] == r["params"] * r["dp"], r  # every parameter, on the stage that holds it
         assert r["samples"] == r["distinct"] == r["global_batch"], r  # each sample once, over all replicas
         assert r["micro_batches"] > 1, r
