@@ -129,8 +129,12 @@ def initialize(
         from .pipe_engine import PlanPipelineEngine
         from .pipe_module import causal_lm_pipe
 
-        if not isinstance(model, PipelineModule):
-            model = causal_lm_pipe(model, [s.num_layers for s in loader.context.spec.stages])
+        planned = [s.num_layers for s in loader.context.spec.stages]
+        if isinstance(model, PipelineModule):
+            logger.warning("using the given PipelineModule as it is: its stages should hold %s transformer layers "
+                           "(pipeline.layers_per_stage), as the planner prices them", planned)
+        else:
+            model = causal_lm_pipe(model, planned)
         swap = _engine_class(deepspeed, PlanPipelineEngine)
     with swap:
         engine, optimizer, _, scheduler = deepspeed.initialize(
