@@ -35,6 +35,7 @@ def reference(model, samples, lr):
     with torch.no_grad():
         for p in model.parameters():
             p -= lr * p.grad
+            p.grad = None
 
 
 def main():

@@ -1,6 +1,7 @@
-"""One rank of the pipeline exactness test: the plugin's PipelineEngine runs one planned step
+"""One rank of the pipeline exactness test: the plugin's PipelineEngine runs two planned steps
 (pp=2, with dp = world / 2), compared with a single-process reference (run as a script)."""
 import copy
+import itertools
 import os
 import sys
 
@@ -44,14 +45,20 @@ def main():
         engine, _, loader, _ = deepspeed_ext.initialize(
             model=model, config=config, dataset=data, lengths=lengths,
             optimizer=lambda params: torch.optim.SGD(params, lr=LR), seed=3)
-        step = next(iter(loader))
-        loss = deepspeed_ext.train_step(engine, step)
-        # every replica's samples, from its first stage (the last stage loads the same ones)
-        mine = [i for mb in step.sample_ids for i in mb] if engine.is_first_stage() else []
-        gathered = [None] * world
-        dist.all_gather_object(gathered, mine)
-        ids = sorted(i for g in gathered for i in g)
-        reference(ref, [data[i]["input_ids"] for i in ids], LR)
+        ids, shapes, batch_sizes = [], [], []
+        for step in itertools.islice(loader, 2):  # through one engine: counts and shapes change between steps
+            loss = deepspeed_ext.train_step(engine, step)
+            shapes.append([mb["shape"] for mb in step.plan.micro_batches])
+            batch_sizes.append(len(loader.context.batches(0)[step.index]))
+            # every replica's samples, from its first stage (the last stage loads the same ones)
+            mine = [i for mb in step.sample_ids for i in mb] if engine.is_first_stage() else []
+            gathered = [None] * world
+            dist.all_gather_object(gathered, mine)
+            step_ids = [i for g in gathered for i in g]
+            reference(ref, [data[i]["input_ids"] for i in sorted(step_ids)], LR)
+            ids += step_ids
+            if len(shapes) == 1:
+                first = step
         # DeepSpeed's pipeline checkpoint (per layer) plus the loader position round-trips
         ckpt = os.path.join(os.path.dirname(out), f"ckpt-{zero}")
         deepspeed_ext.save_checkpoint(engine, loader, ckpt)
@@ -71,8 +78,9 @@ def main():
         results.append({
             "zero": zero, "layout": layout, "max_abs_diff": max(float(s[0]) for s in both),
             "params_compared": sum(int(s[1]) for s in both), "params": len(list(model.parameters())),
-            "samples": len(ids), "distinct": len(set(ids)), "global_batch": len(loader.context.batches(0)[0]),
-            "micro_batches": len(step.plan.micro_batches), "sizes": [len(mb["sample_ids"]) for mb in step.plan.micro_batches],
+            "samples": len(ids), "distinct": len(set(ids)), "global_batch": sum(batch_sizes),
+            "micro_batches": len(first.plan.micro_batches), "sizes": [len(mb["sample_ids"]) for mb in first.plan.micro_batches],
+            "shapes_changed": shapes[0] != shapes[1],
             "loss": loss, "dp": engine.dp_world_size, "restored_diff": restored, "resume_step": loader.step, "recompute": recompute, "recompute_ran": engine._recompute.mode,
         })
     finish(results, out)

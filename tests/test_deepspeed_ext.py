@@ -32,9 +32,10 @@ def test_pipeline_engine_runs_the_plan_exactly(tmp_path, world):
         assert r["dp"] == world // 2
         assert r["max_abs_diff"] <= 1e-5, r
         assert r["recompute_ran"] == r["recompute"], r
-        assert r["restored_diff"] == 0.0 and r["resume_step"] == 1, r  # checkpoint: weights and loader position
+        assert r["restored_diff"] == 0.0 and r["resume_step"] == 2, r
+        assert r["shapes_changed"], r  # two steps, different micro-batches, one engine  # checkpoint: weights and loader position
         assert r["params_compared"] == r["params"] * r["dp"], r  # every parameter, on the stage that holds it
-        assert r["samples"] == r["distinct"] == r["global_batch"], r  # each sample once, over all replicas
+        assert r["samples"] == r["distinct"] == r["global_batch"], r  # each sample once, over all replicas, 2 steps
         assert r["micro_batches"] > 1, r
     assert any(len(set(r["sizes"])) > 1 for r in results)  # of uneven sizes
 
