@@ -38,13 +38,18 @@ def reference(model, samples, lr):
             p.grad = None
 
 
+def random_dataset(seed: int):
+    """40 sequences of 2-200 random token ids: (lengths, dataset)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, 200, size=40)
+    return lengths, [{"input_ids": rng.integers(0, 97, size=int(n))} for n in lengths]
+
+
 def main():
     out = sys.argv[1]
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(2, 200, size=40)
-    data = [{"input_ids": rng.integers(0, 97, size=int(n))} for n in lengths]
+    lengths, data = random_dataset(0)
     results = []
     for stage in (0, 1, 2, 3):
         recompute = ("none", "full", "none", "selective")[stage]  # the plan's mode, applied per micro-batch

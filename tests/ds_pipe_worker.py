@@ -5,7 +5,6 @@ import itertools
 import os
 import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -16,7 +15,7 @@ deepspeed_ext.skip_cpu_shm_build()
 import deepspeed  # noqa: E402
 
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
-from ds_exact_worker import LR, MODEL, reference  # noqa: E402
+from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
 from ranks import finish  # noqa: E402
 
 
@@ -24,9 +23,7 @@ def main():
     out = sys.argv[1]
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
-    rng = np.random.default_rng(1)
-    lengths = rng.integers(2, 200, size=40)
-    data = [{"input_ids": rng.integers(0, 97, size=int(n))} for n in lengths]
+    lengths, data = random_dataset(1)
     results = []
     for zero, layout, recompute in ((0, "padded", "none"), (1, "packed", "full")):
         torch.manual_seed(0)
