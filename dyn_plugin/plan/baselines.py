@@ -3,8 +3,8 @@
 - ``fixed_padding``: Megatron's default: a fixed number of sequences per micro-batch, each
   padded to the maximum sequence length.
 - ``token_budget``: DeepSpeed's ``batch_by_seqlens``: sequences in loader order fill a micro-batch
-  up to a token budget, padded to the micro-batch's longest (pipelines need one shape per
-  micro-batch).
+  while their summed lengths stay within a token budget; each micro-batch is padded to its
+  longest (pipelines need one shape per micro-batch).
 - ``packing_full``: fixed-length packing (first-fit decreasing into rows of the maximum length),
   attention over the whole row: Megatron's packing, the baseline DynaPipe beat.
 - ``packing_varlen``: the same rows with per-document attention: the strongest baseline.
@@ -81,30 +81,41 @@ def fixed_padding(lengths: Sequence[int], spec: PlannerSpec, max_len: int) -> St
                              method="fixed_padding", balance=False, adaptive=False)
 
 
-def token_budget(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
-    def groups_for(budget: int) -> list[list[int]]:
-        groups, cur, longest = [], [], 0
-        for i, s in enumerate(lengths):
-            if cur and (len(cur) + 1) * max(s, longest) > budget:
-                groups.append(cur)
-                cur, longest = [], 0
-            cur.append(i)
-            longest = max(longest, s)
-        return _enough_for_replicas(groups + [cur], spec.dp)
+def budget_groups(lengths: Sequence[int], budget: int, max_batch_size: int | None = None) -> list[list[int]]:
+    """DeepSpeed's ``batch_by_seqlens`` with ``sequence_picking_order="dataloader"``: sequences in
+    loader order fill a micro-batch while the sum of their lengths stays within ``budget`` (and
+    their count within ``max_batch_size``). DeepSpeed's loop stops one sequence short, so its last
+    micro-batch misses the final sequence; here every sequence is kept."""
+    groups, cur, total = [], [], 0
+    for i, s in enumerate(lengths):
+        if cur and (total + s > budget or len(cur) == max_batch_size):
+            groups.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += s
+    return groups + [cur] if cur else groups
 
-    def fits(budget: int) -> bool:
+
+def token_budget(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
+    """The largest ``max_tokens`` whose micro-batches, each padded to its longest, all fit: the
+    value a user would tune it to; where none does (a long sequence grouped with another no
+    longer fits), the batch size is capped too, as ``max_batch_size`` lets a user do."""
+    def groups_for(budget: int, cap: int | None) -> list[list[int]]:
+        return _enough_for_replicas(budget_groups(lengths, budget, cap), spec.dp)
+
+    def fits(budget: int, cap: int | None) -> bool:
         try:
-            _uniform(groups_for(budget), lengths, spec, "padded", None, "token_budget")
+            _uniform(groups_for(budget, cap), lengths, spec, "padded", None, "token_budget")
             return True
         except InfeasibleError:
             return False
 
-    # The largest budget whose micro-batches all fit: the value a user would tune max_tokens to.
-    budget = _largest(fits, max(lengths), max(lengths) * len(lengths))
-    if budget == 0:
-        raise InfeasibleError("token_budget: the longest sequence alone does not fit")
-    mbs = _uniform(groups_for(budget), lengths, spec, "padded", None, "token_budget")
-    return schedule_replicas(mbs, spec, method="token_budget", balance=False, adaptive=False)
+    for cap in (None, 8, 4, 2, 1):
+        budget = _largest(lambda b: fits(b, cap), max(lengths), sum(lengths))
+        if budget:
+            mbs = _uniform(groups_for(budget, cap), lengths, spec, "padded", None, "token_budget")
+            return schedule_replicas(mbs, spec, method="token_budget", balance=False, adaptive=False)
+    raise InfeasibleError("token_budget: the longest sequence alone does not fit")
 
 
 def packing(lengths: Sequence[int], spec: PlannerSpec, row_len: int, *, varlen: bool) -> StepPlan:
