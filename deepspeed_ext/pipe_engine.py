@@ -43,8 +43,7 @@ class PlanPipelineEngine(PipelineEngine):
         self._check_plan(plan)
         self.module.train()
         self._step = step
-        loads = [i.mb for i in plan.instructions if isinstance(i, LoadMicroBatch)]
-        self._tensors = dict(zip(loads, step.micro_batches))
+        self._tensors = dict(zip(plan.loads, step.micro_batches))
         self._loss_scale = self.dp_world_size / step.tokens
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._reserve_pipe_buffers(plan.num_buffers)

@@ -1,16 +1,11 @@
 """Launch a script as a few local gloo ranks (env rendezvous), for the multi-process tests."""
 import os
-import socket
 import subprocess
 import sys
 
+from dyn_plugin.child import free_port  # also imported from here by the tests
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(script: str, *args, world: int = 2, env: dict | None = None, capture: bool = False) -> list[subprocess.Popen]:

@@ -115,3 +115,13 @@ def test_recompute_switch_saves_memory_and_keeps_gradients():
     assert not any("forward" in vars(m) for m in model.modules())  # "none" restored every forward
     with pytest.raises(ValueError, match="recompute mode 'some'"):
         switch.set("some")
+
+
+def test_load_processes_that_do_not_start_in_time_are_an_error_and_stopped():
+    from dyn_plugin.cost.shadow import ShadowLoad
+
+    load = ShadowLoad(PRESETS["tiny-llama"], GRID, count=1, threads=1, timeout_s=0.2)  # too short to build a model
+    with pytest.raises(RuntimeError, match=r"did not start \(not ready after 0.2 s\)"):
+        with load:
+            pass
+    assert all(p.poll() is not None for p in load.procs)

@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
 
 def print_summary(profile) -> None:
     """Fit error of each table (of the layer), the update's cost, and the held-out error if measured."""
-    from ..cost.update import UpdateCost
+    from ..cost.model import Precision
+    from ..cost.profile import cost_model_from_profile
 
     print(f"{'table':<24}{'fwd MAPE':>10}{'bwd MAPE':>10}{'stored MAPE':>13}  (fit error)")
     for t in profile.tables:
@@ -92,13 +93,14 @@ def print_summary(profile) -> None:
               f"{f['backward_ms'].mape:>10.1%}{f['stored_bytes'].mape:>13.1%}")
     u = profile.update
     if u is not None and (u.optimizer or u.allreduce):
-        cost = UpdateCost.fit(u.optimizer, u.allreduce, max(profile.ranks, 2))
-        params = profile.model.params["layer"] * profile.model.num_layers + profile.model.params["embedding"] \
-            + profile.model.params["head"]
-        line = f"update of the whole model ({params / 1e6:.1f}M parameters): AdamW step {cost.optimizer_ms(params):.1f} ms"
+        cost = cost_model_from_profile(profile)
+        params = cost.stage_params()
+        line = f"update of the whole model ({params / 1e6:.1f}M parameters): AdamW step " \
+               f"{cost.update.optimizer_ms(params):.1f} ms"
         if u.allreduce:
-            line += f", {u.backend} all-reduce of its fp32 gradients among {profile.ranks}: " \
-                    f"{cost.allreduce_ms(4 * params, profile.ranks, 1.0):.1f} ms"
+            grad_bytes = params * Precision.of(cost.dtype).grad
+            line += f", {u.backend} all-reduce of its {cost.dtype} gradients among {profile.ranks}: " \
+                    f"{cost.update.allreduce_ms(grad_bytes, profile.ranks, 1.0):.1f} ms"
         print(line)
     v = profile.validation
     if v:

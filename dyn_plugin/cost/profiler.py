@@ -218,7 +218,9 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
         bar.close()
         optimizer = measure_optimizer([models[(l1, grid.recomputes[0])], models[(l2, grid.recomputes[0])]],
                                       grid.repeats)
-    grad_bytes = 4 * sum(p.numel() for p in (full if held_out else ref).parameters())
+    params = _param_counts(ref, l1)
+    # the full-depth model's fp32 gradients, whether or not a full-depth model was built
+    grad_bytes = 4 * (params["embedding"] + params["head"] + params["layer"] * _full_depth(model_cfg))
     allreduce = measure_allreduce(ranks, [1 << 20, 4 << 20, int(grad_bytes)], repeats=grid.repeats,
                                   threads=threads) if ranks > 1 else []
     samples: list[Sample] = []
@@ -235,7 +237,7 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
         version=VERSION,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         model=ModelInfo(name=name, num_layers=_full_depth(model_cfg), hidden_size=ref.config.hidden_size,
-                        params=_param_counts(ref, l1), dtype="fp32", config=model_cfg),
+                        params=params, dtype="fp32", config=model_cfg),
         device=DeviceInfo(type="cpu", name=platform.processor() or platform.machine(),
                           threads=torch.get_num_threads(), torch=torch.__version__),
         pad_multiple=pad,

@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 
 READY = "ready"
@@ -32,11 +34,14 @@ class ShadowLoad:
     def __enter__(self) -> "ShadowLoad":
         self.procs = [subprocess.Popen(self._cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
                       for _ in range(self.count)]
+        deadline = time.monotonic() + self.timeout_s
         for p in self.procs:  # measuring starts once every shadow is busy
-            line = p.stdout.readline().strip()
+            ready, _, _ = select.select([p.stdout], [], [], max(deadline - time.monotonic(), 0))
+            line = p.stdout.readline().strip() if ready else ""
             if line != READY:
                 self.__exit__()
-                raise RuntimeError(f"profiling load process {p.pid} did not start (exit code {p.poll()})")
+                why = f"exit code {p.poll()}" if ready else f"not ready after {self.timeout_s:g} s"
+                raise RuntimeError(f"profiling load process {p.pid} did not start ({why})")
         return self
 
     def __exit__(self, *exc) -> None:

