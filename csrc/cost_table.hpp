@@ -13,7 +13,7 @@ enum Component { kEmbedding = 0, kLayer = 1, kHead = 2, kNumComponents = 3 };
 enum Metric { kForward = 0, kBackward = 1, kStored = 2, kPeak = 3, kNumMetrics = 4 };
 
 struct Features {
-  double tokens;
+  double slots;  // token slots: real tokens plus padding
   double attn;
   int64_t max_len;
 };
@@ -47,10 +47,10 @@ struct CostTable {
 
   double eval(int c, int m, const Features& f) const {
     const auto& k = coef[c][m];
-    return std::max(k[3], k[0] + k[1] * f.tokens + k[2] * f.attn);
+    return std::max(k[3], k[0] + k[1] * f.slots + k[2] * f.attn);
   }
 
-  bool in_range(const Features& f) const { return f.tokens <= max_tokens && f.max_len <= max_len; }
+  bool in_range(const Features& f) const { return f.slots <= max_tokens && f.max_len <= max_len; }
 
   // Components summed over the stage; peak = all stored + the worst single transient.
   StageCost stage_cost(const Features& f, int64_t num_layers, bool first, bool last) const {

@@ -26,10 +26,10 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from dyn_plugin.config import LoadedConfig, ModelShape, load_config
-from dyn_plugin.cost.allocator import stable_cpu_allocator
 from dyn_plugin.cost.from_config import build_cost_model
 from dyn_plugin.cost.table import TableCostModel
-from dyn_plugin.data.loader import DynLoader, Step
+from dyn_plugin.profiling.allocator import stable_cpu_allocator
+from dyn_plugin.runtime.loader import DynLoader, Step
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +126,8 @@ def initialize(
     if pp > 1:
         from deepspeed.pipe import PipelineModule
 
-        from .pipe_engine import PlanPipelineEngine
-        from .pipe_module import causal_lm_pipe
+        from deepspeed_ext.pipe_engine import PlanPipelineEngine
+        from deepspeed_ext.pipe_module import causal_lm_pipe
 
         planned = [s.num_layers for s in loader.context.spec.stages]
         if isinstance(model, PipelineModule):
@@ -164,7 +164,7 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
 
     import torch.distributed as dist
 
-    from .pipe_engine import PlanPipelineEngine
+    from deepspeed_ext.pipe_engine import PlanPipelineEngine
 
     if isinstance(engine, PlanPipelineEngine):
         if timings is not None:
@@ -185,7 +185,7 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
         scored = int((mb["labels"] != -100).sum())
         loss_sum = out.loss * scored  # HF returns the mean over this micro-batch's scored tokens
         t1 = time.perf_counter()
-        engine.backward(loss_sum * (dp / step.tokens), scale_wrt_gas=False)
+        engine.backward(loss_sum * (dp / step.scored_tokens), scale_wrt_gas=False)
         total += loss_sum.detach().double().cpu()
         if timings is not None:
             timings.append(((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
@@ -195,7 +195,7 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
         timings.append(("step", (time.perf_counter() - t0) * 1e3))
     if dp > 1:
         dist.all_reduce(total)
-    return float(total / step.tokens)
+    return float(total / step.scored_tokens)
 
 
 def _recompute_switch(engine):

@@ -37,8 +37,8 @@ def tokenized_corpus(name: str, max_len: int, out: str) -> tuple[list[np.ndarray
     """Real token ids: rank 0 tokenizes, everyone reads the same file (npz: no pickle)."""
     path = os.path.join(out, f"{name}-tokens.npz")
     if dist.get_rank() == 0 and not os.path.exists(path):
-        from dyn_plugin.data.corpus import iter_documents
-        from dyn_plugin.data.tokenizer import get_tokenizer
+        from dyn_plugin.lengths.corpus import iter_documents
+        from dyn_plugin.lengths.tokenizer import get_tokenizer
 
         ids = [np.asarray(e.ids[:max_len], dtype=np.int32) for e in get_tokenizer().encode_batch(list(iter_documents(name)))]
         ids = [x for x in ids if len(x) > 1]

@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from dyn_plugin.data.collate import position_ids
-from dyn_plugin.data.loader import Step
 from dyn_plugin.models.recompute import RecomputeSwitch
 from dyn_plugin.plan.instructions import (BackwardPass, ExecutionPlan, ForwardPass, Instruction, LoadMicroBatch,
                                           OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, SendActivation,
                                           SendGrad)
+from dyn_plugin.runtime.collate import position_ids
+from dyn_plugin.runtime.loader import Step
 
 
 class PlanPipelineEngine(PipelineEngine):
@@ -44,7 +44,7 @@ class PlanPipelineEngine(PipelineEngine):
         self.module.train()
         self._step = step
         self._tensors = dict(zip(plan.loads, step.micro_batches))
-        self._loss_scale = self.dp_world_size / step.tokens
+        self._loss_scale = self.dp_world_size / step.scored_tokens
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._reserve_pipe_buffers(plan.num_buffers)
         for ins in plan.instructions:
@@ -52,7 +52,7 @@ class PlanPipelineEngine(PipelineEngine):
             if handler is None:
                 raise RuntimeError(f"{type(self).__name__} has no handler for {type(ins).__name__}")
             MethodType(handler, self)(ins)
-        return self._global_loss(step.tokens)
+        return self._global_loss(step.scored_tokens)
 
     def _check_plan(self, plan: ExecutionPlan) -> None:
         want = (self.global_rank, self.stage_id, self.num_stages, self.grid.data_parallel_id)

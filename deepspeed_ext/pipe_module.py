@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import PipelineModule
 from torch import nn
 
-from dyn_plugin.data.collate import IGNORE
+from dyn_plugin.runtime.collate import IGNORE
 
 # Kernels that isolate packed documents by position-id resets, with no mask.
 MASK_FREE_ATTENTION = ("dyn_varlen", "flash_attention_2", "flash_attention_3")

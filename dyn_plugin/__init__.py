@@ -1,4 +1,4 @@
-"""dyn-plugin: per-step planning for variable-length training inside DeepSpeed and Megatron."""
+"""dyn-plugin: per-step planning for variable-length training inside DeepSpeed."""
 from __future__ import annotations
 
 __version__ = "0.1.0"

@@ -14,7 +14,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from test_loader import make  # noqa: E402
 
-from dyn_plugin.data.loader import DynLoader  # noqa: E402
+from dyn_plugin.runtime.loader import DynLoader  # noqa: E402
 
 
 def main() -> None:

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from dyn_plugin.commands import analyze as analyze_cmd
-from dyn_plugin.data import analysis as A
-from dyn_plugin.data.lengths import load_lengths
+from dyn_plugin.lengths import analysis as A
+from dyn_plugin.lengths.io import load_lengths
 
 H = 1  # with H=1 the FLOPs are small integers: f(s) = 24*s + 4*s^2
 
@@ -56,7 +56,7 @@ def test_ffd_rows(lengths, rows):
 
 
 def test_ffd_rejects_too_long():
-    with pytest.raises(ValueError, match=r"lengths\[1\] = 9 does not fit a row of 8"):
+    with pytest.raises(ValueError, match=r"sequence 1 \(length 9\) is longer than the packing row \(8\)"):
         A.pack_ffd(np.array([3, 9]), 8)
 
 

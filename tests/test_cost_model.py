@@ -16,9 +16,9 @@ A100 = DeviceSpec(name="a100", memory_mb=40000, peak_tflops=312, achieved_fracti
 
 def test_features():
     f = features([5, 17, 9], "padded", pad_multiple=8)
-    assert (f.tokens, f.attn, f.max_len) == (3 * 24, 3 * 24 * 24, 24)
+    assert (f.slots, f.attn, f.max_len) == (3 * 24, 3 * 24 * 24, 24)
     f = features([5, 17, 9], "packed")
-    assert (f.tokens, f.attn, f.max_len) == (31, 25 + 289 + 81, 17)
+    assert (f.slots, f.attn, f.max_len) == (31, 25 + 289 + 81, 17)
     with pytest.raises(ValueError, match="positive"):
         features([3, 0], "packed")
     with pytest.raises(ValueError, match="layout"):
@@ -67,7 +67,7 @@ def test_native_matches_python_twin(lens, packed, layers, first, last, seed, pad
     native = core.CostTable(t.coef_array(), packed, pad, t.max_tokens, t.max_len)
     stage = StageSpec(layers, first, last)
     f = features(lens, t.layout, pad)
-    want = evaluate_stage(t, f, stage, f.tokens > t.max_tokens or f.max_len > t.max_len)
+    want = evaluate_stage(t, f, stage, f.slots > t.max_tokens or f.max_len > t.max_len)
     got = native.stage_cost(np.array(lens), layers, first, last)
     assert np.allclose(got[:4], [want.forward_ms, want.backward_ms, want.stored_bytes, want.peak_bytes], rtol=1e-12)
     assert got[4] == want.extrapolated

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from dyn_plugin.commands import lengths as lengths_cmd
-from dyn_plugin.data import corpus as C
-from dyn_plugin.data import lengths as L
-from dyn_plugin.data import tokenizer as T
+from dyn_plugin.lengths import corpus as C
+from dyn_plugin.lengths import io as L
+from dyn_plugin.lengths import tokenizer as T
 
 MANIFEST = json.loads((L.BUNDLED_DIR / "manifest.json").read_text())
 

@@ -4,9 +4,9 @@ import pytest
 
 from dyn_plugin.config import DynPluginConfig
 from dyn_plugin.cost.from_config import build_cost_model
-from dyn_plugin.data.collate import collate, loss_tokens
-from dyn_plugin.data.loader import DynLoader
-from dyn_plugin.data.sampler import epoch_batches
+from dyn_plugin.runtime.collate import collate, scored_tokens
+from dyn_plugin.runtime.loader import DynLoader
+from dyn_plugin.runtime.sampler import epoch_batches
 
 SECTION = {
     "cost_model": {"kind": "analytic", "dtype": "fp32", "model": {
@@ -42,7 +42,7 @@ def test_every_sample_exactly_once_per_epoch(dp, pp):
     assert sorted(seen) == list(range(len(lens)))
     for k, st in steps.items():
         assert [x.digest for x in st] == [x.digest for x in steps[(0, 0)]]  # all ranks, same plans
-        assert all(x.tokens == steps[(0, 0)][i].tokens for i, x in enumerate(st))
+        assert all(x.scored_tokens == steps[(0, 0)][i].scored_tokens for i, x in enumerate(st))
     if pp == 2:  # the last stage loads the same micro-batches (labels) as the first
         for r in range(dp):
             assert [x.sample_ids for x in steps[(r, 1)]] == [x.sample_ids for x in steps[(r, 0)]]
@@ -53,9 +53,9 @@ def test_tokens_count_every_replicas_scored_tokens():
     ls = loaders(cfg, cm, lens, data, 2, 1)
     for a, b in zip(ls[(0, 0)], ls[(1, 0)]):
         ids = [i for st in (a, b) for mb in st.sample_ids for i in mb]
-        assert a.tokens == loss_tokens([int(lens[i]) for i in ids])
+        assert a.scored_tokens == scored_tokens([int(lens[i]) for i in ids])
         scored = sum(int((mb["labels"] != -100).sum()) for st in (a, b) for mb in st.micro_batches)
-        assert scored == a.tokens
+        assert scored == a.scored_tokens
 
 
 def test_resume_gives_exactly_the_rest_with_the_same_plans():

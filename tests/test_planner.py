@@ -8,13 +8,13 @@ from dyn_plugin.cli import main
 from dyn_plugin.config import DynPluginConfig, load_config
 from dyn_plugin.cost.from_config import build_cost_model
 from dyn_plugin.cost.native import core
-from dyn_plugin.data.lengths import load_lengths
-from dyn_plugin.data.sampler import global_batches
+from dyn_plugin.lengths.io import load_lengths
+from dyn_plugin.lengths.packing import pack_rows
 from dyn_plugin.plan.assign import assign_to_replicas
 from dyn_plugin.plan.baselines import BASELINES, plan_baseline
-from dyn_plugin.plan.packing import pack_rows
 from dyn_plugin.plan.instructions import check_plans, plan_from_json, plan_to_json
 from dyn_plugin.plan.planner import critical_path_ms, execution_plans, ideal_ms, plan_step, planner_spec
+from dyn_plugin.runtime.sampler import global_batches
 
 CONFIG = load_config("examples/a100_gpt67b.json")
 COST = build_cost_model(CONFIG.plugin.cost_model, CONFIG.plugin.cluster)

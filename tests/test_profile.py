@@ -5,17 +5,8 @@ import numpy as np
 import pytest
 
 from dyn_plugin.cost import StageSpec, features
-from dyn_plugin.cost.profile import (
-    SCHEMA,
-    DeviceInfo,
-    ModelInfo,
-    Profile,
-    Sample,
-    cost_model_from_profile,
-    fit_tables,
-    load_profile,
-    save_profile,
-)
+from dyn_plugin.cost.profile import (SCHEMA, DeviceInfo, ModelInfo, Profile, Sample, cost_model_from_profile,
+                                     fit_tables, load_profile, save_profile)
 
 HEAD = (2.0, 0.05, 1e-5)
 LAYER = (0.5, 0.01, 2e-5)
@@ -23,7 +14,7 @@ EMB = (0.1, 1e-4, 0.0)
 
 
 def lin(c, f):
-    return c[0] + c[1] * f.tokens + c[2] * f.attn
+    return c[0] + c[1] * f.slots + c[2] * f.attn
 
 
 def synthetic_samples(layout="packed"):
@@ -38,9 +29,9 @@ def synthetic_samples(layout="packed"):
                           forward_ms=emb, backward_ms=2 * emb, stored_bytes=0, peak_bytes=0))
         for depth in (1, 3):
             fwd = emb + lin(HEAD, f) + depth * lin(LAYER, f)
-            stored = 100 * f.tokens * (1 + depth)
+            stored = 100 * f.slots * (1 + depth)
             out.append(Sample(component="model", num_layers=depth, layout=layout, recompute="none", seq_lens=lens,
-                              forward_ms=fwd, backward_ms=2 * fwd, stored_bytes=stored, peak_bytes=stored + 50 * f.tokens))
+                              forward_ms=fwd, backward_ms=2 * fwd, stored_bytes=stored, peak_bytes=stored + 50 * f.slots))
     return out
 
 
@@ -92,8 +83,8 @@ def test_per_component_samples_from_elsewhere():
             f = features([s] * n, "padded")
             for comp, c in (("layer", LAYER), ("head", HEAD)):
                 samples.append(Sample(component=comp, layout="padded", recompute="full", seq_lens=[s] * n,
-                                      forward_ms=lin(c, f), backward_ms=lin(c, f) * 3, stored_bytes=10 * f.tokens,
-                                      peak_bytes=30 * f.tokens))
+                                      forward_ms=lin(c, f), backward_ms=lin(c, f) * 3, stored_bytes=10 * f.slots,
+                                      peak_bytes=30 * f.slots))
     cm = cost_model_from_profile(make_profile(samples))
     f = features([512] * 4, "padded")
     got = cm.micro_batch_cost([512] * 4, layout="padded", recompute="full", stage=StageSpec(1, True, False))

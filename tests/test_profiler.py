@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from dyn_plugin.cost.memory import LiveMemory
-from dyn_plugin.cost.profiler import ProfileGrid, make_inputs, run_profile
 from dyn_plugin.models.hf import PRESETS, build_causal_lm
+from dyn_plugin.profiling.memory import LiveMemory
+from dyn_plugin.profiling.profiler import ProfileGrid, make_inputs, run_profile
 
 GRID = ProfileGrid(seq_lens=(16, 64, 256), micro_batch_sizes=(1, 4), max_tokens=512, recomputes=("none",), repeats=4)
 
@@ -118,7 +118,7 @@ def test_recompute_switch_saves_memory_and_keeps_gradients():
 
 
 def test_load_processes_that_do_not_start_in_time_are_an_error_and_stopped():
-    from dyn_plugin.cost.shadow import ShadowLoad
+    from dyn_plugin.profiling.shadow import ShadowLoad
 
     load = ShadowLoad(PRESETS["tiny-llama"], GRID, count=1, threads=1, timeout_s=0.2)  # too short to build a model
     with pytest.raises(RuntimeError, match=r"did not start \(not ready after 0.2 s\)"):

@@ -133,7 +133,7 @@ def test_chrome_trace(tmp_path):
         for stage, stream, name, start, end in r.events:
             e = by_name[(stage, stream, name)]
             assert e["ts"] == pytest.approx(start * 1e3) and e["dur"] == pytest.approx((end - start) * 1e3)
-        assert spans[0]["args"] == {"sequences": 2, "tokens": 8, "shape": [1, 8], "layout": "packed", "recompute": "none"}
+        assert spans[0]["args"] == {"sequences": 2, "real_tokens": 8, "shape": [1, 8], "layout": "packed", "recompute": "none"}
     threads = {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name" and e["pid"] == 0}
     assert {"stage 0 compute", "stage 1 send-bwd"} <= threads
     assert any(e["ph"] == "C" and e["name"] == "stage 1 activations" for e in doc["traceEvents"])

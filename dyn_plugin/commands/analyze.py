@@ -8,7 +8,7 @@ from pathlib import Path
 
 HELP = "how much compute padding and packing waste on a length distribution (Hydraulis/DCP analysis)"
 
-# Mirrors dyn_plugin.data.analysis defaults; duplicated so building the parser imports nothing heavy.
+# Mirrors dyn_plugin.lengths.analysis defaults; duplicated so building the parser imports nothing heavy.
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_TOKEN_BUDGET = 2**20
 DEFAULT_HIDDEN = 4096
@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dyn_plugin.data.analysis import analyze, format_analysis, plot_analysis
-    from dyn_plugin.data.lengths import load_lengths
+    from dyn_plugin.lengths.analysis import analyze, format_analysis, plot_analysis
+    from dyn_plugin.lengths.io import load_lengths
 
     try:
         lengths = load_lengths(args.file)

@@ -49,11 +49,11 @@ def run(args: argparse.Namespace) -> int:
         return bench_train(args, host)
     if args.what in ("planner", "loader"):
         if args.what == "planner":
-            from ..plan.bench import bench_planner
+            from ..bench.planner import bench_planner
 
             records = bench_planner(args)
         else:
-            from ..data.bench_loader import bench_loader
+            from ..bench.loader import bench_loader
 
             records = bench_loader(steps=args.steps, step_ms=tuple(float(x) for x in args.step_ms.split(",")),
                                    planners=args.planners, prefetch=args.prefetch)

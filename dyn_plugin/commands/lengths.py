@@ -26,12 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--update-bundled",
         action="store_true",
-        help="recompute all distributions into dyn_plugin/data/bundled/ (maintainers)",
+        help="recompute all distributions into dyn_plugin/lengths/bundled/ (maintainers)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    from dyn_plugin.data import lengths as L
+    from dyn_plugin.lengths import io as L
 
     if args.update_bundled:
         manifest = L.update_bundled(progress=not args.no_progress)

@@ -28,10 +28,10 @@ def run(args: argparse.Namespace) -> int:
 
     from ..config import load_config
     from ..cost.from_config import build_cost_model
-    from ..data.lengths import cap_lengths, load_lengths
-    from ..data.sampler import global_batches
+    from ..lengths.io import cap_lengths, load_lengths
     from ..plan.baselines import BASELINES, plan_baseline
     from ..plan.planner import critical_path_ms, ideal_ms, plan_step, planner_spec
+    from ..runtime.sampler import global_batches
 
     cfg = load_config(args.config)
     plugin = cfg.plugin

@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
 
     from ..cost.model import RECOMPUTES
     from ..cost.profile import save_profile
-    from ..cost.profiler import ProfileGrid, run_profile
     from ..models.hf import load_model_config
+    from ..profiling.profiler import ProfileGrid, run_profile
 
     model_cfg = load_model_config(args.model)
     recomputes = tuple(args.recompute.split(","))

@@ -4,11 +4,11 @@ A micro-batch on one pipeline stage costs forward time, backward time, activatio
 until backward ("stored") and the peak while it runs. Every implementation reduces a
 micro-batch to two features of its sequence lengths:
 
-- ``tokens``: token slots the kernels run over (padding included);
+- ``slots``: token slots the kernels run over (real tokens plus padding);
 - ``attn``: query-key pairs, the quadratic term: n*S^2 for a padded [n, S] block, sum(s_i^2)
   for a packed row with per-document attention.
 
-Linear layers scale with ``tokens``, attention with ``attn``; that is what makes packing and
+Linear layers scale with ``slots``, attention with ``attn``; that is what makes packing and
 padding comparable under one model.
 """
 from __future__ import annotations
@@ -30,13 +30,13 @@ def round_up(x: int, multiple: int) -> int:
 
 @dataclass(frozen=True)
 class Features:
-    tokens: float
+    slots: float  # token slots the kernels run over: real tokens plus padding
     attn: float
     max_len: int
 
 
 def features(seq_lens: Sequence[int], layout: Layout, pad_multiple: int = 8) -> Features:
-    """Tokens and attention pairs of one micro-batch in the given layout."""
+    """Token slots and attention pairs of one micro-batch in the given layout."""
     if len(seq_lens) == 0:
         raise ValueError("a micro-batch needs at least one sequence")
     longest = max(seq_lens)
@@ -45,9 +45,9 @@ def features(seq_lens: Sequence[int], layout: Layout, pad_multiple: int = 8) -> 
     if layout == "padded":
         s = round_up(longest, pad_multiple)
         n = len(seq_lens)
-        return Features(tokens=float(n * s), attn=float(n * s * s), max_len=s)
+        return Features(slots=float(n * s), attn=float(n * s * s), max_len=s)
     if layout == "packed":
-        return Features(tokens=float(sum(seq_lens)), attn=float(sum(x * x for x in seq_lens)), max_len=longest)
+        return Features(slots=float(sum(seq_lens)), attn=float(sum(x * x for x in seq_lens)), max_len=longest)
     raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
 
 

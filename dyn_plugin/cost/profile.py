@@ -113,7 +113,7 @@ def _fit_from_models(models: list[Sample], embedding: dict[str, LinearFit], layo
     difference M(L2) - M(L1) would amplify.
     """
     feats = [features(s.seq_lens, layout, pad_multiple) for s in models]
-    tok = np.array([f.tokens for f in feats])
+    tok = np.array([f.slots for f in feats])
     att = np.array([f.attn for f in feats])
     depth = np.array([s.num_layers for s in models], dtype=float)
     base = np.stack([np.ones_like(tok), tok, att], axis=1)
@@ -138,7 +138,7 @@ def _fit_from_models(models: list[Sample], embedding: dict[str, LinearFit], layo
 
 def _fit_direct(samples: list[Sample], layout, pad_multiple) -> dict[str, LinearFit]:
     feats = [features(s.seq_lens, layout, pad_multiple) for s in samples]
-    tok = np.array([f.tokens for f in feats])
+    tok = np.array([f.slots for f in feats])
     att = np.array([f.attn for f in feats])
     out = {}
     for metric in METRICS:
@@ -176,7 +176,7 @@ def fit_tables(samples: list[Sample], pad_multiple: int = 8) -> list[Table]:
                            for m, f in fits[c].items()} for c in COMPONENTS}
         tables.append(Table(
             layout=layout, recompute=recompute, tp=tp, fits=fit_records,
-            max_tokens=max(f.tokens for f in feats), max_len=max(f.max_len for f in feats),
+            max_tokens=max(f.slots for f in feats), max_len=max(f.max_len for f in feats),
         ))
     return tables
 

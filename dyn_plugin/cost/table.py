@@ -13,20 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .model import (
-    COMPONENTS,
-    METRICS,
-    Features,
-    Layout,
-    MicroBatchCost,
-    ModelStateBytes,
-    OutOfProfileRange,
-    Precision,
-    Recompute,
-    StageSpec,
-    features,
-    zero_sharded_states,
-)
+from .model import (COMPONENTS, METRICS, Features, Layout, MicroBatchCost, ModelStateBytes, OutOfProfileRange,
+                    Precision, Recompute, StageSpec, features, zero_sharded_states)
 from .native import core
 from .update import UpdateCost
 
@@ -48,7 +36,7 @@ class LinearFit:
 
     def __call__(self, f: Features) -> float:
         c0, c1, c2 = self.coef
-        return max(self.floor, c0 + c1 * f.tokens + c2 * f.attn)
+        return max(self.floor, c0 + c1 * f.slots + c2 * f.attn)
 
 
 @dataclass(frozen=True)
@@ -209,10 +197,10 @@ class TableCostModel:
         stage = stage or StageSpec(self.num_layers)
         t = self.table(layout, recompute, tp)
         f = features(seq_lens, layout, self.pad_multiple)
-        extrapolated = not t.covers(f.tokens, f.max_len)
+        extrapolated = not t.covers(f.slots, f.max_len)
         if extrapolated and not self.allow_extrapolation:
             raise OutOfProfileRange(
-                f"micro-batch of {len(seq_lens)} sequences ({int(f.tokens)} tokens, longest "
+                f"micro-batch of {len(seq_lens)} sequences ({int(f.slots)} tokens, longest "
                 f"{f.max_len}) is outside what cost model {self.name!r} measured for "
                 f"{layout}/{recompute}/tp{tp} (max {int(t.max_tokens)} tokens, longest "
                 f"{int(t.max_len)}); profile larger micro-batches or allow extrapolation"

@@ -9,7 +9,6 @@ they did not measure.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -62,27 +61,3 @@ def _line(points: Sequence[Sequence[float]] | None) -> tuple[float, float] | Non
     if intercept < 0:  # a line through the origin instead of a negative fixed cost
         return (0.0, float(x @ y / (x @ x)))
     return (float(intercept), float(slope))
-
-
-def measure_optimizer(models: Sequence, repeats: int = 5) -> list[tuple[float, float]]:
-    """(parameters, ms) of one AdamW step over each model's parameters (minimum of ``repeats``).
-
-    The models' weights move (by lr 1e-6): measure after the timings."""
-    import torch
-
-    points = []
-    for model in models:
-        params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:
-            p.grad = torch.full_like(p, 1e-3)
-        opt = torch.optim.AdamW(params, lr=1e-6)
-        opt.step()  # the first step allocates the moments
-        best = np.inf
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            opt.step()
-            best = min(best, (time.perf_counter() - t0) * 1e3)
-        for p in params:
-            p.grad = None
-        points.append((float(sum(p.numel() for p in params)), float(best)))
-    return points

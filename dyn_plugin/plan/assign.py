@@ -47,3 +47,23 @@ def _improve_by_swaps(groups: list[list[int]], load: list[float], times: Sequenc
         d = times[a] - times[b]
         load[hi] -= d
         load[lo] += d
+
+
+def split_for_replicas(groups: Sequence[Sequence[int]], lengths: Sequence[int], dp: int, *,
+                       equal_counts: bool) -> list[list[int]]:
+    """Split the groups holding the most tokens in two (alternate members) until every one of ``dp``
+    replicas can get a group, and with ``equal_counts`` until the count divides by ``dp``.
+
+    A host framework's sampler gives each rank its own sequences, so no rank sits a step out;
+    ZeRO-2/3 also need equal counts. Raises ValueError when only single-sequence groups are left.
+    """
+    out = [list(g) for g in groups]
+    while len(out) < dp or (equal_counts and len(out) % dp):
+        big = max((g for g in out if len(g) > 1), key=lambda g: (sum(lengths[i] for i in g), -g[0]), default=None)
+        if big is None:
+            need = f"a multiple of {dp}" if equal_counts else f"at least {dp}"
+            raise ValueError(f"{sum(map(len, out))} sequences cannot be cut into {need} micro-batches "
+                             f"for {dp} data-parallel replicas")
+        out.remove(big)
+        out += [big[0::2], big[1::2]]
+    return out

@@ -20,23 +20,11 @@ from dataclasses import replace
 from typing import Callable, Sequence
 
 from ..cost.model import Layout
+from ..lengths.packing import pack_rows
+from .assign import split_for_replicas
 from .microbatch import InfeasibleError
-from .packing import pack_rows
 from .planner import PlannerSpec, StepPlan, make_micro_batch, schedule_replicas, usable
 from .types import MicroBatch
-
-
-def _enough_for_replicas(groups: list[list[int]], dp: int) -> list[list[int]]:
-    """Split the largest groups until every replica can get one: a host framework's sampler
-    gives each rank its own sequences, so no rank sits a step out."""
-    groups = [list(g) for g in groups]
-    while len(groups) < dp:
-        big = max((g for g in groups if len(g) > 1), key=len, default=None)
-        if big is None:
-            raise ValueError(f"{sum(map(len, groups))} sequences cannot give each of {dp} replicas a micro-batch")
-        groups.remove(big)
-        groups += [big[0::2], big[1::2]]
-    return groups
 
 
 def _uniform(groups: list[list[int]], lengths: Sequence[int], spec: PlannerSpec, layout: Layout,
@@ -74,7 +62,8 @@ def fixed_padding(lengths: Sequence[int], spec: PlannerSpec, max_len: int) -> St
     n = _largest(lambda k: _fits_somehow(spec, [max_len] * k, "padded"), 1, len(lengths))
     if n == 0:
         raise InfeasibleError(f"fixed_padding: one sequence padded to {max_len} does not fit")
-    groups = _enough_for_replicas([list(range(i, min(i + n, len(lengths)))) for i in range(0, len(lengths), n)], spec.dp)
+    groups = split_for_replicas([list(range(i, min(i + n, len(lengths)))) for i in range(0, len(lengths), n)],
+                                lengths, spec.dp, equal_counts=False)
     padded = [max_len] * len(lengths)  # every sequence padded to max_len, not to its micro-batch's longest
     mbs = _uniform(groups, padded, spec, "padded", None, "fixed_padding")
     return schedule_replicas([_relabel(mb, g, lengths) for mb, g in zip(mbs, groups)], spec,
@@ -101,7 +90,7 @@ def token_budget(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
     value a user would tune it to; where none does (a long sequence grouped with another no
     longer fits), the batch size is capped too, as ``max_batch_size`` lets a user do."""
     def groups_for(budget: int, cap: int | None) -> list[list[int]]:
-        return _enough_for_replicas(budget_groups(lengths, budget, cap), spec.dp)
+        return split_for_replicas(budget_groups(lengths, budget, cap), lengths, spec.dp, equal_counts=False)
 
     def fits(budget: int, cap: int | None) -> bool:
         try:
@@ -120,7 +109,7 @@ def token_budget(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
 
 def packing(lengths: Sequence[int], spec: PlannerSpec, row_len: int, *, varlen: bool) -> StepPlan:
     method = "packing_varlen" if varlen else "packing_full"
-    rows = _enough_for_replicas(pack_rows(lengths, row_len), spec.dp)
+    rows = split_for_replicas(pack_rows(lengths, row_len), lengths, spec.dp, equal_counts=False)
     if varlen:
         mbs = _uniform(rows, lengths, spec, "packed", row_len, method)
     else:

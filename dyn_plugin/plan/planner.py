@@ -15,10 +15,10 @@ import numpy as np
 from ..config import DynPluginConfig
 from ..cost.model import LAYOUTS, RECOMPUTES, Layout, Recompute, StageSpec, features, round_up, split_layers
 from ..cost.table import TableCostModel, evaluate_stage
-from .assign import assign_to_replicas
+from ..lengths.packing import pack_rows
+from .assign import assign_to_replicas, split_for_replicas
 from .instructions import ExecutionPlan, build_execution_plans
 from .microbatch import StageMemory, partition
-from .packing import pack_rows
 from .schedule import choose_schedule, one_f_one_b
 from .simulator import simulate
 from .types import LinkSpec, MicroBatch, Schedule, SimResult
@@ -149,8 +149,8 @@ class StepPlan:
     @property
     def padding_fraction(self) -> float:
         """Token slots holding padding (packed rows count the fill up to their row length)."""
-        slots = sum(mb.shape[0] * mb.shape[1] for mb in self.micro_batches)
-        return 1.0 - sum(mb.tokens for mb in self.micro_batches) / slots
+        slots = sum(mb.token_slots for mb in self.micro_batches)
+        return 1.0 - sum(mb.real_tokens for mb in self.micro_batches) / slots
 
     @property
     def peak_bytes(self) -> float:
@@ -282,7 +282,10 @@ def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True)
         candidates.append([make_micro_batch(part.order[a:b], lengths, spec, layout, rc)
                            for a, b, rc in zip(part.bounds, part.bounds[1:], part.recompute)])
     if "packed" in spec.layouts and spec.row_len and max(lengths) <= spec.row_len:
-        rows = _rows_divisible(pack_rows(lengths, spec.row_len), spec.dp, lengths)
+        try:
+            rows = split_for_replicas(pack_rows(lengths, spec.row_len), lengths, spec.dp, equal_counts=True)
+        except ValueError:  # too few sequences for equal counts: the DP candidates remain
+            rows = None
         mbs = _cheapest_feasible(rows, lengths, spec) if rows else None
         if mbs is not None:
             candidates.append(mbs)
@@ -292,19 +295,6 @@ def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True)
         if best is None or plan.iteration_ms < best.iteration_ms:
             best = plan
     return best
-
-
-def _rows_divisible(rows: list[list[int]], dp: int, lengths: Sequence[int]) -> list[list[int]] | None:
-    """Split the fullest rows in two until every replica can get the same number."""
-    rows = [list(r) for r in rows]
-    while len(rows) % dp or len(rows) < dp:
-        splittable = [r for r in rows if len(r) > 1]
-        if not splittable:
-            return None
-        big = max(splittable, key=lambda r: (sum(lengths[i] for i in r), -r[0]))
-        rows.remove(big)
-        rows += [big[0::2], big[1::2]]
-    return rows
 
 
 def _cheapest_feasible(groups: list[list[int]], lengths: Sequence[int], spec: PlannerSpec) -> list[MicroBatch] | None:

@@ -41,7 +41,7 @@ def chrome_trace(
             "ph": "X", "name": op, "cat": stream, "pid": pid, "tid": _tid(stage, stream),
             "ts": start * 1e3, "dur": (end - start) * 1e3,
             "args": {
-                "sequences": len(mb.seq_lens), "tokens": mb.tokens, "shape": list(mb.shape),
+                "sequences": len(mb.seq_lens), "real_tokens": mb.real_tokens, "shape": list(mb.shape),
                 "layout": mb.layout, "recompute": mb.recompute,
             },
         })

@@ -26,9 +26,14 @@ class MicroBatch:
     shape: tuple[int, int]  # (rows, row length) of the token tensor: padded [n, S], packed [1, sum s]
 
     @property
-    def tokens(self) -> int:
-        """Real (non-padding) tokens."""
+    def real_tokens(self) -> int:
+        """Tokens of the sequences themselves, padding excluded."""
         return sum(self.seq_lens)
+
+    @property
+    def token_slots(self) -> int:
+        """Positions of the token tensor (rows x row length): real tokens plus padding."""
+        return self.shape[0] * self.shape[1]
 
     @property
     def time_ms(self) -> float:

@@ -14,15 +14,12 @@ import hmac
 import logging
 import os
 from abc import ABC, abstractmethod
-from typing import Any, Iterator, Literal
-from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from ..config import MIN_SECRET_BYTES, StoreConfig, mask_url, with_password  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "dynplugin"
-MIN_SECRET_BYTES = 16
 
 _UNSIGNED, _SIGNED = b"\x00", b"\x01"
 _TAG_BYTES = hashlib.sha256().digest_size
@@ -46,89 +43,6 @@ class StoreTimeout(StoreError):
 
 class PayloadError(StoreError):
     """A payload is malformed, too big, or fails its signature check."""
-
-
-def with_password(url: str, password: str | None) -> str:
-    """``url`` with its password replaced (None: removed), user, host and port kept."""
-    parts = urlsplit(url)
-    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname or ""
-    auth = (parts.username or "") + (f":{password}" if password is not None else "")
-    netloc = (f"{auth}@" if auth else "") + host + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-def mask_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``, fit for messages and logs."""
-    return url if urlsplit(url).password is None else with_password(url, "***")
-
-
-class StoreConfig(BaseModel):
-    """Where plans are shared between planner processes and training ranks."""
-
-    # hide_input_in_errors: a rejected url may carry a password; keep it out of error text.
-    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
-
-    backend: Literal["none", "tcp", "redis"] = Field(
-        default="none",
-        description="'none' (plan on every rank, share nothing), 'tcp' (torch TCPStore hosted by rank 0) or 'redis' (a Redis server at url)",
-    )
-    namespace: str | None = Field(
-        default=None,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$",
-        description="run id in every key (dynplugin/{namespace}/...); must be unique per training run, the launcher derives one when unset",
-    )
-    host: str = Field(default="127.0.0.1", min_length=1, description="tcp: address rank 0 binds and other ranks connect to")
-    port: int | None = Field(
-        default=None, ge=0, le=65535,
-        description="tcp: port; unset = MASTER_PORT+1 if MASTER_PORT is set, else 29511; 0 = any free port (rank 0 only, read it from the store's .port)",
-    )
-    url: str | None = Field(default=None, description="redis: redis://host:port/db or rediss://host:port/db for TLS")
-    password_env: str = Field(
-        default="DYN_PLUGIN_REDIS_PASSWORD", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
-        description="redis: name of the env var holding the password (kept out of configs and logs)",
-    )
-    secret_env: str = Field(
-        default="DYN_PLUGIN_STORE_SECRET", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
-        description=f"name of the env var holding a shared secret (>= {MIN_SECRET_BYTES} chars) that HMAC-signs every value; required for tcp on a non-loopback host",
-    )
-    timeout_s: float = Field(default=30.0, gt=0, description="longest any store operation (connect included) may take before failing")
-    retries: int = Field(default=3, ge=0, le=100, description="redis: retries of an operation after a connection error, within timeout_s")
-    retry_backoff_s: float = Field(
-        default=0.1, ge=0,
-        description="first pause between retries, doubling each time (redis); tcp clients poll rank 0 this often while it starts",
-    )
-    ttl_s: float = Field(default=3600.0, gt=0, description="redis: seconds a plan lives, so a dead run leaves nothing behind (tcp: the store dies with rank 0)")
-    max_payload_mb: float = Field(default=64.0, gt=0, description="largest value put or accepted, MiB")
-
-    @model_validator(mode="after")
-    def _fields_match_backend(self) -> "StoreConfig":
-        # A url with the default backend 'none' would silently share nothing: refuse it.
-        owners = {"url": "redis", "host": "tcp", "port": "tcp"}
-        for name in sorted(self.model_fields_set & owners.keys()):
-            if owners[name] != self.backend:
-                raise ValueError(f"'{name}' is only used by backend '{owners[name]}' but backend is '{self.backend}'; set backend='{owners[name]}' or drop '{name}'")
-        if self.backend == "redis":
-            if not self.url:
-                raise ValueError("backend 'redis' needs 'url', e.g. redis://host:6379/0 (rediss:// for TLS)")
-            if not self.url.startswith(("redis://", "rediss://")):
-                raise ValueError(f"url must start with redis:// or rediss:// (TLS), not with scheme '{urlsplit(self.url).scheme}'")
-            try:
-                parts = urlsplit(self.url)
-                parts.port  # noqa: B018 -- parsing the port is the check
-            except ValueError as exc:
-                raise ValueError(f"url is not a valid redis URL ({exc}); expected redis://host:port/db") from None
-            if not parts.hostname:
-                raise ValueError("url has no host; expected redis://host:port/db")
-        return self
-
-    @property
-    def max_payload_bytes(self) -> int:
-        return int(self.max_payload_mb * 2**20)
-
-    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
-        # repr() lands in logs: never with the url's password.
-        for name, value in super().__repr_args__():
-            yield name, mask_url(value) if name == "url" and value else value
 
 
 class PlanStore(ABC):

@@ -1,6 +1,6 @@
 """The gradient all-reduce, measured: ``measure_allreduce`` starts ``ranks`` local processes
 
-    python -m dyn_plugin.cost.collective --rank R --world N --port P --sizes ... --parent PID
+    python -m dyn_plugin.profiling.collective --rank R --world N --port P --sizes ... --parent PID
 
 that all-reduce fp32 buffers of a few sizes over gloo; rank 0 prints (bytes, ms) as JSON.
 A module of its own, so that running it does not import it twice (the cost package imports
@@ -25,7 +25,7 @@ def measure_allreduce(ranks: int, sizes: Sequence[int], *, repeats: int = 5, thr
     from ..child import free_port
 
     port = free_port()
-    cmd = [sys.executable, "-m", "dyn_plugin.cost.collective", "--world", str(ranks), "--port", str(port),
+    cmd = [sys.executable, "-m", "dyn_plugin.profiling.collective", "--world", str(ranks), "--port", str(port),
            "--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats), "--parent", str(os.getpid())]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads or 1)}
     procs = [subprocess.Popen(cmd + ["--rank", str(r)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)

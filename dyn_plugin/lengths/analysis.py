@@ -1,7 +1,7 @@
 """How much compute padding and fixed-length packing waste on a length distribution.
 
 This is the imbalance analysis of Hydraulis (and the DP-imbalance metric of DCP), run on the
-real distributions of ``dyn_plugin.data.lengths``. Four ways to batch the same samples:
+real distributions of ``dyn_plugin.lengths.io``. Four ways to batch the same samples:
 
 - ``pad-random``: shuffle (seeded), cut into batches of ``batch_size``, pad each to its longest;
 - ``pad-sorted``: the same after sorting by length, the best padding can do (a reference: sorted
@@ -49,7 +49,8 @@ from typing import Sequence
 
 import numpy as np
 
-from dyn_plugin.data.lengths import summarize, validate_lengths
+from .io import summarize, validate_lengths
+from .packing import pack_rows
 
 logger = logging.getLogger(__name__)
 
@@ -99,29 +100,8 @@ def pad_batches(
 
 
 def pack_ffd(lengths: np.ndarray, max_len: int) -> list[np.ndarray]:
-    """First-fit-decreasing packing into rows of ``max_len`` tokens; rows hold sample lengths.
-
-    O(samples * rows) in vectorized numpy, which is fine up to ~1e5 samples.
-    """
-    if lengths.max() > max_len:
-        i = int(np.argmax(lengths > max_len))
-        raise ValueError(f"lengths[{i}] = {lengths[i]} does not fit a row of {max_len}; truncate first")
-    free = np.empty(len(lengths), dtype=np.int64)  # at most one row per sample
-    row_of = np.empty(len(lengths), dtype=np.int64)
-    order = np.argsort(-lengths, kind="stable")
-    rows = 0
-    for i in order:
-        s = lengths[i]
-        fits = free[:rows] >= s
-        r = int(np.argmax(fits)) if rows else 0
-        if rows == 0 or not fits[r]:
-            r, rows = rows, rows + 1
-            free[r] = max_len
-        free[r] -= s
-        row_of[i] = r
-    # A stable sort by row keeps packing order, so each row lists its samples longest first.
-    packed = lengths[order][np.argsort(row_of[order], kind="stable")]
-    return np.split(packed, np.cumsum(np.bincount(row_of, minlength=rows))[:-1])
+    """First-fit-decreasing rows of ``max_len`` tokens (``packing.pack_rows``), as sample lengths."""
+    return [lengths[row] for row in pack_rows(lengths, max_len)]
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ class _Tokens:
 def _loader(store: dict, planners: int, prefetch: int):
     from ..config import load_config
     from ..cost.from_config import build_cost_model
-    from ..data.lengths import load_lengths
-    from .loader import DynLoader
+    from ..lengths.io import load_lengths
+    from ..runtime.loader import DynLoader
 
     cfg = load_config({"zero_optimization": {"stage": 1}, "dyn_plugin": {
         # as examples/a100_gpt67b.json
@@ -73,7 +73,7 @@ def bench_loader(steps: int = 20, step_ms: tuple[float, ...] = (0.0, 50.0, 200.0
                        "first_wait_ms": loader.plan_wait_s[0] * 1e3}
             finally:
                 loader.close()
-    from ..store.bench import bench_stores
+    from .store import bench_stores
 
     for row in bench_stores():
         yield {"benchmark": "store-round-trip", **row}

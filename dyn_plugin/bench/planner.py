@@ -15,11 +15,11 @@ import numpy as np
 
 from ..config import DynPluginConfig
 from ..cost.profile import cost_model_from_profile
-from ..data.lengths import load_lengths
-from ..data.sampler import global_batches
+from ..lengths.io import load_lengths
+from ..plan.baselines import BASELINES, plan_baseline
+from ..plan.planner import critical_path_ms, ideal_ms, plan_step, planner_spec
 from ..profiles import load_bundled
-from .baselines import BASELINES, plan_baseline
-from .planner import critical_path_ms, ideal_ms, plan_step, planner_spec
+from ..runtime.sampler import global_batches
 
 MAX_LEN = 8192
 

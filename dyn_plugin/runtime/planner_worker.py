@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     # nothing to flush: plans not yet read are recomputed by whoever plans next
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
 
+    from ..config import StoreConfig
     from ..store import open_store
-    from ..store.base import StoreConfig
     from ..store.payload import encode
     from .planner_pool import CURSOR_KEY, STOP_KEY, plan_key
     from .planning import RANK_PLAN_SCHEMA, PlanningContext

@@ -17,7 +17,7 @@ from ..cost.table import TableCostModel
 from ..plan.baselines import plan_baseline
 from ..plan.instructions import ExecutionPlan, plan_from_json, plan_to_json
 from ..plan.planner import PlannerSpec, StepPlan, execution_plans, plan_step, planner_spec
-from .collate import loss_tokens
+from .collate import scored_tokens
 from .sampler import epoch_batches
 
 RANK_PLAN_SCHEMA = "dyn_plugin.rank_plan"
@@ -30,17 +30,17 @@ class RankPlan:
     epoch: int
     step: int
     plan: ExecutionPlan
-    loss_tokens: int  # scored tokens of the whole global batch, every replica included
+    scored_tokens: int  # scored tokens of the whole global batch, every replica included
     digest: str  # of the whole step plan: every rank must hold the same one
     predicted_ms: float  # the simulated step time of the whole plan
 
     def to_meta(self) -> dict:
-        return {"epoch": self.epoch, "step": self.step, "loss_tokens": self.loss_tokens, "digest": self.digest,
+        return {"epoch": self.epoch, "step": self.step, "scored_tokens": self.scored_tokens, "digest": self.digest,
                 "predicted_ms": self.predicted_ms, "plan": json.loads(plan_to_json(self.plan))}
 
     @classmethod
     def from_meta(cls, meta: dict) -> "RankPlan":
-        return cls(meta["epoch"], meta["step"], plan_from_json(json.dumps(meta["plan"])), int(meta["loss_tokens"]),
+        return cls(meta["epoch"], meta["step"], plan_from_json(json.dumps(meta["plan"])), int(meta["scored_tokens"]),
                    meta["digest"], float(meta["predicted_ms"]))
 
 
@@ -110,7 +110,7 @@ class PlanningContext:
                              f"{counts} micro-batches, but ZeRO-{self.zero_stage} needs the same number on every "
                              "data-parallel rank; use method 'dynapipe' (it plans equal counts) or ZeRO stage 0 or 1")
         digest = step_digest(plan)
-        tokens = loss_tokens(lens)
+        tokens = scored_tokens(lens)
         # Plans index the global batch; the loader needs dataset indices.
         plan = replace(plan, replicas=tuple(
             replace(rep, micro_batches=tuple(replace(mb, sample_ids=tuple(int(ids[i]) for i in mb.sample_ids))

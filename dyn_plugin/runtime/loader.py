@@ -5,7 +5,7 @@
     for step in loader:
         step.micro_batches   # this rank's micro-batches, in execution order (dicts of tensors)
         step.plan            # this rank's execution plan
-        step.tokens          # scored tokens of the whole global batch: divide summed losses by it
+        step.scored_tokens   # scored tokens of the whole global batch: divide summed losses by it
 
 Without a store every rank plans each global batch itself; plans are deterministic, so ranks
 agree without talking (DCP's way). With a store (``store`` section), background planner
@@ -30,9 +30,9 @@ import torch
 
 from ..config import DynPluginConfig, LoadedConfig, load_config
 from ..cost.table import TableCostModel
+from ..lengths.io import cap_lengths, validate_lengths
 from ..plan.instructions import ExecutionPlan
 from .collate import collate
-from .lengths import cap_lengths, validate_lengths
 from .planning import PlanningContext, RankPlan
 
 STATE_VERSION = 1
@@ -45,7 +45,7 @@ class Step:
     plan: ExecutionPlan
     micro_batches: list[dict[str, torch.Tensor]]  # empty on stages that load nothing (middle stages)
     sample_ids: list[list[int]]  # dataset indices of each micro-batch in micro_batches
-    tokens: int  # scored tokens over the whole global batch
+    scored_tokens: int  # tokens the loss scores, over the whole global batch
     digest: str  # fingerprint of the whole step's plan, equal on every rank
     predicted_ms: float  # the cost model's simulated time of the whole step
 
@@ -191,7 +191,7 @@ class DynLoader:
             tensors.append(collate(desc["sample_ids"], desc["seq_lens"], desc["layout"], desc["shape"],
                                    self.dataset.__getitem__, pad_id=self.pad_id))
             ids.append(list(desc["sample_ids"]))
-        return Step(rp.epoch, rp.step, rp.plan, tensors, ids, rp.loss_tokens, rp.digest, rp.predicted_ms)
+        return Step(rp.epoch, rp.step, rp.plan, tensors, ids, rp.scored_tokens, rp.digest, rp.predicted_ms)
 
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "epoch": self.epoch, "step": self.step, "seed": self.seed,

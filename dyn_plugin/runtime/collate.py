@@ -14,7 +14,7 @@
   ``labels`` with -100 at each sequence's first token: HF shifts labels by one, so that position
   would otherwise be predicted from the previous sequence's last token.
 
-``loss_tokens`` counts the labels a causal LM actually scores (length - 1 per sequence), the
+``scored_tokens`` counts the labels a causal LM actually scores (length - 1 per sequence), the
 denominator of an exact token-mean loss.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ def sample_tokens(item: Any) -> torch.Tensor:
     return torch.as_tensor(ids, dtype=torch.long).flatten()
 
 
-def loss_tokens(seq_lens: Sequence[int]) -> int:
+def scored_tokens(seq_lens: Sequence[int]) -> int:
     return sum(max(s - 1, 0) for s in seq_lens)
 
 

@@ -6,7 +6,7 @@ with 2 ranks on 2 CPU cores). ``ShadowLoad`` runs ``count`` processes that train
 on the profile grid's micro-batches, in random order, for as long as the profiler measures, so
 the profile is measured under the load training creates.
 
-    python -m dyn_plugin.cost.shadow --spec JSON --parent PID
+    python -m dyn_plugin.profiling.shadow --spec JSON --parent PID
 
 is one such process.
 """
@@ -27,7 +27,7 @@ READY = "ready"
 class ShadowLoad:
     def __init__(self, model_cfg: dict, grid, *, count: int, threads: int | None, timeout_s: float = 300) -> None:
         spec = json.dumps({"model": model_cfg, "grid": asdict(grid), "threads": threads or 1})
-        cmd = [sys.executable, "-m", "dyn_plugin.cost.shadow", "--spec", spec, "--parent", str(os.getpid())]
+        cmd = [sys.executable, "-m", "dyn_plugin.profiling.shadow", "--spec", spec, "--parent", str(os.getpid())]
         self.count, self.timeout_s, self._cmd = count, timeout_s, cmd
         self.procs: list[subprocess.Popen] = []
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..child import die_with_parent
     from ..models.hf import build_causal_lm
     from .allocator import stable_cpu_allocator
-    from .profiler import ProfileGrid, make_inputs, micro_batch_lengths, _step
+    from .profiler import ProfileGrid, _step, make_inputs, micro_batch_lengths
 
     p = argparse.ArgumentParser()
     p.add_argument("--spec", required=True)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from dyn_plugin.data.corpus import pydoc_topics, stdlib_texts
+from dyn_plugin.lengths.corpus import pydoc_topics, stdlib_texts
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

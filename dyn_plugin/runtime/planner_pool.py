@@ -1,7 +1,7 @@
 """Planning ahead: background planner processes publish each rank's plan through the store.
 
 The host rank (data-parallel rank 0, pipeline stage 0) starts ``num_planners`` processes
-(``python -m dyn_plugin.data.planner_worker``, so nothing is pickled: they read the planning
+(``python -m dyn_plugin.runtime.planner_worker``, so nothing is pickled: they read the planning
 context as JSON). Planner k plans global batches k, k+n, k+2n, ... of the run (epochs one after
 another), at most ``prefetch`` batches ahead of the host's cursor, and publishes one payload per
 rank under ``plan/{position}/{dp_rank}-{pp_rank}``; each rank waits for its own key, reads it and
@@ -40,7 +40,7 @@ class PlannerPool:
             f.write(context_json)
         self.procs: list[subprocess.Popen] = []
         for k in range(num_planners):
-            cmd = [sys.executable, "-m", "dyn_plugin.data.planner_worker", "--context", path, "--store", store_json,
+            cmd = [sys.executable, "-m", "dyn_plugin.runtime.planner_worker", "--context", path, "--store", store_json,
                    "--worker", str(k), "--workers", str(num_planners), "--prefetch", str(prefetch),
                    "--start", str(start), "--parent", str(os.getpid()), "--world", str(world_size)]
             self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))

@@ -25,24 +25,10 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import ArrayLike
 
-from dyn_plugin.data.corpus import (
-    DISTRIBUTIONS,
-    MAN_PAGES_PER_FAMILY,
-    MIXTURE_SEED,
-    MIXTURE_SIZE,
-    MIXTURE_WEIGHTS,
-    SKIP_DIRS,
-    iter_documents,
-    labeled_documents,
-)
-from dyn_plugin.data.tokenizer import (
-    get_tokenizer,
-    token_lengths,
-    tokenizer_corpus,
-    tokenizer_digest,
-    tokenizer_settings,
-    train_tokenizer,
-)
+from dyn_plugin.lengths.corpus import (DISTRIBUTIONS, MAN_PAGES_PER_FAMILY, MIXTURE_SEED, MIXTURE_SIZE, MIXTURE_WEIGHTS,
+                                       SKIP_DIRS, iter_documents, labeled_documents)
+from dyn_plugin.lengths.tokenizer import (get_tokenizer, token_lengths, tokenizer_corpus, tokenizer_digest,
+                                          tokenizer_settings, train_tokenizer)
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .base import PlanStore, StoreConfig, open_store
-from .redis_server import RedisServer
-from .redis_store import RedisPlanStore
+from ..store.base import PlanStore, StoreConfig, open_store
+from ..store.redis_server import RedisServer
+from ..store.redis_store import RedisPlanStore
 
 _WARMUP = 10
 

@@ -6,7 +6,7 @@ the embedding is also timed alone. profile.fit_tables separates layer and head c
 regressing over every depth and micro-batch at once.
 
 Timings are the minimum over repeats: on a shared CPU, interference only ever adds time.
-Memory is measured by :class:`~dyn_plugin.cost.memory.LiveMemory` in a separate pass (it
+Memory is measured by :class:`~dyn_plugin.profiling.memory.LiveMemory` in a separate pass (it
 slows ops down).
 """
 from __future__ import annotations
@@ -20,13 +20,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .allocator import stable_cpu_allocator
+from ..cost.model import LAYOUTS, RECOMPUTES, Layout, Recompute, features, round_up
+from ..cost.profile import SCHEMA, VERSION, DeviceInfo, ModelInfo, Profile, Sample, UpdateSamples, fit_tables
 from ..models.recompute import RecomputeSwitch, decoder_layers
-from .model import LAYOUTS, RECOMPUTES, Layout, Recompute, features, round_up
-from .profile import SCHEMA, VERSION, DeviceInfo, ModelInfo, Profile, Sample, UpdateSamples, fit_tables
-from .shadow import ShadowLoad
+from .allocator import stable_cpu_allocator
 from .collective import measure_allreduce
-from .update import measure_optimizer
+from .optimizer import measure_optimizer
+from .shadow import ShadowLoad
 
 logger = logging.getLogger(__name__)
 
@@ -258,14 +258,14 @@ def _held_out_cases(keys: list, count: int, grid: ProfileGrid, rng: np.random.Ge
     for i in range(count):
         layout = grid.layouts[i % len(grid.layouts)]
         feats = [features(lens, layout, pad) for lay, lens, _, _ in keys if lay == layout]
-        budget = int(max(f.tokens for f in feats))
+        budget = int(max(f.slots for f in feats))
         longest = int(max(f.max_len for f in feats))
         cases.append({"layout": layout, "seq_lens": _random_micro_batch(rng, budget, longest, layout, pad)})
     return cases
 
 
 def _score(profile: Profile, cases: list[dict], times: list[tuple[float, float]], recompute: Recompute) -> dict:
-    from .profile import cost_model_from_profile
+    from ..cost.profile import cost_model_from_profile
 
     cost = cost_model_from_profile(profile)
     for case, (fwd, bwd) in zip(cases, times):

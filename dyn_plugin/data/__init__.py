@@ -1,1 +1,0 @@
-"""Data: real sequence-length distributions and their analysis."""
