@@ -1,5 +1,6 @@
 """The planner end to end on the measured A100 costs, against the baselines."""
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from dyn_plugin.lengths.packing import pack_rows
 from dyn_plugin.plan.assign import assign_to_replicas
 from dyn_plugin.plan.baselines import BASELINES, plan_baseline
 from dyn_plugin.plan.instructions import check_plans, plan_from_json, plan_to_json
-from dyn_plugin.plan.planner import critical_path_ms, execution_plans, ideal_ms, plan_step, planner_spec
+from dyn_plugin.plan.planner import critical_path_ms, execution_plans, ideal_ms, make_micro_batch, plan_step, planner_spec
 from dyn_plugin.runtime.sampler import global_batches
 
 CONFIG = load_config("examples/a100_gpt67b.json")
@@ -78,6 +79,28 @@ def test_pack_rows_first_fit_decreasing():
     assert pack_rows([5, 3, 4, 2, 6], 8) == [[4, 3], [0, 1], [2]]
     with pytest.raises(ValueError, match="longer than the packing row"):
         pack_rows([9], 8)
+
+
+def test_packing_varlen_is_priced_and_shaped_on_its_real_tokens():
+    """Per-document attention needs no fill: a row is the tokens the collate concatenates."""
+    plan = plan_baseline("packing_varlen", BATCHES[0], SPEC, 8192)
+    assert plan.layout == "packed" and plan.padding_fraction == 0
+    for mb in plan.micro_batches:
+        assert mb.shape == (1, sum(mb.seq_lens))
+        assert mb == make_micro_batch(mb.sample_ids, BATCHES[0], SPEC, "packed", mb.recompute)
+
+
+def test_pad_multiple_sets_padded_shapes_and_prices():
+    mbc = CONFIG.plugin.microbatching.model_copy(update={"pad_multiple": 1024})
+    spec = planner_spec(COST, CONFIG.plugin.model_copy(update={"microbatching": mbc}), dp=2, zero_stage=1)
+    at8, wide = (make_micro_batch([0], [1100], s, "padded", "none") for s in (SPEC, spec))
+    assert (at8.shape, wide.shape) == ((1, 1104), (1, 2048))
+    assert sum(wide.forward_ms) > sum(at8.forward_ms) and sum(wide.backward_ms) > sum(at8.backward_ms)
+    # the C++ partition prices with the same rounding as the Python twin
+    padded = replace(spec, layouts=("padded",))
+    plan = plan_step(BATCHES[0], padded)
+    assert all(mb.shape[1] % 1024 == 0 for mb in plan.micro_batches)
+    assert plan_step(BATCHES[0], padded, native=False) == plan
 
 
 def test_model_states_that_do_not_fit_are_a_clear_error():
