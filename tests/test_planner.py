@@ -8,7 +8,6 @@ import pytest
 from dyn_plugin.cli import main
 from dyn_plugin.config import DynPluginConfig, load_config
 from dyn_plugin.cost.from_config import build_cost_model
-from dyn_plugin.cost.native import core
 from dyn_plugin.lengths.io import load_lengths
 from dyn_plugin.lengths.packing import pack_rows
 from dyn_plugin.plan.assign import assign_to_replicas
@@ -41,11 +40,13 @@ def test_every_sample_once_equal_counts_within_memory(plans):
                 assert list(mb.seq_lens) == [batch[i] for i in mb.sample_ids]
 
 
-def test_deterministic_and_native_matches_python(plans):
-    again = plan_step(BATCHES[0], SPEC)
-    assert again == plans[0]
-    if core is not None:
-        assert plan_step(BATCHES[0], SPEC, native=False) == plans[0]
+def test_deterministic(plans):
+    assert plan_step(BATCHES[0], SPEC) == plans[0]
+
+
+@pytest.mark.native
+def test_native_matches_python(plans):
+    assert plan_step(BATCHES[0], SPEC, native=False) == plans[0]
 
 
 def test_beats_baselines_and_respects_bounds(plans):
@@ -96,11 +97,17 @@ def test_pad_multiple_sets_padded_shapes_and_prices():
     at8, wide = (make_micro_batch([0], [1100], s, "padded", "none") for s in (SPEC, spec))
     assert (at8.shape, wide.shape) == ((1, 1104), (1, 2048))
     assert sum(wide.forward_ms) > sum(at8.forward_ms) and sum(wide.backward_ms) > sum(at8.backward_ms)
-    # the C++ partition prices with the same rounding as the Python twin
-    padded = replace(spec, layouts=("padded",))
-    plan = plan_step(BATCHES[0], padded)
+    plan = plan_step(BATCHES[0], replace(spec, layouts=("padded",)))
     assert all(mb.shape[1] % 1024 == 0 for mb in plan.micro_batches)
-    assert plan_step(BATCHES[0], padded, native=False) == plan
+
+
+@pytest.mark.native
+def test_native_partition_pads_as_configured():
+    """The C++ twin gets the configured pad_multiple too: it plans what the Python twin plans."""
+    mbc = CONFIG.plugin.microbatching.model_copy(update={"pad_multiple": 1024})
+    spec = planner_spec(COST, CONFIG.plugin.model_copy(update={"microbatching": mbc}), dp=2, zero_stage=1)
+    padded = replace(spec, layouts=("padded",))
+    assert plan_step(BATCHES[0], padded) == plan_step(BATCHES[0], padded, native=False)
 
 
 def test_model_states_that_do_not_fit_are_a_clear_error():
