@@ -61,7 +61,10 @@ def test_kill_and_resume_matches_an_uninterrupted_epoch(tmp_path):
     assert codes == [0, 0], logs[0][-3000:]
     full = torch.load(tmp_path / "params-full.pt")
     resumed = torch.load(tmp_path / "params-resume.pt")
-    assert float((full - resumed).abs().max()) <= 1e-5
+    # Several AdamW steps, yet bit for bit: both runs execute the same ops in the same order on CPU
+    # (deterministic kernels, gloo reductions), so any difference is state the checkpoint failed
+    # to restore (weights, AdamW moments and step count, loader position), never rounding.
+    assert float((full - resumed).abs().max()) == 0.0
 
 
 def test_pipeline_with_zero_2_is_refused_before_training():
