@@ -25,8 +25,9 @@ $(VENV)/.ext: $(wildcard csrc/*.cpp csrc/*.hpp) $(VENV)/.deps
 
 install: $(VENV)/.ext
 
+# DYN_PLUGIN_REQUIRE_NATIVE: a C++ extension that did not build fails the tests instead of skipping them
 test: install
-	$(PY) -m pytest -q
+	DYN_PLUGIN_REQUIRE_NATIVE=1 $(PY) -m pytest -q
 
 demo: install
 	@mkdir -p $(OUT)

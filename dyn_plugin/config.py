@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import os
 import types
 import typing
@@ -18,6 +19,16 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 SECTION = "dyn_plugin"
+# how close a top-level key must be to SECTION to be taken for a misspelling of it (difflib
+# ratio): "dyn_plugn", "dynplugin", "dyn-plugin" are above, DeepSpeed's own keys far below
+SECTION_LOOKALIKE = 0.8
+STRICT_HINTS = {  # strict mode refuses "8" for 8 and "true" for true: say what to write instead
+    "int_type": "write a JSON integer (no quotes, no decimal point)",
+    "float_type": "write a JSON number (no quotes)",
+    "bool_type": "write true or false (no quotes)",
+}
+
+logger = logging.getLogger(__name__)
 MIN_SECRET_BYTES = 16  # shortest shared secret the plan store accepts
 
 
@@ -26,7 +37,7 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "8" for 8 is a mistake, not a value
 
 
 class ModelShape(_Section):
@@ -157,7 +168,7 @@ class StoreConfig(BaseModel):
     """Where plans are shared between planner processes and training ranks."""
 
     # hide_input_in_errors: a rejected url may carry a password; keep it out of error text.
-    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, hide_input_in_errors=True)
 
     backend: Literal["none", "tcp", "redis"] = Field(
         default="none",
@@ -278,6 +289,11 @@ def load_config(source: str | os.PathLike | Mapping[str, Any]) -> LoadedConfig:
             raise ConfigError(f"{where} is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: the top level must be a JSON object")
+    for key in raw:
+        if key != SECTION and difflib.get_close_matches(str(key).lower(), [SECTION], n=1, cutoff=SECTION_LOOKALIKE):
+            # DeepSpeed ignores unknown top-level keys, so nothing else would ever mention it
+            logger.warning("%s: top-level key %r is read by neither DeepSpeed nor the plugin; did you mean '%s'? "
+                           "The plugin reads only '%s'", where, key, SECTION, SECTION)
     section = raw.get(SECTION, {})
     if not isinstance(section, Mapping):
         raise ConfigError(f"{where}: '{SECTION}' must be an object, got {type(section).__name__}")
@@ -333,7 +349,8 @@ def format_errors(exc: ValidationError, root: type[BaseModel]) -> str:
         if err["type"] == "missing":
             lines.append(f"  {path}: required key is missing{about}")
         elif loc and not isinstance(err.get("input"), Mapping):
-            lines.append(f"  {path} = {err['input']!r}: {msg}{about}")
+            fix = f"; {STRICT_HINTS[err['type']]}" if err["type"] in STRICT_HINTS else ""
+            lines.append(f"  {path} = {err['input']!r}: {msg}{fix}{about}")
         else:
             lines.append(f"  {path or SECTION}: {msg}")
     return "\n".join(lines)

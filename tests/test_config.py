@@ -91,3 +91,40 @@ def test_file_errors(tmp_path):
     section.write_text(json.dumps({"dyn_plugin": [1, 2]}))
     with pytest.raises(ConfigError, match="must be an object"):
         load_config(section)
+
+
+@pytest.mark.parametrize("section,path,fix", [
+    ({"microbatching": {"pad_multiple": "8"}}, "dyn_plugin.microbatching.pad_multiple = '8'", "JSON integer"),
+    ({"microbatching": {"global_tokens": 8.0}}, "dyn_plugin.microbatching.global_tokens = 8.0", "JSON integer"),
+    ({"microbatching": {"truncate": "true"}}, "dyn_plugin.microbatching.truncate = 'true'", "true or false"),
+    ({"microbatching": {"truncate": 1}}, "dyn_plugin.microbatching.truncate = 1", "true or false"),
+    ({"cluster": {"device": {"memory_mb": "2000"}}}, "dyn_plugin.cluster.device.memory_mb = '2000'", "JSON number"),
+    ({"store": {"backend": "tcp", "port": "29500"}}, "dyn_plugin.store.port = '29500'", "JSON integer"),
+])
+def test_strings_for_numbers_and_bools_are_refused_not_coerced(section, path, fix):
+    msg = errors_of(section)
+    assert path in msg and fix in msg, msg
+
+
+def test_numbers_stay_accepted_where_numbers_are_wanted():
+    cfg = load_config({"dyn_plugin": {"cluster": {"device": {"memory_mb": 2000}}, "microbatching": {"truncate": True}}})
+    assert cfg.plugin.cluster.device.memory_mb == 2000.0 and cfg.plugin.microbatching.truncate is True
+
+
+@pytest.mark.parametrize("key", ["dyn_plugn", "dynplugin", "dyn-plugin", "Dyn_Plugin", "dyn_plugins"])
+def test_misspelled_top_level_section_warns_with_the_valid_name(key, caplog):
+    with caplog.at_level("WARNING", logger="dyn_plugin.config"):
+        cfg = load_config({"train_batch_size": 8, key: {"pipeline": {"stages": 2}}})
+    assert cfg.plugin == DynPluginConfig()  # still not read: the warning is the only trace
+    assert f"top-level key '{key}'" in caplog.text and "did you mean 'dyn_plugin'?" in caplog.text
+
+
+def test_deepspeed_keys_do_not_look_like_the_plugin_section(caplog):
+    import deepspeed.runtime.constants as ds
+    import deepspeed.runtime.zero.config as zero
+
+    keys = {v for m in (ds, zero) for k, v in vars(m).items() if k.isupper() and isinstance(v, str) and v.isidentifier()}
+    assert {"train_batch_size", "zero_optimization", "bf16", "gradient_accumulation_steps"} <= keys
+    with caplog.at_level("WARNING", logger="dyn_plugin.config"):
+        load_config({**{k: None for k in keys}, "dyn_plugin": {}})
+    assert caplog.text == ""

@@ -1,3 +1,8 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -51,7 +56,7 @@ def random_table(rng, packed, pad=8, max_tokens=np.inf, max_len=np.inf):
     return CostTable("packed" if packed else "padded", "none", 1, fits, max_tokens, max_len)
 
 
-@pytest.mark.skipif(core is None, reason="C++ extension not built")
+@pytest.mark.native  # tests/conftest.py: skipped without the extension, failed under `make test`
 @settings(max_examples=200, deadline=None)
 @given(
     lens=st.lists(st.integers(1, 5000), min_size=1, max_size=40),
@@ -75,7 +80,7 @@ def test_native_matches_python_twin(lens, packed, layers, first, last, seed, pad
     assert np.allclose(many, [got[:4], got[:4]], rtol=1e-12)
 
 
-@pytest.mark.skipif(core is None, reason="C++ extension not built")
+@pytest.mark.native  # tests/conftest.py: skipped without the extension, failed under `make test`
 def test_native_rejects_bad_input():
     t = random_table(np.random.default_rng(0), True)
     native = core.CostTable(t.coef_array(), True, 8, 1e9, 1e9)
@@ -167,3 +172,19 @@ def test_update_cost_lines_and_scaling():
     assert unmeasured.optimizer_ms(1e9) == 0.0
     assert unmeasured.allreduce_ms(1e9, dp=2, link_gb_per_s=100.0) == pytest.approx(10.0)  # 1 GB over 100 GB/s
     assert UpdateCost.from_dict(cost.to_dict()) == cost
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_missing_extension_fails_the_native_tests_only_when_required(required):
+    """`make test` sets DYN_PLUGIN_REQUIRE_NATIVE=1: there a build without the C++ extension
+    (simulated by DYN_PLUGIN_FORCE_PYTHON) must fail its tests, elsewhere they are skipped."""
+    env = {k: v for k, v in os.environ.items() if k != "DYN_PLUGIN_REQUIRE_NATIVE"}
+    env.update(DYN_PLUGIN_FORCE_PYTHON="1", **({"DYN_PLUGIN_REQUIRE_NATIVE": "1"} if required else {}))
+    test = f"{Path(__file__).name}::test_native_rejects_bad_input"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=env,
+                         cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    if required:
+        assert run.returncode == 1 and "1 error" in run.stdout, run.stdout  # failed in setup
+        assert "DYN_PLUGIN_REQUIRE_NATIVE=1 (set by `make test`) requires it" in run.stdout
+    else:
+        assert run.returncode == 0 and "1 skipped" in run.stdout, run.stdout

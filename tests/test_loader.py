@@ -198,3 +198,48 @@ def test_uneven_micro_batch_counts_refused_under_zero_2():
         list(loader)
     plugin = make(microbatching={"global_tokens": 3000, "max_seq_len": 600})[0]
     assert list(DynLoader(data, lengths=lens, config=plugin, cost_model=cm, dp_size=2, seed=1, zero_stage=2))
+
+
+METHODS = ["dynapipe", "fixed_padding", "token_budget", "packing_full", "packing_varlen"]
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "auto"])
+@pytest.mark.parametrize("method", METHODS)
+def test_loaded_tensors_have_exactly_the_plans_shapes(method, layout):
+    """The planner prices a plan's shape and later pipeline stages allocate receive buffers from
+    it: every tensor the loader builds must have exactly that shape, for every method."""
+    cfg, cm, lens, data = make(pp=2, microbatching={"global_tokens": 3000, "max_seq_len": 600, "method": method,
+                                                    "layout": layout})
+    layouts = set()
+    for s in (0, 1):  # the first stage loads inputs, the last labels
+        loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=0, dp_size=2, pp_rank=s, pp_size=2,
+                           seed=1)
+        for step, _ in zip(loader, range(3)):
+            assert step.micro_batches
+            for tensors, desc in zip(step.micro_batches, step.loaded):
+                layouts.add(desc["layout"])
+                for name in ("input_ids", "labels", "attention_mask", "position_ids"):
+                    if name in tensors:
+                        assert tuple(tensors[name].shape) == tuple(desc["shape"]), (name, desc)
+                if desc["layout"] == "packed":  # priced and run on the real tokens, no fill
+                    assert tuple(desc["shape"]) == (1, sum(desc["seq_lens"]))
+    if method == "dynapipe" and layout != "auto":
+        assert layouts == {layout}
+    if method == "packing_varlen":
+        assert layouts == {"packed"}
+
+
+@pytest.mark.parametrize("layout,shape", [("packed", (1, 16)), ("packed", (2, 7)), ("padded", (1, 8)),
+                                          ("padded", (3, 8))])
+def test_collate_refuses_tensors_other_than_the_plans_shape(layout, shape):
+    data = [list(range(1, 4)), list(range(1, 10))]  # 3 and 9 tokens
+    with pytest.raises(ValueError, match=r"samples \[0, 1\] .* does not fit the plan's shape .*tensor_shape"):
+        collate([0, 1], [3, 9], layout, shape, data.__getitem__)
+
+
+def test_padded_width_follows_pad_multiple():
+    cfg, cm, lens, data = make(microbatching={"global_tokens": 3000, "max_seq_len": 600, "layout": "padded",
+                                              "pad_multiple": 64})
+    step = next(iter(DynLoader(data, lengths=lens, config=cfg, cost_model=cm, seed=1)))
+    widths = [mb["input_ids"].shape[1] for mb in step.micro_batches]
+    assert all(w % 64 == 0 for w in widths) and any(w % 128 for w in widths), widths

@@ -1,5 +1,6 @@
 """The planner end to end on the measured A100 costs, against the baselines."""
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -7,13 +8,12 @@ import pytest
 from dyn_plugin.cli import main
 from dyn_plugin.config import DynPluginConfig, load_config
 from dyn_plugin.cost.from_config import build_cost_model
-from dyn_plugin.cost.native import core
 from dyn_plugin.lengths.io import load_lengths
 from dyn_plugin.lengths.packing import pack_rows
 from dyn_plugin.plan.assign import assign_to_replicas
 from dyn_plugin.plan.baselines import BASELINES, plan_baseline
 from dyn_plugin.plan.instructions import check_plans, plan_from_json, plan_to_json
-from dyn_plugin.plan.planner import critical_path_ms, execution_plans, ideal_ms, plan_step, planner_spec
+from dyn_plugin.plan.planner import critical_path_ms, execution_plans, ideal_ms, make_micro_batch, plan_step, planner_spec
 from dyn_plugin.runtime.sampler import global_batches
 
 CONFIG = load_config("examples/a100_gpt67b.json")
@@ -40,11 +40,13 @@ def test_every_sample_once_equal_counts_within_memory(plans):
                 assert list(mb.seq_lens) == [batch[i] for i in mb.sample_ids]
 
 
-def test_deterministic_and_native_matches_python(plans):
-    again = plan_step(BATCHES[0], SPEC)
-    assert again == plans[0]
-    if core is not None:
-        assert plan_step(BATCHES[0], SPEC, native=False) == plans[0]
+def test_deterministic(plans):
+    assert plan_step(BATCHES[0], SPEC) == plans[0]
+
+
+@pytest.mark.native
+def test_native_matches_python(plans):
+    assert plan_step(BATCHES[0], SPEC, native=False) == plans[0]
 
 
 def test_beats_baselines_and_respects_bounds(plans):
@@ -78,6 +80,34 @@ def test_pack_rows_first_fit_decreasing():
     assert pack_rows([5, 3, 4, 2, 6], 8) == [[4, 3], [0, 1], [2]]
     with pytest.raises(ValueError, match="longer than the packing row"):
         pack_rows([9], 8)
+
+
+def test_packing_varlen_is_priced_and_shaped_on_its_real_tokens():
+    """Per-document attention needs no fill: a row is the tokens the collate concatenates."""
+    plan = plan_baseline("packing_varlen", BATCHES[0], SPEC, 8192)
+    assert plan.layout == "packed" and plan.padding_fraction == 0
+    for mb in plan.micro_batches:
+        assert mb.shape == (1, sum(mb.seq_lens))
+        assert mb == make_micro_batch(mb.sample_ids, BATCHES[0], SPEC, "packed", mb.recompute)
+
+
+def test_pad_multiple_sets_padded_shapes_and_prices():
+    mbc = CONFIG.plugin.microbatching.model_copy(update={"pad_multiple": 1024})
+    spec = planner_spec(COST, CONFIG.plugin.model_copy(update={"microbatching": mbc}), dp=2, zero_stage=1)
+    at8, wide = (make_micro_batch([0], [1100], s, "padded", "none") for s in (SPEC, spec))
+    assert (at8.shape, wide.shape) == ((1, 1104), (1, 2048))
+    assert sum(wide.forward_ms) > sum(at8.forward_ms) and sum(wide.backward_ms) > sum(at8.backward_ms)
+    plan = plan_step(BATCHES[0], replace(spec, layouts=("padded",)))
+    assert all(mb.shape[1] % 1024 == 0 for mb in plan.micro_batches)
+
+
+@pytest.mark.native
+def test_native_partition_pads_as_configured():
+    """The C++ twin gets the configured pad_multiple too: it plans what the Python twin plans."""
+    mbc = CONFIG.plugin.microbatching.model_copy(update={"pad_multiple": 1024})
+    spec = planner_spec(COST, CONFIG.plugin.model_copy(update={"microbatching": mbc}), dp=2, zero_stage=1)
+    padded = replace(spec, layouts=("padded",))
+    assert plan_step(BATCHES[0], padded) == plan_step(BATCHES[0], padded, native=False)
 
 
 def test_model_states_that_do_not_fit_are_a_clear_error():

@@ -35,20 +35,31 @@ class Features:
     max_len: int
 
 
-def features(seq_lens: Sequence[int], layout: Layout, pad_multiple: int = 8) -> Features:
-    """Token slots and attention pairs of one micro-batch in the given layout."""
+def tensor_shape(seq_lens: Sequence[int], layout: Layout, pad_multiple: int = 8) -> tuple[int, int]:
+    """(rows, row length) of a micro-batch's token tensors: the one definition the planner prices
+    and writes into plans, the collate builds and pipeline engines size their receive buffers by.
+
+    padded: one row per sequence, each right-padded to the longest rounded up to ``pad_multiple``;
+    packed: one row of exactly the real tokens, no fill (per-document attention needs none).
+    """
     if len(seq_lens) == 0:
         raise ValueError("a micro-batch needs at least one sequence")
-    longest = max(seq_lens)
     if min(seq_lens) <= 0:
         raise ValueError(f"sequence lengths must be positive, got {min(seq_lens)}")
     if layout == "padded":
-        s = round_up(longest, pad_multiple)
-        n = len(seq_lens)
-        return Features(slots=float(n * s), attn=float(n * s * s), max_len=s)
+        return len(seq_lens), round_up(max(seq_lens), pad_multiple)
     if layout == "packed":
-        return Features(slots=float(sum(seq_lens)), attn=float(sum(x * x for x in seq_lens)), max_len=longest)
+        return 1, int(sum(seq_lens))
     raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
+
+
+def features(seq_lens: Sequence[int], layout: Layout, pad_multiple: int = 8) -> Features:
+    """Token slots and attention pairs of one micro-batch in the given layout: the slots are
+    exactly those of its tensors (:func:`tensor_shape`)."""
+    rows, width = tensor_shape(seq_lens, layout, pad_multiple)
+    if layout == "padded":
+        return Features(slots=float(rows * width), attn=float(rows * width * width), max_len=width)
+    return Features(slots=float(width), attn=float(sum(x * x for x in seq_lens)), max_len=max(seq_lens))
 
 
 @dataclass(frozen=True)

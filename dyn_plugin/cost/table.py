@@ -8,7 +8,7 @@ fixed, the C++ planners evaluate it without calling back into Python.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
@@ -162,6 +162,16 @@ class TableCostModel:
         return cls(name=d["name"], num_layers=d["num_layers"], tables=tables, params=d["params"], dtype=d["dtype"],
                    pad_multiple=d["pad_multiple"], allow_extrapolation=d["allow_extrapolation"],
                    hidden_size=d["hidden_size"], update=UpdateCost.from_dict(d.get("update")))
+
+    def with_pad_multiple(self, pad_multiple: int) -> "TableCostModel":
+        """The same model pricing padded micro-batches rounded up to ``pad_multiple``: the
+        rounding the runtime pads to (``microbatching.pad_multiple``), which may differ from the
+        one the profile was measured with; the fits are per token slot, so they carry over."""
+        if pad_multiple < 1:
+            raise ValueError(f"pad_multiple must be >= 1; got {pad_multiple}")
+        if pad_multiple == self.pad_multiple:
+            return self
+        return replace(self, pad_multiple=pad_multiple, _native={})  # C++ tables hold their own pad_multiple
 
     def table(self, layout: Layout, recompute: Recompute, tp: int = 1) -> CostTable:
         key = (layout, recompute, tp)

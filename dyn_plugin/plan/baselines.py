@@ -28,11 +28,11 @@ from .types import MicroBatch
 
 
 def _uniform(groups: list[list[int]], lengths: Sequence[int], spec: PlannerSpec, layout: Layout,
-             row_len: int | None, method: str) -> list[MicroBatch]:
+             method: str) -> list[MicroBatch]:
     """Price the groups with the cheapest recompute mode in which all of them fit."""
     for rc in spec.recomputes:
         try:
-            mbs = [make_micro_batch(g, lengths, spec, layout, rc, row_len) for g in groups]
+            mbs = [make_micro_batch(g, lengths, spec, layout, rc) for g in groups]
         except ValueError:
             continue
         if all(usable(mb, spec) for mb in mbs):
@@ -51,9 +51,9 @@ def _largest(feasible: Callable[[int], bool], lower: int, upper: int) -> int:
     return lo
 
 
-def _fits_somehow(spec: PlannerSpec, lens: list[int], layout: Layout, row_len: int | None = None) -> bool:
+def _fits_somehow(spec: PlannerSpec, lens: list[int], layout: Layout) -> bool:
     for rc in spec.recomputes:
-        if usable(make_micro_batch(range(len(lens)), lens, spec, layout, rc, row_len), spec):
+        if usable(make_micro_batch(range(len(lens)), lens, spec, layout, rc), spec):
             return True
     return False
 
@@ -65,7 +65,7 @@ def fixed_padding(lengths: Sequence[int], spec: PlannerSpec, max_len: int) -> St
     groups = split_for_replicas([list(range(i, min(i + n, len(lengths)))) for i in range(0, len(lengths), n)],
                                 lengths, spec.dp, equal_counts=False)
     padded = [max_len] * len(lengths)  # every sequence padded to max_len, not to its micro-batch's longest
-    mbs = _uniform(groups, padded, spec, "padded", None, "fixed_padding")
+    mbs = _uniform(groups, padded, spec, "padded", "fixed_padding")
     return schedule_replicas([_relabel(mb, g, lengths) for mb, g in zip(mbs, groups)], spec,
                              method="fixed_padding", balance=False, adaptive=False)
 
@@ -94,7 +94,7 @@ def token_budget(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
 
     def fits(budget: int, cap: int | None) -> bool:
         try:
-            _uniform(groups_for(budget, cap), lengths, spec, "padded", None, "token_budget")
+            _uniform(groups_for(budget, cap), lengths, spec, "padded", "token_budget")
             return True
         except InfeasibleError:
             return False
@@ -102,7 +102,7 @@ def token_budget(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
     for cap in (None, 8, 4, 2, 1):
         budget = _largest(lambda b: fits(b, cap), max(lengths), sum(lengths))
         if budget:
-            mbs = _uniform(groups_for(budget, cap), lengths, spec, "padded", None, "token_budget")
+            mbs = _uniform(groups_for(budget, cap), lengths, spec, "padded", "token_budget")
             return schedule_replicas(mbs, spec, method="token_budget", balance=False, adaptive=False)
     raise InfeasibleError("token_budget: the longest sequence alone does not fit")
 
@@ -111,10 +111,12 @@ def packing(lengths: Sequence[int], spec: PlannerSpec, row_len: int, *, varlen: 
     method = "packing_varlen" if varlen else "packing_full"
     rows = split_for_replicas(pack_rows(lengths, row_len), lengths, spec.dp, equal_counts=False)
     if varlen:
-        mbs = _uniform(rows, lengths, spec, "packed", row_len, method)
+        # per-document attention needs no fill: each row is priced and run as its real tokens
+        mbs = _uniform(rows, lengths, spec, "packed", method)
     else:
-        # whole-row attention: priced as one padded row of row_len, whatever its documents
-        priced = _uniform([[r] for r in range(len(rows))], [row_len] * len(rows), spec, "padded", None, method)
+        # whole-row attention: priced as one padded row of row_len, whatever its documents, and
+        # collated as that row (the documents concatenated, padded to its width)
+        priced = _uniform([[r] for r in range(len(rows))], [row_len] * len(rows), spec, "padded", method)
         mbs = [_relabel(mb, r, lengths) for mb, r in zip(priced, rows)]
     return schedule_replicas(mbs, spec, method=method, balance=False, adaptive=False)
 

@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from ..config import DynPluginConfig
-from ..cost.model import LAYOUTS, RECOMPUTES, Layout, Recompute, StageSpec, features, round_up, split_layers
+from ..cost.model import LAYOUTS, RECOMPUTES, Layout, Recompute, StageSpec, features, split_layers, tensor_shape
 from ..cost.table import TableCostModel, evaluate_stage
 from ..lengths.packing import pack_rows
 from .assign import assign_to_replicas, split_for_replicas
@@ -55,8 +55,11 @@ def planner_spec(
     hidden_size: int | None = None, seed: int = 0,
 ) -> PlannerSpec:
     """Build the spec from the plugin config: stages, per-stage activation budget after model
-    states (ZeRO stage and dp), the link between stages, allowed layouts and recompute modes."""
+    states (ZeRO stage and dp), the link between stages, allowed layouts and recompute modes.
+    Padded micro-batches are priced and shaped at ``microbatching.pad_multiple``, the width the
+    collate pads to."""
     pipe, cluster, mb = config.pipeline, config.cluster, config.microbatching
+    cost = cost.with_pad_multiple(mb.pad_multiple)
     if pipe.layers_per_stage:
         if sum(pipe.layers_per_stage) != cost.num_layers:
             raise ValueError(f"pipeline.layers_per_stage sums to {sum(pipe.layers_per_stage)}, the model has {cost.num_layers} layers")
@@ -148,7 +151,7 @@ class StepPlan:
 
     @property
     def padding_fraction(self) -> float:
-        """Token slots holding padding (packed rows count the fill up to their row length)."""
+        """Token slots holding padding (packed rows hold none)."""
         slots = sum(mb.token_slots for mb in self.micro_batches)
         return 1.0 - sum(mb.real_tokens for mb in self.micro_batches) / slots
 
@@ -179,15 +182,13 @@ def execution_plans(plan: StepPlan, hidden_size: int) -> dict[tuple[int, int], E
 
 def make_micro_batch(
     sample_ids: Sequence[int], lengths: Sequence[int], spec: PlannerSpec, layout: Layout, recompute: Recompute,
-    row_len: int | None = None,
 ) -> MicroBatch:
-    """Price one micro-batch on every stage. ``row_len`` pads a packed row (fixed-length packing)."""
+    """Price one micro-batch on every stage, on exactly the tensors the collate will build."""
     lens = tuple(int(lengths[i]) for i in sample_ids)
-    priced = lens + ((row_len - sum(lens),) if row_len and layout == "packed" and row_len > sum(lens) else ())
     table = spec.cost.table(layout, recompute, spec.tp)
-    f = features(priced, layout, spec.cost.pad_multiple)
+    f = features(lens, layout, spec.cost.pad_multiple)
     costs = [evaluate_stage(table, f, s) for s in spec.stages]
-    shape = (len(lens), round_up(max(lens), spec.cost.pad_multiple)) if layout == "padded" else (1, sum(priced))
+    shape = tensor_shape(lens, layout, spec.cost.pad_multiple)
     act = shape[0] * shape[1] * spec.hidden_size * ACT_BYTES.get(spec.cost.dtype, 2) / spec.tp
     return MicroBatch(
         sample_ids=tuple(int(i) for i in sample_ids), seq_lens=lens, layout=layout, recompute=recompute,

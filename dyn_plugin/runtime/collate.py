@@ -65,6 +65,7 @@ def collate(
         seqs = [torch.cat(seqs)]
     else:
         starts = None
+    _check_shape(seqs, layout, (rows, width), sample_ids)
     if layout == "padded":
         input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((rows, width), dtype=torch.long)
@@ -86,3 +87,18 @@ def collate(
         return {"input_ids": input_ids, "position_ids": position_ids(seq_lens, layout, shape), "labels": labels,
                 "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
     raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
+
+
+def _check_shape(seqs: list[torch.Tensor], layout: str, shape: tuple[int, int], sample_ids: Sequence[int]) -> None:
+    """The tensors about to be built must have exactly the plan's ``shape``: the planner priced
+    that shape and later pipeline stages size their receive buffers by it, so a mismatch is a
+    wrong price at best and a failed or hung send/receive at worst."""
+    lens = [len(ids) for ids in seqs]
+    if layout == "packed":  # the sequences go into one row, back to back
+        ok = (1, sum(lens)) == shape
+    else:  # one row each, padded up to the plan's width (a fixed width may exceed the longest)
+        ok = len(seqs) == shape[0] and max(lens) <= shape[1]
+    if not ok:
+        raise ValueError(
+            f"micro-batch of samples {list(sample_ids)} ({layout}, sequence lengths {lens}) does not fit the plan's shape "
+            f"{tuple(shape)}; plans must take their shapes from dyn_plugin.cost.model.tensor_shape, as the planner does")
