@@ -29,6 +29,7 @@ from dyn_plugin.config import LoadedConfig, ModelShape, load_config
 from dyn_plugin.cost.from_config import build_cost_model
 from dyn_plugin.cost.table import TableCostModel
 from dyn_plugin.profiling.allocator import stable_cpu_allocator
+from dyn_plugin.runtime.collate import scored_tokens
 from dyn_plugin.runtime.loader import DynLoader, Step
 
 logger = logging.getLogger(__name__)
@@ -174,7 +175,9 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
     n = len(step.micro_batches)
     if n == 0:
         raise ValueError(f"step {step.index} gave this rank no micro-batch; every replica needs at least one")
-    total = torch.zeros((), dtype=torch.float64)
+    # On the engine's device: NCCL all-reduces device tensors only, and a host copy per
+    # micro-batch would stall the device queue; the one host read is the return value.
+    total = torch.zeros((), dtype=torch.float64, device=engine.device)
     recompute = _recompute_switch(engine)
     for i, (desc, mb) in enumerate(zip(step.loaded, step.micro_batches)):
         recompute.set(desc["recompute"])
@@ -182,11 +185,11 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
         inputs = {k: v.to(engine.device) for k, v in mb.items() if k in MODEL_KEYS}
         t0 = time.perf_counter()
         out = engine(**inputs, use_cache=False)
-        scored = int((mb["labels"] != -100).sum())
-        loss_sum = out.loss * scored  # HF returns the mean over this micro-batch's scored tokens
+        # the plan knows the count; counting the labels would read a device tensor back
+        loss_sum = out.loss * scored_tokens(desc["seq_lens"])  # HF returns the mean over the scored tokens
         t1 = time.perf_counter()
         engine.backward(loss_sum * (dp / step.scored_tokens), scale_wrt_gas=False)
-        total += loss_sum.detach().double().cpu()
+        total += loss_sum.detach().double()
         if timings is not None:
             timings.append(((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
     t0 = time.perf_counter()
@@ -195,7 +198,7 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
         timings.append(("step", (time.perf_counter() - t0) * 1e3))
     if dp > 1:
         dist.all_reduce(total)
-    return float(total / step.scored_tokens)
+    return float(total) / step.scored_tokens
 
 
 def _recompute_switch(engine):
