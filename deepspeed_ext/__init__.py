@@ -34,7 +34,7 @@ from dyn_plugin.runtime.loader import DynLoader, Step
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["initialize", "train_step", "save_checkpoint", "load_checkpoint", "skip_cpu_shm_build", "model_shape"]
+__all__ = ["initialize", "train_step", "training_dtype", "save_checkpoint", "load_checkpoint", "skip_cpu_shm_build", "model_shape"]
 
 LOADER_STATE = "dyn_plugin_loader.json"
 
@@ -64,8 +64,28 @@ def model_shape(model: torch.nn.Module) -> ModelShape:
     )
 
 
+def training_dtype(ds: Mapping[str, Any]) -> str:
+    """The precision a DeepSpeed config trains in: its ``bf16`` or ``fp16`` section, else fp32."""
+    if (ds.get("bf16") or ds.get("bfloat16") or {}).get("enabled", False):
+        return "bf16"
+    return "fp16" if (ds.get("fp16") or {}).get("enabled", False) else "fp32"
+
+
+def _dtype_mismatch(what: str, dtype: str, ds_dtype: str, fix: str) -> ValueError:
+    section = {"bf16": "bf16.enabled is true", "fp16": "fp16.enabled is true",
+               "fp32": "neither bf16.enabled nor fp16.enabled is true"}[ds_dtype]
+    return ValueError(f"{what} is {dtype!r} but the DeepSpeed config trains in {ds_dtype} ({section}): the plan would "
+                      f"price activations and memory in the wrong precision; {fix}")
+
+
 def _cost_model(cfg: LoadedConfig, model: torch.nn.Module) -> TableCostModel:
+    """The config's cost model, in the precision DeepSpeed trains in."""
     cm = cfg.plugin.cost_model
+    ds_dtype = training_dtype(cfg.deepspeed)
+    if "dtype" in cm.model_fields_set and cm.dtype != ds_dtype:
+        raise _dtype_mismatch("dyn_plugin.cost_model.dtype", cm.dtype, ds_dtype,
+                              f"set it to {ds_dtype!r} or leave it out (it follows the DeepSpeed config)")
+    cm = cm.model_copy(update={"dtype": ds_dtype})  # set: a profile measured in another precision is refused
     if cm.kind == "analytic" and cm.model is None:
         cm = cm.model_copy(update={"model": model_shape(model)})
     cost = build_cost_model(cm, cfg.plugin.cluster)
@@ -101,6 +121,9 @@ def initialize(
     import torch.distributed as dist
 
     cfg = config if isinstance(config, LoadedConfig) else load_config(config)
+    if cost_model is not None and cost_model.dtype != training_dtype(cfg.deepspeed):
+        raise _dtype_mismatch("the cost_model argument's dtype", cost_model.dtype, training_dtype(cfg.deepspeed),
+                              "build it (or measure its profile) in the precision DeepSpeed trains in")
     pp = cfg.plugin.pipeline.stages
     if pp > 1 and cfg.zero_stage >= 2:
         raise ValueError(f"pipeline.stages = {pp} with zero_optimization.stage = {cfg.zero_stage}: DeepSpeed's "

@@ -66,3 +66,68 @@ def test_train_step_keeps_collectives_on_the_device_and_reads_the_host_once(monk
     assert len(engine.backwards) == 3
     assert reduced == [torch.device("meta")]
     assert reads == ["__float__"], "one host read, for the returned loss, whatever the micro-batch count"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_pipeline_engine_takes_a_data_iterator_and_evaluates_forward_only(tmp_path, dtype):
+    import json
+
+    from ranks import run
+
+    out = tmp_path / "result.json"
+    codes, logs = run("ds_pipe_eval_worker.py", out, dtype, world=2)
+    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    r = json.loads(out.read_text())
+    assert r["micro_batches"] > 1, r
+    assert r["eval_left_params"] and r["train_moved_params"], r
+    # the same step before any update: the forward-only loss is the training step's loss
+    assert r["eval_loss"] == pytest.approx(r["train_loss"], rel=1e-6), r
+    assert r["second_loss"] != r["train_loss"], r
+    assert "data_iter must yield the loader's Steps" in r["refused"], r
+    want = {"fp32": "torch.float32", "bf16": "torch.bfloat16"}[dtype]
+    assert r["act_dtype"] == want and r["received_dtypes"] == [[want], [want]], r
+
+
+LLAMA = SimpleNamespace(config=SimpleNamespace(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                               num_key_value_heads=4, intermediate_size=128, vocab_size=100,
+                                               model_type="llama"))
+
+
+def _loaded(ds: dict, cost_model: dict):
+    from dyn_plugin.config import load_config
+
+    return load_config({**ds, "dyn_plugin": {"cost_model": cost_model}})
+
+
+@pytest.mark.parametrize("ds, dtype", [({}, "fp32"), ({"bf16": {"enabled": True}}, "bf16"),
+                                       ({"fp16": {"enabled": True}}, "fp16")])
+def test_the_cost_model_prices_the_precision_deepspeed_trains_in(ds, dtype):
+    cost = deepspeed_ext._cost_model(_loaded(ds, {"kind": "analytic"}), LLAMA)
+    assert cost.dtype == dtype
+    fp32 = deepspeed_ext._cost_model(_loaded({}, {"kind": "analytic"}), LLAMA)
+    stored = [c.table("padded", "none", 1).fits["layer"]["stored_bytes"].coef for c in (cost, fp32)]
+    assert (stored[0] == stored[1]) == (dtype == "fp32")  # activation bytes per element follow the dtype
+
+
+@pytest.mark.parametrize("ds, dtype, field", [
+    ({"bf16": {"enabled": True}}, "fp32", "bf16.enabled is true"),
+    ({}, "bf16", "neither bf16.enabled nor fp16.enabled is true"),
+])
+def test_a_cost_model_dtype_other_than_deepspeeds_is_refused(ds, dtype, field):
+    with pytest.raises(ValueError, match=rf"dyn_plugin.cost_model.dtype is '{dtype}' but the DeepSpeed config .*"
+                                         rf"\({field}\).*set it to"):
+        deepspeed_ext._cost_model(_loaded(ds, {"kind": "analytic", "dtype": dtype}), LLAMA)
+
+
+def test_a_profile_measured_in_another_precision_is_refused():
+    profile = {"kind": "profile", "profile": "a100-gpt-6.7b"}  # measured in fp16
+    assert deepspeed_ext._cost_model(_loaded({"fp16": {"enabled": True}}, profile), LLAMA).dtype == "fp16"
+    with pytest.raises(ValueError, match=r"'a100-gpt-6.7b' was measured in fp16 \(its model.dtype\), but "
+                                         r"dyn_plugin.cost_model.dtype is 'bf16'"):
+        deepspeed_ext._cost_model(_loaded({"bf16": {"enabled": True}}, profile), LLAMA)
+
+
+def test_a_cost_model_argument_in_another_precision_is_refused_before_training():
+    cost = deepspeed_ext._cost_model(_loaded({"bf16": {"enabled": True}}, {"kind": "analytic"}), LLAMA)
+    with pytest.raises(ValueError, match=r"cost_model argument's dtype is 'bf16' .* trains in fp32"):
+        deepspeed_ext.initialize(model=LLAMA, config={"dyn_plugin": {}}, dataset=[], lengths=[], cost_model=cost)
