@@ -38,12 +38,12 @@ def main():
         model=model, config=config, dataset=data, lengths=lengths,
         optimizer=lambda params: torch.optim.SGD(params, lr=LR), seed=5)
     received = []
-    recv = torch.distributed.irecv
+    batched = dist.batch_isend_irecv
 
-    def recording_irecv(tensor, *a, **k):
-        received.append(str(tensor.dtype))
-        return recv(tensor, *a, **k)
-    torch.distributed.irecv = recording_irecv  # P2POp resolves its op at call time: see what arrives
+    def recording(ops):  # the dtype of every tensor a stage receives
+        received.extend(str(op.tensor.dtype) for op in ops if op.op is dist.irecv)
+        return batched(ops)
+    dist.batch_isend_irecv = recording
     steps = list(itertools.islice(loader, 2))
     before = [p.detach().clone() for p in engine.module.parameters()]
     eval_loss = engine.eval_batch(iter(steps[:1]))
