@@ -131,3 +131,29 @@ def test_a_cost_model_argument_in_another_precision_is_refused_before_training()
     cost = deepspeed_ext._cost_model(_loaded({"bf16": {"enabled": True}}, {"kind": "analytic"}), LLAMA)
     with pytest.raises(ValueError, match=r"cost_model argument's dtype is 'bf16' .* trains in fp32"):
         deepspeed_ext.initialize(model=LLAMA, config={"dyn_plugin": {}}, dataset=[], lengths=[], cost_model=cost)
+
+
+def test_every_planned_step_is_replayed_without_buffering(monkeypatch):
+    import dataclasses
+
+    import numpy as np
+
+    import dyn_plugin.plan.planner as planner
+    from dyn_plugin.config import load_config
+    from dyn_plugin.cost.from_config import build_cost_model
+    from dyn_plugin.runtime.planning import PlanningContext
+
+    cfg = load_config({"dyn_plugin": {"cost_model": {"kind": "profile", "profile": "a100-gpt-6.7b"},
+                                      "pipeline": {"stages": 4}, "cluster": {"device": {"memory_mb": 80000}},
+                                      "microbatching": {"global_tokens": 16384}}}).plugin
+    lengths = np.random.default_rng(0).integers(16, 2048, size=400)
+    ctx = PlanningContext(cfg, build_cost_model(cfg.cost_model, cfg.cluster), lengths, dp=2, pp=4)
+    assert len(ctx.plan(0, 0)) == 8
+    built = planner.build_execution_plans
+
+    def unbatched(*a, **k):  # plans as the engine used to run them, trusting buffered sends
+        return [dataclasses.replace(p, instructions=tuple(dataclasses.replace(i, batch_next=False)
+                                                          for i in p.instructions)) for p in built(*a, **k)]
+    monkeypatch.setattr(planner, "build_execution_plans", unbatched)
+    with pytest.raises(ValueError, match="rendezvous deadlock"):
+        ctx.plan(0, 1)
