@@ -29,11 +29,12 @@ from dyn_plugin.config import LoadedConfig, ModelShape, load_config
 from dyn_plugin.cost.from_config import build_cost_model
 from dyn_plugin.cost.table import TableCostModel
 from dyn_plugin.profiling.allocator import stable_cpu_allocator
+from dyn_plugin.runtime.collate import scored_tokens
 from dyn_plugin.runtime.loader import DynLoader, Step
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["initialize", "train_step", "save_checkpoint", "load_checkpoint", "skip_cpu_shm_build", "model_shape"]
+__all__ = ["initialize", "train_step", "training_dtype", "save_checkpoint", "load_checkpoint", "skip_cpu_shm_build", "model_shape"]
 
 LOADER_STATE = "dyn_plugin_loader.json"
 
@@ -63,8 +64,28 @@ def model_shape(model: torch.nn.Module) -> ModelShape:
     )
 
 
+def training_dtype(ds: Mapping[str, Any]) -> str:
+    """The precision a DeepSpeed config trains in: its ``bf16`` or ``fp16`` section, else fp32."""
+    if (ds.get("bf16") or ds.get("bfloat16") or {}).get("enabled", False):
+        return "bf16"
+    return "fp16" if (ds.get("fp16") or {}).get("enabled", False) else "fp32"
+
+
+def _dtype_mismatch(what: str, dtype: str, ds_dtype: str, fix: str) -> ValueError:
+    section = {"bf16": "bf16.enabled is true", "fp16": "fp16.enabled is true",
+               "fp32": "neither bf16.enabled nor fp16.enabled is true"}[ds_dtype]
+    return ValueError(f"{what} is {dtype!r} but the DeepSpeed config trains in {ds_dtype} ({section}): the plan would "
+                      f"price activations and memory in the wrong precision; {fix}")
+
+
 def _cost_model(cfg: LoadedConfig, model: torch.nn.Module) -> TableCostModel:
+    """The config's cost model, in the precision DeepSpeed trains in."""
     cm = cfg.plugin.cost_model
+    ds_dtype = training_dtype(cfg.deepspeed)
+    if "dtype" in cm.model_fields_set and cm.dtype != ds_dtype:
+        raise _dtype_mismatch("dyn_plugin.cost_model.dtype", cm.dtype, ds_dtype,
+                              f"set it to {ds_dtype!r} or leave it out (it follows the DeepSpeed config)")
+    cm = cm.model_copy(update={"dtype": ds_dtype})  # set: a profile measured in another precision is refused
     if cm.kind == "analytic" and cm.model is None:
         cm = cm.model_copy(update={"model": model_shape(model)})
     cost = build_cost_model(cm, cfg.plugin.cluster)
@@ -100,6 +121,9 @@ def initialize(
     import torch.distributed as dist
 
     cfg = config if isinstance(config, LoadedConfig) else load_config(config)
+    if cost_model is not None and cost_model.dtype != training_dtype(cfg.deepspeed):
+        raise _dtype_mismatch("the cost_model argument's dtype", cost_model.dtype, training_dtype(cfg.deepspeed),
+                              "build it (or measure its profile) in the precision DeepSpeed trains in")
     pp = cfg.plugin.pipeline.stages
     if pp > 1 and cfg.zero_stage >= 2:
         raise ValueError(f"pipeline.stages = {pp} with zero_optimization.stage = {cfg.zero_stage}: DeepSpeed's "
@@ -174,7 +198,9 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
     n = len(step.micro_batches)
     if n == 0:
         raise ValueError(f"step {step.index} gave this rank no micro-batch; every replica needs at least one")
-    total = torch.zeros((), dtype=torch.float64)
+    # On the engine's device: NCCL all-reduces device tensors only, and a host copy per
+    # micro-batch would stall the device queue; the one host read is the return value.
+    total = torch.zeros((), dtype=torch.float64, device=engine.device)
     recompute = _recompute_switch(engine)
     for i, (desc, mb) in enumerate(zip(step.loaded, step.micro_batches)):
         recompute.set(desc["recompute"])
@@ -182,11 +208,11 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
         inputs = {k: v.to(engine.device) for k, v in mb.items() if k in MODEL_KEYS}
         t0 = time.perf_counter()
         out = engine(**inputs, use_cache=False)
-        scored = int((mb["labels"] != -100).sum())
-        loss_sum = out.loss * scored  # HF returns the mean over this micro-batch's scored tokens
+        # the plan knows the count; counting the labels would read a device tensor back
+        loss_sum = out.loss * scored_tokens(desc["seq_lens"])  # HF returns the mean over the scored tokens
         t1 = time.perf_counter()
         engine.backward(loss_sum * (dp / step.scored_tokens), scale_wrt_gas=False)
-        total += loss_sum.detach().double().cpu()
+        total += loss_sum.detach().double()
         if timings is not None:
             timings.append(((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
     t0 = time.perf_counter()
@@ -195,7 +221,7 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
         timings.append(("step", (time.perf_counter() - t0) * 1e3))
     if dp > 1:
         dist.all_reduce(total)
-    return float(total / step.scored_tokens)
+    return float(total) / step.scored_tokens
 
 
 def _recompute_switch(engine):

@@ -3,9 +3,11 @@
 DeepSpeed runs a fixed ``TrainSchedule``: the same micro-batch count every step, shapes
 exchanged before every transfer (``dynamic_shape``) or assumed constant. Here each step runs the
 rank's plan (``dyn_plugin.plan.instructions``): its own number, sizes, layouts and order of
-micro-batches. Shapes travel in the instructions, so no meta-data is exchanged; sends are
-asynchronous (the plans are ordered for that) and complete before the gradient reduction;
-receives block. Gradient reduction, the optimizer step and the backward of the loss stay
+micro-batches. Shapes travel in the instructions, so no meta-data is exchanged. Every send and
+receive completes before the next instruction runs; a send the plan batches with a receive
+(``batch_next``) is posted with it in one ``dist.batch_isend_irecv``, so nothing relies on a
+buffered send (NCCL has none; ``check_plans(rendezvous=True)`` proves the plans need none).
+Gradient reduction, the optimizer step and the backward of the loss stay
 DeepSpeed's own (``_exec_reduce_grads``, ``_exec_optimizer_step``, ``_exec_backward_pass``).
 
 The loss is exact: the last stage sums each micro-batch's token losses and scales by
@@ -14,14 +16,16 @@ the update is that of the token-mean loss, whatever the plan.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from types import MethodType
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from dyn_plugin.models.recompute import RecomputeSwitch
-from dyn_plugin.plan.instructions import (BackwardPass, ExecutionPlan, ForwardPass, Instruction, LoadMicroBatch,
+from dyn_plugin.plan.instructions import (EXCHANGES, BackwardPass, ExecutionPlan, ForwardPass, Instruction, LoadMicroBatch,
                                           OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, SendActivation,
                                           SendGrad)
 from dyn_plugin.runtime.collate import position_ids
@@ -33,26 +37,81 @@ class PlanPipelineEngine(PipelineEngine):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._sends: list[tuple[dist.Work, torch.Tensor]] = []  # in flight until ReduceGrads
         self._losses: dict[int, torch.Tensor] = {}  # buffer -> scaled loss awaiting its backward
         self._recompute = RecomputeSwitch(self.module)  # the plan's recompute mode, per micro-batch
 
-    def train_batch(self, step: Step) -> float:  # type: ignore[override]
-        """Run this rank's plan of ``step``; returns the global batch's token-mean loss."""
+    def train_batch(self, data_iter: Iterator[Step] | Step | None = None) -> float:  # type: ignore[override]
+        """Run this rank's plan of one step and take the optimizer step; returns the global
+        batch's token-mean loss. ``data_iter``: a loader ``Step``, or (as DeepSpeed users pass
+        it) an iterator of them, of which the next is taken."""
+        step = self._next_step(data_iter, "train_batch")
+        self.module.train()
+        self._run(step, step.plan.instructions, training=True)
+        return self._global_loss(step.scored_tokens)
+
+    def eval_batch(self, data_iter: Iterator[Step] | Step, return_logits: bool = False, compute_loss: bool = True,
+                   **_: object) -> float:  # type: ignore[override]
+        """Run the forwards of one step's plan, without gradients; returns the global batch's
+        token-mean loss. The plan's backward half (receive gradient, backward, send gradient,
+        reduction, optimizer step) is left out."""
+        if return_logits or not compute_loss:
+            raise ValueError("eval_batch of the plugin's pipeline returns the token-mean loss only "
+                             "(return_logits=False, compute_loss=True): logits stay on the last stage")
+        step = self._next_step(data_iter, "eval_batch")
+        forwards = tuple(replace(i, batch_next=False) for i in step.plan.instructions
+                         if isinstance(i, (LoadMicroBatch, RecvActivation, ForwardPass, SendActivation)))
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                self._run(step, forwards, training=False)
+        finally:
+            self.module.train(was_training)
+        return self._global_loss(step.scored_tokens)
+
+    def _next_step(self, data_iter: Iterator[Step] | Step | None, caller: str) -> Step:
+        if data_iter is None:
+            data_iter = self.data_iterator
+        if data_iter is None:
+            raise ValueError(f"{caller} needs a step of the plugin's loader: {caller}(step) or "
+                             f"{caller}(data_iter=iter(loader))")
+        step = data_iter if isinstance(data_iter, Step) else next(data_iter)
+        if not isinstance(step, Step):
+            # DeepSpeed's fixed schedule would run on data the plan did not cut: refuse it
+            raise TypeError(f"{caller} runs the plugin's plans: data_iter must yield the loader's Steps "
+                            f"(deepspeed_ext.initialize returns that loader), got {type(step).__name__}")
+        return step
+
+    def _run(self, step: Step, instructions: tuple[Instruction, ...], *, training: bool) -> None:
         plan = step.plan
         self._check_plan(plan)
-        self.module.train()
         self._step = step
+        self._training = training
         self._tensors = dict(zip(plan.loads, step.micro_batches))
         self._loss_scale = self.dp_world_size / step.scored_tokens
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._reserve_pipe_buffers(plan.num_buffers)
-        for ins in plan.instructions:
+        batch: list[tuple[dist.P2POp, Callable[[], None]]] = []
+        for ins in instructions:
             handler = self._INSTRUCTION_MAP.get(type(ins))
             if handler is None:
                 raise RuntimeError(f"{type(self).__name__} has no handler for {type(ins).__name__}")
-            MethodType(handler, self)(ins)
-        return self._global_loss(step.scored_tokens)
+            if not isinstance(ins, EXCHANGES):
+                MethodType(handler, self)(ins)
+                continue
+            batch.append(MethodType(handler, self)(ins))
+            if not ins.batch_next:
+                self._exchange(batch)
+                batch = []
+
+    @staticmethod
+    def _exchange(batch: list[tuple[dist.P2POp, Callable[[], None]]]) -> None:
+        """Post a batch of sends and receives together and wait for all of them; only then use
+        what was received. The batch holds every tensor until its transfer has completed."""
+        for work in dist.batch_isend_irecv([op for op, _ in batch]):
+            work.wait()
+        for _, done in batch:
+            done()
 
     def _check_plan(self, plan: ExecutionPlan) -> None:
         want = (self.global_rank, self.stage_id, self.num_stages, self.grid.data_parallel_id)
@@ -70,7 +129,11 @@ class PlanPipelineEngine(PipelineEngine):
         return expected
 
     def _act_dtype(self) -> torch.dtype:
-        return next(self.module.parameters()).dtype
+        """The precision DeepSpeed trains in (its config's bf16 / fp16 sections), which the
+        stages' activations and gradients travel in."""
+        if self.bfloat16_enabled():
+            return torch.bfloat16
+        return torch.float16 if self.fp16_enabled() else torch.float32
 
     def _positions(self, mb: int) -> torch.Tensor:
         desc = self._step.plan.micro_batches[mb]
@@ -83,11 +146,13 @@ class PlanPipelineEngine(PipelineEngine):
         if self.is_last_stage():
             self.pipe_buffers["labels"][ins.buffer] = tensors["labels"].to(self.device)
 
-    def _exec_recv_activation(self, ins: RecvActivation) -> None:
+    def _exec_recv_activation(self, ins: RecvActivation) -> tuple[dist.P2POp, Callable[[], None]]:
         hidden = torch.empty(ins.shapes[0], dtype=self._act_dtype(), device=self.device)
-        dist.irecv(hidden, src=self._peer(ins, -1)).wait()
-        hidden.requires_grad_()
-        self.pipe_buffers["inputs"][ins.buffer] = (hidden, self._positions(ins.mb))
+
+        def done() -> None:
+            hidden.requires_grad_(self._training)
+            self.pipe_buffers["inputs"][ins.buffer] = (hidden, self._positions(ins.mb))
+        return dist.P2POp(dist.irecv, hidden, self._peer(ins, -1)), done
 
     def _exec_forward(self, ins: ForwardPass) -> None:
         self._recompute.set(self._step.plan.micro_batches[ins.mb]["recompute"])
@@ -95,7 +160,8 @@ class PlanPipelineEngine(PipelineEngine):
         if self.is_last_stage():
             loss = self.module.loss_fn(outputs, self.pipe_buffers["labels"][ins.buffer])
             self._loss_sum += loss.detach().double()
-            self._losses[ins.buffer] = loss * self._loss_scale
+            if self._training:
+                self._losses[ins.buffer] = loss * self._loss_scale
             self.pipe_buffers["labels"][ins.buffer] = None
             return
         hidden = outputs[0] if isinstance(outputs, tuple) else outputs
@@ -104,14 +170,20 @@ class PlanPipelineEngine(PipelineEngine):
                                f"expects {tuple(ins.shapes[0])}: does the model's hidden size match the cost model's?")
         self.pipe_buffers["outputs"][ins.buffer] = hidden
 
-    def _exec_send_activation(self, ins: SendActivation) -> None:
+    def _exec_send_activation(self, ins: SendActivation) -> tuple[dist.P2POp, Callable[[], None]]:
         hidden = self.pipe_buffers["outputs"][ins.buffer].detach().contiguous()
-        self._sends.append((dist.isend(hidden, dst=self._peer(ins, +1)), hidden))
 
-    def _exec_recv_grad(self, ins: RecvGrad) -> None:
+        def done() -> None:
+            if not self._training:  # no backward will free it
+                self.pipe_buffers["outputs"][ins.buffer] = None
+        return dist.P2POp(dist.isend, hidden, self._peer(ins, +1)), done
+
+    def _exec_recv_grad(self, ins: RecvGrad) -> tuple[dist.P2POp, Callable[[], None]]:
         grad = torch.empty(ins.shapes[0], dtype=self._act_dtype(), device=self.device)
-        dist.irecv(grad, src=self._peer(ins, +1)).wait()
-        self.grad_layer = grad
+
+        def done() -> None:
+            self.grad_layer = grad
+        return dist.P2POp(dist.irecv, grad, self._peer(ins, +1)), done
 
     def _exec_backward(self, ins: BackwardPass) -> None:
         if self.is_last_stage():
@@ -123,15 +195,14 @@ class PlanPipelineEngine(PipelineEngine):
         if self.is_first_stage():
             self.pipe_buffers["inputs"][ins.buffer] = None
 
-    def _exec_send_grad(self, ins: SendGrad) -> None:
+    def _exec_send_grad(self, ins: SendGrad) -> tuple[dist.P2POp, Callable[[], None]]:
         grad = self.pipe_buffers["inputs"][ins.buffer][0].grad
-        self._sends.append((dist.isend(grad, dst=self._peer(ins, -1)), grad))
-        self.pipe_buffers["inputs"][ins.buffer] = None
+
+        def done() -> None:
+            self.pipe_buffers["inputs"][ins.buffer] = None
+        return dist.P2POp(dist.isend, grad, self._peer(ins, -1)), done
 
     def _exec_reduce(self, ins: ReduceGrads) -> None:
-        for work, _ in self._sends:
-            work.wait()
-        self._sends.clear()
         self._exec_reduce_tied_grads()
         self._exec_reduce_grads()
 

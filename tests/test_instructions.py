@@ -21,8 +21,8 @@ from dyn_plugin.plan.instructions import (
     plan_from_json,
     plan_to_json,
 )
-from dyn_plugin.plan.schedule import one_f_one_b
-from dyn_plugin.plan.types import MicroBatch
+from dyn_plugin.plan.schedule import choose_schedule, one_f_one_b
+from dyn_plugin.plan.types import LinkSpec, MicroBatch
 
 HIDDEN = 16
 
@@ -50,7 +50,7 @@ def test_two_stage_plans_spell_out_every_step():
         SendActivation(0, 0, 0, act0, peer=9),
         LoadMicroBatch(0, 1, 1, ((1, 3),)),
         ForwardPass(0, 1, 1, act1),
-        SendActivation(0, 1, 1, act1, peer=9),
+        SendActivation(0, 1, 1, act1, peer=9, batch_next=True),  # one batch: stage 1 sends grad 0 meanwhile
         RecvGrad(0, 0, 0, act0, peer=9),
         BackwardPass(0, 0, 0, ()),
         RecvGrad(0, 1, 1, act1, peer=9),
@@ -59,13 +59,13 @@ def test_two_stage_plans_spell_out_every_step():
         OptimizerStep(0),
     )
     assert last.instructions == (
-        LoadMicroBatch(1, 0, 0, ((2, 6),)),  # the last stage loads the labels
         RecvActivation(1, 0, 0, act0, peer=5),
+        LoadMicroBatch(1, 0, 0, ((2, 6),)),  # the last stage loads the labels
         ForwardPass(1, 0, 0, ((),)),
         BackwardPass(1, 0, 0, act0),
-        SendGrad(1, 0, 0, act0, peer=5),
-        LoadMicroBatch(1, 1, 0, ((1, 3),)),
+        SendGrad(1, 0, 0, act0, peer=5, batch_next=True),  # the mirror image of stage 0's batch
         RecvActivation(1, 1, 0, act1, peer=5),
+        LoadMicroBatch(1, 1, 0, ((1, 3),)),
         ForwardPass(1, 1, 0, ((),)),
         BackwardPass(1, 1, 0, act1),
         SendGrad(1, 1, 0, act1, peer=5),
@@ -77,7 +77,7 @@ def test_two_stage_plans_spell_out_every_step():
     assert first.micro_batches[1] == {
         "sample_ids": (0,), "seq_lens": (3,), "layout": "packed", "recompute": "selective", "shape": (1, 3)
     }
-    check_plans([first, last])
+    check_plans([first, last], rendezvous=True)
 
 
 def test_buffers_reuse_the_lowest_free_slot():
@@ -104,16 +104,18 @@ def test_instructions_are_frozen_and_typed():
 def test_json_is_plain_and_versioned():
     plan = two_stage_plans()[1]
     doc = json.loads(plan_to_json(plan))
-    assert (doc["schema"], doc["version"]) == ("dyn_plugin.execution_plan", 1)
-    assert doc["instructions"][1] == {"op": "RecvActivation", "stage": 1, "mb": 0, "buffer": 0, "shapes": [[2, 6, HIDDEN]], "peer": 5}
+    assert (doc["schema"], doc["version"]) == ("dyn_plugin.execution_plan", 2)
+    assert doc["instructions"][0] == {"op": "RecvActivation", "stage": 1, "mb": 0, "buffer": 0, "shapes": [[2, 6, HIDDEN]],
+                                      "peer": 5, "batch_next": False}
+    assert doc["instructions"][4]["batch_next"] is True
     assert plan_from_json(plan_to_json(plan)) == plan
 
 
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"version": 2}, "expected schema 'dyn_plugin.execution_plan' version 1"),
-        ({"schema": "other"}, "version 1"),
+        ({"version": 1}, "expected schema 'dyn_plugin.execution_plan' version 2"),
+        ({"schema": "other"}, "version 2"),
     ],
 )
 def test_json_rejects_other_versions(change, message):
@@ -163,11 +165,15 @@ def swap(plan: ExecutionPlan, a: int, b: int) -> ExecutionPlan:
 @pytest.mark.parametrize(
     "corrupt, message",
     [
-        (lambda f, l: [f, replace(l, 1)], r"1 sends but 0 receives|rank 9 receives micro-batch 1"),
-        (lambda f, l: [f, replace(l, 1, RecvActivation(1, 0, 0, ((2, 7, HIDDEN),), peer=5))], "shapes"),
-        (lambda f, l: [swap(f, 2, 5), l], "message 0: rank 5 sends micro-batch 1"),
+        (lambda f, l: [f, replace(l, 0)], r"1 sends but 0 receives|rank 9 receives micro-batch 1"),
+        (lambda f, l: [f, replace(l, 0, RecvActivation(1, 0, 0, ((2, 7, HIDDEN),), peer=5))], "shapes"),
+        (lambda f, l: [f, swap(l, 0, 5)], "message 0: rank 5 sends micro-batch 0 .* rank 9 receives micro-batch 1"),
         (lambda f, l: [f, replace(l, 4, SendGrad(1, 0, 0, ((2, 6, HIDDEN),), peer=7))], "names rank 7, which has no plan"),
-        (lambda f, l: [f, replace(l, 0)], r"LoadMicroBatch of micro-batches \[0\]"),
+        (lambda f, l: [f, replace(l, 1)], r"LoadMicroBatch of micro-batches \[0\]"),
+        (lambda f, l: [replace(f, 4, ForwardPass(0, 1, 1, ((1, 3, HIDDEN),), batch_next=True)), l],
+         "instruction 4 ForwardPass of micro-batch 1 is batched with the next"),
+        (lambda f, l: [replace(f, 8, RecvGrad(0, 1, 1, ((1, 3, HIDDEN),), peer=9, batch_next=True)), l],
+         "instruction 8 RecvGrad of micro-batch 1 is batched with the next"),
         (lambda f, l: [replace(f, 8, ForwardPass(0, 1, 1, ((1, 3, HIDDEN),))), l], "ForwardPass of micro-batches"),
         (lambda f, l: [swap(f, 1, 7), l], "BackwardPass of micro-batch 0 before its ForwardPass"),
         (lambda f, l: [replace(f, 11), l], "OptimizerStep"),
@@ -178,3 +184,70 @@ def test_check_plans_catches_corruption(corrupt, message):
     first, last = two_stage_plans()
     with pytest.raises(ValueError, match=message):
         check_plans(corrupt(first, last))
+
+
+def unbatched(plan: ExecutionPlan) -> ExecutionPlan:
+    """The plan as the engine used to run it: every send on its own, relying on buffering."""
+    return dataclasses.replace(plan, instructions=tuple(dataclasses.replace(i, batch_next=False) for i in plan.instructions))
+
+
+def test_rendezvous_finds_the_deadlock_that_buffered_sends_hide():
+    # Stage 0 sends activation 1 while stage 1 sends gradient 0 back: each send waits for a
+    # receive its peer only posts after its own send, which NCCL does not buffer.
+    plans = [unbatched(p) for p in two_stage_plans()]
+    check_plans(plans)
+    with pytest.raises(ValueError, match=r"rank 5 \(stage 0\) waits forever at instruction 5 SendActivation of "
+                                         r"micro-batch 1 with peer rank 9, which is blocked at its instruction 4 "
+                                         r"SendGrad of micro-batch 0"):
+        check_plans(plans, rendezvous=True)
+
+
+def test_rendezvous_waits_for_every_replica_in_the_gradient_reduction():
+    one = build_execution_plans([mb([5], 1)], one_f_one_b(1, 1), replica=0, stage_ranks=[0], hidden_size=HIDDEN)[0]
+    other = dataclasses.replace(one, rank=1, replica=1)
+    check_plans([one, other], rendezvous=True)
+    # rank 1 receives before its reduction a message that rank 0 only sends after its own
+    early = (SendActivation(0, 0, 0, ((1, 5, HIDDEN),), peer=1),)
+    late_recv = (RecvActivation(0, 0, 0, ((1, 5, HIDDEN),), peer=0),)
+    ins0 = one.instructions[:-2] + one.instructions[-2:-1] + early + one.instructions[-1:]
+    ins1 = other.instructions[:-2] + late_recv + other.instructions[-2:]
+    check_plans([dataclasses.replace(one, instructions=ins0), dataclasses.replace(other, instructions=ins1)])
+    with pytest.raises(ValueError, match=r"rank 0 \(stage 0\) waits forever at instruction 3 ReduceGrads of "
+                                         r"micro-batch None with peer rank 1, which is blocked at its instruction 3 "
+                                         r"RecvActivation of micro-batch 0"):
+        check_plans([dataclasses.replace(one, instructions=ins0), dataclasses.replace(other, instructions=ins1)],
+                    rendezvous=True)
+
+
+def random_mb(data, k):
+    lens = data.draw(st.lists(st.integers(1, 64), min_size=1, max_size=4))
+    layout = data.draw(st.sampled_from(["padded", "packed"]))
+    m = mb(lens, k, layout)
+    costs = st.lists(st.floats(0.1, 10.0), min_size=k, max_size=k).map(tuple)
+    stored = data.draw(st.lists(st.floats(1.0, 100.0), min_size=k, max_size=k).map(tuple))
+    return dataclasses.replace(m, forward_ms=data.draw(costs), backward_ms=data.draw(costs), stored_bytes=stored,
+                               peak_bytes=stored)
+
+
+@settings(max_examples=60, deadline=None)
+@given(k=st.integers(2, 4), dp=st.integers(1, 2), policy=st.sampled_from(["1f1b", "adaptive"]), data=st.data())
+def test_every_schedule_the_planner_builds_runs_without_buffering(k, dp, policy, data):
+    plans = []
+    for replica in range(dp):
+        mbs = [random_mb(data, k) for _ in range(data.draw(st.integers(1, 9)))]
+        # budgets from "one micro-batch in flight" to "all": the adaptive search caps stages between
+        budget = [data.draw(st.floats(max(m.stored_bytes[s] for m in mbs) * 2, 2000.0)) for s in range(k)]
+        schedule, _ = choose_schedule(mbs, LinkSpec(10.0), memory_budget=budget, policy=policy, candidates=2,
+                                      seed=data.draw(st.integers(0, 5)))
+        plans += build_execution_plans(mbs, schedule, replica=replica, stage_ranks=[s * dp + replica for s in range(k)],
+                                       hidden_size=HIDDEN)
+    check_plans(plans, rendezvous=True)
+
+
+def test_a_stage_warms_up_at_most_one_more_than_its_successor():
+    # stage 1 holds one micro-batch: it takes two activations before it must send a gradient
+    # back, so stage 0 may not send a third first (it would wait for a receive that never comes)
+    schedule = one_f_one_b(5, 4, max_in_flight=(4, 1, 1, 1))
+    assert [sum(1 for op in ops[:ops.index(next(o for o in ops if o.kind == "B"))]) - 1 for ops in schedule.stages] == [1, 0, 0, 0]
+    plans = build_execution_plans([mb([4], 4)] * 5, schedule, replica=0, stage_ranks=range(4), hidden_size=HIDDEN)
+    check_plans(plans, rendezvous=True)

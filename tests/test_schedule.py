@@ -49,8 +49,9 @@ def test_1f1b_follows_the_order_on_every_stage():
 
 def test_max_in_flight_caps_a_stage_and_the_stages_after_it():
     s = one_f_one_b(6, 4, max_in_flight=[4, 2, 3, 1])
-    # stage 2 could hold 2 (its natural warmup is 1), but stays at stage 1's cap of 2 anyway
-    assert [in_flight(stage) for stage in s.stages] == [4, 2, 2, 1]
+    # stage 2 could hold 2 (its natural warmup is 1), but stays at stage 1's cap of 2 anyway;
+    # stage 0 may hold 4 but keeps 3: one more than stage 1, or its sends would wait (unbuffered)
+    assert [in_flight(stage) for stage in s.stages] == [3, 2, 2, 1]
     s = one_f_one_b(6, 4, max_in_flight=[1, 4, 4, 4])
     assert [in_flight(stage) for stage in s.stages] == [1, 1, 1, 1]
 

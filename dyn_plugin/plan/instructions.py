@@ -4,18 +4,26 @@ Instruction names match DeepSpeed's ``PipeInstruction`` classes so a host engine
 to the handler it already has (``_INSTRUCTION_MAP``). Unlike DeepSpeed's, ours carry the
 micro-batch, the tensor shapes and the peer rank: with variable micro-batches a receiver cannot
 assume the previous shape, and shapes known in advance need no meta-data exchange.
+
+Sends and receives rendezvous: NCCL does not buffer a send (one stream per peer pair, a large
+message waits for its receiver), so a stage sending an activation while its neighbour sends a
+gradient back would hang if each waited for its own send first. A send that the schedule
+follows by a receive from the same peer is therefore marked ``batch_next``: the engine posts
+both in one batch (``dist.batch_isend_irecv``), as Megatron's send_forward_recv_backward and
+send_backward_recv_forward do. ``check_plans(..., rendezvous=True)`` replays the plans with
+unbuffered sends and names the first instruction that would wait forever.
 """
 from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Sequence
 
 from .types import MicroBatch, Op, Schedule
 
 SCHEMA = "dyn_plugin.execution_plan"
-VERSION = 1
+VERSION = 2  # 2: batch_next (version 1 plans relied on buffered sends)
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,7 @@ class Instruction:
     buffer: int | None = None  # activation slot on this rank, 0 .. num_buffers - 1
     shapes: tuple[tuple[int, ...], ...] = ()  # tensors it moves or produces
     peer: int | None = None  # global rank at the other end of a send or receive
+    batch_next: bool = False  # a send or receive posted in one batch with the instruction after it
 
 
 class LoadMicroBatch(Instruction):
@@ -62,6 +71,8 @@ class ReduceGrads(Instruction):
 class OptimizerStep(Instruction):
     pass
 
+
+EXCHANGES = (SendActivation, RecvActivation, SendGrad, RecvGrad)  # point-to-point: they rendezvous with a peer
 
 INSTRUCTIONS: dict[str, type[Instruction]] = {
     cls.__name__: cls
@@ -139,17 +150,17 @@ def _stage_plan(
             buf = min(set(range(len(slots) + 1)) - set(slots.values()))
             slots[mb] = buf
             num_buffers = max(num_buffers, len(slots))
+            if prev is not None:  # before the load: it may pair with the previous backward's SendGrad
+                _exchange(out, RecvActivation(stage, mb, buf, hidden, prev))
             if stage == 0 or stage == last:
                 out.append(LoadMicroBatch(stage, mb, buf, ((rows, row_len),)))
-            if prev is not None:
-                out.append(RecvActivation(stage, mb, buf, hidden, prev))
             out.append(ForwardPass(stage, mb, buf, hidden if nxt is not None else ((),)))  # the last stage yields the loss
             if nxt is not None:
                 out.append(SendActivation(stage, mb, buf, hidden, nxt))
         else:
             buf = slots.pop(mb)
             if nxt is not None:
-                out.append(RecvGrad(stage, mb, buf, hidden, nxt))
+                _exchange(out, RecvGrad(stage, mb, buf, hidden, nxt))
             out.append(BackwardPass(stage, mb, buf, hidden if prev is not None else ()))  # stage 0's input needs no gradient
             if prev is not None:
                 out.append(SendGrad(stage, mb, buf, hidden, prev))
@@ -158,6 +169,15 @@ def _stage_plan(
         rank=stage_ranks[stage], replica=replica, stage=stage, num_stages=len(stage_ranks),
         num_buffers=num_buffers, instructions=tuple(out), micro_batches=described,
     )
+
+
+def _exchange(out: list[Instruction], recv: Instruction) -> None:
+    """Append ``recv``, batched with the send just before it when that goes to the same peer:
+    the peer then runs the mirror image (its send of ``recv``'s tensor, its receive of ours)
+    and neither waits for the other's receive."""
+    if out and isinstance(out[-1], (SendActivation, SendGrad)) and out[-1].peer == recv.peer:
+        out[-1] = replace(out[-1], batch_next=True)
+    out.append(recv)
 
 
 def plan_to_json(plan: ExecutionPlan) -> str:
@@ -192,12 +212,14 @@ def plan_from_json(text: str) -> ExecutionPlan:
     return ExecutionPlan(**{k: doc[k] for k in plan_fields}, instructions=tuple(instructions), micro_batches=micro_batches)
 
 
-def check_plans(plans: Sequence[ExecutionPlan]) -> None:
+def check_plans(plans: Sequence[ExecutionPlan], *, rendezvous: bool = False) -> None:
     """Raise ValueError unless the plans can run together.
 
     Every send needs a receive at its peer, in the same order per (pair, direction), with equal
     shapes; every stage runs each micro-batch's forward and backward once (forward first), and
-    the first and last stages load it once.
+    the first and last stages load it once. That much suffices if sends are buffered (gloo).
+    ``rendezvous`` also replays the plans as NCCL runs them (``_replay_rendezvous``) and
+    names the first instruction that would wait forever.
     """
     by_rank = {p.rank: p for p in plans}
     if len(by_rank) != len(plans):
@@ -229,6 +251,92 @@ def check_plans(plans: Sequence[ExecutionPlan]) -> None:
                 )
         if len(out) != len(into):
             raise ValueError(f"{kind} {src} -> {dst}: {len(out)} sends but {len(into)} receives")
+    if rendezvous:
+        _replay_rendezvous(plans)
+
+
+@dataclass(frozen=True)
+class _Post:
+    """One operation a rank posts and waits on: ``needs`` are the operations (of peers) that
+    must be posted for it to complete."""
+
+    index: int  # of the instruction in its plan
+    own: tuple
+    needs: tuple[tuple, ...]
+
+
+def _waits(plan: ExecutionPlan, stage_ranks: dict[int, list[int]]) -> list[list[_Post]]:
+    """The points where ``plan``'s rank blocks, in order: each a batch of operations posted together.
+
+    NCCL matches point-to-point messages per (sender, receiver) pair in posting order, whatever
+    they carry; ReduceGrads is a collective of the stage's data-parallel ranks."""
+    waits: list[list[_Post]] = []
+    batch: list[_Post] = []
+    sent: Counter = Counter()
+    received: Counter = Counter()
+    for n, ins in enumerate(plan.instructions):
+        if isinstance(ins, (SendActivation, SendGrad)):
+            key = (plan.rank, ins.peer, sent[ins.peer])
+            sent[ins.peer] += 1
+            batch.append(_Post(n, ("send", *key), (("recv", *key),)))
+        elif isinstance(ins, (RecvActivation, RecvGrad)):
+            key = (ins.peer, plan.rank, received[ins.peer])
+            received[ins.peer] += 1
+            batch.append(_Post(n, ("recv", *key), (("send", *key),)))
+        elif isinstance(ins, ReduceGrads):
+            waits.append([_Post(n, ("reduce", plan.rank), tuple(("reduce", r) for r in stage_ranks[plan.stage]))])
+            continue
+        else:
+            continue
+        if not ins.batch_next:
+            waits.append(batch)
+            batch = []
+    return waits
+
+
+def _replay_rendezvous(plans: Sequence[ExecutionPlan]) -> None:
+    """Run every rank's instructions with unbuffered sends: an operation completes once its
+    peer has posted the matching one, a batch once all of its operations have. Raise naming the
+    first blocked instruction if some rank never finishes."""
+    stage_ranks: dict[int, list[int]] = {}
+    for plan in plans:
+        stage_ranks.setdefault(plan.stage, []).append(plan.rank)
+    by_rank = {p.rank: p for p in plans}
+    waits = {p.rank: _waits(p, stage_ranks) for p in plans}
+    at = dict.fromkeys(by_rank, 0)  # the wait each rank is blocked in
+    posted = {post.own for w in waits.values() if w for post in w[0]}
+    queue = list(by_rank)
+    while queue:
+        rank = queue.pop()
+        mine = waits[rank]
+        while at[rank] < len(mine) and all(need in posted for post in mine[at[rank]] for need in post.needs):
+            at[rank] += 1
+            if at[rank] < len(mine):
+                posted.update(post.own for post in mine[at[rank]])
+                # the peers of what it now posts may be able to go on
+                queue += [_rank_of(need) for post in mine[at[rank]] for need in post.needs]
+    stuck = sorted(r for r in by_rank if at[r] < len(waits[r]))
+    if not stuck:
+        return
+    rank = stuck[0]
+    post = next(p for p in waits[rank][at[rank]] if not all(need in posted for need in p.needs))
+    ins = by_rank[rank].instructions[post.index]
+    peer = next(_rank_of(need) for need in post.needs if need not in posted)
+    there = by_rank[peer].instructions[waits[peer][at[peer]][0].index] if at[peer] < len(waits[peer]) else None
+    blocked = f"its instruction {waits[peer][at[peer]][0].index} {type(there).__name__} of micro-batch {there.mb}" \
+        if there is not None else "the end of its plan"
+    raise ValueError(
+        f"rendezvous deadlock: rank {rank} (stage {by_rank[rank].stage}) waits forever at instruction {post.index} "
+        f"{type(ins).__name__} of micro-batch {ins.mb} with peer rank {peer}, which is blocked at {blocked}; "
+        "without buffered sends (NCCL) a send must be posted in one batch with the receive its peer "
+        "posts at the same time (batch_next)"
+    )
+
+
+def _rank_of(op: tuple) -> int:
+    """The rank that posts ``op``: the sender of a send, the receiver of a receive."""
+    kind = op[0]
+    return op[1] if kind in ("send", "reduce") else op[2]
 
 
 def _check_one(plan: ExecutionPlan) -> None:
@@ -249,6 +357,11 @@ def _check_one(plan: ExecutionPlan) -> None:
         if seen != want:
             wrong = sorted(set(seen) ^ set(want) | {mb for mb in seen if seen[mb] > 1}, key=str)
             raise ValueError(f"{where}: {cls.__name__} of micro-batches {wrong} missing, repeated or unexpected")
+    for n, i in enumerate(plan.instructions):
+        if i.batch_next and not (isinstance(i, EXCHANGES) and n + 1 < len(plan.instructions)
+                                 and isinstance(plan.instructions[n + 1], EXCHANGES)):
+            raise ValueError(f"{where}: instruction {n} {type(i).__name__} of micro-batch {i.mb} is batched with the "
+                             "next, but only a send or receive followed by another can be")
     tail = [type(i) for i in plan.instructions if isinstance(i, (ReduceGrads, OptimizerStep))]
     if tail != [ReduceGrads, OptimizerStep] or type(plan.instructions[-1]) is not OptimizerStep:
         raise ValueError(f"{where}: must end with one ReduceGrads then one OptimizerStep")

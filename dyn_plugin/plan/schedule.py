@@ -35,7 +35,7 @@ def one_f_one_b(
         raise ValueError(f"max_in_flight needs {k} entries, each >= 1; got {tuple(max_in_flight)}")
     forwards = [Op("F", i) for i in order]
     backwards = [Op("B", i) for i in order]
-    stages = []
+    warmups = []
     warmup = m
     for s in range(k):
         # A stage may not warm up more than its predecessor: it would wait for a forward that the
@@ -43,7 +43,13 @@ def one_f_one_b(
         warmup = min(warmup, k - s - 1)
         if max_in_flight is not None:
             warmup = min(warmup, max_in_flight[s] - 1)
-        stages.append(_stage_ops(forwards, backwards, warmup))
+        warmups.append(warmup)
+    # Nor more than one beyond its successor: sends do not buffer (NCCL), so the successor takes
+    # only that many activations before it must send its first gradient back, and this stage
+    # receives that gradient with its last warm-up forward's send (instructions.py).
+    for s in range(k - 2, -1, -1):
+        warmups[s] = min(warmups[s], warmups[s + 1] + 1)
+    stages = [_stage_ops(forwards, backwards, w) for w in warmups]
     return Schedule(name="1f1b", order=order, stages=tuple(stages))
 
 

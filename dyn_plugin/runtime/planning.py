@@ -15,7 +15,7 @@ import numpy as np
 from ..config import DynPluginConfig
 from ..cost.table import TableCostModel
 from ..plan.baselines import plan_baseline
-from ..plan.instructions import ExecutionPlan, plan_from_json, plan_to_json
+from ..plan.instructions import ExecutionPlan, check_plans, plan_from_json, plan_to_json
 from ..plan.planner import PlannerSpec, StepPlan, execution_plans, plan_step, planner_spec
 from .collate import scored_tokens
 from .sampler import epoch_batches
@@ -116,8 +116,10 @@ class PlanningContext:
             replace(rep, micro_batches=tuple(replace(mb, sample_ids=tuple(int(ids[i]) for i in mb.sample_ids))
                                              for mb in rep.micro_batches))
             for rep in plan.replicas))
-        return {key: RankPlan(epoch, step, ep, tokens, digest, plan.iteration_ms)
-                for key, ep in execution_plans(plan, self.spec.hidden_size).items()}
+        plans = execution_plans(plan, self.spec.hidden_size)
+        # every plan a rank runs has been replayed as NCCL runs it: a hang becomes an error here
+        check_plans(list(plans.values()), rendezvous=True)
+        return {key: RankPlan(epoch, step, ep, tokens, digest, plan.iteration_ms) for key, ep in plans.items()}
 
     def to_json(self) -> str:
         return json.dumps({
