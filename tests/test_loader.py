@@ -144,6 +144,34 @@ def test_epoch_batches_partition_and_keep_dp_sized_tails():
     assert epoch_batches(lens, 20, seed=0, epoch=1, min_sequences=4) != batches
 
 
+def _epoch_batches_by_loop(lengths, tokens, *, seed, epoch, min_sequences=1):
+    """The sampler's rule written as the plain per-sample loop it once was: the reference."""
+    batches, cur, total = [], [], 0
+    for i in np.random.default_rng(seed + epoch).permutation(len(lengths)):
+        s = int(lengths[i])
+        if total + s > tokens and len(cur) >= min_sequences:
+            batches.append(cur)
+            cur, total = [], 0
+        cur.append(int(i))
+        total += s
+    if len(cur) < min_sequences and batches:
+        batches[-1] += cur
+    else:
+        batches.append(cur)
+    return batches
+
+
+def test_vectorized_epoch_batches_equal_the_per_sample_loop():
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        n = int(rng.integers(1, 60))
+        lens = rng.integers(0 if trial % 3 == 0 else 1, int(rng.choice([5, 50, 500])), size=n)
+        tokens = int(rng.integers(1, 400))
+        min_seq = int(rng.integers(1, min(n, 5) + 1))
+        kw = dict(seed=int(rng.integers(100)), epoch=int(rng.integers(3)), min_sequences=min_seq)
+        assert epoch_batches(lens, tokens, **kw) == _epoch_batches_by_loop(lens, tokens, **kw), (lens, tokens, kw)
+
+
 @pytest.mark.parametrize("how", ["close", "garbage-collected"])
 def test_planner_processes_stop_with_the_loader(how):
     import gc
