@@ -47,6 +47,42 @@ def test_two_ranks_agree_and_consume_every_sample_once(tmp_path, backend, reques
         env = {"DYN_PLUGIN_REDIS_PASSWORD": server.password}
     assert run_ranks(tmp_path, "full", store=store, env=env) == [0, 0]
     check_exactly_once(tmp_path, len(make()[2]))
+    if store:  # one run id, drawn by rank 0 and broadcast, under the configured namespace
+        spaces = [(tmp_path / f"namespace{r}.txt").read_text() for r in range(2)]
+        assert spaces[0] == spaces[1] and spaces[0].startswith(store["namespace"] + "-"), spaces
+
+
+@pytest.mark.parametrize("skew", ["lengths", "config"])
+def test_ranks_holding_different_plans_fail_naming_the_rank_and_the_cause(tmp_path, skew):
+    assert run_ranks(tmp_path, f"skew:{skew}") == [0, 0]
+    for r in range(2):
+        message = (tmp_path / f"mismatch{r}.txt").read_text()
+        assert "epoch 0 step 0: rank(s) [1] differ from rank 0" in message, message
+        assert f"likely cause: different {skew} on those ranks" in message, message
+        other = "config" if skew == "lengths" else "lengths"
+        assert f"different {other}" not in message and "cost model" in message  # the fingerprints are listed
+
+
+def test_a_stale_stop_key_does_not_stop_a_new_runs_planners(redis_server, monkeypatch):
+    """An earlier run with the same namespace left its stop key behind; the new run still gets plans."""
+    from dyn_plugin.config import StoreConfig
+    from dyn_plugin.runtime.loader import DynLoader
+    from dyn_plugin.store import open_store
+
+    store = {"backend": "redis", "url": redis_server.url, "namespace": f"stale-{time.time_ns()}"}
+    monkeypatch.setenv("DYN_PLUGIN_REDIS_PASSWORD", redis_server.password)
+    with open_store(StoreConfig(**store), rank=0, world_size=1) as old:
+        old.put("stop", b"1")  # what every run wrote before stop keys carried the pool's token
+    cfg, cm, lens, data = make(store=store, loader={"plan_timeout_s": 15})
+    # two ranks without a process group keep the configured namespace as it is
+    loaders = [DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=r, dp_size=2, seed=3) for r in range(2)]
+    try:
+        assert loaders[0]._store.namespace == store["namespace"]
+        steps = [list(l) for l in loaders]
+        assert len(steps[0]) == len(steps[1]) > 1
+    finally:
+        for l in loaders:
+            l.close()
 
 
 @pytest.mark.parametrize("backend", ["none", "tcp"])
