@@ -110,3 +110,19 @@ def _state(pid) -> str:
         return open(f"/proc/{pid}/stat").read().split(")")[1].split()[0]
     except OSError:
         return "Z"
+
+
+@pytest.mark.parametrize("nodes", [2, 1])
+def test_every_node_keeps_its_own_loader_state(tmp_path, nodes):
+    """No shared filesystem: each rank plays a node with its own checkpoint directory. Two nodes
+    (LOCAL_RANK 0 on both): both write the loader state and resume from their copy; one node
+    (LOCAL_RANK 0 and 1): only local rank 0 writes it."""
+    env = {"LOCAL_RANK": "0"} if nodes == 2 else {}
+    codes, logs = run("ckpt_node_worker.py", tmp_path, env=env, timeout=120)
+    assert codes == [0, 0], logs
+    results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2)]
+    assert results[0] == {"written": True, "resumed_step": 2, "next_digest_equal": True}
+    if nodes == 2:
+        assert results[1] == results[0]
+    else:
+        assert not results[1]["written"] and "error" in results[1]
