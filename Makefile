@@ -7,7 +7,7 @@ OUT ?= out
 PY := $(VENV)/bin/python
 DYN := $(VENV)/bin/dynplugin
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-slow clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,12 @@ $(VENV)/.ext: $(wildcard csrc/*.cpp csrc/*.hpp) $(VENV)/.deps
 
 install: $(VENV)/.ext
 
+# `make test` leaves out tests marked slow (pyproject addopts); this runs only those
 test: install
 	$(PY) -m pytest -q
+
+test-slow: install
+	$(PY) -m pytest -q -s -m slow
 
 demo: install
 	@mkdir -p $(OUT)
