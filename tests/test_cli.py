@@ -88,3 +88,33 @@ def dyn_plugin_native() -> bool:
     import dyn_plugin
 
     return dyn_plugin.native_available()
+
+
+def test_bench_loader_at_scale_reports_startup_and_overhead(capsys):
+    assert main(["bench", "loader", "--samples", "50000", "--steps", "3", "--json"]) == 0
+    (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert record["benchmark"] == "loader-scale" and record["samples"] == 50000 and record["steps"] == 3
+    assert 0 < record["startup_ms"] and 0 < record["overhead_ms_p50"] < record["plan_ms_p50"]
+
+
+def test_bench_stores_without_redis_server_reports_tcp_and_says_how_to_add_redis(monkeypatch):
+    from dyn_plugin.bench.store import bench_stores
+    from dyn_plugin.store import redis_server
+
+    def missing():
+        raise redis_server.RedisServerNotFound("no redis-server binary found")
+
+    monkeypatch.setattr(redis_server, "find_redis_server", missing)
+    rows = bench_stores(count=3, payload_bytes=(1024,))
+    assert [r["backend"] for r in rows] == ["tcp", "redis"] and rows[0]["p50_ms"] > 0
+    assert "no redis-server binary found" in rows[1]["skipped"] and "--redis-url redis://" in rows[1]["skipped"]
+
+
+def test_bench_stores_measure_a_given_redis_url(monkeypatch):
+    from dyn_plugin.bench.store import bench_stores
+    from dyn_plugin.store.redis_server import RedisServer
+
+    with RedisServer() as server:
+        monkeypatch.setenv("DYN_PLUGIN_REDIS_PASSWORD", server.password)
+        rows = bench_stores(count=3, payload_bytes=(1024,), redis_url=server.url)
+    assert [r["backend"] for r in rows] == ["tcp", "redis"] and rows[1]["p50_ms"] > 0

@@ -30,6 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     loader.add_argument("--step-ms", default="0,50,200", help="simulated training step times (ms), comma-separated")
     loader.add_argument("--planners", type=int, default=2)
     loader.add_argument("--prefetch", type=int, default=4)
+    loader.add_argument("--samples", type=int, help="instead, the loader's own cost on a dataset of this many samples: "
+                                                    "start-up and per-step overhead, planning and collation left out")
+    loader.add_argument("--redis-url", help="measure this Redis server (password in $DYN_PLUGIN_REDIS_PASSWORD) rather "
+                                            "than a throwaway local redis-server")
     train = sub.add_parser("train", help="tiny Llama with DeepSpeed on 2 CPU ranks: padded, token budget, fixed-length "
                                           "and varlen packing, and the plugin side by side (effective tokens/s, "
                                           "predicted vs measured)")
@@ -52,11 +56,15 @@ def run(args: argparse.Namespace) -> int:
             from ..bench.planner import bench_planner
 
             records = bench_planner(args)
+        elif args.samples is not None:
+            from ..bench.loader import bench_loader_scale
+
+            records = [bench_loader_scale(args.samples, steps=args.steps)]
         else:
             from ..bench.loader import bench_loader
 
             records = bench_loader(steps=args.steps, step_ms=tuple(float(x) for x in args.step_ms.split(",")),
-                                   planners=args.planners, prefetch=args.prefetch)
+                                   planners=args.planners, prefetch=args.prefetch, redis_url=args.redis_url)
         for record in records:
             print(json.dumps({**record, **host}, indent=None if args.json else 2), flush=True)
         return 0
