@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train = sub.add_parser("train", help="tiny Llama with DeepSpeed on 2 CPU ranks: padded, token budget, fixed-length "
                                           "and varlen packing, and the plugin side by side (effective tokens/s, "
                                           "predicted vs measured)")
-    train.add_argument("--profile", required=True, help="tiny-llama profile of this machine (dynplugin profile)")
+    train.add_argument("--profile", help="tiny-llama profile of this machine (dynplugin profile); without it the "
+                                         "analytic cost model prices the plans, and every row says so")
     train.add_argument("--out", default="out/bench-train")
     train.add_argument("--steps", type=int, default=4)
     train.add_argument("--ranks", type=int, default=2)
@@ -121,13 +122,20 @@ def bench_train(args: argparse.Namespace, host: dict) -> int:
     import subprocess
     import sys
 
+    from deepspeed_ext.compare import cost_model_label
+
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", "-m", "deepspeed_ext.compare",
-           "--profile", args.profile, "--out", args.out, "--steps", str(args.steps), "--max-len", str(args.max_len),
-           "--global-tokens", str(args.global_tokens)]
+           "--out", args.out, "--steps", str(args.steps), "--max-len", str(args.max_len),
+           "--global-tokens", str(args.global_tokens)] + (["--profile", args.profile] if args.profile else [])
+    cost_model = cost_model_label(args.profile)
+    if not args.json:
+        print(f"cost model: {cost_model}" + ("" if args.profile else "; measure one with `dynplugin profile` and "
+                                                                      "pass --profile for predictions of this machine"))
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL if args.json else None)
     if done.returncode != 0:
         raise RuntimeError(f"training comparison failed (exit {done.returncode}): {' '.join(cmd)}")
     with open(os.path.join(args.out, "summary.json")) as f:
         for row in json.load(f):
-            print(json.dumps({"benchmark": "train", **row, **host}, indent=None if args.json else 2))
+            print(json.dumps({"benchmark": "train", "cost_model": cost_model, **row, **host},
+                             indent=None if args.json else 2))
     return 0
