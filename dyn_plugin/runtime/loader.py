@@ -212,8 +212,9 @@ class DynLoader:
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return
         world = dist.get_world_size()
-        mine = torch.tensor([_as_int63(rp.digest), *self._local_fingerprints], dtype=torch.int64)
-        local = mine.to(self.device)
+        local = torch.tensor([_as_int63(rp.digest), *self._local_fingerprints], dtype=torch.int64)
+        if self.device.type == "cuda":  # from pinned memory, so the copy does not wait for the device either
+            local = local.pin_memory().to(self.device, non_blocking=True)
         gathered = torch.empty(world * len(CHECKED), dtype=torch.int64, device=self.device)
         work = dist.all_gather_into_tensor(gathered, local, async_op=True)
         event = None
