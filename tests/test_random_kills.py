@@ -21,7 +21,7 @@ def uninterrupted(epochs: int) -> torch.Tensor:
     loaders = [DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=r, dp_size=2, seed=SEED) for r in range(2)]
     params = initial_params()
     for _ in range(epochs):
-        for steps in zip(*loaders):
+        for steps in zip(*[list(loader) for loader in loaders]):  # whole epochs: zip would stop one loader early
             grads = [local_gradient(params, s, lens) for s in steps]
             params = update(params, grads[0] + grads[1], steps[0])
     return params
