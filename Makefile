@@ -7,7 +7,7 @@ OUT ?= out
 PY := $(VENV)/bin/python
 DYN := $(VENV)/bin/dynplugin
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-slow clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,12 @@ $(VENV)/.ext: $(wildcard csrc/*.cpp csrc/*.hpp) $(VENV)/.deps
 install: $(VENV)/.ext
 
 # DYN_PLUGIN_REQUIRE_NATIVE: a C++ extension that did not build fails the tests instead of skipping them
+# `make test` leaves out tests marked slow (pyproject addopts); this runs only those
 test: install
 	DYN_PLUGIN_REQUIRE_NATIVE=1 $(PY) -m pytest -q
+
+test-slow: install
+	$(PY) -m pytest -q -s -m slow
 
 demo: install
 	@mkdir -p $(OUT)

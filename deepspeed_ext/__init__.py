@@ -234,24 +234,41 @@ def _recompute_switch(engine):
 
 
 def save_checkpoint(engine, loader: DynLoader, save_dir: str | os.PathLike, tag: str | None = None) -> str:
-    """DeepSpeed's checkpoint plus the loader's position (as JSON beside it, not pickled)."""
+    """DeepSpeed's checkpoint plus the loader's position (as JSON beside it, not pickled).
+
+    The loader JSON is written by every node's local rank 0 (``LOCAL_RANK``), not by global rank
+    0 alone: without a shared filesystem each node then resumes from its own copy."""
     import json
 
     import torch.distributed as dist
 
     tag = tag or f"step{engine.global_steps}"
     engine.save_checkpoint(str(save_dir), tag=tag)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        with open(os.path.join(save_dir, tag, LOADER_STATE), "w") as f:
+    if _local_rank() == 0:
+        directory = os.path.join(save_dir, tag)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f"{LOADER_STATE}.tmp")
+        with open(tmp, "w") as f:
             json.dump(loader.state_dict(), f)
+        os.replace(tmp, os.path.join(directory, LOADER_STATE))  # a crash mid-write leaves the old file whole
     if dist.is_initialized():
         dist.barrier()
     return tag
 
 
+def _local_rank() -> int:
+    """This process's rank on its node: the launcher's LOCAL_RANK, else (one node) the global rank."""
+    import torch.distributed as dist
+
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def load_checkpoint(engine, loader: DynLoader, load_dir: str | os.PathLike, tag: str | None = None) -> None:
     """Restore the engine (weights, optimizer, scheduler) and the loader's position: training then
-    continues with exactly the samples the interrupted epoch had left."""
+    continues with exactly the samples the interrupted epoch had left. Every rank reads the loader
+    JSON from its own node's copy (see ``save_checkpoint``)."""
     import json
 
     path, _ = engine.load_checkpoint(str(load_dir), tag=tag)

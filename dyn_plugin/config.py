@@ -177,7 +177,7 @@ class StoreConfig(BaseModel):
     namespace: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$",
-        description="run id in every key (dynplugin/{namespace}/...); must be unique per training run, the launcher derives one when unset",
+        description="prefix of every key (dynplugin/{namespace}-{run id}/...): the loader appends a run id rank 0 draws and broadcasts, so runs never share keys; without a process group, several ranks use it as it is (then it must be unique per run)",
     )
     host: str = Field(default="127.0.0.1", min_length=1, description="tcp: address rank 0 binds and other ranks connect to")
     port: int | None = Field(

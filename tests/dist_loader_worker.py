@@ -19,11 +19,29 @@ from dyn_plugin.runtime.loader import DynLoader  # noqa: E402
 
 def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    out, mode = sys.argv[1], sys.argv[2]  # mode: full | stop-after:K | resume
+    out, mode = sys.argv[1], sys.argv[2]  # mode: full | stop-after:K | resume | skew:lengths | skew:config
     store = json.loads(os.environ.get("TEST_STORE", '{"backend": "none"}'))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg, cm, lens, data = make(store=store, loader={"planners": 2, "prefetch": 3, "plan_timeout_s": 30})
+    skew = mode.split(":")[1] if mode.startswith("skew") and rank == 1 else None
+    over = {"microbatching": {"global_tokens": 2500, "max_seq_len": 600}} if skew == "config" else {}
+    cfg, cm, lens, data = make(store=store, loader={"planners": 2, "prefetch": 3, "plan_timeout_s": 30}, **over)
+    if skew == "lengths":
+        lens = lens.copy()
+        lens[5] += 1
     loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=rank, dp_size=world, seed=11)
+    if loader._store is not None:
+        with open(os.path.join(out, f"namespace{rank}.txt"), "w") as f:
+            f.write(loader._store.namespace)
+    if mode.startswith("skew"):
+        from dyn_plugin.runtime.loader import PlanMismatch
+
+        try:
+            next(iter(loader))
+        except PlanMismatch as exc:
+            with open(os.path.join(out, f"mismatch{rank}.txt"), "w") as f:
+                f.write(str(exc))
+        dist.destroy_process_group()
+        return
     state_path = os.path.join(out, f"state{rank}.json")
     if mode == "resume":
         with open(state_path) as f:

@@ -88,3 +88,57 @@ def dyn_plugin_native() -> bool:
     import dyn_plugin
 
     return dyn_plugin.native_available()
+
+
+def test_bench_loader_at_scale_reports_startup_and_overhead(capsys):
+    assert main(["bench", "loader", "--samples", "50000", "--steps", "3", "--json"]) == 0
+    (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert record["benchmark"] == "loader-scale" and record["samples"] == 50000 and record["steps"] == 3
+    assert 0 < record["startup_ms"] and 0 < record["overhead_ms_p50"] < record["plan_ms_p50"]
+
+
+def test_bench_stores_without_redis_server_reports_tcp_and_says_how_to_add_redis(monkeypatch):
+    from dyn_plugin.bench.store import bench_stores
+    from dyn_plugin.store import redis_server
+
+    def missing():
+        raise redis_server.RedisServerNotFound("no redis-server binary found")
+
+    monkeypatch.setattr(redis_server, "find_redis_server", missing)
+    rows = bench_stores(count=3, payload_bytes=(1024,))
+    assert [r["backend"] for r in rows] == ["tcp", "redis"] and rows[0]["p50_ms"] > 0
+    assert "no redis-server binary found" in rows[1]["skipped"] and "--redis-url redis://" in rows[1]["skipped"]
+
+
+def test_bench_stores_measure_a_given_redis_url(monkeypatch):
+    from dyn_plugin.bench.store import bench_stores
+    from dyn_plugin.store.redis_server import RedisServer
+
+    with RedisServer() as server:
+        monkeypatch.setenv("DYN_PLUGIN_REDIS_PASSWORD", server.password)
+        rows = bench_stores(count=3, payload_bytes=(1024,), redis_url=server.url)
+    assert [r["backend"] for r in rows] == ["tcp", "redis"] and rows[1]["p50_ms"] > 0
+
+
+def test_bench_train_runs_without_a_profile_on_the_analytic_model(tmp_path, capsys, monkeypatch):
+    """What a newcomer types: no --profile. The launch goes ahead on the analytic model and says so."""
+    import subprocess as sp
+
+    from deepspeed_ext.compare import cost_model_section
+
+    launched = []
+
+    def fake_run(cmd, **kw):  # the comparison itself is test_deepspeed_ext's job: here, what it is asked to do
+        launched.append(cmd)
+        (tmp_path / "summary.json").write_text(json.dumps([{"mode": "dyn_plugin"}]))
+        return sp.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(sp, "run", fake_run)
+    assert main(["bench", "train", "--out", str(tmp_path), "--steps", "1", "--json"]) == 0
+    (cmd,) = launched
+    assert "deepspeed_ext.compare" in cmd and "--profile" not in cmd
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert row["mode"] == "dyn_plugin" and row["cost_model"].startswith("analytic")
+    assert cost_model_section(None)["kind"] == "analytic" and cost_model_section("p.json")["kind"] == "profile"
+    assert main(["bench", "train", "--out", str(tmp_path), "--profile", "p.json"]) == 0
+    assert launched[1][-2:] == ["--profile", "p.json"] and "cost model: profile p.json" in capsys.readouterr().out

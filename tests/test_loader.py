@@ -144,6 +144,34 @@ def test_epoch_batches_partition_and_keep_dp_sized_tails():
     assert epoch_batches(lens, 20, seed=0, epoch=1, min_sequences=4) != batches
 
 
+def _epoch_batches_by_loop(lengths, tokens, *, seed, epoch, min_sequences=1):
+    """The sampler's rule written as the plain per-sample loop it once was: the reference."""
+    batches, cur, total = [], [], 0
+    for i in np.random.default_rng(seed + epoch).permutation(len(lengths)):
+        s = int(lengths[i])
+        if total + s > tokens and len(cur) >= min_sequences:
+            batches.append(cur)
+            cur, total = [], 0
+        cur.append(int(i))
+        total += s
+    if len(cur) < min_sequences and batches:
+        batches[-1] += cur
+    else:
+        batches.append(cur)
+    return batches
+
+
+def test_vectorized_epoch_batches_equal_the_per_sample_loop():
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        n = int(rng.integers(1, 60))
+        lens = rng.integers(0 if trial % 3 == 0 else 1, int(rng.choice([5, 50, 500])), size=n)
+        tokens = int(rng.integers(1, 400))
+        min_seq = int(rng.integers(1, min(n, 5) + 1))
+        kw = dict(seed=int(rng.integers(100)), epoch=int(rng.integers(3)), min_sequences=min_seq)
+        assert epoch_batches(lens, tokens, **kw) == _epoch_batches_by_loop(lens, tokens, **kw), (lens, tokens, kw)
+
+
 @pytest.mark.parametrize("how", ["close", "garbage-collected"])
 def test_planner_processes_stop_with_the_loader(how):
     import gc
@@ -243,3 +271,69 @@ def test_padded_width_follows_pad_multiple():
     step = next(iter(DynLoader(data, lengths=lens, config=cfg, cost_model=cm, seed=1)))
     widths = [mb["input_ids"].shape[1] for mb in step.micro_batches]
     assert all(w % 64 == 0 for w in widths) and any(w % 128 for w in widths), widths
+
+
+def _kill_first_planner(loader):
+    import os
+    import signal
+
+    loader._start_planners()
+    os.kill(loader._pool.procs[0].pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("rank", ["host", "other"])
+def test_a_killed_planner_fails_every_waiting_rank_at_once(rank):
+    """Not after loader.plan_timeout_s (120 s here): the watcher publishes the exit, each rank raises it."""
+    import time
+
+    from dyn_plugin.child import free_port
+    from dyn_plugin.runtime.planner_pool import PlannerError
+
+    store = {"backend": "tcp", "port": free_port(), "namespace": "killed-planner"}
+    cfg, cm, lens, data = make(store=store, loader={"planners": 1, "plan_timeout_s": 120})
+    host, other = (DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=r, dp_size=2, seed=7) for r in (0, 1))
+    try:
+        _kill_first_planner(host)
+        t0 = time.monotonic()
+        with pytest.raises(PlannerError, match=r"planner process 0 \(pid \d+\) was killed by signal SIGKILL") as err:
+            next(iter(host if rank == "host" else other))
+        assert time.monotonic() - t0 < 3.0
+        assert f"dp {0 if rank == 'host' else 1}, pp 0" in str(err.value)
+    finally:
+        other.close()
+        host.close()
+
+
+def test_a_crashed_planner_is_reported_with_its_stderr():
+    import time
+
+    from dyn_plugin.runtime.planner_pool import PlannerPool
+
+    reports = []
+    pool = PlannerPool("{}", '{"backend": "tcp", "port": 1, "namespace": "x"}', num_planners=1, prefetch=1, start=0,
+                       world_size=2, on_failure=reports.append)
+    try:
+        deadline = time.monotonic() + 30
+        while not reports and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert reports and pool.failed() == reports[0]
+        assert "planner process 0" in reports[0] and "exited with code 1" in reports[0]
+        assert "KeyError: 'config'" in reports[0]  # the traceback's last line, from its stderr
+    finally:
+        pool.close()
+
+
+def test_each_run_gets_its_own_namespace():
+    cfg, cm, lens, data = make(store={"backend": "tcp", "port": 0})
+    spaces = []
+    for _ in range(2):
+        loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, seed=7)
+        spaces.append(loader._store.namespace)
+        loader.close()
+    assert spaces[0] != spaces[1] and all(s.startswith("run-") for s in spaces)
+
+
+def test_ranks_without_a_process_group_need_a_namespace():
+    cfg, cm, lens, data = make(store={"backend": "tcp", "port": 0})
+    with pytest.raises(ValueError, match="store.namespace is unset.*init_process_group"):
+        DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=0, dp_size=2, seed=7)

@@ -47,6 +47,42 @@ def test_two_ranks_agree_and_consume_every_sample_once(tmp_path, backend, reques
         env = {"DYN_PLUGIN_REDIS_PASSWORD": server.password}
     assert run_ranks(tmp_path, "full", store=store, env=env) == [0, 0]
     check_exactly_once(tmp_path, len(make()[2]))
+    if store:  # one run id, drawn by rank 0 and broadcast, under the configured namespace
+        spaces = [(tmp_path / f"namespace{r}.txt").read_text() for r in range(2)]
+        assert spaces[0] == spaces[1] and spaces[0].startswith(store["namespace"] + "-"), spaces
+
+
+@pytest.mark.parametrize("skew", ["lengths", "config"])
+def test_ranks_holding_different_plans_fail_naming_the_rank_and_the_cause(tmp_path, skew):
+    assert run_ranks(tmp_path, f"skew:{skew}") == [0, 0]
+    for r in range(2):
+        message = (tmp_path / f"mismatch{r}.txt").read_text()
+        assert "epoch 0 step 0: rank(s) [1] differ from rank 0" in message, message
+        assert f"likely cause: different {skew} on those ranks" in message, message
+        other = "config" if skew == "lengths" else "lengths"
+        assert f"different {other}" not in message and "cost model" in message  # the fingerprints are listed
+
+
+def test_a_stale_stop_key_does_not_stop_a_new_runs_planners(redis_server, monkeypatch):
+    """An earlier run with the same namespace left its stop key behind; the new run still gets plans."""
+    from dyn_plugin.config import StoreConfig
+    from dyn_plugin.runtime.loader import DynLoader
+    from dyn_plugin.store import open_store
+
+    store = {"backend": "redis", "url": redis_server.url, "namespace": f"stale-{time.time_ns()}"}
+    monkeypatch.setenv("DYN_PLUGIN_REDIS_PASSWORD", redis_server.password)
+    with open_store(StoreConfig(**store), rank=0, world_size=1) as old:
+        old.put("stop", b"1")  # what every run wrote before stop keys carried the pool's token
+    cfg, cm, lens, data = make(store=store, loader={"plan_timeout_s": 15})
+    # two ranks without a process group keep the configured namespace as it is
+    loaders = [DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=r, dp_size=2, seed=3) for r in range(2)]
+    try:
+        assert loaders[0]._store.namespace == store["namespace"]
+        steps = [list(l) for l in loaders]
+        assert len(steps[0]) == len(steps[1]) > 1
+    finally:
+        for l in loaders:
+            l.close()
 
 
 @pytest.mark.parametrize("backend", ["none", "tcp"])
@@ -74,3 +110,19 @@ def _state(pid) -> str:
         return open(f"/proc/{pid}/stat").read().split(")")[1].split()[0]
     except OSError:
         return "Z"
+
+
+@pytest.mark.parametrize("nodes", [2, 1])
+def test_every_node_keeps_its_own_loader_state(tmp_path, nodes):
+    """No shared filesystem: each rank plays a node with its own checkpoint directory. Two nodes
+    (LOCAL_RANK 0 on both): both write the loader state and resume from their copy; one node
+    (LOCAL_RANK 0 and 1): only local rank 0 writes it."""
+    env = {"LOCAL_RANK": "0"} if nodes == 2 else {}
+    codes, logs = run("ckpt_node_worker.py", tmp_path, env=env, timeout=120)
+    assert codes == [0, 0], logs
+    results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2)]
+    assert results[0] == {"written": True, "resumed_step": 2, "next_digest_equal": True}
+    if nodes == 2:
+        assert results[1] == results[0]
+    else:
+        assert not results[1]["written"] and "error" in results[1]

@@ -29,7 +29,7 @@ class _Tokens:
         return np.full(int(self.lengths[i]), 7, dtype=np.int64)
 
 
-def _loader(store: dict, planners: int, prefetch: int):
+def _loader(store: dict, planners: int, prefetch: int, samples: int | None = None):
     from ..config import load_config
     from ..cost.from_config import build_cost_model
     from ..lengths.io import load_lengths
@@ -44,13 +44,53 @@ def _loader(store: dict, planners: int, prefetch: int):
         "store": store, "loader": {"planners": planners, "prefetch": prefetch},
     }})
     lengths = np.minimum(load_lengths("mixture"), MAX_LEN)
+    if samples is not None:  # the same distribution, as many samples as asked for
+        lengths = np.random.default_rng(0).choice(lengths, size=samples)
     cost = build_cost_model(cfg.plugin.cost_model, cfg.plugin.cluster)
     return DynLoader(_Tokens(lengths), lengths=lengths, config=cfg, cost_model=cost, dp_rank=0, dp_size=2,
                      pp_rank=0, pp_size=4, seed=0)
 
 
+def bench_loader_scale(samples: int, steps: int = 20) -> dict:
+    """What the loader itself costs at ``samples`` samples, planning and collation left out (they
+    scale with the tokens of a step, not with the dataset): start-up (building it and the first
+    epoch's batches, imports excluded) and, per step, the time in ``next()`` beyond them."""
+    from ..runtime.loader import DynLoader
+
+    t0 = time.perf_counter()
+    loader = _loader({"backend": "none"}, 1, 1, samples=samples)
+    batches = len(loader)
+    startup = time.perf_counter() - t0
+    collate_s: list[float] = []
+
+    def timed_build(rank_plan, build=loader._build):
+        t = time.perf_counter()
+        step = build(rank_plan)
+        collate_s.append(time.perf_counter() - t)
+        return step
+
+    loader._build = timed_build
+    overhead = []
+    it = iter(loader)
+    for n in range(min(steps, batches)):
+        t0 = time.perf_counter()
+        next(it)
+        overhead.append((time.perf_counter() - t0 - loader.plan_wait_s[n] - collate_s[n]) * 1e3)
+    state = loader.state_dict()
+    t0 = time.perf_counter()
+    fresh = DynLoader(loader.dataset, lengths=loader.lengths, config=loader.config, cost_model=loader.context.cost,
+                      dp_size=2, pp_size=4, seed=0)
+    fresh.load_state_dict(state)
+    resume = time.perf_counter() - t0
+    return {"benchmark": "loader-scale", "samples": samples, "batches_per_epoch": batches,
+            "startup_ms": startup * 1e3, "overhead_ms_p50": float(np.percentile(overhead, 50)),
+            "overhead_ms_max": float(max(overhead)), "plan_ms_p50": float(np.percentile(loader.plan_wait_s, 50) * 1e3),
+            "collate_ms_p50": float(np.percentile(collate_s, 50) * 1e3), "resume_ms": resume * 1e3,
+            "steps": len(overhead)}
+
+
 def bench_loader(steps: int = 20, step_ms: tuple[float, ...] = (0.0, 50.0, 200.0), planners: int = 2,
-                 prefetch: int = 4, port: int | None = None) -> Iterator[dict]:
+                 prefetch: int = 4, port: int | None = None, redis_url: str | None = None) -> Iterator[dict]:
     modes = [("local", {"backend": "none"})]
     modes.append(("tcp-store", {"backend": "tcp", "namespace": f"bench-{time.time_ns()}", "port": port or 0}))
     for mode, store in modes:
@@ -75,5 +115,5 @@ def bench_loader(steps: int = 20, step_ms: tuple[float, ...] = (0.0, 50.0, 200.0
                 loader.close()
     from .store import bench_stores
 
-    for row in bench_stores():
+    for row in bench_stores(redis_url=redis_url):
         yield {"benchmark": "store-round-trip", **row}

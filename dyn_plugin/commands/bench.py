@@ -30,10 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     loader.add_argument("--step-ms", default="0,50,200", help="simulated training step times (ms), comma-separated")
     loader.add_argument("--planners", type=int, default=2)
     loader.add_argument("--prefetch", type=int, default=4)
+    loader.add_argument("--samples", type=int, help="instead, the loader's own cost on a dataset of this many samples: "
+                                                    "start-up and per-step overhead, planning and collation left out")
+    loader.add_argument("--redis-url", help="measure this Redis server (password in $DYN_PLUGIN_REDIS_PASSWORD) rather "
+                                            "than a throwaway local redis-server")
     train = sub.add_parser("train", help="tiny Llama with DeepSpeed on 2 CPU ranks: padded, token budget, fixed-length "
                                           "and varlen packing, and the plugin side by side (effective tokens/s, "
                                           "predicted vs measured)")
-    train.add_argument("--profile", required=True, help="tiny-llama profile of this machine (dynplugin profile)")
+    train.add_argument("--profile", help="tiny-llama profile of this machine (dynplugin profile); without it the "
+                                         "analytic cost model prices the plans, and every row says so")
     train.add_argument("--out", default="out/bench-train")
     train.add_argument("--steps", type=int, default=4)
     train.add_argument("--ranks", type=int, default=2)
@@ -52,11 +57,15 @@ def run(args: argparse.Namespace) -> int:
             from ..bench.planner import bench_planner
 
             records = bench_planner(args)
+        elif args.samples is not None:
+            from ..bench.loader import bench_loader_scale
+
+            records = [bench_loader_scale(args.samples, steps=args.steps)]
         else:
             from ..bench.loader import bench_loader
 
             records = bench_loader(steps=args.steps, step_ms=tuple(float(x) for x in args.step_ms.split(",")),
-                                   planners=args.planners, prefetch=args.prefetch)
+                                   planners=args.planners, prefetch=args.prefetch, redis_url=args.redis_url)
         for record in records:
             print(json.dumps({**record, **host}, indent=None if args.json else 2), flush=True)
         return 0
@@ -113,13 +122,20 @@ def bench_train(args: argparse.Namespace, host: dict) -> int:
     import subprocess
     import sys
 
+    from deepspeed_ext.compare import cost_model_label
+
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", "-m", "deepspeed_ext.compare",
-           "--profile", args.profile, "--out", args.out, "--steps", str(args.steps), "--max-len", str(args.max_len),
-           "--global-tokens", str(args.global_tokens)]
+           "--out", args.out, "--steps", str(args.steps), "--max-len", str(args.max_len),
+           "--global-tokens", str(args.global_tokens)] + (["--profile", args.profile] if args.profile else [])
+    cost_model = cost_model_label(args.profile)
+    if not args.json:
+        print(f"cost model: {cost_model}" + ("" if args.profile else "; measure one with `dynplugin profile` and "
+                                                                      "pass --profile for predictions of this machine"))
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL if args.json else None)
     if done.returncode != 0:
         raise RuntimeError(f"training comparison failed (exit {done.returncode}): {' '.join(cmd)}")
     with open(os.path.join(args.out, "summary.json")) as f:
         for row in json.load(f):
-            print(json.dumps({"benchmark": "train", **row, **host}, indent=None if args.json else 2))
+            print(json.dumps({"benchmark": "train", "cost_model": cost_model, **row, **host},
+                             indent=None if args.json else 2))
     return 0

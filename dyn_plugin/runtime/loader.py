@@ -15,10 +15,18 @@ Exactly once: an epoch's global batches partition the samples and every sample o
 batch goes to exactly one replica's micro-batches (pipeline stages of one replica share them).
 ``state_dict()`` after any step and ``load_state_dict()`` on a fresh loader resume at the next
 global batch, with the same plans.
+
+Agreement: when torch.distributed is initialized, every step's plan digest (with fingerprints
+of the lengths, the cost model and the config) is all-gathered over the world, asynchronously
+when the step is handed out, and checked when a later step is asked for (without waiting on the
+device: a gather not finished yet is checked later) and, blocking, at the first step and at the
+end of each epoch. Ranks that disagree raise :class:`PlanMismatch`, naming them and what differs.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
+import json
 import os
 import time
 import weakref
@@ -36,6 +44,14 @@ from .collate import collate
 from .planning import PlanningContext, RankPlan
 
 STATE_VERSION = 1
+# How often a rank waiting for its plan looks for a planner failure another process published.
+FAILURE_POLL_S = 0.25
+# What the ranks compare each step; the last three say why digests differ.
+CHECKED = ("plan digest", "lengths", "cost model", "config")
+
+
+class PlanMismatch(RuntimeError):
+    """Ranks hold different plans for the same step."""
 
 
 @dataclass
@@ -72,7 +88,10 @@ class DynLoader:
         zero_stage: int | None = None,
         tp: int = 1,
         pad_id: int = 0,
+        device: torch.device | str | None = None,
     ) -> None:
+        """``device``: where the loader's collectives run (run-id broadcast, plan check); by default
+        ``cuda:$LOCAL_RANK`` under NCCL, else the CPU."""
         if not isinstance(config, (DynPluginConfig, LoadedConfig)):
             config = load_config(config)
         if isinstance(config, LoadedConfig):
@@ -91,6 +110,12 @@ class DynLoader:
         self.context = PlanningContext(config, cost_model, self.lengths, dp_size, pp_size, zero_stage or 0, tp, seed)
         self.epoch, self.step = 0, 0
         self.plan_wait_s: list[float] = []  # per step, how long this rank waited for its plan
+        self._state_fingerprint = self._fingerprint()
+        self.device = torch.device(device) if device is not None else _default_device()
+        self._checks: collections.deque = collections.deque()  # plan checks in flight, oldest first
+        self._checked_first = False
+        self._local_fingerprints = _fingerprints(self.lengths, cost_model, config, (seed, dp_size, pp_size,
+                                                                                      zero_stage or 0, tp))
         self._store = self._pool = None
         if config.store.backend != "none":
             self._open_store()
@@ -104,24 +129,48 @@ class DynLoader:
         from ..store import open_store
 
         cfg = self.config.store
-        if not cfg.namespace:
-            run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "local")
-            cfg = cfg.model_copy(update={"namespace": f"{run}-{self._fingerprint()}"})
+        run = self._agree_run_id()
+        if run is not None:
+            # a fresh id per run under the configured (or a derived) prefix: nothing an earlier run
+            # left in the store (plans, a stop key, a failure) is ever read by this one
+            base = cfg.namespace or f"run-{self._state_fingerprint}"
+            cfg = cfg.model_copy(update={"namespace": f"{base[:100]}-{run}"})
+        elif not cfg.namespace:
+            raise ValueError(
+                f"store.namespace is unset and the {self.dp_size * self.pp_size} ranks have no torch.distributed "
+                "process group to agree on a run id: call torch.distributed.init_process_group before creating the "
+                "DynLoader, or set dyn_plugin.store.namespace to an id unique to this run")
         world = self.dp_size * self.pp_size
         self._store = open_store(cfg, rank=self.pp_rank * self.dp_size + self.dp_rank, world_size=world)
         # planner processes connect to the very port the host bound (it may have picked a free one)
         self._store_cfg = cfg.model_copy(update={"port": self._store.port}) if cfg.backend == "tcp" else cfg
         self._finalizer = weakref.finalize(self, _close, self._store)
 
+    def _agree_run_id(self) -> str | None:
+        """A random id every rank of this run shares: rank 0 draws it and broadcasts it (on
+        ``self.device``, as the backend needs). None when several ranks have no process group."""
+        import torch.distributed as dist
+
+        token = int.from_bytes(os.urandom(7), "little")  # 56 bits: fits an int64 tensor
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([token], dtype=torch.int64, device=self.device)
+            dist.broadcast(t, src=0)
+            token = int(t.item())
+        elif self.dp_size * self.pp_size > 1:
+            return None
+        return f"{token:014x}"
+
     def _start_planners(self) -> None:
-        from .planner_pool import CURSOR_KEY, PlannerPool
+        from .planner_pool import CURSOR_KEY, ERROR_KEY, PlannerPool
 
         position = self.context.position(self.epoch, self.step)
         self._store.put(CURSOR_KEY, str(position).encode())
         plan_cfg = self.config.loader
+        store = self._store
         self._pool = PlannerPool(self.context.to_json(), self._store_cfg.model_dump_json(exclude_unset=True),
                                  num_planners=plan_cfg.planners, prefetch=plan_cfg.prefetch, start=position,
-                                 world_size=self.dp_size * self.pp_size)
+                                 world_size=self.dp_size * self.pp_size,
+                                 on_failure=lambda why: store.put(ERROR_KEY, why.encode()))
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _close, self._store, self._pool)
 
@@ -143,12 +192,56 @@ class DynLoader:
         epoch = self.epoch
         while self.epoch == epoch and self.step < len(self.context.batches(epoch)):
             rank_plan = self._plan(epoch, self.step)
+            self._check_plans(block=False)
+            self._start_check(rank_plan)
+            if not self._checked_first:  # a mismatch shows at once, before a first step could hang
+                self._check_plans(block=True)
+                self._checked_first = True
             # Counted as consumed once handed out: state_dict() taken after training on this step
             # resumes at the next one.
             self.step += 1
             yield self._build(rank_plan)
+        self._check_plans(block=True)
         if self.epoch == epoch:
             self.epoch, self.step = epoch + 1, 0
+
+    def _start_check(self, rp: RankPlan) -> None:
+        """All-gather this step's digest and fingerprints without waiting for the result."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        world = dist.get_world_size()
+        local = torch.tensor([_as_int63(rp.digest), *self._local_fingerprints], dtype=torch.int64)
+        if self.device.type == "cuda":  # from pinned memory, so the copy does not wait for the device either
+            local = local.pin_memory().to(self.device, non_blocking=True)
+        gathered = torch.empty(world * len(CHECKED), dtype=torch.int64, device=self.device)
+        work = dist.all_gather_into_tensor(gathered, local, async_op=True)
+        event = None
+        if gathered.is_cuda:
+            # the copy waits on the gather on the device; the host only ever asks the event
+            work.wait()
+            host = torch.empty(gathered.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(gathered, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            gathered = host
+        self._checks.append((rp.epoch, rp.step, work, event, gathered))
+
+    def _check_plans(self, *, block: bool) -> None:
+        """Compare the gathered plans, oldest first; unless ``block``, stop at one not gathered yet."""
+        while self._checks:
+            epoch, step, work, event, gathered = self._checks[0]
+            if not block and not (event.query() if event is not None else work.is_completed()):
+                return
+            if event is not None:
+                event.synchronize()
+            else:
+                work.wait()
+            self._checks.popleft()
+            rows = gathered.view(-1, len(CHECKED)).tolist()
+            if any(row != rows[0] for row in rows):
+                raise PlanMismatch(_mismatch_message(epoch, step, rows))
 
     def _plan(self, epoch: int, step: int) -> RankPlan:
         t0 = time.perf_counter()
@@ -162,7 +255,7 @@ class DynLoader:
     def _plan_from_store(self, epoch: int, step: int) -> RankPlan:
         from ..store import StoreTimeout
         from ..store.payload import decode
-        from .planner_pool import CURSOR_KEY, plan_key
+        from .planner_pool import CURSOR_KEY, ERROR_KEY, PlannerError, plan_key
         from .planning import RANK_PLAN_SCHEMA
 
         position = self.context.position(epoch, step)
@@ -171,11 +264,21 @@ class DynLoader:
                 self._start_planners()
             self._store.put(CURSOR_KEY, str(position).encode())
         key = plan_key(position, self.dp_rank, self.pp_rank)
-        try:
-            data = self._store.wait(key, self.config.loader.plan_timeout_s)
-        except StoreTimeout as exc:
-            why = self._pool.failed() if self._pool is not None else None
-            raise StoreTimeout(f"{exc}{'; ' + why if why else ''}") from None
+        timeout = self.config.loader.plan_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:  # in short waits, so a planner's death (any rank may learn of it) ends this at once
+            try:
+                data = self._store.wait(key, min(FAILURE_POLL_S, max(deadline - time.monotonic(), 1e-3)))
+                break
+            except StoreTimeout:
+                why = self._store.get(ERROR_KEY)
+                if why is not None:
+                    raise PlannerError(f"rank (dp {self.dp_rank}, pp {self.pp_rank}) waiting for the plan of epoch "
+                                       f"{epoch} step {step}: {why.decode(errors='replace')}") from None
+                if time.monotonic() >= deadline:
+                    raise StoreTimeout(f"no plan for epoch {epoch} step {step} under '{key}' on {self._store.address} "
+                                       f"after {timeout:g} s (loader.plan_timeout_s); the planner processes run on "
+                                       "the rank with dp 0, pp 0: check it is alive and not overloaded") from None
         self._store.delete(key)
         meta, _ = decode(data, max_bytes=int(self.config.store.max_payload_mb * 2**20), schema=RANK_PLAN_SCHEMA)
         rp = RankPlan.from_meta(meta)
@@ -195,17 +298,18 @@ class DynLoader:
 
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "epoch": self.epoch, "step": self.step, "seed": self.seed,
-                "fingerprint": self._fingerprint()}
+                "fingerprint": self._state_fingerprint}
 
     def load_state_dict(self, state: Mapping) -> None:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"loader state version {state.get('version')!r}; this dyn-plugin reads {STATE_VERSION}")
-        if state["fingerprint"] != self._fingerprint():
+        if state["fingerprint"] != self._state_fingerprint:
             raise ValueError("loader state was saved for different lengths, seed, token budget or parallel sizes; "
                              "resume with the same dataset and dyn_plugin config")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
 
     def _fingerprint(self) -> str:
+        # hashed once (8 MB at 1M samples): state_dict() is called at every checkpoint
         h = hashlib.sha256(self.lengths.tobytes())
         h.update(repr((self.seed, self.config.microbatching.global_tokens, self.dp_size, self.pp_size)).encode())
         return h.hexdigest()[:16]
@@ -217,11 +321,48 @@ class DynLoader:
 
 
 def _close(store, pool=None) -> None:
-    from .planner_pool import STOP_KEY
-
     if pool is not None:
+        pool.stopping()
         try:
-            store.put(STOP_KEY, b"1")
+            store.put(pool.stop_key, b"1")
         finally:
             pool.close()
     store.close()
+
+
+def _default_device() -> torch.device:
+    """Where the backend of the default process group takes tensors: the local GPU under NCCL."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
+
+
+def _as_int63(hex_digest: str) -> int:
+    return int(hex_digest[:16], 16) >> 1  # a non-negative int64
+
+
+def _fingerprints(lengths: np.ndarray, cost: TableCostModel, config: DynPluginConfig, sizes: tuple) -> list[int]:
+    """Fingerprints of what a plan depends on, in CHECKED order after the digest. The store and
+    loader sections are left out: they change where plans travel, not what they are."""
+    parts = [lengths.tobytes(), json.dumps(cost.to_dict(), sort_keys=True).encode(),
+             (config.model_dump_json(exclude={"store", "loader"}) + repr(sizes)).encode()]
+    return [_as_int63(hashlib.sha256(p).hexdigest()) for p in parts]
+
+
+def _mismatch_message(epoch: int, step: int, rows: list[list[int]]) -> str:
+    """Which ranks disagree with rank 0, on what, and the likely cause."""
+    odd = [r for r, row in enumerate(rows) if row != rows[0]]
+    differs = [name for i, name in enumerate(CHECKED) if i and any(row[i] != rows[0][i] for row in rows)]
+    lines = [f"ranks disagree on the plan of epoch {epoch} step {step}: rank(s) {odd} differ from rank 0"]
+    for i, name in enumerate(CHECKED):
+        values = ", ".join(f"rank {r}: {row[i]:016x}" for r, row in enumerate(rows))
+        lines.append(f"  {name}: {values}")
+    if differs:
+        lines.append(f"likely cause: different {' and '.join(differs)} on those ranks; give every rank the same "
+                     "dataset lengths, profile/cost model and dyn_plugin config")
+    else:
+        lines.append("likely cause: the same lengths, cost model and config planned differently: check every rank "
+                     "runs the same dyn-plugin version and C++ extension build")
+    return "\n".join(lines)

@@ -7,18 +7,28 @@ another), at most ``prefetch`` batches ahead of the host's cursor, and publishes
 rank under ``plan/{position}/{dp_rank}-{pp_rank}``; each rank waits for its own key, reads it and
 deletes it.
 
-Lifecycle: the processes stop when the pool is closed or garbage-collected, and, because they
-ask the kernel for a signal when their parent dies (and check it besides), when the trainer
-dies, even by SIGKILL.
+Lifecycle: the processes stop when the pool is closed or garbage-collected (the loader writes
+the pool's own stop key, ``stop/{random token}``, so a stop key left in the store by an earlier
+run never stops this one's planners), and, because they ask the kernel for a signal when their
+parent dies (and check it besides), when the trainer dies, even by SIGKILL.
+
+Failure: planners only exit when told to, so a watcher thread treats any other exit as a
+failure and hands ``on_failure`` the reason (exit code or signal, the last lines of the
+planner's stderr) within ~0.1 s; the loader publishes it under ``ERROR_KEY`` for every rank, so
+no rank sits out ``plan_timeout_s`` waiting for a plan that will never come.
 """
 from __future__ import annotations
 
 import logging
 import os
+import secrets
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import weakref
+from typing import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -28,37 +38,84 @@ def plan_key(position: int, dp_rank: int, pp_rank: int) -> str:
 
 
 CURSOR_KEY = "cursor"
-STOP_KEY = "stop"
+ERROR_KEY = "planner-error"
+STDERR_LINES = 20  # of a failed planner's stderr, in the error every rank raises
+_WATCH_S = 0.1
+
+
+class PlannerError(RuntimeError):
+    """A planner process exited while the run still needed it."""
 
 
 class PlannerPool:
     def __init__(self, context_json: str, store_json: str, *, num_planners: int, prefetch: int, start: int,
-                 world_size: int) -> None:
+                 world_size: int, on_failure: Callable[[str], None] | None = None) -> None:
         self._dir = tempfile.mkdtemp(prefix="dynplugin-planners-")
         path = os.path.join(self._dir, "context.json")
         with open(path, "w") as f:
             f.write(context_json)
+        self.stop_key = f"stop/{secrets.token_hex(8)}"
         self.procs: list[subprocess.Popen] = []
+        self._stderr: list[str] = []
         for k in range(num_planners):
             cmd = [sys.executable, "-m", "dyn_plugin.runtime.planner_worker", "--context", path, "--store", store_json,
                    "--worker", str(k), "--workers", str(num_planners), "--prefetch", str(prefetch),
-                   "--start", str(start), "--parent", str(os.getpid()), "--world", str(world_size)]
-            self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+                   "--start", str(start), "--parent", str(os.getpid()), "--world", str(world_size),
+                   "--stop-key", self.stop_key]
+            # stderr to a file, not a pipe: nobody has to drain it, and its tail explains a failure
+            self._stderr.append(os.path.join(self._dir, f"planner{k}.stderr"))
+            with open(self._stderr[-1], "wb") as err:
+                self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=err))
         logger.info("started %d planner processes (pids %s)", num_planners, [p.pid for p in self.procs])
-        self._finalizer = weakref.finalize(self, _shutdown, list(self.procs), self._dir)
+        self._closing = threading.Event()
+        self.failure: list[str] = []  # the watcher's finding, if any
+        # the thread holds no reference to the pool, so the pool can still be garbage-collected
+        threading.Thread(target=_watch, args=(list(self.procs), list(self._stderr), self._closing, self.failure,
+                                              on_failure), name="dynplugin-planner-watch", daemon=True).start()
+        self._finalizer = weakref.finalize(self, _shutdown, list(self.procs), self._dir, self._closing)
 
     def failed(self) -> str | None:
-        """A planner that exited with an error, described; None while all run."""
-        for p in self.procs:
-            if p.poll() not in (None, 0):
-                return f"planner process {p.pid} exited with code {p.returncode}"
-        return None
+        """Why a planner exited, or None while all run."""
+        return self.failure[0] if self.failure else None
+
+    def stopping(self) -> None:
+        """From now on planners exiting is expected (the loader is about to stop them)."""
+        self._closing.set()
 
     def close(self) -> None:
         self._finalizer()
 
 
-def _shutdown(procs: list[subprocess.Popen], directory: str) -> None:
+def describe_exit(k: int, proc: subprocess.Popen, stderr_path: str) -> str:
+    """What ended planner ``k``: its exit code or signal and the last lines it wrote to stderr."""
+    code = proc.returncode
+    how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    try:
+        with open(stderr_path, "rb") as f:
+            tail = f.read().decode(errors="replace").strip().splitlines()[-STDERR_LINES:]
+    except OSError:
+        tail = []
+    last = ("; its last stderr lines:\n  " + "\n  ".join(tail)) if tail else "; it wrote nothing to stderr"
+    return f"planner process {k} (pid {proc.pid}) {how} while training still needed plans{last}"
+
+
+def _watch(procs: list[subprocess.Popen], stderr: list[str], closing: threading.Event, failure: list[str],
+           on_failure: Callable[[str], None] | None) -> None:
+    while not closing.wait(_WATCH_S):
+        for k, p in enumerate(procs):
+            if p.poll() is not None and not closing.is_set():
+                failure.append(describe_exit(k, p, stderr[k]))
+                logger.error("%s", failure[0])
+                if on_failure is not None:
+                    try:
+                        on_failure(failure[0])
+                    except Exception:  # the store may be gone too; the host still raises it itself
+                        logger.exception("could not publish the planner failure to the other ranks")
+                return
+
+
+def _shutdown(procs: list[subprocess.Popen], directory: str, closing: threading.Event) -> None:
+    closing.set()
     for p in procs:
         if p.poll() is None:
             p.terminate()

@@ -15,7 +15,7 @@ logger = logging.getLogger("dyn_plugin.planner_worker")
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    for name in ("--context", "--store"):
+    for name in ("--context", "--store", "--stop-key"):
         p.add_argument(name, required=True)
     for name in ("--worker", "--workers", "--prefetch", "--start", "--parent", "--world"):
         p.add_argument(name, type=int, required=True)
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..config import StoreConfig
     from ..store import open_store
     from ..store.payload import encode
-    from .planner_pool import CURSOR_KEY, STOP_KEY, plan_key
+    from .planner_pool import CURSOR_KEY, plan_key
     from .planning import RANK_PLAN_SCHEMA, PlanningContext
 
     with open(args.context) as f:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     store = open_store(cfg, rank=1, world_size=max(args.world, 2))
     position = args.start + args.worker
     while True:
-        if os.getppid() != args.parent or store.get(STOP_KEY) is not None:
+        if os.getppid() != args.parent or store.get(args.stop_key) is not None:
             return 0
         cursor = store.get(CURSOR_KEY)
         if cursor is None or position >= int(cursor) + args.prefetch:

@@ -14,26 +14,39 @@ import numpy as np
 
 
 def epoch_batches(lengths: Sequence[int], tokens: int, *, seed: int, epoch: int, min_sequences: int = 1) -> list[list[int]]:
-    """Sample indices of every global batch of one epoch, in order."""
+    """Sample indices of every global batch of one epoch, in order.
+
+    A batch takes sequences in shuffled order while they fit the budget, and at least
+    ``min_sequences`` of them whatever their size. Lengths are non-negative, so the running
+    sum is monotone: one ``searchsorted`` over its prefix sums finds, for every start, where a
+    batch starting there would end. The Python loop then runs once per batch, not per sample
+    (1M samples: milliseconds, not a second).
+    """
     lengths = np.asarray(lengths)
     if tokens <= 0:
         raise ValueError(f"the global batch token budget must be positive, got {tokens}")
     if len(lengths) < min_sequences:
         raise ValueError(f"{len(lengths)} samples cannot fill a global batch of at least {min_sequences} sequences")
+    if lengths.size and lengths.min() < 0:
+        raise ValueError(f"lengths must be non-negative, got {int(lengths.min())}")
+    order = np.random.default_rng(seed + epoch).permutation(len(lengths))
+    prefix = np.concatenate([[0], np.cumsum(lengths[order], dtype=np.int64)])
+    n = len(order)
+    # fits[a]: the end (exclusive) of the longest run from a whose tokens stay within the budget
+    fits = np.searchsorted(prefix, prefix[:-1] + tokens, side="right") - 1
+    ids = order.tolist()
     batches: list[list[int]] = []
-    cur: list[int] = []
-    total = 0
-    for i in np.random.default_rng(seed + epoch).permutation(len(lengths)):
-        s = int(lengths[i])
-        if total + s > tokens and len(cur) >= min_sequences:
-            batches.append(cur)
-            cur, total = [], 0
-        cur.append(int(i))
-        total += s
-    if len(cur) < min_sequences and batches:
-        batches[-1] += cur
+    start = 0
+    while True:
+        end = max(start + min_sequences, int(fits[start]))
+        if end >= n:
+            break
+        batches.append(ids[start:end])
+        start = end
+    if n - start < min_sequences and batches:  # a short tail joins the batch before it
+        batches[-1] += ids[start:]
     else:
-        batches.append(cur)
+        batches.append(ids[start:])
     return batches
 
 
