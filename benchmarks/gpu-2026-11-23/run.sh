@@ -13,7 +13,8 @@ if [ ! -f "$PROFILE" ]; then
     --seq-lens 512,2048,8192 --micro-batch-sizes 1,4,16 --max-tokens 32768 \
     --recompute none,selective,full --repeats 3 --validate 16 --no-progress 2>&1 | tee "$OUT/profile-log.txt" || exit 1
 fi
-python3 -m torch.distributed.run --nproc_per_node=1 -m deepspeed_ext.compare --profile "$PROFILE" \
-  --model llama-350m --out /tmp/train --max-len 8192 --global-tokens 65536 --steps 3 --warmup 1 \
+# variable shapes fragment the caching allocator; expandable segments keep the freed memory usable
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m torch.distributed.run --nproc_per_node=1 -m deepspeed_ext.compare --profile "$PROFILE" \
+  --model llama-350m --out /tmp/train --max-len 8192 --global-tokens 65536 --steps 5 --warmup 1 \
   2>&1 | tee "$OUT/train-log.txt" || exit 1
 cp /tmp/train/report.md /tmp/train/records.jsonl /tmp/train/summary.json /tmp/train/step-trace.json "$OUT/"
