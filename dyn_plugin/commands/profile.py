@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-layers", type=int, help="with import: layers of the model the tables describe")
     parser.add_argument("--hidden-size", type=int, help="with import: the model's hidden size")
     parser.add_argument("--model", default="tiny-llama",
-                        help="preset (tiny-llama, tiny-gpt2) or path to a HF config.json (default: tiny-llama)")
+                        help="preset (tiny-llama, llama-350m, tiny-gpt2) or path to a HF config.json (default: tiny-llama)")
     parser.add_argument("--out", required=True, help="profile JSON to write")
     parser.add_argument("--device", help="torch device to measure on: cuda (the default where there is one), "
                                          "cuda:N or cpu")
