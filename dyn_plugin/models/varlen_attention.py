@@ -75,6 +75,9 @@ def _flash_varlen(query, key, value, position_ids, scaling) -> torch.Tensor:
     """query/key/value [b, heads, s, d] -> [b, s, heads, d], one flash call for every document."""
     b, h, s, d = query.shape
     cu, longest = _offsets.get(position_ids, b, s, query.device)
+    if cu.numel() == b + 1:  # one document per row (padded rows, packing across documents): dense causal SDPA
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+        return out.transpose(1, 2).contiguous()
     flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (query, key, value)]
     out = varlen_attn(*flat, cu, cu, longest, longest, scale=scaling, **_CAUSAL)
     return out.view(b, s, h, d)
