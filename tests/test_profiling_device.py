@@ -121,3 +121,21 @@ def test_profile_command_passes_device_and_dtype(monkeypatch, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["profile", "--dtype", "fp64", "--out", str(tmp_path / "p.json")])
     assert "invalid choice: 'fp64'" in capsys.readouterr().err
+
+
+def test_h100_profile_records_its_device_and_says_what_it_did_not_measure(capsys):
+    """The profile measured on an H100 (benchmarks/gpu-2026-11-23): device, precision, and as one of
+    2 ranks with a single GPU, an all-reduce left to the cluster link."""
+    from pathlib import Path
+
+    from dyn_plugin.commands.profile import print_summary
+    from dyn_plugin.cost.profile import cost_model_from_profile, load_profile
+
+    path = Path(__file__).parent.parent / "benchmarks" / "gpu-2026-11-23" / "profile.json"
+    profile = load_profile(path)
+    assert (profile.device.type, profile.device.dtype, profile.update.backend) == ("cuda", "bf16", "nccl")
+    assert "H100" in profile.device.name and cost_model_from_profile(profile).dtype == "bf16"
+    print_summary(profile.model_copy(update={"ranks": 2}))
+    out = capsys.readouterr().out
+    assert "measured on cuda (NVIDIA H100 80GB HBM3) in bf16" in out
+    assert "all-reduce among 2 not measured (fewer cuda devices than ranks)" in out
