@@ -37,7 +37,7 @@ def test_bad_arguments_are_clear_errors(tmp_path, capsys):
     assert main(["profile", "--out", str(tmp_path / "p.json"), "--recompute", "none,sometimes"]) == 2
     assert "allowed modes are none, selective, full" in capsys.readouterr().err
     assert main(["profile", "--out", str(tmp_path / "p.json"), "--model", "no-such-model"]) == 2
-    assert "not a preset (tiny-llama, tiny-gpt2)" in capsys.readouterr().err
+    assert "not a preset (tiny-llama, llama-350m, tiny-gpt2)" in capsys.readouterr().err
 
 
 def test_bench_cost_prints_json(capsys):
@@ -139,6 +139,7 @@ def test_bench_train_runs_without_a_profile_on_the_analytic_model(tmp_path, caps
     assert "deepspeed_ext.compare" in cmd and "--profile" not in cmd
     (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert row["mode"] == "dyn_plugin" and row["cost_model"].startswith("analytic")
-    assert cost_model_section(None)["kind"] == "analytic" and cost_model_section("p.json")["kind"] == "profile"
+    assert cost_model_section(None, "fp32") == {"kind": "analytic", "dtype": "fp32"}
+    assert cost_model_section("p.json", "bf16") == {"kind": "profile", "profile": "p.json", "dtype": "bf16"}
     assert main(["bench", "train", "--out", str(tmp_path), "--profile", "p.json"]) == 0
     assert launched[1][-2:] == ["--profile", "p.json"] and "cost model: profile p.json" in capsys.readouterr().out

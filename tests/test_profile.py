@@ -68,7 +68,7 @@ def test_round_trip_and_samples_only_profile(tmp_path):
     path = tmp_path / "p.json"
     save_profile(p, path)
     raw = json.loads(path.read_text())
-    assert raw["schema"] == SCHEMA and raw["version"] == 1
+    assert raw["schema"] == SCHEMA and raw["version"] == 2
     assert load_profile(path) == p
     raw["tables"] = None  # as a profile produced elsewhere may come: measurements only
     again = load_profile(raw)
@@ -91,10 +91,19 @@ def test_per_component_samples_from_elsewhere():
     assert got.forward_ms == pytest.approx(lin(LAYER, f), rel=1e-6)
 
 
+def test_version_1_files_were_measured_in_the_model_dtype():
+    raw = json.loads(make_profile(synthetic_samples()).model_dump_json(by_alias=True))
+    del raw["device"]["dtype"]
+    old = load_profile({**raw, "version": 1, "model": {**raw["model"], "dtype": "fp16"}})
+    assert old.device.dtype == "fp16"
+
+
 def test_rejects_unknown_version_and_bad_files(tmp_path):
     raw = json.loads(make_profile(synthetic_samples()).model_dump_json(by_alias=True))
-    with pytest.raises(ValueError, match="schema version 99.*reads version 1"):
+    with pytest.raises(ValueError, match="schema version 99.*reads versions 1, 2"):
         load_profile({**raw, "version": 99})
+    with pytest.raises(ValueError, match="device.dtype 'bf16' differs from model.dtype 'fp32'"):
+        load_profile({**raw, "device": {**raw["device"], "dtype": "bf16"}})
     with pytest.raises(ValueError, match="not a dyn_plugin profile"):
         load_profile({"hello": 1})
     bad = {**raw, "samples": [{**raw["samples"][0], "forward_ms": -1}]}

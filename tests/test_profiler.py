@@ -125,3 +125,20 @@ def test_load_processes_that_do_not_start_in_time_are_an_error_and_stopped():
         with load:
             pass
     assert all(p.poll() is not None for p in load.procs)
+
+
+def test_bf16_on_cpu_is_measured_and_recorded_in_bf16(profile):
+    from dyn_plugin.profiling.device import Target
+
+    half = run_profile(PRESETS["tiny-llama"], name="tiny-llama", grid=GRID, validate=0, progress=False,
+                       target=Target(torch.device("cpu"), "bf16"))
+    assert (half.device.type, half.device.dtype, half.model.dtype) == ("cpu", "bf16", "bf16")
+    assert (profile.device.dtype, profile.model.dtype) == ("fp32", "fp32")
+
+    def per_token(p):
+        return next(t for t in p.tables if t.layout == "padded").fits["layer"]["stored_bytes"].coef[1]
+
+    # a layer's activations in 2-byte elements (softmax statistics stay fp32)
+    assert 0.35 < per_token(half) / per_token(profile) < 0.75
+    # AdamW steps fp32 master copies: as many parameters as the fp32 model's
+    assert [n for n, _ in half.update.optimizer] == [n for n, _ in profile.update.optimizer]

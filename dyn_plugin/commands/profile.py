@@ -27,8 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-layers", type=int, help="with import: layers of the model the tables describe")
     parser.add_argument("--hidden-size", type=int, help="with import: the model's hidden size")
     parser.add_argument("--model", default="tiny-llama",
-                        help="preset (tiny-llama, tiny-gpt2) or path to a HF config.json (default: tiny-llama)")
+                        help="preset (tiny-llama, llama-350m, tiny-gpt2) or path to a HF config.json (default: tiny-llama)")
     parser.add_argument("--out", required=True, help="profile JSON to write")
+    parser.add_argument("--device", help="torch device to measure on: cuda (the default where there is one), "
+                                         "cuda:N or cpu")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                        help="training precision to measure in (default: bf16 on CUDA, fp32 on CPU); the "
+                             "DeepSpeed config's precision and cost_model.dtype must match it")
     parser.add_argument("--seq-lens", type=_ints, help="sequence lengths to measure, e.g. 16,64,256,1024")
     parser.add_argument("--micro-batch-sizes", type=_ints, help="micro-batch sizes to measure, e.g. 1,4,16")
     parser.add_argument("--max-tokens", type=int, help="skip grid points with more tokens than this")
@@ -36,8 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="recompute modes to measure (comma-separated; default all three)")
     parser.add_argument("--repeats", type=int, help="timed repeats per point (the minimum is kept)")
     parser.add_argument("--ranks", type=int, default=1,
-                        help="measure as one of N training ranks on this host: N-1 processes train beside it, and "
-                             "the gradient all-reduce is measured among N (use the ranks per host you train with)")
+                        help="measure as one of N training ranks on this host: on CPU N-1 processes train beside "
+                             "it; the gradient all-reduce is measured among N (on CUDA over NCCL, one GPU each: "
+                             "with fewer GPUs it is priced from the cluster link). Use the ranks per host you "
+                             "train with")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (training ranks often run with 1)")
     parser.add_argument("--validate", type=int, default=16, metavar="N",
                         help="also time N held-out random micro-batches through the full model and report "
@@ -58,8 +65,10 @@ def run(args: argparse.Namespace) -> int:
     from ..cost.model import RECOMPUTES
     from ..cost.profile import save_profile
     from ..models.hf import load_model_config
+    from ..profiling.device import resolve_target
     from ..profiling.profiler import ProfileGrid, run_profile
 
+    target = resolve_target(args.device, args.dtype)
     model_cfg = load_model_config(args.model)
     recomputes = tuple(args.recompute.split(","))
     bad = [r for r in recomputes if r not in RECOMPUTES]
@@ -74,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     name = args.model if isinstance(args.model, str) and "/" not in args.model else model_cfg["model_type"]
     profile = run_profile(model_cfg, name=name, grid=grid, validate=args.validate, threads=args.threads,
-                          fixed_allocator=not args.system_allocator, progress=progress, ranks=args.ranks)
+                          fixed_allocator=not args.system_allocator, progress=progress, ranks=args.ranks,
+                          target=target)
     save_profile(profile, args.out)
     print_summary(profile)
     print(f"profile written to {args.out}")
@@ -86,6 +96,8 @@ def print_summary(profile) -> None:
     from ..cost.model import Precision
     from ..cost.profile import cost_model_from_profile
 
+    d = profile.device
+    print(f"measured on {d.type} ({d.name}) in {d.dtype}")
     print(f"{'table':<24}{'fwd MAPE':>10}{'bwd MAPE':>10}{'stored MAPE':>13}  (fit error)")
     for t in profile.tables:
         f = t.fits["layer"]
@@ -102,6 +114,9 @@ def print_summary(profile) -> None:
             line += f", {u.backend} all-reduce of its {cost.dtype} gradients among {profile.ranks}: " \
                     f"{cost.update.allreduce_ms(grad_bytes, profile.ranks, 1.0):.1f} ms"
         print(line)
+    if profile.ranks > 1 and u is not None and not u.allreduce:
+        print(f"all-reduce among {profile.ranks} not measured (fewer {d.type} devices than ranks): "
+              "priced from the cluster's link bandwidth")
     v = profile.validation
     if v:
         print(f"held-out: {v['count']} random micro-batches through the {v['num_layers']}-layer model "

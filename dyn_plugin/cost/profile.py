@@ -1,6 +1,7 @@
 """The profile file: measured costs of one model on one device, and the cost model fitted to them.
 
-A profile is JSON (schema ``dyn_plugin.profile``, version 1; docs/profile-format.md). Its
+A profile is JSON (schema ``dyn_plugin.profile``, version 2; version 1 files are read too;
+docs/profile-format.md). Its
 ``samples`` are the measurements, one per (component, layout, recompute, tp, micro-batch);
 its ``tables`` are the fits. A profile written elsewhere (another machine, a GPU) may omit
 ``tables``: they are fitted from ``samples`` when it is loaded.
@@ -13,14 +14,16 @@ from collections import defaultdict
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .model import COMPONENTS, METRICS, features
 from .table import CostTable, LinearFit, TableCostModel, fit_error, fit_linear, nnls_relative
 from .update import UpdateCost
 
 SCHEMA = "dyn_plugin.profile"
-VERSION = 1
+VERSION = 2
+# Version 2 added device.dtype; a version 1 file measured in its model's dtype.
+READS = (1, 2)
 
 
 class _Record(BaseModel):
@@ -70,8 +73,11 @@ class ModelInfo(_Record):
 
 
 class DeviceInfo(_Record):
-    type: str
+    type: str = Field(description="torch device type the samples were measured on: cpu, cuda (or gpu for imports)")
     name: str
+    dtype: Literal["fp32", "fp16", "bf16"] | None = Field(
+        default=None, description="precision the samples were measured in (the config's cost_model.dtype "
+        "literals); absent in version 1 files, where it is the model's dtype")
     threads: int | None = None
     torch: str | None = None
 
@@ -103,6 +109,15 @@ class Profile(_Record):
     ranks: int = Field(default=1, ge=1, description="processes training side by side while measuring: the profiled "
                        "one and ranks-1 load processes (ranks on one host slow each other down)")
     update: UpdateSamples | None = Field(default=None, description="gradient all-reduce and optimizer step, measured")
+
+    @model_validator(mode="after")
+    def _measured_dtype(self) -> "Profile":
+        if self.device.dtype is None:  # a version 1 file: measured in the model's training dtype
+            self.device = self.device.model_copy(update={"dtype": self.model.dtype})
+        elif self.device.dtype != self.model.dtype:
+            raise ValueError(f"device.dtype {self.device.dtype!r} differs from model.dtype {self.model.dtype!r}: "
+                             "a profile is measured in the precision it prices")
+        return self
 
 
 def _fit_from_models(models: list[Sample], embedding: dict[str, LinearFit], layout, pad_multiple) -> dict:
@@ -191,10 +206,10 @@ def load_profile(source: str | os.PathLike | dict[str, Any]) -> Profile:
             raw = json.load(f)
     if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
         raise ValueError(f"{where} is not a dyn_plugin profile (expected \"schema\": \"{SCHEMA}\")")
-    if raw.get("version") != VERSION:
+    if raw.get("version") not in READS:
         raise ValueError(
-            f"{where} has profile schema version {raw.get('version')!r}; this dyn-plugin reads version "
-            f"{VERSION}. Re-run `dynplugin profile` or upgrade dyn-plugin"
+            f"{where} has profile schema version {raw.get('version')!r}; this dyn-plugin reads versions "
+            f"{', '.join(map(str, READS))}. Re-run `dynplugin profile` or upgrade dyn-plugin"
         )
     try:
         profile = Profile.model_validate(raw)

@@ -5,11 +5,18 @@ import json
 import os
 from typing import Any
 
-# Presets sized so a forward+backward of a few thousand tokens takes tens of ms on 2 CPU cores.
+# tiny-* presets are sized so a forward+backward of a few thousand tokens takes tens of ms on 2 CPU
+# cores; llama-350m is for a GPU.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": dict(
         model_type="llama", hidden_size=128, intermediate_size=512, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, vocab_size=8192, max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    ),
+    # A real Llama shape (~375M parameters, TinyLlama/OpenLLaMA-style widths) for GPU profiles.
+    "llama-350m": dict(
+        model_type="llama", hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
+        num_attention_heads=16, num_key_value_heads=16, vocab_size=32000, max_position_embeddings=8192,
         tie_word_embeddings=False,
     ),
     "tiny-gpt2": dict(

@@ -1,17 +1,30 @@
 """Per-document ("varlen") causal attention for packed rows, registered into transformers.
 
 Transformers isolates packed documents by building a dense block-diagonal mask, so attention
-still costs (sum s)^2 per row. Flash-attention's varlen kernels cost sum(s_i^2); this kernel
-gives CPU (or any device without flash-attn) the same cost structure by running causal SDPA
-once per document. It reads document boundaries from ``position_ids`` resets, the same signal
-HF's flash-attention path uses, so packed micro-batches need no mask at all.
+still costs (sum s)^2 per row. Flash-attention's varlen kernels cost sum(s_i^2); on CUDA (half
+precision) this kernel calls torch's flash varlen attention over all documents at once; elsewhere
+it gets the same cost structure by running causal SDPA once per document (on a GPU that loop is
+launch-bound: two kernels per document per layer). It reads document boundaries from
+``position_ids`` resets, the same signal HF's flash-attention path uses, so packed micro-batches
+need no mask at all.
 """
 from __future__ import annotations
+
+import inspect
+import weakref
 
 import torch
 import torch.nn.functional as F
 
 NAME = "dyn_varlen"
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch < 2.10
+    varlen_attn = None
+# Causal masking is window_size=(-1, 0) from torch 2.11 on, is_causal=True in 2.10.
+_CAUSAL = ({"window_size": (-1, 0)} if varlen_attn is not None and "window_size" in inspect.signature(varlen_attn).parameters
+           else {"is_causal": True})
 
 
 def document_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
@@ -21,6 +34,53 @@ def document_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
         starts = [0] + starts
     ends = starts[1:] + [int(position_ids.numel())]
     return list(zip(starts, ends))
+
+
+def cumulative_offsets(position_ids: torch.Tensor | None, batch: int, seq: int,
+                       device: torch.device | None = None) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens, longest document) of ``batch`` rows of ``seq`` tokens flattened into one:
+    a document starts at every position-id reset and at every row's start."""
+    starts = torch.zeros(batch, seq, dtype=torch.bool, device=device)
+    if position_ids is not None:
+        starts |= (position_ids == 0).expand(batch, seq).to(starts.device)
+    starts[:, 0] = True
+    offsets = torch.nonzero(starts.flatten()).flatten()
+    cu = torch.cat([offsets, offsets.new_tensor([batch * seq])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+class _OffsetsCache:
+    """Every layer of one forward (and its recompute) sees the same position_ids tensor: find its
+    documents once, since the longest document is a host read (one sync per forward, not per layer)."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.ids: weakref.ref | None = None
+        self.value: tuple[torch.Tensor, int] | None = None
+
+    def get(self, position_ids: torch.Tensor | None, batch: int, seq: int, device: torch.device):
+        key = (batch, seq, device)
+        if key == self.key and ((position_ids is None and self.ids is None) or
+                                (position_ids is not None and self.ids is not None and self.ids() is position_ids)):
+            return self.value
+        self.value = cumulative_offsets(position_ids, batch, seq, device)
+        self.key, self.ids = key, None if position_ids is None else weakref.ref(position_ids)
+        return self.value
+
+
+_offsets = _OffsetsCache()
+
+
+def _flash_varlen(query, key, value, position_ids, scaling) -> torch.Tensor:
+    """query/key/value [b, heads, s, d] -> [b, s, heads, d], one flash call for every document."""
+    b, h, s, d = query.shape
+    cu, longest = _offsets.get(position_ids, b, s, query.device)
+    if cu.numel() == b + 1:  # one document per row (padded rows, packing across documents): dense causal SDPA
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+        return out.transpose(1, 2).contiguous()
+    flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (query, key, value)]
+    out = varlen_attn(*flat, cu, cu, longest, longest, scale=scaling, **_CAUSAL)
+    return out.view(b, s, h, d)
 
 
 def varlen_attention(
@@ -42,6 +102,9 @@ def varlen_attention(
     position_ids = kwargs.get("position_ids")
     gqa = key.shape[1] != query.shape[1]
     drop = dropout if module.training else 0.0
+    if (varlen_attn is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+            and not gqa and drop == 0.0):  # what torch's flash varlen kernel takes
+        return _flash_varlen(query, key, value, position_ids, scaling), None
     rows = []
     for b in range(query.shape[0]):
         q, k, v = query[b : b + 1], key[b : b + 1], value[b : b + 1]

@@ -6,25 +6,24 @@ the embedding is also timed alone. profile.fit_tables separates layer and head c
 regressing over every depth and micro-batch at once.
 
 Timings are the minimum over repeats: on a shared CPU, interference only ever adds time.
-Memory is measured by :class:`~dyn_plugin.profiling.memory.LiveMemory` in a separate pass (it
-slows ops down).
+Memory is measured in a separate pass: on CPU by :class:`~dyn_plugin.profiling.memory.LiveMemory`
+(it slows ops down), on CUDA from the allocator's statistics (device.py).
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import logging
-import platform
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..cost.model import LAYOUTS, RECOMPUTES, Layout, Recompute, features, round_up
-from ..cost.profile import SCHEMA, VERSION, DeviceInfo, ModelInfo, Profile, Sample, UpdateSamples, fit_tables
+from ..cost.model import LAYOUTS, RECOMPUTES, Layout, Precision, Recompute, features, round_up
+from ..cost.profile import SCHEMA, VERSION, ModelInfo, Profile, Sample, UpdateSamples, fit_tables
 from ..models.recompute import RecomputeSwitch, decoder_layers
 from .allocator import stable_cpu_allocator
 from .collective import measure_allreduce
+from .device import Target, measures
 from .optimizer import measure_optimizer
 from .shadow import ShadowLoad
 
@@ -83,44 +82,33 @@ def make_inputs(seq_lens: list[int], layout: Layout, vocab: int, pad_multiple: i
     return ids, pos, labels
 
 
-def _step(model, ids, pos, labels) -> tuple[float, float]:
-    t0 = time.perf_counter()
-    loss = model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
-    t1 = time.perf_counter()
+def _forward(model, ids, pos, labels):
+    return lambda: model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
+
+
+def _backward(loss) -> None:
     loss.backward()
-    t2 = time.perf_counter()
-    return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+
+def _step(model, ids, pos, labels) -> tuple[float, float]:
+    """(forward, backward) ms, timed as the inputs' device needs (device.py)."""
+    clock, _ = measures(ids.device.type)
+    return clock(_forward(model, ids, pos, labels), _backward)
 
 
 def _memory(model, ids, pos, labels) -> tuple[float, float]:
     """(stored, peak above the start) bytes of one forward+backward."""
-    from .memory import LiveMemory
-
-    with LiveMemory() as mem:
-        base = mem.live
-        loss = model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
-        stored = mem.live - base
-        mem.reset_peak()
-        loss.backward()
-        peak = mem.peak - base
-        del loss
-    return float(stored), float(max(peak, stored))
+    _, probe = measures(ids.device.type)
+    return probe(_forward(model, ids, pos, labels), _backward)
 
 
 def _embedding_times(model, ids, repeats: int) -> tuple[float, float]:
     import torch
 
+    clock, _ = measures(ids.device.type)
     emb = model.get_input_embeddings()
-    fwd, bwd = [], []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        out = emb(ids)
-        t1 = time.perf_counter()
-        out.backward(torch.ones_like(out))
-        t2 = time.perf_counter()
-        fwd.append((t1 - t0) * 1e3)
-        bwd.append((t2 - t1) * 1e3)
-    return min(fwd[1:]), min(bwd[1:])
+    times = [clock(lambda: emb(ids), lambda out: out.backward(torch.ones_like(out))) for _ in range(repeats + 1)]
+    return min(f for f, _ in times[1:]), min(b for _, b in times[1:])
 
 
 @dataclass
@@ -158,8 +146,11 @@ def time_round_robin(jobs: list[Job], *, warmup: int, repeats: int, seed: int = 
 
 def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = ProfileGrid(),
                 validate: int = 16, threads: int | None = None, fixed_allocator: bool = True,
-                progress: bool = True, ranks: int = 1) -> Profile:
-    """Profile the model described by a HF config dict on the current device (CPU, fp32).
+                progress: bool = True, ranks: int = 1, target: Target | None = None) -> Profile:
+    """Profile the model described by a HF config dict on ``target`` (default: CPU, fp32).
+
+    On CUDA the models and inputs live on the GPU in the target's dtype; a half-precision
+    target's optimizer step is timed over fp32 master weights, as mixed-precision training keeps.
 
     ``validate`` > 0 also times that many held-out micro-batches (random lengths, padded and
     packed, through the full-depth model with the first recompute mode) in the same rounds as
@@ -167,16 +158,20 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
     how far the fit's predictions are from them. ``fixed_allocator`` pins glibc's malloc
     thresholds (see allocator.py); turn it off only to see what it buys.
 
-    ``ranks`` > 1 measures as one of that many training ranks on this host: ranks-1 processes
-    train the same model beside it while it times (shadow.py), and the gradient all-reduce is
-    measured among ``ranks`` processes; the optimizer step is measured in every case (update.py).
+    ``ranks`` > 1 measures as one of that many training ranks on this host: on CPU, ranks-1
+    processes train the same model beside it while it times (shadow.py); the gradient all-reduce
+    is measured among ``ranks`` processes (on CUDA, one per GPU: with fewer GPUs than ranks it is
+    left unmeasured and priced from the cluster's link); the optimizer step is measured in every
+    case (update.py).
     """
     import torch
     from tqdm import tqdm
 
     from ..models.hf import build_causal_lm
 
-    if fixed_allocator:
+    target = target or Target(torch.device("cpu"), "fp32")
+    cuda = target.device.type == "cuda"
+    if fixed_allocator and not cuda:  # glibc's malloc holds no GPU tensor
         stable_cpu_allocator()
     if threads:
         torch.set_num_threads(threads)
@@ -187,7 +182,7 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
     for depth in (l1, l2):
         for rc in grid.recomputes:
             torch.manual_seed(grid.seed)
-            models[(depth, rc)] = build_causal_lm(model_cfg, num_layers=depth).train()
+            models[(depth, rc)] = _on(build_causal_lm(model_cfg, num_layers=depth).train(), target)
             RecomputeSwitch(models[(depth, rc)]).set(rc)
     ref = models[(l1, grid.recomputes[0])]
     vocab = ref.config.vocab_size
@@ -196,7 +191,7 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
     for layout in grid.layouts:
         for s, n in grid.points():
             lens = micro_batch_lengths(layout, s, n, rng)
-            inputs = make_inputs(lens, layout, vocab, pad, rng)
+            inputs = _inputs_on(make_inputs(lens, layout, vocab, pad, rng), target)
             embedding[(layout, tuple(lens))] = _embedding_times(ref, inputs[0], grid.repeats)
             for rc in grid.recomputes:
                 for depth in (l1, l2):
@@ -205,24 +200,34 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
     held_out = _held_out_cases(keys, validate, grid, rng, pad) if validate else []
     if held_out:
         torch.manual_seed(grid.seed)
-        full = build_causal_lm(model_cfg).train()
+        full = _on(build_causal_lm(model_cfg).train(), target)
         RecomputeSwitch(full).set(grid.recomputes[0])
-        held_jobs = [Job(full, make_inputs(c["seq_lens"], c["layout"], vocab, pad, rng)) for c in held_out]
+        held_jobs = [Job(full, _inputs_on(make_inputs(c["seq_lens"], c["layout"], vocab, pad, rng), target))
+                     for c in held_out]
     else:
         held_jobs = []
     bar = tqdm(total=grid.repeats, desc=f"profiling {len(jobs) + len(held_jobs)} micro-batches", unit="round",
                disable=not progress)
-    load = ShadowLoad(model_cfg, grid, count=ranks - 1, threads=threads) if ranks > 1 else contextlib.nullcontext()
+    # GPU ranks do not share their device, so only CPU ranks are measured beside a load.
+    load = ShadowLoad(model_cfg, grid, count=ranks - 1, threads=threads) if ranks > 1 and not cuda \
+        else contextlib.nullcontext()
     with load:
         times = time_round_robin(jobs + held_jobs, warmup=grid.warmup, repeats=grid.repeats, seed=grid.seed, bar=bar)
         bar.close()
         optimizer = measure_optimizer([models[(l1, grid.recomputes[0])], models[(l2, grid.recomputes[0])]],
-                                      grid.repeats)
+                                      grid.repeats, target=target)
     params = _param_counts(ref, l1)
-    # the full-depth model's fp32 gradients, whether or not a full-depth model was built
-    grad_bytes = 4 * (params["embedding"] + params["head"] + params["layer"] * _full_depth(model_cfg))
-    allreduce = measure_allreduce(ranks, [1 << 20, 4 << 20, int(grad_bytes)], repeats=grid.repeats,
-                                  threads=threads) if ranks > 1 else []
+    # the full-depth model's gradients, whether or not a full-depth model was built
+    grad_bytes = Precision.of(target.dtype).grad * (params["embedding"] + params["head"]
+                                                    + params["layer"] * _full_depth(model_cfg))
+    backend = "nccl" if cuda else "gloo"
+    allreduce = []
+    if ranks > 1 and cuda and torch.cuda.device_count() < ranks:
+        logger.warning("all-reduce not measured: it needs %d GPUs on this host (one per rank), %d found; the cost "
+                       "model prices it from the cluster's link bandwidth", ranks, torch.cuda.device_count())
+    elif ranks > 1:
+        allreduce = measure_allreduce(ranks, [1 << 20, 4 << 20, int(grad_bytes)], repeats=grid.repeats,
+                                      threads=threads, backend=backend)
     samples: list[Sample] = []
     for (layout, lens, rc, depth), job, (fwd, bwd) in zip(keys, jobs, times):
         stored, peak = _memory(job.model, *job.inputs)
@@ -237,19 +242,26 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
         version=VERSION,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         model=ModelInfo(name=name, num_layers=_full_depth(model_cfg), hidden_size=ref.config.hidden_size,
-                        params=params, dtype="fp32", config=model_cfg),
-        device=DeviceInfo(type="cpu", name=platform.processor() or platform.machine(),
-                          threads=torch.get_num_threads(), torch=torch.__version__),
+                        params=params, dtype=target.dtype, config=model_cfg),
+        device=target.info(),
         pad_multiple=pad,
         grid={k: list(v) if isinstance(v, tuple) else v for k, v in asdict(grid).items()},
         samples=samples,
         tables=fit_tables(samples, pad),
         ranks=ranks,
-        update=UpdateSamples(optimizer=optimizer, allreduce=allreduce),
+        update=UpdateSamples(backend=backend, optimizer=optimizer, allreduce=allreduce),
     )
     if held_out:
         profile = profile.model_copy(update={"validation": _score(profile, held_out, times[len(jobs):], grid.recomputes[0])})
     return profile
+
+
+def _on(model, target: Target):
+    return model.to(device=target.device, dtype=target.torch_dtype)
+
+
+def _inputs_on(inputs: tuple, target: Target) -> tuple:
+    return tuple(None if t is None else t.to(target.device) for t in inputs)
 
 
 def _held_out_cases(keys: list, count: int, grid: ProfileGrid, rng: np.random.Generator, pad: int) -> list[dict]:
