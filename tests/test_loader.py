@@ -316,7 +316,7 @@ def test_a_crashed_planner_is_reported_with_its_stderr():
         deadline = time.monotonic() + 30
         while not reports and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert reports and pool.failed() == reports[0]
+        assert len(reports) == 1  # one failure, reported once
         assert "planner process 0" in reports[0] and "exited with code 1" in reports[0]
         assert "KeyError: 'config'" in reports[0]  # the traceback's last line, from its stderr
     finally:

@@ -4,8 +4,6 @@
 
 that all-reduce fp32 buffers of a few sizes over gloo (CPU ranks) or NCCL (one GPU per rank);
 rank 0 prints (bytes, ms) as JSON.
-A module of its own, so that running it does not import it twice (the cost package imports
-update.py).
 """
 from __future__ import annotations
 

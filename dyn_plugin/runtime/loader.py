@@ -110,12 +110,14 @@ class DynLoader:
         self.context = PlanningContext(config, cost_model, self.lengths, dp_size, pp_size, zero_stage or 0, tp, seed)
         self.epoch, self.step = 0, 0
         self.plan_wait_s: list[float] = []  # per step, how long this rank waited for its plan
-        self._state_fingerprint = self._fingerprint()
+        # hashed once (8 MB at 1M samples), for the resume check and the plan check alike
+        lengths_hash = hashlib.sha256(self.lengths.tobytes())
+        self._state_fingerprint = self._fingerprint(lengths_hash.copy())
         self.device = torch.device(device) if device is not None else _default_device()
         self._checks: collections.deque = collections.deque()  # plan checks in flight, oldest first
         self._checked_first = False
-        self._local_fingerprints = _fingerprints(self.lengths, cost_model, config, (seed, dp_size, pp_size,
-                                                                                      zero_stage or 0, tp))
+        sizes = (seed, dp_size, pp_size, zero_stage or 0, tp)
+        self._local_fingerprints = _fingerprints(lengths_hash.digest(), cost_model, config, sizes)
         self._store = self._pool = None
         if config.store.backend != "none":
             self._open_store()
@@ -308,9 +310,8 @@ class DynLoader:
                              "resume with the same dataset and dyn_plugin config")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
 
-    def _fingerprint(self) -> str:
-        # hashed once (8 MB at 1M samples): state_dict() is called at every checkpoint
-        h = hashlib.sha256(self.lengths.tobytes())
+    def _fingerprint(self, h: "hashlib._Hash") -> str:
+        """``h``: the lengths' sha256, extended here; computed once (state_dict() runs at every checkpoint)."""
         h.update(repr((self.seed, self.config.microbatching.global_tokens, self.dp_size, self.pp_size)).encode())
         return h.hexdigest()[:16]
 
@@ -343,10 +344,10 @@ def _as_int63(hex_digest: str) -> int:
     return int(hex_digest[:16], 16) >> 1  # a non-negative int64
 
 
-def _fingerprints(lengths: np.ndarray, cost: TableCostModel, config: DynPluginConfig, sizes: tuple) -> list[int]:
+def _fingerprints(lengths_hash: bytes, cost: TableCostModel, config: DynPluginConfig, sizes: tuple) -> list[int]:
     """Fingerprints of what a plan depends on, in CHECKED order after the digest. The store and
     loader sections are left out: they change where plans travel, not what they are."""
-    parts = [lengths.tobytes(), json.dumps(cost.to_dict(), sort_keys=True).encode(),
+    parts = [lengths_hash, json.dumps(cost.to_dict(), sort_keys=True).encode(),
              (config.model_dump_json(exclude={"store", "loader"}) + repr(sizes)).encode()]
     return [_as_int63(hashlib.sha256(p).hexdigest()) for p in parts]
 

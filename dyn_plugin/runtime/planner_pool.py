@@ -68,15 +68,10 @@ class PlannerPool:
                 self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=err))
         logger.info("started %d planner processes (pids %s)", num_planners, [p.pid for p in self.procs])
         self._closing = threading.Event()
-        self.failure: list[str] = []  # the watcher's finding, if any
         # the thread holds no reference to the pool, so the pool can still be garbage-collected
-        threading.Thread(target=_watch, args=(list(self.procs), list(self._stderr), self._closing, self.failure,
-                                              on_failure), name="dynplugin-planner-watch", daemon=True).start()
+        threading.Thread(target=_watch, args=(list(self.procs), list(self._stderr), self._closing, on_failure),
+                         name="dynplugin-planner-watch", daemon=True).start()
         self._finalizer = weakref.finalize(self, _shutdown, list(self.procs), self._dir, self._closing)
-
-    def failed(self) -> str | None:
-        """Why a planner exited, or None while all run."""
-        return self.failure[0] if self.failure else None
 
     def stopping(self) -> None:
         """From now on planners exiting is expected (the loader is about to stop them)."""
@@ -99,16 +94,16 @@ def describe_exit(k: int, proc: subprocess.Popen, stderr_path: str) -> str:
     return f"planner process {k} (pid {proc.pid}) {how} while training still needed plans{last}"
 
 
-def _watch(procs: list[subprocess.Popen], stderr: list[str], closing: threading.Event, failure: list[str],
+def _watch(procs: list[subprocess.Popen], stderr: list[str], closing: threading.Event,
            on_failure: Callable[[str], None] | None) -> None:
     while not closing.wait(_WATCH_S):
         for k, p in enumerate(procs):
             if p.poll() is not None and not closing.is_set():
-                failure.append(describe_exit(k, p, stderr[k]))
-                logger.error("%s", failure[0])
+                why = describe_exit(k, p, stderr[k])
+                logger.error("%s", why)
                 if on_failure is not None:
                     try:
-                        on_failure(failure[0])
+                        on_failure(why)
                     except Exception:  # the store may be gone too; the host still raises it itself
                         logger.exception("could not publish the planner failure to the other ranks")
                 return
