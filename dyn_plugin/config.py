@@ -144,6 +144,27 @@ class PipelineConfig(_Section):
         return self
 
 
+class SequenceParallelConfig(_Section):
+    """DCP: a sequence-parallel size per micro-batch, and pyramid checkpointing."""
+
+    enabled: bool = Field(default=False, description="split long sequences over groups of data-parallel ranks")
+    sizes: list[int] = Field(default=[1, 2, 4, 8], description="group sizes the planner may use: powers of two")
+    attention: Literal["ulysses", "ring", "auto"] = Field(
+        default="auto", description="'ulysses' shards heads (the group size must divide the query and key/value heads), "
+        "'ring' passes key/value blocks around; 'auto': Ulysses where the heads divide, else ring")
+    pyramid: bool = Field(default=True, description="checkpoint only as many layers per stage as memory needs (per micro-batch)")
+    balance: Literal["auto", "intra", "inter"] = Field(
+        default="auto", description="'intra': every group runs the same number of micro-batches; 'inter': groups run "
+        "different numbers (variable accumulation); 'auto': inter unless ZeRO-2/3 needs equal counts")
+
+    @model_validator(mode="after")
+    def _powers_of_two(self) -> "SequenceParallelConfig":
+        bad = [k for k in self.sizes if k < 1 or k & (k - 1)]
+        if bad or not self.sizes:
+            raise ValueError(f"sizes = {self.sizes}: every size must be a power of two (1, 2, 4, ...), e.g. [1, 2, 4, 8]")
+        return self
+
+
 class LoaderConfig(_Section):
     planners: int = Field(default=1, ge=1, description="background planner processes (with a store)")
     prefetch: int = Field(default=4, ge=1, description="global batches planned ahead of training (with a store)")
@@ -237,6 +258,7 @@ class DynPluginConfig(_Section):
     cost_model: CostModelConfig = CostModelConfig()
     microbatching: MicrobatchingConfig = MicrobatchingConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    sequence_parallel: SequenceParallelConfig = SequenceParallelConfig()
     cluster: ClusterConfig = ClusterConfig()
     store: StoreConfig = StoreConfig()
     loader: LoaderConfig = LoaderConfig()

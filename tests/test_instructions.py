@@ -75,7 +75,8 @@ def test_two_stage_plans_spell_out_every_step():
     assert (first.rank, first.replica, first.stage, first.num_stages, first.num_buffers) == (5, 1, 0, 2, 2)
     assert (last.rank, last.num_buffers) == (9, 1)
     assert first.micro_batches[1] == {
-        "sample_ids": (0,), "seq_lens": (3,), "layout": "packed", "recompute": "selective", "shape": (1, 3)
+        "sample_ids": (0,), "seq_lens": (3,), "layout": "packed", "recompute": "selective", "shape": (1, 3),
+        "checkpointed": (), "sp": 1, "group": 1,
     }
     check_plans([first, last], rendezvous=True)
 
@@ -104,7 +105,7 @@ def test_instructions_are_frozen_and_typed():
 def test_json_is_plain_and_versioned():
     plan = two_stage_plans()[1]
     doc = json.loads(plan_to_json(plan))
-    assert (doc["schema"], doc["version"]) == ("dyn_plugin.execution_plan", 2)
+    assert (doc["schema"], doc["version"]) == ("dyn_plugin.execution_plan", 3)
     assert doc["instructions"][0] == {"op": "RecvActivation", "stage": 1, "mb": 0, "buffer": 0, "shapes": [[2, 6, HIDDEN]],
                                       "peer": 5, "batch_next": False}
     assert doc["instructions"][4]["batch_next"] is True
@@ -114,8 +115,8 @@ def test_json_is_plain_and_versioned():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"version": 1}, "expected schema 'dyn_plugin.execution_plan' version 2"),
-        ({"schema": "other"}, "version 2"),
+        ({"version": 2}, "expected schema 'dyn_plugin.execution_plan' version 3"),
+        ({"schema": "other"}, "version 3"),
     ],
 )
 def test_json_rejects_other_versions(change, message):

@@ -35,31 +35,40 @@ class Features:
     max_len: int
 
 
-def tensor_shape(seq_lens: Sequence[int], layout: Layout, pad_multiple: int = 8) -> tuple[int, int]:
+def tensor_shape(seq_lens: Sequence[int], layout: Layout, pad_multiple: int = 8, sp: int = 1) -> tuple[int, int]:
     """(rows, row length) of a micro-batch's token tensors: the one definition the planner prices
     and writes into plans, the collate builds and pipeline engines size their receive buffers by.
 
     padded: one row per sequence, each right-padded to the longest rounded up to ``pad_multiple``;
     packed: one row of exactly the real tokens, no fill (per-document attention needs none).
+    With sequence parallelism over ``sp`` ranks the row length is rounded up to a multiple of
+    ``sp`` (packed rows by a padding document) and each rank holds ``row length / sp`` of it.
     """
     if len(seq_lens) == 0:
         raise ValueError("a micro-batch needs at least one sequence")
     if min(seq_lens) <= 0:
         raise ValueError(f"sequence lengths must be positive, got {min(seq_lens)}")
+    if sp < 1 or sp & (sp - 1):
+        raise ValueError(f"a sequence-parallel size must be a power of two, got {sp}")
     if layout == "padded":
-        return len(seq_lens), round_up(max(seq_lens), pad_multiple)
+        return len(seq_lens), round_up(round_up(max(seq_lens), pad_multiple), sp)
     if layout == "packed":
-        return 1, int(sum(seq_lens))
+        return 1, round_up(int(sum(seq_lens)), sp)
     raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
 
 
-def features(seq_lens: Sequence[int], layout: Layout, pad_multiple: int = 8) -> Features:
-    """Token slots and attention pairs of one micro-batch in the given layout: the slots are
-    exactly those of its tensors (:func:`tensor_shape`)."""
-    rows, width = tensor_shape(seq_lens, layout, pad_multiple)
+def features(seq_lens: Sequence[int], layout: Layout, pad_multiple: int = 8, sp: int = 1) -> Features:
+    """Token slots and attention pairs of one micro-batch in the given layout, per rank of its
+    sequence-parallel group: the slots are exactly those of its tensors (:func:`tensor_shape`)
+    over ``sp``, and each rank computes 1/sp of the attention (Ulysses: all positions of 1/sp of
+    the heads; ring: its queries against every key). ``max_len`` stays the longest sequence,
+    which the attention kernel still spans."""
+    rows, width = tensor_shape(seq_lens, layout, pad_multiple, sp)
     if layout == "padded":
-        return Features(slots=float(rows * width), attn=float(rows * width * width), max_len=width)
-    return Features(slots=float(width), attn=float(sum(x * x for x in seq_lens)), max_len=max(seq_lens))
+        return Features(slots=float(rows * width) / sp, attn=float(rows * width * width) / sp, max_len=width)
+    fill = width - sum(seq_lens)  # the padding document, a causal block of its own
+    return Features(slots=float(width) / sp, attn=float(sum(x * x for x in seq_lens) + fill * fill) / sp,
+                    max_len=max(seq_lens))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import numpy as np
 from .model import (COMPONENTS, METRICS, Features, Layout, MicroBatchCost, ModelStateBytes, OutOfProfileRange,
                     Precision, Recompute, StageSpec, features, zero_sharded_states)
 from .native import core
+from .sequence_parallel import SequenceParallelCost
 from .update import UpdateCost
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,10 @@ class TableCostModel:
     allow_extrapolation: bool = False
     hidden_size: int | None = None  # sizes the activations sent between pipeline stages
     update: UpdateCost = field(default_factory=UpdateCost)  # gradient all-reduce + optimizer step
+    # attention heads decide Ulysses or ring and size the sequence-parallel collectives
+    num_heads: int | None = None
+    num_kv_heads: int | None = None  # None: as many as query heads
+    collectives: SequenceParallelCost = field(default_factory=SequenceParallelCost)
     _native: dict = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict:
@@ -143,7 +148,8 @@ class TableCostModel:
         return {
             "name": self.name, "num_layers": self.num_layers, "params": self.params, "dtype": self.dtype,
             "pad_multiple": self.pad_multiple, "allow_extrapolation": self.allow_extrapolation,
-            "hidden_size": self.hidden_size, "update": self.update.to_dict(),
+            "hidden_size": self.hidden_size, "update": self.update.to_dict(), "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads, "collectives": self.collectives.to_dict(),
             "tables": [
                 {"layout": t.layout, "recompute": t.recompute, "tp": t.tp, "max_tokens": t.max_tokens,
                  "max_len": t.max_len,
@@ -161,7 +167,9 @@ class TableCostModel:
                 t["layout"], t["recompute"], t["tp"], fits, t["max_tokens"], t["max_len"])
         return cls(name=d["name"], num_layers=d["num_layers"], tables=tables, params=d["params"], dtype=d["dtype"],
                    pad_multiple=d["pad_multiple"], allow_extrapolation=d["allow_extrapolation"],
-                   hidden_size=d["hidden_size"], update=UpdateCost.from_dict(d.get("update")))
+                   hidden_size=d["hidden_size"], update=UpdateCost.from_dict(d.get("update")),
+                   num_heads=d.get("num_heads"), num_kv_heads=d.get("num_kv_heads"),
+                   collectives=SequenceParallelCost.from_dict(d.get("collectives")))
 
     def with_pad_multiple(self, pad_multiple: int) -> "TableCostModel":
         """The same model pricing padded micro-batches rounded up to ``pad_multiple``: the
@@ -190,8 +198,10 @@ class TableCostModel:
         key = (layout, recompute, tp)
         if key not in self._native:
             t = self.table(layout, recompute, tp)
+            # with extrapolation allowed every query is in range (the Python side flags it)
+            unbounded = float("inf") if self.allow_extrapolation else None
             self._native[key] = core.CostTable(
-                t.coef_array(), layout == "packed", self.pad_multiple, t.max_tokens, t.max_len
+                t.coef_array(), layout == "packed", self.pad_multiple, unbounded or t.max_tokens, unbounded or t.max_len
             )
         return self._native[key]
 
@@ -239,6 +249,13 @@ class TableCostModel:
 
         return max(one(s) for s in stages)
 
+    @property
+    def kv_hidden_size(self) -> int | None:
+        """Width of the keys (and of the values): hidden size scaled by key/value over query heads."""
+        if self.hidden_size is None or not self.num_heads or not self.num_kv_heads:
+            return self.hidden_size
+        return self.hidden_size * self.num_kv_heads // self.num_heads
+
 
 def evaluate_stage(t: CostTable, f: Features, stage: StageSpec, extrapolated: bool = False) -> MicroBatchCost:
     """Sum the components a stage holds; peak = all stored bytes + the worst transient.
@@ -257,3 +274,23 @@ def evaluate_stage(t: CostTable, f: Features, stage: StageSpec, extrapolated: bo
         stored += k * s
         transient = max(transient, fit["peak_bytes"](f) - s)
     return MicroBatchCost(fwd, bwd, stored, stored + max(transient, 0.0), extrapolated)
+
+
+def evaluate_checkpointed(t: CostTable, plain: CostTable, f: Features, stage: StageSpec, checkpointed: int,
+                          extrapolated: bool = False) -> MicroBatchCost:
+    """A stage where ``checkpointed`` of its layers run under ``t``'s recompute mode and the rest
+    under ``plain`` (no recompute): pyramid checkpointing. Per-layer costs add, so the stage costs
+    the two parts' sum; its peak holds both parts' stored bytes and the larger transient. The
+    embedding and head stay priced with ``t``, as whole-stage modes price them."""
+    if not 0 <= checkpointed <= stage.num_layers:
+        raise ValueError(f"checkpointed layers must be within 0..{stage.num_layers}, got {checkpointed}")
+    if checkpointed == stage.num_layers:
+        return evaluate_stage(t, f, stage, extrapolated)
+    rest = evaluate_stage(plain, f, StageSpec(stage.num_layers - checkpointed, first=False, last=False))
+    if checkpointed == 0 and not (stage.first or stage.last):
+        return replace(rest, extrapolated=extrapolated)
+    part = evaluate_stage(t, f, StageSpec(checkpointed, stage.first, stage.last))
+    stored = part.stored_bytes + rest.stored_bytes
+    transient = max(part.peak_bytes - part.stored_bytes, rest.peak_bytes - rest.stored_bytes)
+    return MicroBatchCost(part.forward_ms + rest.forward_ms, part.backward_ms + rest.backward_ms, stored,
+                          stored + transient, extrapolated)

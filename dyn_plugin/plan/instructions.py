@@ -23,7 +23,7 @@ from typing import Sequence
 from .types import MicroBatch, Op, Schedule
 
 SCHEMA = "dyn_plugin.execution_plan"
-VERSION = 2  # 2: batch_next (version 1 plans relied on buffered sends)
+VERSION = 3  # 2: batch_next (version 1 plans relied on buffered sends); 3: sp, group, checkpointed
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,10 @@ class ExecutionPlan:
     """Everything one rank runs for one global batch.
 
     ``micro_batches[i]`` describes local micro-batch ``i`` (``sample_ids``, ``seq_lens``,
-    ``layout``, ``recompute``, ``shape``) so the loader builds exactly the tensors the plan expects.
+    ``layout``, ``recompute``, ``shape``) so the loader builds exactly the tensors the plan expects;
+    ``checkpointed`` (per stage, layers under ``recompute``; empty = all), ``sp`` and ``group``
+    (the size and first data-parallel column of the sequence-parallel group that runs it: this
+    rank holds shard ``replica - group`` of every row, ``shape[1] / sp`` wide).
     """
 
     rank: int
@@ -109,15 +112,20 @@ def build_execution_plans(
     replica: int,
     stage_ranks: Sequence[int],
     hidden_size: int,
+    group: int | None = None,
 ) -> list[ExecutionPlan]:
-    """One plan per stage of ``replica``, in stage order; ``stage_ranks[s]`` is stage s's global rank."""
+    """One plan per stage of ``replica`` (a data-parallel column), in stage order; ``stage_ranks[s]``
+    is stage s's global rank. ``group``: the first column of the sequence-parallel group the
+    column belongs to (default: the column itself); each micro-batch's ``sp`` says how wide it is."""
+    group = replica if group is None else group
     num_stages = len(schedule.stages)
     if len(stage_ranks) != num_stages:
         raise ValueError(f"stage_ranks needs {num_stages} entries (one per stage), got {len(stage_ranks)}")
     described = tuple(
         {
             "sample_ids": tuple(mb.sample_ids), "seq_lens": tuple(mb.seq_lens), "layout": mb.layout,
-            "recompute": mb.recompute, "shape": tuple(mb.shape),
+            "recompute": mb.recompute, "shape": tuple(mb.shape), "checkpointed": tuple(mb.checkpointed),
+            "sp": mb.sp, "group": group,
         }
         for mb in micro_batches
     )
@@ -144,7 +152,7 @@ def _stage_plan(
     out: list[Instruction] = []
     for op in ops:
         mb = op.mb
-        rows, row_len = micro_batches[mb].shape
+        rows, row_len = micro_batches[mb].local_shape  # this rank's share of the rows
         hidden = ((rows, row_len, hidden_size),)
         if op.kind == "F":
             buf = min(set(range(len(slots) + 1)) - set(slots.values()))
@@ -205,7 +213,8 @@ def plan_from_json(text: str) -> ExecutionPlan:
         except TypeError as e:
             raise ValueError(f"malformed {op} instruction {entry}: {e}") from None
     micro_batches = tuple(
-        {**mb, "sample_ids": tuple(mb["sample_ids"]), "seq_lens": tuple(mb["seq_lens"]), "shape": tuple(mb["shape"])}
+        {**mb, "sample_ids": tuple(mb["sample_ids"]), "seq_lens": tuple(mb["seq_lens"]), "shape": tuple(mb["shape"]),
+         "checkpointed": tuple(mb["checkpointed"])}
         for mb in doc["micro_batches"]
     )
     plan_fields = {f.name for f in fields(ExecutionPlan)} - {"instructions", "micro_batches"}

@@ -85,7 +85,7 @@ def run_costs(
                 f = Features(float((j - i) * width), float((j - i) * width * width), width)
             best, best_mode = np.inf, -1
             for mi, table in enumerate(tables):
-                if not table.covers(f.slots, f.max_len):
+                if not (cost.allow_extrapolation or table.covers(f.slots, f.max_len)):
                     continue
                 t, fits = 0.0, True
                 for spec, mem in zip(stages, memory):

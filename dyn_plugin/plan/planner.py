@@ -14,7 +14,8 @@ import numpy as np
 
 from ..config import DynPluginConfig
 from ..cost.model import LAYOUTS, RECOMPUTES, Layout, Recompute, StageSpec, features, split_layers, tensor_shape
-from ..cost.table import TableCostModel, evaluate_stage
+from ..cost.sequence_parallel import LayerComm, attention_kind, group_sizes
+from ..cost.table import TableCostModel, evaluate_checkpointed, evaluate_stage
 from ..lengths.packing import pack_rows
 from .assign import assign_to_replicas, split_for_replicas
 from .instructions import ExecutionPlan, build_execution_plans
@@ -44,10 +45,34 @@ class PlannerSpec:
     row_len: int | None = None  # fixed-length packing rows (the max sequence length) tried as a candidate
     schedule: str = "auto"  # pipeline.schedule: auto | adaptive | 1f1b
     update_ms: float = 0.0  # gradient all-reduce + optimizer step after the last micro-batch
+    sp_sizes: tuple[int, ...] = (1,)  # sequence-parallel group sizes allowed (1 = DynaPipe alone)
+    sp_attention: str = "auto"  # ulysses | ring | auto
+    pyramid: bool = False  # checkpoint per micro-batch only as many layers as memory needs
+    equal_counts: bool = False  # every rank runs the same number of micro-batches (ZeRO-2/3, or balance = intra)
+    sp_link: tuple[LinkSpec, LinkSpec] = (LinkSpec(100.0), LinkSpec(12.5))  # inside a node, across nodes
+    devices_per_node: int = 1
 
     @property
     def pp(self) -> int:
         return len(self.stages)
+
+    def layer_comm(self, sp: int, recompute: Recompute) -> LayerComm:
+        """Per layer, the attention collectives of a micro-batch split over ``sp`` ranks."""
+        if sp <= 1:
+            return LayerComm()
+        key = (sp, recompute)
+        if key not in self._comm:
+            # a group's ranks are neighbouring columns of one stage: consecutive global ranks
+            link = self.sp_link[0] if sp * self.tp <= self.devices_per_node else self.sp_link[1]
+            kind = attention_kind(sp, self.sp_attention, self.cost.num_heads, self.cost.num_kv_heads)
+            self._comm[key] = self.cost.collectives.layer(
+                sp, kind, recompute, hidden=self.hidden_size // self.tp,
+                kv_hidden=(self.cost.kv_hidden_size or self.hidden_size) // self.tp,
+                act_bytes=ACT_BYTES.get(self.cost.dtype, 2), link_gb_per_s=link.gb_per_s, latency_us=link.latency_us)
+        return self._comm[key]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_comm", {})
 
 
 def planner_spec(
@@ -93,8 +118,15 @@ def planner_spec(
     dp_same_node = dp * len(stages) * tp <= cluster.devices_per_node
     update = cost.update_ms(stages, zero_stage=zero_stage, dp=dp, tp=tp,
                             link_gb_per_s=cluster.intra_node_gb_per_s if dp_same_node else cluster.inter_node_gb_per_s)
+    sp = config.sequence_parallel
+    sizes = group_sizes(dp, sp.sizes) if sp.enabled else (1,)
+    for k in sizes:
+        attention_kind(k, sp.attention, cost.num_heads, cost.num_kv_heads)  # a size Ulysses cannot split: say so now
+    equal = zero_stage >= 2 or (sp.enabled and sp.balance == "intra")
+    sp_link = (LinkSpec(cluster.intra_node_gb_per_s, cluster.latency_us), LinkSpec(cluster.inter_node_gb_per_s, cluster.latency_us))
     return PlannerSpec(cost, stages, tuple(memory), dp, link, hidden, layouts, recomputes, tp, seed, mb.max_seq_len,
-                       pipe.schedule, update)
+                       pipe.schedule, update, sizes, sp.attention, sp.pyramid and "none" in recomputes, equal, sp_link,
+                       cluster.devices_per_node)
 
 
 def balanced_split(cost: TableCostModel, num_stages: int, *, tokens: int = 4096, tp: int = 1) -> tuple[StageSpec, ...]:
@@ -127,14 +159,25 @@ def balanced_split(cost: TableCostModel, num_stages: int, *, tokens: int = 4096,
 
 @dataclass(frozen=True)
 class ReplicaPlan:
+    """One pipeline replica: ``size`` neighbouring data-parallel columns from column ``first``
+    (a sequence-parallel group; DynaPipe's replicas are one column wide) running its ordered
+    micro-batches through every stage, each row split over the group's ranks."""
+
     micro_batches: tuple[MicroBatch, ...]
     schedule: Schedule
     sim: SimResult
+    first: int = 0
+    size: int = 1
+
+    @property
+    def columns(self) -> range:
+        return range(self.first, self.first + self.size)
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One optimizer step of the whole cluster: a pipeline plan per data-parallel replica."""
+    """One optimizer step of the whole cluster: a pipeline plan per replica; the replicas' columns
+    tile the data-parallel columns in order (aligned power-of-two groups)."""
 
     method: str
     layout: Layout
@@ -148,6 +191,19 @@ class StepPlan:
     @property
     def micro_batches(self) -> list[MicroBatch]:
         return [mb for r in self.replicas for mb in r.micro_batches]
+
+    @property
+    def columns(self) -> int:
+        return sum(r.size for r in self.replicas)
+
+    @property
+    def group_sizes(self) -> tuple[int, ...]:
+        return tuple(r.size for r in self.replicas)
+
+    @property
+    def extrapolated(self) -> int:
+        """Micro-batches priced beyond what the cost model measured."""
+        return sum(mb.extrapolated for mb in self.micro_batches)
 
     @property
     def padding_fraction(self) -> float:
@@ -165,36 +221,61 @@ class StepPlan:
 
 
 def execution_plans(plan: StepPlan, hidden_size: int) -> dict[tuple[int, int], ExecutionPlan]:
-    """Every rank's execution plan of a step, keyed (replica, stage).
+    """Every rank's execution plan of a step, keyed (data-parallel column, stage).
 
-    Global rank = stage * dp + replica: stage-major, as DeepSpeed's PipeDataParallelTopology and
-    Megatron's default rank order lay ranks out, so peers name the host's own ranks."""
+    Global rank = stage * columns + column: stage-major, as DeepSpeed's PipeDataParallelTopology
+    and Megatron's default rank order lay ranks out, so peers name the host's own ranks. Every
+    column of a sequence-parallel group runs the group's schedule on its shard of each row, and
+    sends to and receives from the same column on the neighbouring stages."""
     out = {}
-    dp = len(plan.replicas)
-    for r, rep in enumerate(plan.replicas):
+    dp = plan.columns
+    for rep in plan.replicas:
+        if rep.first % rep.size:
+            raise ValueError(f"a sequence-parallel group of {rep.size} columns starts at column {rep.first}: groups "
+                             "must be aligned (start at a multiple of their size) to match the process groups")
         pp = len(rep.schedule.stages)
-        ranks = [s * dp + r for s in range(pp)]
-        for s, ep in enumerate(build_execution_plans(rep.micro_batches, rep.schedule, replica=r, stage_ranks=ranks,
-                                                     hidden_size=hidden_size)):
-            out[(r, s)] = ep
+        for c in rep.columns:
+            ranks = [s * dp + c for s in range(pp)]
+            for s, ep in enumerate(build_execution_plans(rep.micro_batches, rep.schedule, replica=c, stage_ranks=ranks,
+                                                         hidden_size=hidden_size, group=rep.first)):
+                out[(c, s)] = ep
     return out
 
 
 def make_micro_batch(
     sample_ids: Sequence[int], lengths: Sequence[int], spec: PlannerSpec, layout: Layout, recompute: Recompute,
+    sp: int = 1, checkpointed: Sequence[int] | None = None,
 ) -> MicroBatch:
-    """Price one micro-batch on every stage, on exactly the tensors the collate will build."""
+    """Price one micro-batch on every stage, per rank of a group of ``sp``, on exactly the tensors
+    the collate will build. ``checkpointed``: per stage, the layers run under ``recompute``
+    (pyramid checkpointing); default all of them (none under ``recompute="none"``)."""
     lens = tuple(int(lengths[i]) for i in sample_ids)
     table = spec.cost.table(layout, recompute, spec.tp)
-    f = features(lens, layout, spec.cost.pad_multiple)
-    costs = [evaluate_stage(table, f, s) for s in spec.stages]
-    shape = tensor_shape(lens, layout, spec.cost.pad_multiple)
-    act = shape[0] * shape[1] * spec.hidden_size * ACT_BYTES.get(spec.cost.dtype, 2) / spec.tp
+    f = features(lens, layout, spec.cost.pad_multiple, sp)
+    extrapolated = not table.covers(f.slots, f.max_len)
+    if checkpointed is None:
+        counts = tuple(s.num_layers if recompute != "none" else 0 for s in spec.stages)
+    else:
+        counts = tuple(int(c) for c in checkpointed)
+    whole = all(c == (s.num_layers if recompute != "none" else 0) for c, s in zip(counts, spec.stages))
+    if whole:
+        costs = [evaluate_stage(table, f, s) for s in spec.stages]
+    else:
+        plain = spec.cost.table(layout, "none", spec.tp)
+        costs = [evaluate_checkpointed(table, plain, f, s, c) for s, c in zip(spec.stages, counts)]
+    fwd, bwd = [c.forward_ms for c in costs], [c.backward_ms for c in costs]
+    if sp > 1:
+        comm, rerun = spec.layer_comm(sp, "none"), spec.layer_comm(sp, recompute)
+        for i, (s, c) in enumerate(zip(spec.stages, counts)):
+            fwd[i] += s.num_layers * comm.forward_ms(f.slots)
+            bwd[i] += (s.num_layers - c) * comm.backward_ms(f.slots) + c * rerun.backward_ms(f.slots)
+    shape = tensor_shape(lens, layout, spec.cost.pad_multiple, sp)
+    act = shape[0] * shape[1] // sp * spec.hidden_size * ACT_BYTES.get(spec.cost.dtype, 2) / spec.tp
     return MicroBatch(
         sample_ids=tuple(int(i) for i in sample_ids), seq_lens=lens, layout=layout, recompute=recompute,
-        forward_ms=tuple(c.forward_ms for c in costs), backward_ms=tuple(c.backward_ms for c in costs),
+        forward_ms=tuple(fwd), backward_ms=tuple(bwd),
         stored_bytes=tuple(c.stored_bytes for c in costs), peak_bytes=tuple(c.peak_bytes for c in costs),
-        activation_bytes=act, shape=shape,
+        activation_bytes=act, shape=shape, sp=sp, checkpointed=() if whole else counts, extrapolated=extrapolated,
     )
 
 
@@ -209,7 +290,7 @@ def schedule_replicas(
         groups = [list(range(r, len(micro_batches), spec.dp)) for r in range(spec.dp)]
     replicas = []
     budget = [m.budget for m in spec.memory]
-    for g in groups:
+    for r, g in enumerate(groups):
         mbs = tuple(micro_batches[i] for i in g)
         if not mbs:
             raise ValueError(f"{method}: a data-parallel replica got no micro-batch ({len(micro_batches)} for dp={spec.dp})")
@@ -220,7 +301,7 @@ def schedule_replicas(
         else:
             schedule = one_f_one_b(len(mbs), spec.pp)
             sim = simulate(mbs, schedule, spec.link)
-        replicas.append(ReplicaPlan(mbs, schedule, sim))
+        replicas.append(ReplicaPlan(mbs, schedule, sim, first=r))
     return StepPlan(method, micro_batches[0].layout, tuple(replicas), spec.update_ms)
 
 
@@ -252,9 +333,9 @@ def relax_recompute(
 
 
 def in_range(mb: MicroBatch, spec: PlannerSpec) -> bool:
-    """Inside what the cost model measured for the micro-batch's layout and recompute mode."""
-    longest = mb.shape[1] if mb.layout == "padded" else max(mb.seq_lens)
-    return spec.cost.table(mb.layout, mb.recompute, spec.tp).covers(mb.shape[0] * mb.shape[1], longest)
+    """Inside what the cost model measured for the micro-batch's layout and recompute mode, or
+    beyond it where the cost model allows extrapolation (the micro-batch then says so)."""
+    return spec.cost.allow_extrapolation or not mb.extrapolated
 
 
 def usable(mb: MicroBatch, spec: PlannerSpec) -> bool:

@@ -8,10 +8,12 @@ from ..cost.model import Layout, Recompute
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """One micro-batch of one data-parallel replica, priced on every pipeline stage.
+    """One micro-batch of one pipeline replica, priced on every pipeline stage.
 
     ``sample_ids`` index the global batch; ``seq_lens`` are their lengths in the same order.
-    Per-stage tuples have one entry per pipeline stage.
+    Per-stage tuples have one entry per pipeline stage. Costs, memory and ``activation_bytes``
+    are per rank: with sequence parallelism (``sp`` > 1) each rank of the replica's group holds
+    1/sp of every row (``local_shape``) and the attention collectives are priced in.
     """
 
     sample_ids: tuple[int, ...]
@@ -23,7 +25,17 @@ class MicroBatch:
     stored_bytes: tuple[float, ...]
     peak_bytes: tuple[float, ...]
     activation_bytes: float  # one stage's output (= the next stage's input), sent between stages
-    shape: tuple[int, int]  # (rows, row length) of the token tensor: padded [n, S], packed [1, sum s]
+    shape: tuple[int, int]  # (rows, row length) of the whole token tensor: padded [n, S], packed [1, sum s]
+    sp: int = 1  # sequence-parallel size: the ranks of the replica's group each run 1/sp of every row
+    # Per stage, how many of its transformer layers run under ``recompute`` (pyramid checkpointing;
+    # the others keep their activations); () = every layer, as whole-stage recompute modes do.
+    checkpointed: tuple[int, ...] = ()
+    extrapolated: bool = False  # priced beyond what the cost model measured (only when extrapolation is allowed)
+
+    @property
+    def local_shape(self) -> tuple[int, int]:
+        """(rows, row length / sp): what each rank of the group holds, sends and receives."""
+        return self.shape[0], self.shape[1] // self.sp
 
     @property
     def real_tokens(self) -> int:
