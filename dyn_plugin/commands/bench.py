@@ -7,6 +7,7 @@ import platform
 import time
 
 HELP = ("benchmarks that print JSON: cost (cost-model evaluation), planner (plans vs baselines on A100 costs), "
+        "sp (dynamic sequence parallelism vs fixed and bucketed sizes, simulated), "
         "loader (planning ahead, plan wait, store latency), train (DeepSpeed on 2 CPU ranks, batchings side by side)")
 
 
@@ -24,6 +25,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     planner.add_argument("--python-batches", type=int, default=2,
                          help="of those, how many also go through the (slow) pure-Python planner")
     planner.add_argument("--seed", type=int, default=0)
+    sp = sub.add_parser("sp", help="dynamic sequence parallelism vs fixed sizes, Megatron's hybrid CP and DCP's "
+                                   "buckets: simulated step on A100 GPT-6.7B costs with priced attention collectives")
+    sp.add_argument("--distributions", default="code,prose,mixture")
+    sp.add_argument("--global-tokens", default="65536,262144")
+    sp.add_argument("--gpus", default="8,32")
+    sp.add_argument("--pp", type=int, default=4, help="pipeline stages (columns = gpus / pp)")
+    sp.add_argument("--max-len", default="8192,32768", help="sequences are capped at each of these")
+    sp.add_argument("--sizes", default="1,2,4,8", help="sequence-parallel group sizes allowed")
+    sp.add_argument("--batches", type=int, default=4, help="global batches per configuration")
+    sp.add_argument("--seed", type=int, default=0)
     loader = sub.add_parser("loader", help="loader steps/s, time each step waits for its plan (planning locally or "
                                             "ahead through a store), store round-trip latency")
     loader.add_argument("--steps", type=int, default=20)
@@ -44,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--ranks", type=int, default=2)
     train.add_argument("--max-len", type=int, default=4096, help="sequences are truncated to this many tokens")
     train.add_argument("--global-tokens", type=int, default=16384, help="tokens per global batch")
-    for p in (cost, planner, loader, train):
+    for p in (cost, planner, sp, loader, train):
         p.add_argument("--json", action="store_true", help="one JSON object per line, no indentation")
 
 
@@ -52,11 +63,15 @@ def run(args: argparse.Namespace) -> int:
     host = dict(machine=platform.machine(), python=platform.python_version(), date=time.strftime("%Y-%m-%d"))
     if args.what == "train":
         return bench_train(args, host)
-    if args.what in ("planner", "loader"):
+    if args.what in ("planner", "sp", "loader"):
         if args.what == "planner":
             from ..bench.planner import bench_planner
 
             records = bench_planner(args)
+        elif args.what == "sp":
+            from ..bench.sp import bench_sp
+
+            records = bench_sp(args)
         elif args.samples is not None:
             from ..bench.loader import bench_loader_scale
 

@@ -7,7 +7,7 @@ Baselines (baselines.py) go through the same pricing and simulation, so they com
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -19,7 +19,7 @@ from ..cost.table import TableCostModel, evaluate_checkpointed, evaluate_stage
 from ..lengths.packing import pack_rows
 from .assign import assign_to_replicas, split_for_replicas
 from .instructions import ExecutionPlan, build_execution_plans
-from .microbatch import StageMemory, partition
+from .microbatch import InfeasibleError, StageMemory, partition
 from .schedule import choose_schedule, one_f_one_b
 from .simulator import simulate
 from .types import LinkSpec, MicroBatch, Schedule, SimResult
@@ -289,20 +289,27 @@ def schedule_replicas(
     else:
         groups = [list(range(r, len(micro_batches), spec.dp)) for r in range(spec.dp)]
     replicas = []
-    budget = [m.budget for m in spec.memory]
     for r, g in enumerate(groups):
         mbs = tuple(micro_batches[i] for i in g)
         if not mbs:
             raise ValueError(f"{method}: a data-parallel replica got no micro-batch ({len(micro_batches)} for dp={spec.dp})")
-        if adaptive:
-            schedule, sim = choose_schedule(mbs, spec.link, memory_budget=budget, seed=spec.seed, candidates=4,
-                                            policy=spec.schedule)
-            mbs, sim = relax_recompute(mbs, schedule, sim, spec)
-        else:
-            schedule = one_f_one_b(len(mbs), spec.pp)
-            sim = simulate(mbs, schedule, spec.link)
-        replicas.append(ReplicaPlan(mbs, schedule, sim, first=r))
+        replicas.append(schedule_replica(mbs, spec, first=r, adaptive=adaptive))
     return StepPlan(method, micro_batches[0].layout, tuple(replicas), spec.update_ms)
+
+
+def schedule_replica(mbs: Sequence[MicroBatch], spec: PlannerSpec, *, first: int, size: int = 1,
+                     adaptive: bool = True) -> ReplicaPlan:
+    """One replica's pipeline: the schedule searched by simulation within the memory budget,
+    then recompute relaxed where it leaves memory spare (or plain 1F1B in the given order)."""
+    mbs = tuple(mbs)
+    if adaptive:
+        schedule, sim = choose_schedule(mbs, spec.link, memory_budget=[m.budget for m in spec.memory], seed=spec.seed,
+                                        candidates=4, policy=spec.schedule)
+        mbs, sim = relax_recompute(mbs, schedule, sim, spec)
+    else:
+        schedule = one_f_one_b(len(mbs), spec.pp)
+        sim = simulate(mbs, schedule, spec.link)
+    return ReplicaPlan(mbs, schedule, sim, first=first, size=size)
 
 
 def relax_recompute(
@@ -321,7 +328,8 @@ def relax_recompute(
     current = list(mbs)
     for i in sorted(range(len(current)), key=lambda i: -current[i].time_ms):
         for rc in cheaper[current[i].recompute]:
-            candidate = make_micro_batch(current[i].sample_ids, _lengths_of(current[i]), spec, current[i].layout, rc)
+            candidate = make_micro_batch(current[i].sample_ids, _lengths_of(current[i]), spec, current[i].layout, rc,
+                                         sp=current[i].sp)
             if not in_range(candidate, spec):
                 continue
             trial = current[:i] + [candidate] + current[i + 1:]
@@ -349,14 +357,28 @@ def _lengths_of(mb: MicroBatch) -> dict[int, int]:
     return dict(zip(mb.sample_ids, mb.seq_lens))
 
 
-def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True) -> StepPlan:
+def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True,
+              grouping: Sequence[int] | None = None) -> StepPlan:
     """The plugin's plan for one global batch.
 
     Candidates: the DP partition for each allowed layout and, with packing allowed, fixed-length
     rows (first-fit decreasing into rows of ``spec.row_len``) given the planner's own recompute,
     balancing and schedule search. Rows of similar size pipeline with small bubbles where the
     DP's contiguous runs leave one long micro-batch holding up the rest; the simulation decides.
+    With sequence parallelism (``spec.sp_sizes`` beyond 1) the plans over groupings of the
+    columns (groups.py) compete with these; ``grouping`` forces one grouping (sizes in column order).
     """
+    if grouping is not None or len(spec.sp_sizes) > 1:
+        from .groups import plan_groups  # groups.py builds on this module
+
+        grouped = plan_groups(lengths, spec, native=native, grouping=grouping)
+        if grouping is not None:
+            return grouped
+        try:
+            plain = plan_step(lengths, replace(spec, sp_sizes=(1,)), native=native)
+        except InfeasibleError:  # a sequence fits no single rank: only split plans run
+            return grouped
+        return grouped if grouped.iteration_ms < plain.iteration_ms else plain
     candidates: list[list[MicroBatch]] = []
     for layout in spec.layouts:
         part = partition(lengths, spec.cost, layout=layout, stages=spec.stages, memory=spec.memory, dp=spec.dp,
