@@ -42,13 +42,14 @@ def bench_sp(args: argparse.Namespace) -> Iterator[dict]:
             for tokens in (int(t) for t in args.global_tokens.split(",")):
                 batches = [[int(lengths[i]) for i in b] for b in global_batches(lengths, tokens, args.batches, args.seed)]
                 for gpus in (int(g) for g in args.gpus.split(",")):
-                    base = {"distribution": dist, "global_tokens": tokens, "gpus": gpus, "pp": args.pp, "max_len": max_len}
-                    yield from _bench_config(base, batches, cost, gpus // args.pp, args)
+                    for pp in (int(p) for p in args.pp.split(",")):
+                        base = {"distribution": dist, "global_tokens": tokens, "gpus": gpus, "pp": pp, "max_len": max_len}
+                        yield from _bench_config(base, batches, cost, gpus // pp, args)
 
 
-def _spec(cost, dp: int, args: argparse.Namespace, max_len: int, *, sp: bool, pyramid: bool = True):
+def _spec(cost, dp: int, pp: int, args: argparse.Namespace, max_len: int, *, sp: bool, pyramid: bool = True):
     cfg = DynPluginConfig.model_validate({
-        "pipeline": {"stages": args.pp}, "microbatching": {"max_seq_len": max_len},
+        "pipeline": {"stages": pp}, "microbatching": {"max_seq_len": max_len},
         "sequence_parallel": {"enabled": sp, "sizes": [int(k) for k in args.sizes.split(",")], "pyramid": pyramid},
         "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
     })
@@ -56,12 +57,16 @@ def _spec(cost, dp: int, args: argparse.Namespace, max_len: int, *, sp: bool, py
 
 
 def _bench_config(base: dict, batches: list[list[int]], cost, dp: int, args: argparse.Namespace) -> Iterator[dict]:
-    max_len = base["max_len"]
-    sp_spec = _spec(cost, dp, args, max_len, sp=True)
+    max_len, pp = base["max_len"], base["pp"]
+    try:
+        sp_spec = _spec(cost, dp, pp, args, max_len, sp=True)
+    except ValueError as exc:  # e.g. the model states alone overflow a device at this pipeline depth
+        yield {**base, "method": "all", "error": str(exc)}
+        return
     methods = {
         "dynamic_sp": lambda b: plan_step(b, sp_spec),
-        "dynamic_sp_whole_stage": lambda b, s=_spec(cost, dp, args, max_len, sp=True, pyramid=False): plan_step(b, s),
-        "dynapipe": lambda b, s=_spec(cost, dp, args, max_len, sp=False): plan_step(b, s),
+        "dynamic_sp_whole_stage": lambda b, s=_spec(cost, dp, pp, args, max_len, sp=True, pyramid=False): plan_step(b, s),
+        "dynapipe": lambda b, s=_spec(cost, dp, pp, args, max_len, sp=False): plan_step(b, s),
         **{name: (lambda b, n=name: plan_baseline(n, b, sp_spec, max_len)) for name in SP_BASELINES},
     }
     ideal = [ideal_ms(b, sp_spec) for b in batches]

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sp.add_argument("--distributions", default="code,prose,mixture")
     sp.add_argument("--global-tokens", default="65536,262144")
     sp.add_argument("--gpus", default="8,32")
-    sp.add_argument("--pp", type=int, default=4, help="pipeline stages (columns = gpus / pp)")
+    sp.add_argument("--pp", default="4,1", help="pipeline stages, comma-separated (columns = gpus / pp)")
     sp.add_argument("--max-len", default="8192,32768", help="sequences are capped at each of these")
     sp.add_argument("--sizes", default="1,2,4,8", help="sequence-parallel group sizes allowed")
     sp.add_argument("--batches", type=int, default=4, help="global batches per configuration")

@@ -15,8 +15,8 @@ With sequence parallelism (sequences split over groups of data-parallel columns)
   Ulysses or Megatron context parallelism as configured today); given the planner's own
   micro-batching and schedule search, so it isolates what a size per sequence is worth.
 - ``megatron_hybrid_cp``: Megatron-Core's hybrid context parallelism: each sequence gets
-  2^ceil(log2(L / per-rank capacity)) ranks, workload s^2/k balanced over the groups, THD rows
-  packed up to capacity * k tokens.
+  2^ceil(log2(L / per-rank capacity)) ranks (more where its quadratic attention memory needs
+  them), workload s^2/k balanced over the groups, THD rows packed up to capacity * k tokens.
 - ``dcp_bucket``: the DCP seed's bucket parallelism: lengths bucketed by powers of two, each
   bucket at the size with the best profiled time per device and the largest batch that fits,
   columns shared out by the buckets' time.
@@ -153,15 +153,24 @@ def fixed_sp(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
 
 def megatron_hybrid_cp(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
     lens = np.asarray(lengths, dtype=np.int64)
-    capacity = size_limits(lens, spec, "packed").longest[1]
-    if capacity == 0:
+    limits = size_limits(lens, spec, "packed")
+    if limits.longest[1] == 0:
         raise InfeasibleError("megatron_hybrid_cp: not even the shortest sequence fits one rank")
-    cp = [1 << max(0, math.ceil(math.log2(s / capacity))) for s in lens.tolist()]
-    work = (lens.astype(float) ** 2) / np.asarray(cp)
-    def rows(k: int, ids: list[int]) -> list[list[int]]:
-        return [[ids[j] for j in row] for row in pack_rows(lens[ids], capacity * k)]
+    # max_seqlen_per_dp_cp_rank as a user would tune it: the largest per-rank capacity whose rows fit
+    for capacity in sorted({max(1, int(limits.longest[1] * f)) for f in (1.0, 0.75, 0.5, 0.375, 0.25)}, reverse=True):
+        # Megatron's rule counts tokens only; where quadratic attention memory needs more ranks, give them
+        cp = [max(1 << max(0, math.ceil(math.log2(s / capacity))), limits.smallest(s) or spec.sp_sizes[-1])
+              for s in lens.tolist()]
+        work = (lens.astype(float) ** 2) / np.asarray(cp)
 
-    return _sized_plan(lens, cp, work, rows, spec, "megatron_hybrid_cp")
+        def rows(k: int, ids: list[int], capacity: int = capacity) -> list[list[int]]:
+            return [[ids[j] for j in row] for row in pack_rows(lens[ids], max(capacity * k, int(lens[ids].max())))]
+
+        try:
+            return _sized_plan(lens, cp, work, rows, spec, "megatron_hybrid_cp")
+        except InfeasibleError as exc:
+            last = exc
+    raise last
 
 
 def dcp_bucket(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:

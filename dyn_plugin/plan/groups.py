@@ -145,6 +145,8 @@ def dispatch(lengths: np.ndarray, grouping: Sequence[int], times: dict[int, np.n
         best, where = math.inf, -1
         for g, k in enumerate(grouping):
             t = times[k][i]
+            if not math.isfinite(t):  # does not fit a group of this size
+                continue
             finish = load[g] + t + (pp - 1) * max(longest[g], t)
             if finish < best:
                 best, where = finish, g

@@ -19,7 +19,7 @@ from ..cost.table import TableCostModel, evaluate_checkpointed, evaluate_stage
 from ..lengths.packing import pack_rows
 from .assign import assign_to_replicas, split_for_replicas
 from .instructions import ExecutionPlan, build_execution_plans
-from .microbatch import InfeasibleError, StageMemory, partition
+from .microbatch import StageMemory, partition
 from .schedule import choose_schedule, one_f_one_b
 from .simulator import simulate
 from .types import LinkSpec, MicroBatch, Schedule, SimResult
@@ -376,7 +376,7 @@ def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True,
             return grouped
         try:
             plain = plan_step(lengths, replace(spec, sp_sizes=(1,)), native=native)
-        except InfeasibleError:  # a sequence fits no single rank: only split plans run
+        except ValueError:  # a sequence fits no single rank, or too few for every rank: only grouped plans run
             return grouped
         return grouped if grouped.iteration_ms < plain.iteration_ms else plain
     candidates: list[list[MicroBatch]] = []
@@ -433,14 +433,13 @@ def ideal_ms(lengths: Sequence[int], spec: PlannerSpec) -> float:
 
 def critical_path_ms(lengths: Sequence[int], spec: PlannerSpec) -> float:
     """A lower bound no plan can beat: the longest sequence alone, in the cheapest recompute mode
-    it fits in, must still pass forward through every stage and backward through every stage,
-    and the update follows."""
+    and group size it fits in, must still pass forward through every stage and backward through
+    every stage, and the update follows."""
     longest = int(max(lengths))
     best = float("inf")
-    for layout in spec.layouts:
-        for rc in spec.recomputes:
-            mb = make_micro_batch([0], [longest], spec, layout, rc)
-            if all(p <= m.budget for p, m in zip(mb.peak_bytes, spec.memory)):
-                hops = 2 * (spec.pp - 1) * spec.link.transfer_ms(mb.activation_bytes)
-                best = min(best, sum(mb.forward_ms) + sum(mb.backward_ms) + hops)
+    for layout, rc, sp in ((l, r, k) for l in spec.layouts for r in spec.recomputes for k in spec.sp_sizes):
+        mb = make_micro_batch([0], [longest], spec, layout, rc, sp=sp)
+        if all(p <= m.budget for p, m in zip(mb.peak_bytes, spec.memory)):
+            hops = 2 * (spec.pp - 1) * spec.link.transfer_ms(mb.activation_bytes)
+            best = min(best, sum(mb.forward_ms) + sum(mb.backward_ms) + hops)
     return best + spec.update_ms
