@@ -53,8 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--out", default="out/bench-train")
     train.add_argument("--steps", type=int, default=4)
     train.add_argument("--ranks", type=int, default=2)
-    train.add_argument("--max-len", type=int, default=4096, help="sequences are truncated to this many tokens")
+    train.add_argument("--max-len", type=int, help="sequences are truncated to this many tokens (default 4096; 16384 "
+                                                   "with --sp)")
     train.add_argument("--global-tokens", type=int, default=16384, help="tokens per global batch")
+    train.add_argument("--sp", action="store_true", help="instead, dynamic sequence parallelism against a fixed size "
+                                                          "of 2 and against full recompute, sequences up to 16384 "
+                                                          "tokens, device memory capped so the longest need one of them")
     for p in (cost, planner, sp, loader, train):
         p.add_argument("--json", action="store_true", help="one JSON object per line, no indentation")
 
@@ -137,11 +141,13 @@ def bench_train(args: argparse.Namespace, host: dict) -> int:
     import subprocess
     import sys
 
-    from deepspeed_ext.compare import cost_model_label
+    from deepspeed_ext.compare import SP_MODES, cost_model_label
 
+    extra = ["--modes", ",".join(SP_MODES)] if args.sp else []
+    max_len = args.max_len or (16384 if args.sp else 4096)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", "-m", "deepspeed_ext.compare",
-           "--out", args.out, "--steps", str(args.steps), "--max-len", str(args.max_len),
-           "--global-tokens", str(args.global_tokens)] + (["--profile", args.profile] if args.profile else [])
+           "--out", args.out, "--steps", str(args.steps), "--max-len", str(max_len),
+           "--global-tokens", str(args.global_tokens)] + (["--profile", args.profile] if args.profile else []) + extra
     cost_model = cost_model_label(args.profile)
     if not args.json:
         print(f"cost model: {cost_model}" + ("" if args.profile else "; measure one with `dynplugin profile` and "

@@ -45,7 +45,7 @@ class PlannerSpec:
     row_len: int | None = None  # fixed-length packing rows (the max sequence length) tried as a candidate
     schedule: str = "auto"  # pipeline.schedule: auto | adaptive | 1f1b
     update_ms: float = 0.0  # gradient all-reduce + optimizer step after the last micro-batch
-    sp_sizes: tuple[int, ...] = (1,)  # sequence-parallel group sizes allowed (1 = DynaPipe alone)
+    sp_sizes: tuple[int, ...] = (1,)  # sequence-parallel group sizes allowed ((1,) = DynaPipe alone)
     sp_attention: str = "auto"  # ulysses | ring | auto
     pyramid: bool = False  # checkpoint per micro-batch only as many layers as memory needs
     equal_counts: bool = False  # every rank runs the same number of micro-batches (ZeRO-2/3, or balance = intra)
@@ -365,14 +365,15 @@ def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True,
     rows (first-fit decreasing into rows of ``spec.row_len``) given the planner's own recompute,
     balancing and schedule search. Rows of similar size pipeline with small bubbles where the
     DP's contiguous runs leave one long micro-batch holding up the rest; the simulation decides.
-    With sequence parallelism (``spec.sp_sizes`` beyond 1) the plans over groupings of the
-    columns (groups.py) compete with these; ``grouping`` forces one grouping (sizes in column order).
+    With sequence parallelism (``spec.sp_sizes`` other than (1,)) the plans over groupings of the
+    columns (groups.py) compete with these where size 1 is allowed; ``grouping`` forces one
+    grouping (sizes in column order).
     """
-    if grouping is not None or len(spec.sp_sizes) > 1:
+    if grouping is not None or spec.sp_sizes != (1,):
         from .groups import plan_groups  # groups.py builds on this module
 
         grouped = plan_groups(lengths, spec, native=native, grouping=grouping)
-        if grouping is not None:
+        if grouping is not None or 1 not in spec.sp_sizes:
             return grouped
         try:
             plain = plan_step(lengths, replace(spec, sp_sizes=(1,)), native=native)
