@@ -34,8 +34,20 @@ from tqdm import tqdm
 import deepspeed_ext
 from dyn_plugin.models.hf import build_causal_lm, load_model_config
 
-MODES = {"padded": "fixed_padding", "token_budget": "token_budget", "packing": "packing_full",
-         "packing_varlen": "packing_varlen", "dyn_plugin": "dynapipe"}
+# mode -> what it changes in the dyn_plugin section
+MODES = {
+    "padded": {"microbatching": {"method": "fixed_padding"}},
+    "token_budget": {"microbatching": {"method": "token_budget"}},
+    "packing": {"microbatching": {"method": "packing_full"}},
+    "packing_varlen": {"microbatching": {"method": "packing_varlen"}},
+    "dyn_plugin": {"microbatching": {"method": "dynapipe"}},
+    # --sp: sequences split over the 2 ranks where it pays (dynamic), always (fixed), never (full recompute instead)
+    "sp_dynamic": {"sequence_parallel": {"enabled": True, "sizes": [1, 2]}},
+    "sp_fixed": {"sequence_parallel": {"enabled": True, "sizes": [2]}},
+    "sp1_full": {"microbatching": {"recompute": "full"}},
+}
+SP_MODES = ("sp_dynamic", "sp_fixed", "sp1_full")
+BASELINES = ("padded", "packing", "packing_varlen", "sp_fixed", "sp1_full")  # the ratios the report shows
 
 
 def tokenized_corpus(name: str, max_len: int, out: str) -> tuple[list[np.ndarray], np.ndarray]:
@@ -80,16 +92,30 @@ def device_memory_mb(device: torch.device) -> int:
     return 8000
 
 
+def split_memory_mb(profile: str, max_len: int, ranks: int) -> float:
+    """Device memory at which a ``max_len`` sequence fits one rank only with full recompute (10%
+    above its peak there), so the SP modes face the choice the comparison is about: split the
+    longest sequences over ranks, or recompute them."""
+    from dyn_plugin.config import DeviceSpec
+    from dyn_plugin.cost.profile import cost_model_from_profile, load_profile
+
+    cost = cost_model_from_profile(load_profile(profile))
+    peak = cost.micro_batch_cost([max_len], layout="packed", recompute="full").peak_bytes
+    states = cost.model_state_bytes(zero_stage=1, dp=ranks).total
+    return (1.1 * peak + states) / DeviceSpec().memory_fraction / 2**20
+
+
 def run_mode(mode: str, args, docs, lengths, device: torch.device, dtype: str) -> list[dict]:
-    config = {
-        "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, **precision_section(dtype),
-        "dyn_plugin": {
-            "cost_model": cost_model_section(args.profile, dtype),
-            "microbatching": {"method": MODES[mode], "global_tokens": args.global_tokens, "max_seq_len": args.max_len},
-            "cluster": {"devices_per_node": dist.get_world_size(),
-                        "device": {"memory_mb": device_memory_mb(device)}},
-        },
+    section = {
+        "cost_model": cost_model_section(args.profile, dtype),
+        "microbatching": {"global_tokens": args.global_tokens, "max_seq_len": args.max_len},
+        "cluster": {"devices_per_node": dist.get_world_size(),
+                    "device": {"memory_mb": args.memory_mb or device_memory_mb(device)}},
     }
+    for key, values in MODES[mode].items():
+        section[key] = {**section.get(key, {}), **values}
+    config = {"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, **precision_section(dtype),
+              "dyn_plugin": section}
     torch.manual_seed(0)
     model = build_causal_lm(load_model_config(args.model))
     engine, _, loader, _ = deepspeed_ext.initialize(
@@ -202,21 +228,23 @@ def summarize(records: list[dict]) -> list[dict]:
         })
     base = {r["mode"]: r["effective_tokens_per_s"] for r in rows}
     for r in rows:
-        for mode in ("padded", "packing", "packing_varlen"):
+        for mode in BASELINES:
             if mode in base:
                 r[f"speedup_vs_{mode}"] = r["effective_tokens_per_s"] / base[mode]
     return rows
 
 
 def report(rows: list[dict], out: str, args) -> str:
-    head = ("| mode | effective tokens/s | vs padded | vs packing | vs varlen packing | padding | step ms measured "
-            "| predicted | prediction error | final loss |\n" + "|---" * 10 + "|\n")
-    def vs(r: dict, mode: str) -> str:  # modes left out with --modes have no ratio
+    shown = [m for m in BASELINES if any(r["mode"] == m for r in rows)]  # ratios against the modes that ran
+    head = ("| mode | effective tokens/s | " + "".join(f"vs {m} | " for m in shown) + "padding | step ms measured "
+            "| predicted | prediction error | final loss |\n" + "|---" * (7 + len(shown)) + "|\n")
+
+    def vs(r: dict, mode: str) -> str:
         return f"{r[f'speedup_vs_{mode}']:.2f}x" if f"speedup_vs_{mode}" in r else "-"
 
     body = "".join(
-        f"| {r['mode']} | {r['effective_tokens_per_s']:,.0f} | {vs(r, 'padded')} | {vs(r, 'packing')} "
-        f"| {vs(r, 'packing_varlen')} | {r['padding_fraction']:.1%} | {r['measured_step_ms']:,.0f} "
+        f"| {r['mode']} | {r['effective_tokens_per_s']:,.0f} | " + "".join(f"{vs(r, m)} | " for m in shown)
+        + f"{r['padding_fraction']:.1%} | {r['measured_step_ms']:,.0f} "
         f"| {r['predicted_step_ms']:,.0f} | {r['prediction_mape']:.1%} | {r['final_loss']:.3f} |\n" for r in rows)
     text = (f"# Training demo: {args.model}, DeepSpeed ZeRO-1, {dist.get_world_size()} {args.ranks_on}\n\n"
             f"Python standard library source ({args.lengths}), sequences up to {args.max_len} tokens, "
@@ -235,8 +263,9 @@ def report(rows: list[dict], out: str, args) -> str:
 
     fig, ax = plt.subplots(figsize=(7, 3.8))
     bars = ax.bar([r["mode"] for r in rows], [r["effective_tokens_per_s"] for r in rows],
-                  color=["#c44e52", "#dd8452", "#8c8c8c", "#55a868", "#4c72b0"][: len(rows)])
-    ax.bar_label(bars, labels=[f"{r['effective_tokens_per_s']:,.0f}\n({vs(r, 'padded')})" for r in rows], fontsize=8)
+                  color=["#c44e52", "#dd8452", "#8c8c8c", "#55a868", "#4c72b0", "#8172b3", "#937860", "#da8bc3"][: len(rows)])
+    ax.bar_label(bars, labels=[f"{r['effective_tokens_per_s']:,.0f}\n({vs(r, shown[0]) if shown else '-'})" for r in rows],
+                 fontsize=8)
     ax.set_ylabel("effective tokens/s (non-padding)")
     ax.set_title(f"Same model, same data, {len(rows)} batchings")
     ax.set_ylim(0, max(r["effective_tokens_per_s"] for r in rows) * 1.25)
@@ -257,7 +286,8 @@ def main() -> None:
     p.add_argument("--global-tokens", type=int, default=16384, help="tokens per global batch")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(m for m in MODES if m not in SP_MODES))
+    p.add_argument("--memory-mb", type=float, help="device memory the plans may fill (default: the GPU's, 8000 on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # from the deepspeed launcher
     args = p.parse_args()
@@ -276,6 +306,11 @@ def main() -> None:
     args.ranks_on = f"GPU ranks ({torch.cuda.get_device_name(device)}, NCCL, {dtype})" if device.type == "cuda" \
         else f"CPU ranks (gloo, {dtype})"
     os.makedirs(args.out, exist_ok=True)
+    if args.memory_mb is None and any(m in SP_MODES for m in args.modes.split(",")):
+        if not args.profile:
+            raise SystemExit("the sequence-parallel modes need --profile (measured up to --max-len tokens, recompute "
+                             "none and full) to cap the device memory where the longest sequences need full recompute")
+        args.memory_mb = split_memory_mb(args.profile, args.max_len, dist.get_world_size())
     docs, lengths = tokenized_corpus(args.lengths, args.max_len, args.out)
     records = []
     for mode in args.modes.split(","):

@@ -148,7 +148,7 @@ class SequenceParallelConfig(_Section):
     """DCP: a sequence-parallel size per micro-batch, and pyramid checkpointing."""
 
     enabled: bool = Field(default=False, description="split long sequences over groups of data-parallel ranks")
-    sizes: list[int] = Field(default=[1, 2, 4, 8], description="group sizes the planner may use: powers of two")
+    sizes: list[int] = Field(default=[1, 2, 4, 8], description="group sizes the planner may use: powers of two; without 1 every sequence is split (a fixed size)")
     attention: Literal["ulysses", "ring", "auto"] = Field(
         default="auto", description="'ulysses' shards heads (the group size must divide the query and key/value heads), "
         "'ring' passes key/value blocks around; 'auto': Ulysses where the heads divide, else ring")

@@ -7,6 +7,7 @@ import platform
 import time
 
 HELP = ("benchmarks that print JSON: cost (cost-model evaluation), planner (plans vs baselines on A100 costs), "
+        "sp (dynamic sequence parallelism vs fixed and bucketed sizes, simulated), "
         "loader (planning ahead, plan wait, store latency), train (DeepSpeed on 2 CPU ranks, batchings side by side)")
 
 
@@ -24,6 +25,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     planner.add_argument("--python-batches", type=int, default=2,
                          help="of those, how many also go through the (slow) pure-Python planner")
     planner.add_argument("--seed", type=int, default=0)
+    sp = sub.add_parser("sp", help="dynamic sequence parallelism vs fixed sizes, Megatron's hybrid CP and DCP's "
+                                   "buckets: simulated step on A100 GPT-6.7B costs with priced attention collectives")
+    sp.add_argument("--distributions", default="code,prose,mixture")
+    sp.add_argument("--global-tokens", default="65536,262144")
+    sp.add_argument("--gpus", default="8,32")
+    sp.add_argument("--pp", default="4,1", help="pipeline stages, comma-separated (columns = gpus / pp)")
+    sp.add_argument("--max-len", default="8192,32768", help="sequences are capped at each of these")
+    sp.add_argument("--sizes", default="1,2,4,8", help="sequence-parallel group sizes allowed")
+    sp.add_argument("--batches", type=int, default=4, help="global batches per configuration")
+    sp.add_argument("--seed", type=int, default=0)
     loader = sub.add_parser("loader", help="loader steps/s, time each step waits for its plan (planning locally or "
                                             "ahead through a store), store round-trip latency")
     loader.add_argument("--steps", type=int, default=20)
@@ -42,9 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--out", default="out/bench-train")
     train.add_argument("--steps", type=int, default=4)
     train.add_argument("--ranks", type=int, default=2)
-    train.add_argument("--max-len", type=int, default=4096, help="sequences are truncated to this many tokens")
+    train.add_argument("--max-len", type=int, help="sequences are truncated to this many tokens (default 4096; 16384 "
+                                                   "with --sp)")
     train.add_argument("--global-tokens", type=int, default=16384, help="tokens per global batch")
-    for p in (cost, planner, loader, train):
+    train.add_argument("--sp", action="store_true", help="instead, dynamic sequence parallelism against a fixed size "
+                                                          "of 2 and against full recompute, sequences up to 16384 "
+                                                          "tokens, device memory capped so the longest need one of them")
+    for p in (cost, planner, sp, loader, train):
         p.add_argument("--json", action="store_true", help="one JSON object per line, no indentation")
 
 
@@ -52,11 +67,15 @@ def run(args: argparse.Namespace) -> int:
     host = dict(machine=platform.machine(), python=platform.python_version(), date=time.strftime("%Y-%m-%d"))
     if args.what == "train":
         return bench_train(args, host)
-    if args.what in ("planner", "loader"):
+    if args.what in ("planner", "sp", "loader"):
         if args.what == "planner":
             from ..bench.planner import bench_planner
 
             records = bench_planner(args)
+        elif args.what == "sp":
+            from ..bench.sp import bench_sp
+
+            records = bench_sp(args)
         elif args.samples is not None:
             from ..bench.loader import bench_loader_scale
 
@@ -122,11 +141,13 @@ def bench_train(args: argparse.Namespace, host: dict) -> int:
     import subprocess
     import sys
 
-    from deepspeed_ext.compare import cost_model_label
+    from deepspeed_ext.compare import SP_MODES, cost_model_label
 
+    extra = ["--modes", ",".join(SP_MODES)] if args.sp else []
+    max_len = args.max_len or (16384 if args.sp else 4096)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", "-m", "deepspeed_ext.compare",
-           "--out", args.out, "--steps", str(args.steps), "--max-len", str(args.max_len),
-           "--global-tokens", str(args.global_tokens)] + (["--profile", args.profile] if args.profile else [])
+           "--out", args.out, "--steps", str(args.steps), "--max-len", str(max_len),
+           "--global-tokens", str(args.global_tokens)] + (["--profile", args.profile] if args.profile else []) + extra
     cost_model = cost_model_label(args.profile)
     if not args.json:
         print(f"cost model: {cost_model}" + ("" if args.profile else "; measure one with `dynplugin profile` and "

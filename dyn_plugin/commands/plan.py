@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from ..config import load_config
     from ..cost.from_config import build_cost_model
     from ..lengths.io import cap_lengths, load_lengths
-    from ..plan.baselines import BASELINES, plan_baseline
+    from ..plan.baselines import BASELINES, SP_BASELINES, plan_baseline
     from ..plan.planner import critical_path_ms, ideal_ms, plan_step, planner_spec
     from ..runtime.sampler import global_batches
 
@@ -39,6 +39,11 @@ def run(args: argparse.Namespace) -> int:
     pp = plugin.pipeline.stages
     dp = args.dp or max(1, plugin.cluster.world_size // pp)
     spec = planner_spec(cost, plugin, dp=dp, zero_stage=cfg.zero_stage, seed=args.seed)
+    sp = plugin.sequence_parallel.enabled
+    if sp:
+        from dataclasses import replace
+
+        plain = replace(spec, sp_sizes=(1,))
     max_len = plugin.microbatching.max_seq_len
     lengths = cap_lengths(load_lengths(args.lengths), max_len, plugin.microbatching.truncate)
     tokens = args.global_tokens or plugin.microbatching.global_tokens
@@ -47,18 +52,25 @@ def run(args: argparse.Namespace) -> int:
     first_plan = None
     for step, ids in enumerate(batches):
         lens = [int(lengths[i]) for i in ids]
-        plans = {"dynapipe": plan_step(lens, spec)}
-        for name in BASELINES:
+        if sp:  # the plugin with sequence parallelism, without it, and the systems that split sequences
+            plans = {"dynamic_sp": plan_step(lens, spec)}
+            try:
+                plans["dynapipe"] = plan_step(lens, plain)
+            except ValueError as exc:
+                logger.warning("step %d: dynapipe without sequence parallelism infeasible: %s", step, exc)
+        else:
+            plans = {"dynapipe": plan_step(lens, spec)}
+        for name in BASELINES + (SP_BASELINES if sp else ()):
             try:
                 plans[name] = plan_baseline(name, lens, spec, max_len)
             except ValueError as exc:
                 logger.warning("step %d: baseline %s infeasible: %s", step, name, exc)
-        first_plan = first_plan or plans["dynapipe"]
+        first_plan = first_plan or next(iter(plans.values()))
         ideal, bound = ideal_ms(lens, spec), critical_path_ms(lens, spec)
         for method, p in plans.items():
             records.append({
                 "step": step, "method": method, "sequences": len(lens), "tokens": sum(lens),
-                "micro_batches": len(p.micro_batches), "layout": p.layout,
+                "micro_batches": len(p.micro_batches), "layout": p.layout, "groups": list(p.group_sizes),
                 "recompute": dict(Counter(mb.recompute for mb in p.micro_batches)),
                 "schedule": sorted({r.schedule.name for r in p.replicas}),
                 "predicted_ms": p.iteration_ms, "bubble": p.bubble_fraction, "peak_mem_bytes": p.peak_bytes,
@@ -83,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_tables(records: list[dict]) -> None:
-    header = f"{'method':<16}{'mbs':>5}{'layout':>8}  {'recompute':<22}{'time ms':>10}{'vs ours':>8}{'bubble':>8}{'peak GiB':>9}{'padding':>8}"
+    header = (f"{'method':<19}{'mbs':>5}{'layout':>8}  {'groups':<12}{'recompute':<22}{'time ms':>10}{'vs ours':>8}"
+              f"{'bubble':>8}{'peak GiB':>9}{'padding':>8}")
     for step in sorted({r["step"] for r in records}):
         rows = [r for r in records if r["step"] == step]
         ours = rows[0]["predicted_ms"]
@@ -92,7 +105,8 @@ def _print_tables(records: list[dict]) -> None:
         print(header)
         for r in rows:
             rc = ",".join(f"{k}:{v}" for k, v in sorted(r["recompute"].items()))
-            print(f"{r['method']:<16}{r['micro_batches']:>5}{r['layout']:>8}  {rc:<22}{r['predicted_ms']:>10.0f}"
+            groups = ",".join(map(str, r["groups"]))
+            print(f"{r['method']:<19}{r['micro_batches']:>5}{r['layout']:>8}  {groups:<12}{rc:<22}{r['predicted_ms']:>10.0f}"
                   f"{r['predicted_ms'] / ours:>7.2f}x{r['bubble']:>8.1%}{r['peak_mem_bytes'] / 2**30:>9.1f}{r['padding_fraction']:>8.1%}")
 
 

@@ -113,5 +113,10 @@ def attention_kind(k: int, wanted: str, num_heads: int | None, num_kv_heads: int
 
 
 def group_sizes(columns: int, allowed: Sequence[int]) -> tuple[int, ...]:
-    """The allowed sizes that fit ``columns`` data-parallel columns, ascending, always with 1."""
-    return tuple(sorted({1, *(k for k in allowed if k <= columns)}))
+    """The allowed sizes that fit ``columns`` data-parallel columns, ascending. Without 1 every
+    sequence is split (a fixed sequence-parallel size, as DeepSpeed Ulysses runs it)."""
+    sizes = tuple(sorted({k for k in allowed if k <= columns}))
+    if not sizes:
+        raise ValueError(f"sequence_parallel.sizes = {list(allowed)}: none fits the {columns} data-parallel columns; "
+                         f"allow a size <= {columns}, e.g. [1, 2]")
+    return sizes

@@ -16,6 +16,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from . import sequence_parallel
+
 NAME = "dyn_varlen"
 
 try:
@@ -83,6 +85,38 @@ def _flash_varlen(query, key, value, position_ids, scaling) -> torch.Tensor:
     return out.view(b, s, h, d)
 
 
+def document_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Causal attention within each document of each row. query: [b, heads, s, d], key/value:
+    [b, kv_heads, s, d]; position_ids: [rows, s] (rows = b, or 1 standing for every row), or None
+    for one document per row. Returns [b, s, heads, d]."""
+    gqa = key.shape[1] != query.shape[1]
+    if (varlen_attn is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+            and not gqa and dropout == 0.0):  # what torch's flash varlen kernel takes
+        return _flash_varlen(query, key, value, position_ids, scaling)
+    rows = []
+    for b in range(query.shape[0]):
+        q, k, v = query[b : b + 1], key[b : b + 1], value[b : b + 1]
+        row = None if position_ids is None else position_ids[min(b, position_ids.shape[0] - 1)]
+        bounds = [(0, q.shape[2])] if row is None else document_bounds(row)
+        parts = [
+            F.scaled_dot_product_attention(
+                q[:, :, s:e], k[:, :, s:e], v[:, :, s:e],
+                dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa,
+            )
+            for s, e in bounds
+        ]
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    out = torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
+    return out.transpose(1, 2).contiguous()
+
+
 def varlen_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -93,32 +127,21 @@ def varlen_attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """HF attention-interface function. query: [b, heads, s, d]; returns [b, s, heads, d]."""
+    """HF attention-interface function. query: [b, heads, s, d]; returns [b, s, heads, d].
+
+    Inside ``sequence_parallel.sharded(shard)`` with a group of two or more ranks, the inputs are
+    this rank's shard of the positions and attention runs over the group (Ulysses or ring), so
+    every model built with this kernel is sequence-parallel without a config change."""
     if attention_mask is not None:
         raise ValueError(
             f"{NAME} attention expects attention_mask=None (padded rows are right-padded and causal, "
             "packed rows carry position_ids resets)"
         )
-    position_ids = kwargs.get("position_ids")
-    gqa = key.shape[1] != query.shape[1]
     drop = dropout if module.training else 0.0
-    if (varlen_attn is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
-            and not gqa and drop == 0.0):  # what torch's flash varlen kernel takes
-        return _flash_varlen(query, key, value, position_ids, scaling), None
-    rows = []
-    for b in range(query.shape[0]):
-        q, k, v = query[b : b + 1], key[b : b + 1], value[b : b + 1]
-        bounds = [(0, q.shape[2])] if position_ids is None else document_bounds(position_ids[min(b, position_ids.shape[0] - 1)])
-        parts = [
-            F.scaled_dot_product_attention(
-                q[:, :, s:e], k[:, :, s:e], v[:, :, s:e],
-                dropout_p=drop, is_causal=True, scale=scaling, enable_gqa=gqa,
-            )
-            for s, e in bounds
-        ]
-        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
-    out = torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
-    return out.transpose(1, 2).contiguous(), None
+    shard = sequence_parallel.current()
+    if shard is not None and shard.size > 1:
+        return sequence_parallel.attention(shard, query, key, value, document_attention, drop, scaling), None
+    return document_attention(query, key, value, kwargs.get("position_ids"), drop, scaling), None
 
 
 def register() -> str:

@@ -9,6 +9,18 @@
   attention over the whole row: Megatron's packing, the baseline DynaPipe beat.
 - ``packing_varlen``: the same rows with per-document attention: the strongest baseline.
 
+With sequence parallelism (sequences split over groups of data-parallel columns):
+
+- ``fixed_sp``: one group size for every sequence, the smallest the longest fits in (DeepSpeed
+  Ulysses or Megatron context parallelism as configured today); given the planner's own
+  micro-batching and schedule search, so it isolates what a size per sequence is worth.
+- ``megatron_hybrid_cp``: Megatron-Core's hybrid context parallelism: each sequence gets
+  2^ceil(log2(L / per-rank capacity)) ranks (more where its quadratic attention memory needs
+  them), workload s^2/k balanced over the groups, THD rows packed up to capacity * k tokens.
+- ``dcp_bucket``: the DCP seed's bucket parallelism: lengths bucketed by powers of two, each
+  bucket at the size with the best profiled time per device and the largest batch that fits,
+  columns shared out by the buckets' time.
+
 Each uses one recompute mode for the whole step, the cheapest in which every micro-batch fits,
 as a user would configure it; micro-batches go to replicas round-robin and every pipeline runs
 plain 1F1B in loader order, as the host frameworks do. Sizes (sequences per micro-batch, token
@@ -16,23 +28,28 @@ budget, rows per micro-batch) are the largest that fit memory: the baselines at 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Callable, Sequence
+
+import numpy as np
 
 from ..cost.model import Layout
 from ..lengths.packing import pack_rows
 from .assign import split_for_replicas
+from .groups import aligned_firsts, plan_groups, sequence_ms, size_limits
 from .microbatch import InfeasibleError
-from .planner import PlannerSpec, StepPlan, make_micro_batch, schedule_replicas, usable
+from .planner import PlannerSpec, StepPlan, make_micro_batch, schedule_replica, schedule_replicas, usable
 from .types import MicroBatch
 
 
 def _uniform(groups: list[list[int]], lengths: Sequence[int], spec: PlannerSpec, layout: Layout,
-             method: str) -> list[MicroBatch]:
-    """Price the groups with the cheapest recompute mode in which all of them fit."""
+             method: str, sp: Sequence[int] | None = None) -> list[MicroBatch]:
+    """Price the groups (split over ``sp[i]`` ranks each) with the cheapest recompute mode in which all of them fit."""
+    sp = sp or [1] * len(groups)
     for rc in spec.recomputes:
         try:
-            mbs = [make_micro_batch(g, lengths, spec, layout, rc) for g in groups]
+            mbs = [make_micro_batch(g, lengths, spec, layout, rc, sp=k) for g, k in zip(groups, sp)]
         except ValueError:
             continue
         if all(usable(mb, spec) for mb in mbs):
@@ -51,9 +68,9 @@ def _largest(feasible: Callable[[int], bool], lower: int, upper: int) -> int:
     return lo
 
 
-def _fits_somehow(spec: PlannerSpec, lens: list[int], layout: Layout) -> bool:
+def _fits_somehow(spec: PlannerSpec, lens: list[int], layout: Layout, sp: int = 1) -> bool:
     for rc in spec.recomputes:
-        if usable(make_micro_batch(range(len(lens)), lens, spec, layout, rc), spec):
+        if usable(make_micro_batch(range(len(lens)), lens, spec, layout, rc, sp=sp), spec):
             return True
     return False
 
@@ -126,14 +143,115 @@ def _relabel(mb: MicroBatch, sample_ids: Sequence[int], lengths: Sequence[int]) 
     return replace(mb, sample_ids=tuple(sample_ids), seq_lens=tuple(int(lengths[i]) for i in sample_ids))
 
 
+def fixed_sp(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
+    lens = np.asarray(lengths, dtype=np.int64)
+    k = size_limits(lens, spec, "packed").smallest(int(lens.max()))
+    if k is None:
+        raise InfeasibleError(f"fixed_sp: the longest sequence ({int(lens.max())}) fits in no group of {spec.sp_sizes}")
+    return replace(plan_groups(lens, spec, grouping=(k,) * (spec.dp // k)), method="fixed_sp")
+
+
+def megatron_hybrid_cp(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
+    lens = np.asarray(lengths, dtype=np.int64)
+    limits = size_limits(lens, spec, "packed")
+    if limits.longest[1] == 0:
+        raise InfeasibleError("megatron_hybrid_cp: not even the shortest sequence fits one rank")
+    # max_seqlen_per_dp_cp_rank as a user would tune it: the largest per-rank capacity whose rows fit
+    for capacity in sorted({max(1, int(limits.longest[1] * f)) for f in (1.0, 0.75, 0.5, 0.375, 0.25)}, reverse=True):
+        # Megatron's rule counts tokens only; where quadratic attention memory needs more ranks, give them
+        cp = [max(1 << max(0, math.ceil(math.log2(s / capacity))), limits.smallest(s) or spec.sp_sizes[-1])
+              for s in lens.tolist()]
+        work = (lens.astype(float) ** 2) / np.asarray(cp)
+
+        def rows(k: int, ids: list[int], capacity: int = capacity) -> list[list[int]]:
+            return [[ids[j] for j in row] for row in pack_rows(lens[ids], max(capacity * k, int(lens[ids].max())))]
+
+        try:
+            return _sized_plan(lens, cp, work, rows, spec, "megatron_hybrid_cp")
+        except InfeasibleError as exc:
+            last = exc
+    raise last
+
+
+def dcp_bucket(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
+    lens = np.asarray(lengths, dtype=np.int64)
+    bucket = np.ceil(np.log2(lens)).astype(int)
+    size = np.zeros(len(lens), dtype=int)
+    per_seq = np.zeros(len(lens))
+    batch: dict[int, int] = {}
+    for b in np.unique(bucket):
+        top = int(lens[bucket == b].max())
+        times = {k: sequence_ms(np.array([top]), k, spec, "packed")[0] * k for k in spec.sp_sizes}
+        k = min(times, key=lambda k: (times[k], k))  # the best profiled time per device
+        if not np.isfinite(times[k]):
+            raise InfeasibleError(f"dcp_bucket: sequences of length {top} fit in no group of {spec.sp_sizes}")
+        size[bucket == b] = k
+        per_seq[bucket == b] = times[k] / k
+        batch[int(b)] = _largest(lambda n: _fits_somehow(spec, [top] * n, "packed", sp=k), 1, 64)
+    return _sized_plan(lens, size.tolist(), per_seq, lambda k, ids: _buckets_in_batches(ids, bucket, batch), spec,
+                       "dcp_bucket")
+
+
+def _buckets_in_batches(ids: list[int], bucket: np.ndarray, batch: dict[int, int]) -> list[list[int]]:
+    """A group's sequences, bucket by bucket, in micro-batches of the bucket's batch size."""
+    out = []
+    for b in sorted({int(bucket[i]) for i in ids}, reverse=True):
+        members = [i for i in ids if bucket[i] == b]
+        out += [members[j:j + batch[b]] for j in range(0, len(members), batch[b])]
+    return out
+
+
+def _sized_plan(lens: np.ndarray, size: Sequence[int], work: np.ndarray, cut: Callable[[int, list[int]], list[list[int]]],
+                spec: PlannerSpec, method: str) -> StepPlan:
+    """A size per sequence: columns shared out by each size's work (times its size), sequences of a
+    size spread over its groups by work (largest first onto the least loaded), each group's cut
+    into micro-batches by ``cut``, one recompute mode for the step, plain 1F1B in order."""
+    size = list(size)
+    present = sorted(set(size), reverse=True)
+    while sum(present) > spec.dp and len(present) > 1:  # too few columns for a group of each: promote the smallest
+        small, up = present[-1], present[-2]
+        size = [up if k == small else k for k in size]
+        present.pop()
+    if sum(present) > spec.dp:
+        raise InfeasibleError(f"{method}: a group of {present[0]} needs more than the {spec.dp} columns")
+    load = {k: float(sum(w * k for w, s in zip(work, size) if s == k)) for k in present}
+    columns = {k: k for k in present}
+    while sum(columns.values()) < spec.dp:
+        left = spec.dp - sum(columns.values())
+        k = max((k for k in present if k <= left), key=lambda k: (load[k] / columns[k], k))
+        columns[k] += k
+    grouping = [k for k in present for _ in range(columns[k] // k)]
+    loads = [0.0] * len(grouping)
+    members: list[list[int]] = [[] for _ in grouping]
+    for i in sorted(range(len(lens)), key=lambda i: (-work[i], i)):
+        g = min((g for g, k in enumerate(grouping) if k == size[i]), key=lambda g: (loads[g], g))
+        loads[g] += work[i]
+        members[g].append(i)
+    if any(not m for m in members):
+        raise InfeasibleError(f"{method}: {len(lens)} sequences leave a group of {grouping} without work")
+    cuts = [(k, cut(k, ids)) for k, ids in zip(grouping, members)]
+    flat = [row for _, rows in cuts for row in rows]
+    priced = iter(_uniform(flat, lens, spec, "packed", method, sp=[k for k, rows in cuts for _ in rows]))
+    replicas = [schedule_replica([next(priced) for _ in rows], spec, first=first, size=k, adaptive=False)
+                for (k, rows), first in zip(cuts, aligned_firsts(grouping))]
+    return StepPlan(method, "packed", tuple(replicas), spec.update_ms)
+
+
 BASELINES = ("fixed_padding", "token_budget", "packing_full", "packing_varlen")
+SP_BASELINES = ("fixed_sp", "megatron_hybrid_cp", "dcp_bucket")
 
 
 def plan_baseline(name: str, lengths: Sequence[int], spec: PlannerSpec, max_len: int) -> StepPlan:
+    if name == "fixed_sp":
+        return fixed_sp(lengths, spec)
+    if name == "megatron_hybrid_cp":
+        return megatron_hybrid_cp(lengths, spec)
+    if name == "dcp_bucket":
+        return dcp_bucket(lengths, spec)
     if name == "fixed_padding":
         return fixed_padding(lengths, spec, max_len)
     if name == "token_budget":
         return token_budget(lengths, spec)
     if name in ("packing_full", "packing_varlen"):
         return packing(lengths, spec, max_len, varlen=name == "packing_varlen")
-    raise ValueError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}")
+    raise ValueError(f"unknown baseline {name!r}; known: {', '.join(BASELINES + SP_BASELINES)}")

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..cost.model import Features, Layout, Recompute, StageSpec, round_up
 from ..cost.native import core
+from ..cost.sequence_parallel import LayerComm
 from ..cost.table import TableCostModel, evaluate_stage
 
 THIN = 0.02  # keep a t_max candidate only if it is 2% above the last kept one
@@ -62,7 +63,8 @@ class StageMemory:
 
 def run_costs(
     lens: np.ndarray, cost: TableCostModel, layout: Layout, recomputes: Sequence[Recompute],
-    stages: Sequence[StageSpec], memory: Sequence[StageMemory], tp: int = 1,
+    stages: Sequence[StageSpec], memory: Sequence[StageMemory], tp: int = 1, sp: int = 1,
+    comm: Sequence[LayerComm] | None = None,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """For each start i: times and mode indices of runs [i, i+1), [i, i+2), ... while feasible.
 
@@ -79,10 +81,12 @@ def run_costs(
             s = int(lens[j - 1])
             total, square, longest = total + s, square + s * s, max(longest, s)
             if layout == "packed":
-                f = Features(float(total), float(square), longest)
+                width = round_up(total, sp)
+                fill = width - total
+                f = Features(float(width) / sp, float(square + fill * fill) / sp, longest)
             else:
-                width = round_up(longest, cost.pad_multiple)
-                f = Features(float((j - i) * width), float((j - i) * width * width), width)
+                width = round_up(round_up(longest, cost.pad_multiple), sp)
+                f = Features(float((j - i) * width) / sp, float((j - i) * width * width) / sp, width)
             best, best_mode = np.inf, -1
             for mi, table in enumerate(tables):
                 if not (cost.allow_extrapolation or table.covers(f.slots, f.max_len)):
@@ -93,7 +97,9 @@ def run_costs(
                     if not mem.fits(c.stored_bytes, c.peak_bytes):
                         fits = False
                         break
-                    t = max(t, c.forward_ms + c.backward_ms)
+                    extra = 0.0 if comm is None else spec.num_layers * (comm[mi].forward_ms(f.slots)
+                                                                        + comm[mi].backward_ms(f.slots))
+                    t = max(t, c.forward_ms + c.backward_ms + extra)
                 if fits and t < best:
                     best, best_mode = t, mi
             if best_mode < 0:
@@ -152,7 +158,7 @@ def partition_dp(times: list[np.ndarray], t_max: float, dp: int) -> tuple[float,
 def partition(
     lens: Sequence[int], cost: TableCostModel, *, layout: Layout, stages: Sequence[StageSpec],
     memory: Sequence[StageMemory], dp: int = 1, recomputes: Sequence[Recompute] = ("none", "selective", "full"),
-    tp: int = 1, native: bool = True,
+    tp: int = 1, native: bool = True, sp: int = 1, comm: Sequence[LayerComm] | None = None,
 ) -> Partition:
     """The DP over the longest-first order (C++ when built and ``native``; same result either way)."""
     arr = np.asarray(lens, dtype=np.int64)
@@ -163,7 +169,7 @@ def partition(
     order = np.argsort(-arr, kind="stable")
     sorted_lens = arr[order]
     pp = len(stages)
-    if native and core is not None:
+    if native and core is not None and sp == 1:
         tables = [cost.native(layout, r, tp) for r in recomputes]
         specs = [(s.num_layers, s.first, s.last) for s in stages]
         mems = [(m.budget, m.in_flight) for m in memory]
@@ -173,7 +179,7 @@ def partition(
         if not ok:
             _no_even_split(len(arr), dp)
         return Partition(tuple(int(x) for x in order), tuple(bounds), tuple(recomputes[m] for m in modes), layout, t_max, obj)
-    times, modes = run_costs(sorted_lens, cost, layout, recomputes, stages, memory, tp)
+    times, modes = run_costs(sorted_lens, cost, layout, recomputes, stages, memory, tp, sp, comm)
     for i, t in enumerate(times):
         if len(t) == 0:
             _infeasible(arr, order, i, layout, memory)

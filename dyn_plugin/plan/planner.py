@@ -7,7 +7,7 @@ Baselines (baselines.py) go through the same pricing and simulation, so they com
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -45,7 +45,7 @@ class PlannerSpec:
     row_len: int | None = None  # fixed-length packing rows (the max sequence length) tried as a candidate
     schedule: str = "auto"  # pipeline.schedule: auto | adaptive | 1f1b
     update_ms: float = 0.0  # gradient all-reduce + optimizer step after the last micro-batch
-    sp_sizes: tuple[int, ...] = (1,)  # sequence-parallel group sizes allowed (1 = DynaPipe alone)
+    sp_sizes: tuple[int, ...] = (1,)  # sequence-parallel group sizes allowed ((1,) = DynaPipe alone)
     sp_attention: str = "auto"  # ulysses | ring | auto
     pyramid: bool = False  # checkpoint per micro-batch only as many layers as memory needs
     equal_counts: bool = False  # every rank runs the same number of micro-batches (ZeRO-2/3, or balance = intra)
@@ -289,20 +289,27 @@ def schedule_replicas(
     else:
         groups = [list(range(r, len(micro_batches), spec.dp)) for r in range(spec.dp)]
     replicas = []
-    budget = [m.budget for m in spec.memory]
     for r, g in enumerate(groups):
         mbs = tuple(micro_batches[i] for i in g)
         if not mbs:
             raise ValueError(f"{method}: a data-parallel replica got no micro-batch ({len(micro_batches)} for dp={spec.dp})")
-        if adaptive:
-            schedule, sim = choose_schedule(mbs, spec.link, memory_budget=budget, seed=spec.seed, candidates=4,
-                                            policy=spec.schedule)
-            mbs, sim = relax_recompute(mbs, schedule, sim, spec)
-        else:
-            schedule = one_f_one_b(len(mbs), spec.pp)
-            sim = simulate(mbs, schedule, spec.link)
-        replicas.append(ReplicaPlan(mbs, schedule, sim, first=r))
+        replicas.append(schedule_replica(mbs, spec, first=r, adaptive=adaptive))
     return StepPlan(method, micro_batches[0].layout, tuple(replicas), spec.update_ms)
+
+
+def schedule_replica(mbs: Sequence[MicroBatch], spec: PlannerSpec, *, first: int, size: int = 1,
+                     adaptive: bool = True) -> ReplicaPlan:
+    """One replica's pipeline: the schedule searched by simulation within the memory budget,
+    then recompute relaxed where it leaves memory spare (or plain 1F1B in the given order)."""
+    mbs = tuple(mbs)
+    if adaptive:
+        schedule, sim = choose_schedule(mbs, spec.link, memory_budget=[m.budget for m in spec.memory], seed=spec.seed,
+                                        candidates=4, policy=spec.schedule)
+        mbs, sim = relax_recompute(mbs, schedule, sim, spec)
+    else:
+        schedule = one_f_one_b(len(mbs), spec.pp)
+        sim = simulate(mbs, schedule, spec.link)
+    return ReplicaPlan(mbs, schedule, sim, first=first, size=size)
 
 
 def relax_recompute(
@@ -321,7 +328,8 @@ def relax_recompute(
     current = list(mbs)
     for i in sorted(range(len(current)), key=lambda i: -current[i].time_ms):
         for rc in cheaper[current[i].recompute]:
-            candidate = make_micro_batch(current[i].sample_ids, _lengths_of(current[i]), spec, current[i].layout, rc)
+            candidate = make_micro_batch(current[i].sample_ids, _lengths_of(current[i]), spec, current[i].layout, rc,
+                                         sp=current[i].sp)
             if not in_range(candidate, spec):
                 continue
             trial = current[:i] + [candidate] + current[i + 1:]
@@ -349,14 +357,29 @@ def _lengths_of(mb: MicroBatch) -> dict[int, int]:
     return dict(zip(mb.sample_ids, mb.seq_lens))
 
 
-def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True) -> StepPlan:
+def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True,
+              grouping: Sequence[int] | None = None) -> StepPlan:
     """The plugin's plan for one global batch.
 
     Candidates: the DP partition for each allowed layout and, with packing allowed, fixed-length
     rows (first-fit decreasing into rows of ``spec.row_len``) given the planner's own recompute,
     balancing and schedule search. Rows of similar size pipeline with small bubbles where the
     DP's contiguous runs leave one long micro-batch holding up the rest; the simulation decides.
+    With sequence parallelism (``spec.sp_sizes`` other than (1,)) the plans over groupings of the
+    columns (groups.py) compete with these where size 1 is allowed; ``grouping`` forces one
+    grouping (sizes in column order).
     """
+    if grouping is not None or spec.sp_sizes != (1,):
+        from .groups import plan_groups  # groups.py builds on this module
+
+        grouped = plan_groups(lengths, spec, native=native, grouping=grouping)
+        if grouping is not None or 1 not in spec.sp_sizes:
+            return grouped
+        try:
+            plain = plan_step(lengths, replace(spec, sp_sizes=(1,)), native=native)
+        except ValueError:  # a sequence fits no single rank, or too few for every rank: only grouped plans run
+            return grouped
+        return grouped if grouped.iteration_ms < plain.iteration_ms else plain
     candidates: list[list[MicroBatch]] = []
     for layout in spec.layouts:
         part = partition(lengths, spec.cost, layout=layout, stages=spec.stages, memory=spec.memory, dp=spec.dp,
@@ -411,14 +434,13 @@ def ideal_ms(lengths: Sequence[int], spec: PlannerSpec) -> float:
 
 def critical_path_ms(lengths: Sequence[int], spec: PlannerSpec) -> float:
     """A lower bound no plan can beat: the longest sequence alone, in the cheapest recompute mode
-    it fits in, must still pass forward through every stage and backward through every stage,
-    and the update follows."""
+    and group size it fits in, must still pass forward through every stage and backward through
+    every stage, and the update follows."""
     longest = int(max(lengths))
     best = float("inf")
-    for layout in spec.layouts:
-        for rc in spec.recomputes:
-            mb = make_micro_batch([0], [longest], spec, layout, rc)
-            if all(p <= m.budget for p, m in zip(mb.peak_bytes, spec.memory)):
-                hops = 2 * (spec.pp - 1) * spec.link.transfer_ms(mb.activation_bytes)
-                best = min(best, sum(mb.forward_ms) + sum(mb.backward_ms) + hops)
+    for layout, rc, sp in ((l, r, k) for l in spec.layouts for r in spec.recomputes for k in spec.sp_sizes):
+        mb = make_micro_batch([0], [longest], spec, layout, rc, sp=sp)
+        if all(p <= m.budget for p, m in zip(mb.peak_bytes, spec.memory)):
+            hops = 2 * (spec.pp - 1) * spec.link.transfer_ms(mb.activation_bytes)
+            best = min(best, sum(mb.forward_ms) + sum(mb.backward_ms) + hops)
     return best + spec.update_ms

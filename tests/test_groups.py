@@ -1,0 +1,119 @@
+"""Dynamic sequence parallelism in the planner: groupings, per-group plans, the SP baselines."""
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from dyn_plugin.config import DynPluginConfig
+from dyn_plugin.cost.profile import cost_model_from_profile
+from dyn_plugin.lengths.io import load_lengths
+from dyn_plugin.plan.baselines import SP_BASELINES, plan_baseline
+from dyn_plugin.plan.groups import aligned_firsts, groupings
+from dyn_plugin.plan.instructions import check_plans
+from dyn_plugin.plan.microbatch import InfeasibleError
+from dyn_plugin.plan.planner import execution_plans, ideal_ms, plan_step, planner_spec
+from dyn_plugin.profiles import load_bundled
+from dyn_plugin.runtime.sampler import global_batches
+
+COST = replace(cost_model_from_profile(load_bundled("a100-gpt-6.7b")), num_heads=32, num_kv_heads=32)
+CODE = load_lengths("code")
+
+
+def spec_for(dp: int, *, pp: int = 4, sp: bool = True, max_len: int = 8192, zero_stage: int = 1, cost=COST, **section):
+    cfg = DynPluginConfig.model_validate({
+        "pipeline": {"stages": pp}, "microbatching": {"max_seq_len": max_len},
+        "sequence_parallel": {"enabled": sp, **section},
+        "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
+    })
+    return planner_spec(cost, cfg, dp=dp, zero_stage=zero_stage)
+
+
+def batches(tokens: int, count: int, max_len: int = 8192) -> list[list[int]]:
+    lengths = np.minimum(CODE, max_len)
+    return [[int(lengths[i]) for i in b] for b in global_batches(lengths, tokens, count, seed=0)]
+
+
+def test_groupings_are_aligned_and_complete():
+    assert groupings(4, (1, 2, 4), need=1) == [(4,), (2, 2), (2, 1, 1), (1, 1, 1, 1)]
+    assert groupings(4, (1, 2, 4), need=2) == [(4,), (2, 2), (2, 1, 1)]
+    assert groupings(3, (1, 2), need=2) == [(2, 1)]
+    assert aligned_firsts((1, 1, 2)) == [0, 1, 2]
+    with pytest.raises(ValueError, match="start at a multiple of their size"):
+        aligned_firsts((1, 2, 1))
+
+
+def check_plan(plan, batch, spec):
+    ids = sorted(i for mb in plan.micro_batches for i in mb.sample_ids)
+    assert ids == list(range(len(batch))), "every sample exactly once"
+    assert plan.columns == spec.dp
+    for rep in plan.replicas:
+        assert rep.first % rep.size == 0
+        assert all(mb.sp == rep.size for mb in rep.micro_batches)
+        assert all(p <= m.budget * (1 + 1e-9) for p, m in zip(rep.sim.peak_bytes, spec.memory))
+        for mb in rep.micro_batches:
+            assert mb.shape[1] % mb.sp == 0 and mb.local_shape == (mb.shape[0], mb.shape[1] // mb.sp)
+    plans = execution_plans(plan, spec.hidden_size)
+    assert sorted(plans) == [(c, s) for c in range(spec.dp) for s in range(spec.pp)]
+    check_plans(list(plans.values()), rendezvous=True)
+    for (c, s), ep in plans.items():
+        assert ep.rank == s * spec.dp + c and ep.replica == c
+        for desc in ep.micro_batches:
+            assert desc["group"] <= c < desc["group"] + desc["sp"]
+
+
+def test_sp_plans_are_complete_and_never_slower_than_dynapipe():
+    sp, plain = spec_for(2), spec_for(2, sp=False)
+    for batch in batches(65536, 2):
+        plan = plan_step(batch, sp)
+        check_plan(plan, batch, sp)
+        assert plan.iteration_ms <= plan_step(batch, plain).iteration_ms
+        assert plan.iteration_ms >= ideal_ms(batch, sp)
+
+
+def test_forced_groupings_and_equal_counts():
+    spec = spec_for(4, pp=2, zero_stage=2)
+    assert spec.equal_counts
+    batch = batches(65536, 1)[0]
+    for grouping in [(4,), (2, 1, 1), (1, 1, 2), (2, 2)]:
+        plan = plan_step(batch, spec, grouping=grouping)
+        assert plan.group_sizes == grouping
+        check_plan(plan, batch, spec)
+        assert len({len(r.micro_batches) for r in plan.replicas}) == 1, "ZeRO-2/3: one count on every rank"
+
+
+def test_variable_counts_per_group_with_inter_balancing():
+    spec = spec_for(4, pp=2, balance="inter")
+    plan = plan_step(batches(65536, 1)[0], spec, grouping=(2, 1, 1))
+    assert len({len(r.micro_batches) for r in plan.replicas}) > 1  # DCP-inter: accumulation differs per group
+
+
+def test_sequences_no_rank_holds_run_split_and_extrapolation_is_flagged():
+    cost = replace(COST, allow_extrapolation=True)
+    long = [30000, 2000, 1500, 900, 700, 400] * 2
+    with pytest.raises(InfeasibleError):
+        plan_step(long, spec_for(8, sp=False, max_len=32768, cost=cost))
+    spec = spec_for(8, max_len=32768, cost=cost)
+    plan = plan_step(long, spec)
+    check_plan(plan, long, spec)
+    big = [mb for mb in plan.micro_batches if 30000 in mb.seq_lens]
+    assert big[0].sp >= 2 and big[0].extrapolated  # the tables stop at 8192 tokens
+    assert plan.extrapolated >= 1
+    with pytest.raises(InfeasibleError, match="no plan runs this batch"):
+        plan_step(long, spec_for(8, max_len=32768, cost=cost, sizes=[1, 2]))
+
+
+def test_ulysses_needs_heads_divisible():
+    cost = replace(COST, num_heads=12, num_kv_heads=12)
+    with pytest.raises(ValueError, match="do not divide by 8"):
+        spec_for(8, cost=cost, attention="ulysses")
+    spec = spec_for(8, cost=cost)  # auto: ring where Ulysses cannot split the heads
+    assert spec.layer_comm(8, "none").forward[1] > 0
+
+
+@pytest.mark.parametrize("method", SP_BASELINES)
+def test_sp_baselines_are_complete_and_slower(method):
+    spec = spec_for(2)
+    for batch in batches(65536, 2):
+        base = plan_baseline(method, batch, spec, 8192)
+        check_plan(base, batch, spec)
+        assert plan_step(batch, spec).iteration_ms <= base.iteration_ms * (1 + 1e-9)
