@@ -189,8 +189,10 @@ def _check_sequence_parallel(cfg: LoadedConfig) -> None:
     check_deepspeed_config(cfg.deepspeed)
     pp = cfg.plugin.pipeline.stages
     if pp > 1:
-        raise ValueError(f"sequence_parallel.enabled with pipeline.stages = {pp}: the DeepSpeed adapter runs "
-                         "sequence-parallel groups in its data-parallel path only; use pipeline.stages = 1")
+        raise ValueError(f"sequence_parallel.enabled with pipeline.stages = {pp}: the plugin's pipeline engine does "
+                         "not run sequence-parallel groups (each stage would enter its group's shard around every "
+                         "forward and backward); train with pipeline.stages = 1, or plan and simulate such runs with "
+                         "`dynplugin plan`")
     balance = cfg.plugin.sequence_parallel.balance
     if cfg.zero_stage >= 2 and balance == "inter":
         raise ValueError(f"sequence_parallel.balance = 'inter' with zero_optimization.stage = {cfg.zero_stage}: groups "
