@@ -89,8 +89,11 @@ def _cost_model(cfg: LoadedConfig, model: torch.nn.Module) -> TableCostModel:
     if cm.kind == "analytic" and cm.model is None:
         cm = cm.model_copy(update={"model": model_shape(model)})
     cost = build_cost_model(cm, cfg.plugin.cluster)
-    if cost.hidden_size is None:  # a profile that does not record it: the live model does
-        cost.hidden_size = model_shape(model).hidden_size
+    if cost.hidden_size is None or cost.num_heads is None:  # a profile that does not record them: the live model does
+        shape = model_shape(model)
+        cost.hidden_size = cost.hidden_size or shape.hidden_size
+        if cost.num_heads is None:
+            cost.num_heads, cost.num_kv_heads = shape.num_heads, shape.num_kv_heads
     return cost
 
 

@@ -4,7 +4,6 @@ for the plugin's pipeline engine at pp=2 and pp=2 x dp=2."""
 import json
 
 import pytest
-
 from ranks import run
 
 EXACT = 1e-7  # plan vs single-process reference, fp32: equal up to the order floats are summed in
@@ -111,3 +110,20 @@ def test_bench_train_runs_the_comparison(tmp_path, capsys):
                            "--modes", "dyn_plugin"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert [r["mode"] for r in json.loads((tmp_path / "ds" / "summary.json").read_text())] == ["dyn_plugin"]
+
+
+def test_cost_model_takes_the_heads_a_profile_lacks_from_the_live_model(tmp_path):
+    """A version 2 profile of imported tables records no heads: the model being trained says."""
+    from deepspeed_ext import _cost_model
+    from dyn_plugin.config import load_config
+    from dyn_plugin.models.hf import PRESETS, build_causal_lm
+    from dyn_plugin.profiles import DIR
+
+    raw = json.loads((DIR / "a100-gpt-6.7b.json").read_text())
+    raw["version"], raw["model"]["num_heads"] = 2, None
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(raw))
+    cfg = load_config({"fp16": {"enabled": True},
+                       "dyn_plugin": {"cost_model": {"kind": "profile", "profile": str(path)}}})
+    cost = _cost_model(cfg, build_causal_lm(PRESETS["tiny-llama"], num_layers=1))
+    assert (cost.num_heads, cost.num_kv_heads, cost.hidden_size) == (4, 2, 4096)  # width: the profile's own

@@ -19,10 +19,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..cost.model import LAYOUTS, RECOMPUTES, Layout, Precision, Recompute, features, round_up
-from ..cost.profile import SCHEMA, VERSION, ModelInfo, Profile, Sample, UpdateSamples, fit_tables
+from ..cost.profile import SCHEMA, VERSION, CollectiveSamples, ModelInfo, Profile, Sample, UpdateSamples, fit_tables
 from ..models.recompute import RecomputeSwitch, decoder_layers
 from .allocator import stable_cpu_allocator
-from .collective import measure_allreduce
+from .collective import measure_collectives
 from .device import Target, measures
 from .optimizer import measure_optimizer
 from .shadow import ShadowLoad
@@ -160,9 +160,9 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
 
     ``ranks`` > 1 measures as one of that many training ranks on this host: on CPU, ranks-1
     processes train the same model beside it while it times (shadow.py); the gradient all-reduce
-    is measured among ``ranks`` processes (on CUDA, one per GPU: with fewer GPUs than ranks it is
-    left unmeasured and priced from the cluster's link); the optimizer step is measured in every
-    case (update.py).
+    and sequence parallelism's all-to-all and ring exchange are measured among ``ranks``
+    processes (on CUDA, one per GPU: with fewer GPUs than ranks they are left unmeasured and
+    priced from the cluster's link); the optimizer step is measured in every case (update.py).
     """
     import torch
     from tqdm import tqdm
@@ -221,13 +221,16 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
     grad_bytes = Precision.of(target.dtype).grad * (params["embedding"] + params["head"]
                                                     + params["layer"] * _full_depth(model_cfg))
     backend = "nccl" if cuda else "gloo"
-    allreduce = []
+    measured = {}
     if ranks > 1 and cuda and torch.cuda.device_count() < ranks:
-        logger.warning("all-reduce not measured: it needs %d GPUs on this host (one per rank), %d found; the cost "
-                       "model prices it from the cluster's link bandwidth", ranks, torch.cuda.device_count())
+        logger.warning("collectives not measured: they need %d GPUs on this host (one per rank), %d found; the "
+                       "cost model prices them from the cluster's link bandwidth", ranks, torch.cuda.device_count())
     elif ranks > 1:
-        allreduce = measure_allreduce(ranks, [1 << 20, 4 << 20, int(grad_bytes)], repeats=grid.repeats,
-                                      threads=threads, backend=backend)
+        # attention collectives move a few activations' worth per layer: tens of KB to MBs per rank
+        attention = [1 << 16, 1 << 20, 4 << 20]
+        measured = measure_collectives(ranks, {"allreduce": [1 << 20, 4 << 20, int(grad_bytes)],
+                                               "alltoall": attention, "p2p": attention},
+                                       repeats=grid.repeats, threads=threads, backend=backend)
     samples: list[Sample] = []
     for (layout, lens, rc, depth), job, (fwd, bwd) in zip(keys, jobs, times):
         stored, peak = _memory(job.model, *job.inputs)
@@ -242,6 +245,8 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
         version=VERSION,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         model=ModelInfo(name=name, num_layers=_full_depth(model_cfg), hidden_size=ref.config.hidden_size,
+                        num_heads=ref.config.num_attention_heads,
+                        num_kv_heads=getattr(ref.config, "num_key_value_heads", None),
                         params=params, dtype=target.dtype, config=model_cfg),
         device=target.info(),
         pad_multiple=pad,
@@ -249,7 +254,9 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
         samples=samples,
         tables=fit_tables(samples, pad),
         ranks=ranks,
-        update=UpdateSamples(backend=backend, optimizer=optimizer, allreduce=allreduce),
+        update=UpdateSamples(backend=backend, optimizer=optimizer, allreduce=measured.get("allreduce", [])),
+        collectives=CollectiveSamples(backend=backend, alltoall=measured["alltoall"], p2p=measured["p2p"])
+        if measured else None,
     )
     if held_out:
         profile = profile.model_copy(update={"validation": _score(profile, held_out, times[len(jobs):], grid.recomputes[0])})
