@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     planner.add_argument("--python-batches", type=int, default=2,
                          help="of those, how many also go through the (slow) pure-Python planner")
     planner.add_argument("--seed", type=int, default=0)
+    planner.add_argument("--no-pyramid", action="store_true",
+                         help="plan without pyramid checkpointing (every micro-batch recomputes all of its layers or "
+                              "none); by default the all-or-nothing plans are also run as dynapipe_all_or_nothing")
     loader = sub.add_parser("loader", help="loader steps/s, time each step waits for its plan (planning locally or "
                                             "ahead through a store), store round-trip latency")
     loader.add_argument("--steps", type=int, default=20)

@@ -262,6 +262,7 @@ def make_micro_batch(
         costs = [evaluate_stage(table, f, s) for s in spec.stages]
     else:
         plain = spec.cost.table(layout, "none", spec.tp)
+        extrapolated = extrapolated or not plain.covers(f.slots, f.max_len)
         costs = [evaluate_checkpointed(table, plain, f, s, c) for s, c in zip(spec.stages, counts)]
     fwd, bwd = [c.forward_ms for c in costs], [c.backward_ms for c in costs]
     if sp > 1:
@@ -298,6 +299,9 @@ def schedule_replicas(
             schedule, sim = choose_schedule(mbs, spec.link, memory_budget=budget, seed=spec.seed, candidates=4,
                                             policy=spec.schedule)
             mbs, sim = relax_recompute(mbs, schedule, sim, spec)
+            if spec.pyramid:
+                from .pyramid import fewest_checkpointed  # here, not on top: pyramid.py prices through this module
+                mbs, sim = fewest_checkpointed(mbs, schedule, sim, spec)
         else:
             schedule = one_f_one_b(len(mbs), spec.pp)
             sim = simulate(mbs, schedule, spec.link)
