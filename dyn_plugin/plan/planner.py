@@ -415,14 +415,17 @@ def ideal_ms(lengths: Sequence[int], spec: PlannerSpec) -> float:
 
 def critical_path_ms(lengths: Sequence[int], spec: PlannerSpec) -> float:
     """A lower bound no plan can beat: the longest sequence alone, in the cheapest recompute mode
-    it fits in, must still pass forward through every stage and backward through every stage,
-    and the update follows."""
+    it fits in (with pyramid checkpointing: on the fewest layers it fits with), must still pass
+    forward through every stage and backward through every stage, and the update follows."""
     longest = int(max(lengths))
     best = float("inf")
     for layout in spec.layouts:
         for rc in spec.recomputes:
             mb = make_micro_batch([0], [longest], spec, layout, rc)
             if all(p <= m.budget for p, m in zip(mb.peak_bytes, spec.memory)):
+                if spec.pyramid:  # alone, it may keep some layers' activations
+                    from .pyramid import fewest_checkpointed_alone  # here: pyramid.py prices through this module
+                    mb = fewest_checkpointed_alone(mb, spec)
                 hops = 2 * (spec.pp - 1) * spec.link.transfer_ms(mb.activation_bytes)
                 best = min(best, sum(mb.forward_ms) + sum(mb.backward_ms) + hops)
     return best + spec.update_ms

@@ -25,6 +25,7 @@ import math
 import numpy as np
 
 from .planner import PlannerSpec, in_range, make_micro_batch
+from .schedule import one_f_one_b
 from .simulator import memory_steps, simulate
 from .types import MicroBatch, Schedule, SimResult
 
@@ -60,6 +61,13 @@ def fewest_checkpointed(
     logger.warning("pyramid checkpointing left out: it would take the step from %.3f to %.3f ms or the peaks to %s, "
                    "over %s", sim.makespan_ms, result.makespan_ms, result.peak_bytes, limits)
     return mbs, sim
+
+
+def fewest_checkpointed_alone(mb: MicroBatch, spec: PlannerSpec) -> MicroBatch:
+    """``mb`` with the fewest checkpointed layers that fit each stage with nothing else in flight."""
+    schedule = one_f_one_b(1, spec.pp)
+    (alone,), _ = fewest_checkpointed((mb,), schedule, simulate([mb], schedule, spec.link), spec)
+    return alone
 
 
 def _search(mbs: tuple[MicroBatch, ...], schedule: Schedule, spec: PlannerSpec, strict: bool) -> tuple[MicroBatch, ...]:
