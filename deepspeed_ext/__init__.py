@@ -192,6 +192,7 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
     import torch.distributed as dist
 
     from deepspeed_ext.pipe_engine import PlanPipelineEngine
+    from dyn_plugin.models.recompute import planned_layers
 
     if isinstance(engine, PlanPipelineEngine):
         if timings is not None:
@@ -206,7 +207,7 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
     total = torch.zeros((), dtype=torch.float64, device=engine.device)
     recompute = _recompute_switch(engine)
     for i, (desc, mb) in enumerate(zip(step.loaded, step.micro_batches)):
-        recompute.set(desc["recompute"])
+        recompute.set(desc["recompute"], planned_layers(desc, stage=0))  # no pipeline: the one stage
         engine.set_gradient_accumulation_boundary(i == n - 1)
         inputs = {k: v.to(engine.device) for k, v in mb.items() if k in MODEL_KEYS}
         t0 = time.perf_counter()

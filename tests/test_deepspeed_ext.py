@@ -23,11 +23,13 @@ def test_exact_token_mean_step_for_every_zero_stage(tmp_path):
     for r in results:
         assert r["recompute_ran"] == r["recompute"], r  # recompute changes memory, never the gradients
     assert any(len(set(r["micro_batch_sizes"])) > 1 for r in results)  # of uneven sizes
-    # one step whose micro-batches switch recompute modes, each honoured: attention runs once per
-    # layer, twice where backward recomputes it (full: the whole layer; selective: attention only)
+    # one step whose micro-batches switch recompute modes and checkpointed layer counts (pyramid),
+    # each honoured: attention runs once per layer, twice in each layer whose backward recomputes it
+    # (full: the whole layer; selective: attention only)
     assert len(set(mixed["planned_modes"])) > 1, mixed
-    assert mixed["modes_ran"] == mixed["planned_modes"], mixed
-    assert mixed["attention_calls"] == [mixed["layers"] * (1 if m == "none" else 2) for m in mixed["planned_modes"]], mixed
+    assert mixed["modes_ran"] == mixed["planned_modes"] and mixed["counts_ran"] == mixed["planned_counts"], mixed
+    assert mixed["attention_calls"] == [mixed["layers"] + (0 if m == "none" else n)
+                                        for m, n in zip(mixed["planned_modes"], mixed["planned_counts"])], mixed
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["pp2", "pp2xdp2"])
@@ -46,6 +48,12 @@ def test_pipeline_engine_runs_the_plan_exactly(tmp_path, world):
         assert r["params_compared"] == r["params"] * r["dp"], r  # every parameter, on the stage that holds it
         assert r["samples"] == r["distinct"] == r["global_batch"], r  # each sample once, over all replicas, 2 steps
         assert r["micro_batches"] > 1, r
+        # each forward and backward ran its micro-batch's mode on the count planned for its stage
+        if r["recompute"] == "none":
+            assert all(ran == 0 for _, ran, _ in r["pyramid"]), r
+        else:
+            assert all(ran == planned and planned is not None for planned, ran, _ in r["pyramid"]), r
+            assert any(0 < planned < layers for planned, _, layers in r["pyramid"]), r  # partial counts ran
     assert any(len(set(r["sizes"])) > 1 for r in results)  # of uneven sizes
 
 

@@ -131,6 +131,11 @@ def print_summary(profile) -> None:
     if v:
         print(f"held-out: {v['count']} random micro-batches through the {v['num_layers']}-layer model "
               f"({v['recompute']} recompute): step-time error mean {v['mape']:.1%}, max {v['max_ape']:.1%}")
+    pyr = profile.pyramid
+    if pyr:
+        counts = "/".join(str(c["checkpointed"]) for c in pyr["cases"])
+        print(f"pyramid: peak memory with {counts} of {pyr['num_layers']} layers under {pyr['recompute']} recompute, "
+              f"predicted within {pyr['max_error']:.1%} of measured")
 
 
 def run_import(args: argparse.Namespace) -> int:

@@ -130,6 +130,9 @@ class Profile(_Record):
         "on padded batches only, with kernels whose cost follows tokens and sum(s_i^2), as varlen attention does",
     )
     validation: dict[str, Any] | None = Field(default=None, description="held-out check of the fit, if one was run")
+    pyramid: dict[str, Any] | None = Field(
+        default=None, description="peak activation memory of one micro-batch at several checkpointed-layer counts, "
+        "measured against the fit's prediction, if checked")
     ranks: int = Field(default=1, ge=1, description="processes training side by side while measuring: the profiled "
                        "one and ranks-1 load processes (ranks on one host slow each other down)")
     update: UpdateSamples | None = Field(default=None, description="gradient all-reduce and optimizer step, measured")

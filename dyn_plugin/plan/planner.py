@@ -262,6 +262,7 @@ def make_micro_batch(
         costs = [evaluate_stage(table, f, s) for s in spec.stages]
     else:
         plain = spec.cost.table(layout, "none", spec.tp)
+        extrapolated = extrapolated or not plain.covers(f.slots, f.max_len)
         costs = [evaluate_checkpointed(table, plain, f, s, c) for s, c in zip(spec.stages, counts)]
     fwd, bwd = [c.forward_ms for c in costs], [c.backward_ms for c in costs]
     if sp > 1:
@@ -300,12 +301,16 @@ def schedule_replicas(
 def schedule_replica(mbs: Sequence[MicroBatch], spec: PlannerSpec, *, first: int, size: int = 1,
                      adaptive: bool = True) -> ReplicaPlan:
     """One replica's pipeline: the schedule searched by simulation within the memory budget,
-    then recompute relaxed where it leaves memory spare (or plain 1F1B in the given order)."""
+    then recompute relaxed where it leaves memory spare, by whole micro-batches and then (pyramid
+    checkpointing) by layers; or plain 1F1B in the given order."""
     mbs = tuple(mbs)
     if adaptive:
         schedule, sim = choose_schedule(mbs, spec.link, memory_budget=[m.budget for m in spec.memory], seed=spec.seed,
                                         candidates=4, policy=spec.schedule)
         mbs, sim = relax_recompute(mbs, schedule, sim, spec)
+        if spec.pyramid:
+            from .pyramid import fewest_checkpointed  # here, not on top: pyramid.py prices through this module
+            mbs, sim = fewest_checkpointed(mbs, schedule, sim, spec)
     else:
         schedule = one_f_one_b(len(mbs), spec.pp)
         sim = simulate(mbs, schedule, spec.link)
@@ -434,13 +439,16 @@ def ideal_ms(lengths: Sequence[int], spec: PlannerSpec) -> float:
 
 def critical_path_ms(lengths: Sequence[int], spec: PlannerSpec) -> float:
     """A lower bound no plan can beat: the longest sequence alone, in the cheapest recompute mode
-    and group size it fits in, must still pass forward through every stage and backward through
-    every stage, and the update follows."""
+    and group size it fits in (with pyramid checkpointing: on the fewest layers it fits with), must
+    still pass forward through every stage and backward through every stage, and the update follows."""
     longest = int(max(lengths))
     best = float("inf")
     for layout, rc, sp in ((l, r, k) for l in spec.layouts for r in spec.recomputes for k in spec.sp_sizes):
         mb = make_micro_batch([0], [longest], spec, layout, rc, sp=sp)
         if all(p <= m.budget for p, m in zip(mb.peak_bytes, spec.memory)):
+            if spec.pyramid:  # alone, it may keep some layers' activations
+                from .pyramid import fewest_checkpointed_alone  # here: pyramid.py prices through this module
+                mb = fewest_checkpointed_alone(mb, spec)
             hops = 2 * (spec.pp - 1) * spec.link.transfer_ms(mb.activation_bytes)
             best = min(best, sum(mb.forward_ms) + sum(mb.backward_ms) + hops)
     return best + spec.update_ms
