@@ -21,7 +21,7 @@ from .assign import assign_to_replicas, split_for_replicas
 from .instructions import ExecutionPlan, build_execution_plans
 from .microbatch import StageMemory, partition
 from .schedule import choose_schedule, one_f_one_b
-from .simulator import simulate
+from .simulator import simulate, stage_peak_bytes
 from .types import LinkSpec, MicroBatch, Schedule, SimResult
 
 MB = 1 << 20
@@ -327,22 +327,35 @@ def relax_recompute(
     the schedule fixed, the simulator knows each stage's true peak: try each micro-batch in a
     cheaper mode (most time saved first) and keep the change if every stage still fits and the
     step got no slower, as DCP's pyramid checkpointing spends spare memory on less recompute.
+
+    A stage's peak depends on its op order only (``stage_peak_bytes``), and with the order fixed
+    no op getting shorter can lengthen the step: a change that shortens every op needs no
+    simulation, only the others do (fitted tables may price one op of a cheaper mode slower).
     """
     budget = [m.budget for m in spec.memory]
     cheaper = {rc: spec.recomputes[: spec.recomputes.index(rc)] for rc in spec.recomputes}
     current = list(mbs)
+    stale = False  # sim no longer describes current (changes accepted without simulating)
     for i in sorted(range(len(current)), key=lambda i: -current[i].time_ms):
         for rc in cheaper[current[i].recompute]:
-            candidate = make_micro_batch(current[i].sample_ids, _lengths_of(current[i]), spec, current[i].layout, rc,
-                                         sp=current[i].sp)
+            old = current[i]
+            candidate = make_micro_batch(old.sample_ids, _lengths_of(old), spec, old.layout, rc, sp=old.sp)
             if not in_range(candidate, spec):
                 continue
             trial = current[:i] + [candidate] + current[i + 1:]
+            if any(stage_peak_bytes(trial, ops, s) > budget[s] for s, ops in enumerate(schedule.stages)):
+                continue
+            if all(nf <= f and nb <= b for nf, f, nb, b in zip(candidate.forward_ms, old.forward_ms,
+                                                               candidate.backward_ms, old.backward_ms)):
+                current, stale = trial, True
+                break
+            if stale:
+                sim, stale = simulate(current, schedule, spec.link), False
             result = simulate(trial, schedule, spec.link)
-            if all(p <= b for p, b in zip(result.peak_bytes, budget)) and result.makespan_ms <= sim.makespan_ms:
+            if result.makespan_ms <= sim.makespan_ms:
                 current, sim = trial, result
                 break
-    return tuple(current), sim
+    return tuple(current), simulate(current, schedule, spec.link) if stale else sim
 
 
 def in_range(mb: MicroBatch, spec: PlannerSpec) -> bool:
