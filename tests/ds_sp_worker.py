@@ -27,7 +27,6 @@ import deepspeed  # noqa: E402
 from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
 from ranks import finish  # noqa: E402
 
-from dyn_plugin.cost.model import RECOMPUTES  # noqa: E402
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
 from dyn_plugin.plan.planner import ReplicaPlan, StepPlan, make_micro_batch, plan_step  # noqa: E402
 from dyn_plugin.plan.schedule import one_f_one_b  # noqa: E402
@@ -35,15 +34,18 @@ from dyn_plugin.plan.simulator import simulate  # noqa: E402
 from dyn_plugin.runtime import planning  # noqa: E402
 
 PER_GROUP = 2  # micro-batches per group: equal counts, as ZeRO-2/3 need
+# (recompute, checkpointed layers of the one stage) by micro-batch index: whole-stage modes and a
+# pyramid count (the first of MODEL's 2 layers under selective recompute, the other with none)
+MODES = (("full", None), ("none", None), ("selective", (1,)))
 STEPS = 4  # of the dropout run
 
 
-def hand_plan(lens, spec, grouping, layout) -> StepPlan:
+def hand_plan(lens, spec, grouping, layout, step) -> StepPlan:
     """The global batch over groups of ``grouping`` columns: sequences longest first to the group
-    with the fewest tokens per rank, then PER_GROUP micro-batches per group, recompute modes mixed
-    (recompute in backward must re-run attention over its own micro-batch's group). Modes go by
-    micro-batch index, alike on every rank: ZeRO-3 gathers each module's parameters over all
-    ranks in the order modules run, and recompute changes that order."""
+    with the fewest tokens per rank, then PER_GROUP micro-batches per group, recompute mixed
+    (recompute in backward must re-run attention over its own micro-batch's group): MODES by step
+    and micro-batch index, alike on every rank, since ZeRO-3 gathers each module's parameters over
+    all ranks in the order modules run, and recompute changes that order."""
     load, members = [0.0] * len(grouping), [[] for _ in grouping]
     for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
         g = min(range(len(grouping)), key=lambda g: (load[g] / grouping[g], g))
@@ -53,26 +55,27 @@ def hand_plan(lens, spec, grouping, layout) -> StepPlan:
     firsts = np.cumsum((0,) + tuple(grouping[:-1]))  # laid out in order; the groupings given are aligned
     for g, (k, first) in enumerate(zip(grouping, firsts.tolist())):
         chunks = [c.tolist() for c in np.array_split(members[g], PER_GROUP)]
-        mbs = tuple(make_micro_batch(c, lens, spec, layout, RECOMPUTES[j % len(RECOMPUTES)], sp=k)
-                    for j, c in enumerate(chunks))
+        modes = [MODES[(j + step) % len(MODES)] for j in range(len(chunks))]
+        mbs = tuple(make_micro_batch(c, lens, spec, layout, rc, sp=k, checkpointed=layers)
+                    for c, (rc, layers) in zip(chunks, modes))
         schedule = one_f_one_b(len(mbs), spec.pp)
         replicas.append(ReplicaPlan(mbs, schedule, simulate(mbs, schedule, spec.link), first=first, size=k))
     return StepPlan("dynapipe", layout, tuple(replicas), spec.update_ms)
 
 
-def planner_plan(lens, spec, grouping, layout) -> StepPlan:
+def planner_plan(lens, spec, grouping, layout, step) -> StepPlan:
     """The plugin's planner, held to ``grouping`` (it picks layouts, micro-batches, recompute)."""
     return plan_step(lens, spec, grouping=grouping)
 
 
 def force_groupings(loader, steps, planner=hand_plan) -> None:
-    """Step s of the loader plans ``planner(lengths, spec, *steps[s % len(steps)])`` ((grouping,
+    """Step s of the loader plans ``planner(lengths, spec, *steps[s % len(steps)], s)`` ((grouping,
     layout) pairs), through the loader's own planning path (execution plans, checks, digests)."""
     plan = loader.context.plan
 
     def forced(epoch, step):
         saved = planning.plan_step
-        planning.plan_step = lambda lens, spec: planner(lens, spec, *steps[step % len(steps)])
+        planning.plan_step = lambda lens, spec: planner(lens, spec, *steps[step % len(steps)], step)
         try:
             return plan(epoch, step)
         finally:
@@ -102,10 +105,11 @@ def gather_objects(obj):
 
 def step_record(step) -> dict:
     """What this rank ran: its groups, (shard width, whole width, tokens of the fullest row) per
-    micro-batch, and the samples it holds shard 0 of."""
+    micro-batch, the samples it holds shard 0 of, and (recompute, checkpointed layers) per micro-batch."""
     return {"shards": step.shards, "widths": [(mb["input_ids"].shape[1], d["shape"][1], _row_tokens(d))
                                              for mb, d in zip(step.micro_batches, step.loaded)],
-            "samples": [i for (_, _, index), ids in zip(step.shards, step.sample_ids) if index == 0 for i in ids]}
+            "samples": [i for (_, _, index), ids in zip(step.shards, step.sample_ids) if index == 0 for i in ids],
+            "modes": [(d["recompute"], d["checkpointed"]) for d in step.loaded]}
 
 
 def _row_tokens(desc) -> int:

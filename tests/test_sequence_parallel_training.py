@@ -1,10 +1,11 @@
 """Sequence parallelism in DeepSpeed's data-parallel path, on CPU ranks (gloo).
 
 Steps whose micro-batches run on sequence-parallel groups of 1, 2 or 4 ranks (forced groupings,
-changing from step to step, Ulysses and ring attention, padded and packed, recompute modes
-mixed) equal the single-process token-mean reference for ZeRO 0-3; with dropout, every rank of a
-group draws the same random numbers, and a run killed after a checkpoint resumes with the same
-plans and random state. The unit tests cover the loader's padding and sharding."""
+changing from step to step, Ulysses and ring attention, padded and packed, recompute modes and
+pyramid layer counts mixed) equal the single-process token-mean reference for ZeRO 0-3; with
+dropout, every rank of a group draws the same random numbers, and a run killed after a
+checkpoint resumes with the same plans and random state. The unit tests cover the loader's
+padding and sharding, and the refusals."""
 import json
 
 import pytest
@@ -61,6 +62,10 @@ def test_two_ranks_mix_group_sizes_for_every_zero_stage(two_ranks):
     for case in result["exact"]:
         check_exact(case, 2)
         assert case["kinds"] == {"2": "ulysses"}
+    # a group of 2 recomputed whole layers, attention only, and a pyramid's first layer only
+    modes = {(rc, tuple(layers)) for case in result["exact"] for step in case["steps"] if step["grouping"] == TWO
+             for record in step["ranks"] for rc, layers in record["modes"]}
+    assert {("full", ()), ("none", ()), ("selective", (1,))} <= modes, modes
     # packed rows of an odd token count carry a padding document to split evenly
     assert any(whole > real for case in result["exact"] for step in case["steps"] if step["layout"] == "packed"
                and step["grouping"] == TWO for record in step["ranks"] for _, whole, real in record["widths"])
