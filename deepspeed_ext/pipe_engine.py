@@ -13,9 +13,18 @@ DeepSpeed's own (``_exec_reduce_grads``, ``_exec_optimizer_step``, ``_exec_backw
 The loss is exact: the last stage sums each micro-batch's token losses and scales by
 dp / (scored tokens of the global batch), so after DeepSpeed averages over data-parallel ranks
 the update is that of the token-mean loss, whatever the plan.
+
+Sequence parallelism: a micro-batch whose plan says ``sp`` > 1 runs on the group of ``sp``
+neighbouring columns starting at column ``group``, at every stage; each rank holds its
+contiguous 1/sp of every row (activations, gradients and instruction shapes are local) and
+attention spans the stage's group (``sharded``). Each shard's loss is its own tokens' summed loss
+against labels shifted before the split, scaled as above with dp = every column: the group's
+shard losses add up to the micro-batch's, and the gradients of each rank's parameters include
+the other shards' through the attention collectives, so the update stays the exact token mean.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from types import MethodType
 from typing import Callable, Iterator
@@ -25,11 +34,15 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from dyn_plugin.models.recompute import RecomputeSwitch
+from dyn_plugin.models.sequence_parallel import SequenceShard, sharded
 from dyn_plugin.plan.instructions import (EXCHANGES, BackwardPass, ExecutionPlan, ForwardPass, Instruction, LoadMicroBatch,
                                           OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, SendActivation,
                                           SendGrad)
 from dyn_plugin.runtime.collate import position_ids
 from dyn_plugin.runtime.loader import Step
+from dyn_plugin.runtime.sequence_groups import group_rng, group_seed
+
+from deepspeed_ext.pipe_module import summed_token_loss
 
 
 class PlanPipelineEngine(PipelineEngine):
@@ -88,6 +101,8 @@ class PlanPipelineEngine(PipelineEngine):
         self._step = step
         self._training = training
         self._tensors = dict(zip(plan.loads, step.micro_batches))
+        self._sequence = _sequence_runtime(self, step)
+        self._shards: dict[int, SequenceShard] = {}  # micro-batch -> its group's shard, built at first use
         self._loss_scale = self.dp_world_size / step.scored_tokens
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._reserve_pipe_buffers(plan.num_buffers)
@@ -97,12 +112,52 @@ class PlanPipelineEngine(PipelineEngine):
             if handler is None:
                 raise RuntimeError(f"{type(self).__name__} has no handler for {type(ins).__name__}")
             if not isinstance(ins, EXCHANGES):
-                MethodType(handler, self)(ins)
+                with self._in_group(ins):
+                    MethodType(handler, self)(ins)
                 continue
             batch.append(MethodType(handler, self)(ins))
             if not ins.batch_next:
                 self._exchange(batch)
                 batch = []
+
+    def _in_group(self, ins: Instruction) -> contextlib.AbstractContextManager:
+        """Around a micro-batch's forward and its backward: its sequence-parallel group for attention
+        (recompute in backward re-runs attention with the group of its own forward, whatever ran in
+        between) and a random stream seeded per group and micro-batch, so dropout draws the same
+        on every rank of the group, again under recompute, and again after a resume.
+
+        NCCL: the ranks of a group are the group's columns at this stage, and every column of a
+        group runs the same plan (execution_plans: the group's schedule, local shapes, its peers
+        the same column on the neighbouring stages). So they reach this micro-batch's attention
+        collectives at the same instruction, after the same sends and receives, and issue them in
+        the same order on the group's communicator; a column's point-to-point partners are its own
+        copies on the other stages, so the group's collectives and the pipeline's transfers cannot
+        wait on each other in a cycle: a step of one column's run is the same step in every
+        column's (check_plans(rendezvous=True) replays them together). Collectives run on the
+        engine's device, issued in instruction order on its stream like the transfers."""
+        if self._sequence is None or not isinstance(ins, (ForwardPass, BackwardPass)):
+            return contextlib.nullcontext()
+        step, desc = self._step, self._step.plan.micro_batches[ins.mb]
+        stack = contextlib.ExitStack()
+        stack.enter_context(group_rng(group_seed(self._sequence.seed, step.epoch, step.index, ins.mb, desc["group"]),
+                                      self.device))
+        stack.enter_context(sharded(self._shard(ins.mb)))
+        return stack
+
+    def _shard(self, mb: int) -> SequenceShard | None:
+        """Micro-batch ``mb``'s sequence-parallel shard (None on a group of one), built once per step.
+        It carries the whole rows' position ids, on the device: attention finds the documents that
+        cross shard boundaries from them."""
+        desc = self._step.plan.micro_batches[mb]
+        if desc["sp"] == 1:
+            return None
+        if mb not in self._shards:
+            size, first = desc["sp"], desc["group"]
+            self._shards[mb] = SequenceShard(
+                group=self._sequence.groups.group(self.stage_id, first, size), size=size,
+                index=self._step.plan.replica - first, kind=self._sequence.kinds[size],
+                position_ids=position_ids(desc["seq_lens"], desc["layout"], desc["shape"]).to(self.device))
+        return self._shards[mb]
 
     @staticmethod
     def _exchange(batch: list[tuple[dist.P2POp, Callable[[], None]]]) -> None:
@@ -136,15 +191,22 @@ class PlanPipelineEngine(PipelineEngine):
         return torch.float16 if self.fp16_enabled() else torch.float32
 
     def _positions(self, mb: int) -> torch.Tensor:
-        desc = self._step.plan.micro_batches[mb]
-        return position_ids(desc["seq_lens"], desc["layout"], desc["shape"]).to(self.device)
+        """Position ids of this rank's part of micro-batch ``mb``, on the device: rotary embeddings
+        turn each token by its own position, so a shard takes its columns of the whole rows'."""
+        shard = self._shard(mb)
+        if shard is None:
+            desc = self._step.plan.micro_batches[mb]
+            return position_ids(desc["seq_lens"], desc["layout"], desc["shape"]).to(self.device)
+        width = shard.position_ids.shape[1] // shard.size
+        return shard.position_ids[:, shard.index * width:(shard.index + 1) * width]
 
     def _exec_load(self, ins: LoadMicroBatch) -> None:
         tensors = self._tensors[ins.mb]
         if self.is_first_stage():
             self.pipe_buffers["inputs"][ins.buffer] = (tensors["input_ids"].to(self.device), self._positions(ins.mb))
-        if self.is_last_stage():
-            self.pipe_buffers["labels"][ins.buffer] = tensors["labels"].to(self.device)
+        if self.is_last_stage():  # a shard's labels were shifted before the split
+            sharded_labels = self._step.plan.micro_batches[ins.mb]["sp"] > 1
+            self.pipe_buffers["labels"][ins.buffer] = tensors["shift_labels" if sharded_labels else "labels"].to(self.device)
 
     def _exec_recv_activation(self, ins: RecvActivation) -> tuple[dist.P2POp, Callable[[], None]]:
         hidden = torch.empty(ins.shapes[0], dtype=self._act_dtype(), device=self.device)
@@ -158,7 +220,7 @@ class PlanPipelineEngine(PipelineEngine):
         self._recompute.set(self._step.plan.micro_batches[ins.mb]["recompute"])
         outputs = super(PipelineEngine, self).forward(self.pipe_buffers["inputs"][ins.buffer])
         if self.is_last_stage():
-            loss = self.module.loss_fn(outputs, self.pipe_buffers["labels"][ins.buffer])
+            loss = self._token_loss(ins.mb, outputs, self.pipe_buffers["labels"][ins.buffer])
             self._loss_sum += loss.detach().double()
             if self._training:
                 self._losses[ins.buffer] = loss * self._loss_scale
@@ -169,6 +231,17 @@ class PlanPipelineEngine(PipelineEngine):
             raise RuntimeError(f"stage {self.stage_id} produced {tuple(hidden.shape)} for micro-batch {ins.mb}, the plan "
                                f"expects {tuple(ins.shapes[0])}: does the model's hidden size match the cost model's?")
         self.pipe_buffers["outputs"][ins.buffer] = hidden
+
+    def _token_loss(self, mb: int, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The module's summed token loss; a shard's with its pre-shifted labels."""
+        if self._step.plan.micro_batches[mb]["sp"] == 1:
+            return self.module.loss_fn(logits, labels)
+        if self.module.loss_fn is not summed_token_loss:
+            raise ValueError(f"micro-batch {mb} runs sequence-parallel, so the last stage holds a shard of each row "
+                             "with labels shifted before the split; the module's loss_fn "
+                             f"{getattr(self.module.loss_fn, '__name__', self.module.loss_fn)!r} shifts them again. "
+                             "Use deepspeed_ext.pipe_module.summed_token_loss (causal_lm_pipe does)")
+        return summed_token_loss(logits, labels, shifted=True)
 
     def _exec_send_activation(self, ins: SendActivation) -> tuple[dist.P2POp, Callable[[], None]]:
         hidden = self.pipe_buffers["outputs"][ins.buffer].detach().contiguous()
