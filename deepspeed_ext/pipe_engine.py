@@ -33,16 +33,16 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from deepspeed_ext import _sequence_runtime
+from deepspeed_ext.pipe_module import summed_token_loss
 from dyn_plugin.models.recompute import RecomputeSwitch
 from dyn_plugin.models.sequence_parallel import SequenceShard, sharded
-from dyn_plugin.plan.instructions import (EXCHANGES, BackwardPass, ExecutionPlan, ForwardPass, Instruction, LoadMicroBatch,
-                                          OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, SendActivation,
-                                          SendGrad)
+from dyn_plugin.plan.instructions import (EXCHANGES, BackwardPass, ExecutionPlan, ForwardPass, Instruction,
+                                          LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads,
+                                          SendActivation, SendGrad)
 from dyn_plugin.runtime.collate import position_ids
 from dyn_plugin.runtime.loader import Step
 from dyn_plugin.runtime.sequence_groups import group_rng, group_seed
-
-from deepspeed_ext.pipe_module import summed_token_loss
 
 
 class PlanPipelineEngine(PipelineEngine):
@@ -50,8 +50,22 @@ class PlanPipelineEngine(PipelineEngine):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._check_topology()
         self._losses: dict[int, torch.Tensor] = {}  # buffer -> scaled loss awaiting its backward
         self._recompute = RecomputeSwitch(self.module)  # the plan's recompute mode, per micro-batch
+
+    def _check_topology(self) -> None:
+        """Plans, their peers and the sequence-parallel groups number ranks stage-major, global rank
+        = stage * columns + column (plan.planner.execution_plans, runtime.sequence_groups), as
+        DeepSpeed's PipeDataParallelTopology does; another order, or more axes (model parallelism),
+        would pair ranks the plans did not."""
+        topo, columns = self.grid.topology(), self.dp_world_size
+        axes = topo.get_axis_names()
+        if axes != ["pipe", "data"] or any(topo.get_rank(pipe=s, data=c) != s * columns + c
+                                           for s in range(self.num_stages) for c in range(columns)):
+            raise ValueError(f"the pipeline's topology (axes {axes}) does not number ranks stage * columns + column, "
+                             "as the plugin's plans and sequence-parallel groups do: build the PipelineModule with "
+                             "num_stages (DeepSpeed then uses PipeDataParallelTopology), not a custom topology")
 
     def train_batch(self, data_iter: Iterator[Step] | Step | None = None) -> float:  # type: ignore[override]
         """Run this rank's plan of one step and take the optimizer step; returns the global
@@ -120,7 +134,8 @@ class PlanPipelineEngine(PipelineEngine):
                 self._exchange(batch)
                 batch = []
 
-    def _in_group(self, ins: Instruction) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def _in_group(self, ins: Instruction) -> Iterator[None]:
         """Around a micro-batch's forward and its backward: its sequence-parallel group for attention
         (recompute in backward re-runs attention with the group of its own forward, whatever ran in
         between) and a random stream seeded per group and micro-batch, so dropout draws the same
@@ -136,13 +151,12 @@ class PlanPipelineEngine(PipelineEngine):
         column's (check_plans(rendezvous=True) replays them together). Collectives run on the
         engine's device, issued in instruction order on its stream like the transfers."""
         if self._sequence is None or not isinstance(ins, (ForwardPass, BackwardPass)):
-            return contextlib.nullcontext()
+            yield
+            return
         step, desc = self._step, self._step.plan.micro_batches[ins.mb]
-        stack = contextlib.ExitStack()
-        stack.enter_context(group_rng(group_seed(self._sequence.seed, step.epoch, step.index, ins.mb, desc["group"]),
-                                      self.device))
-        stack.enter_context(sharded(self._shard(ins.mb)))
-        return stack
+        seed = group_seed(self._sequence.seed, step.epoch, step.index, ins.mb, desc["group"], self.stage_id)
+        with group_rng(seed, self.device), sharded(self._shard(ins.mb)):
+            yield
 
     def _shard(self, mb: int) -> SequenceShard | None:
         """Micro-batch ``mb``'s sequence-parallel shard (None on a group of one), built once per step.

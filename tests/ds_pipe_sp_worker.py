@@ -15,11 +15,11 @@ import deepspeed_ext
 deepspeed_ext.skip_cpu_shm_build()
 
 import deepspeed  # noqa: E402
+from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
+from ranks import finish  # noqa: E402
 
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
 from dyn_plugin.runtime import planning  # noqa: E402
-from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
-from ranks import finish  # noqa: E402
 
 GROUPINGS = ((2,), (1, 1), (2,))  # step s of the epoch groups the 2 columns as GROUPINGS[s]
 CASES = (  # layout, recompute (full: backward re-runs attention in its group), attention, device MB
@@ -91,6 +91,8 @@ def main():
             step_ids = sorted(i for g in gathered for i in g)
             samples = [data[i]["input_ids"] for i in step_ids]
             want = reference_loss(ref, samples)
+            # the forwards alone, without gradients (sharded too), before the step changes the weights
+            eval_diff = abs(engine.eval_batch(step) - want)
             t0 = time.perf_counter()
             loss = deepspeed_ext.train_step(engine, step)
             seconds = time.perf_counter() - t0
@@ -98,7 +100,7 @@ def main():
             ids += step_ids
             steps.append({
                 "sp": sorted({d["sp"] for d in descs}), "micro_batches": len(descs), "seconds": seconds,
-                "loss_diff": abs(loss - want),
+                "loss_diff": abs(loss - want), "eval_diff": eval_diff,
                 "padding_documents": sum(d["layout"] == "packed" and d["shape"][1] > sum(d["seq_lens"]) for d in descs),
             })
         local = {id(p) for p in engine.module.parameters()}
