@@ -14,6 +14,9 @@ batch, whatever the plan (sizes, layout, counts per rank) and for every ZeRO sta
 
 With ``pipeline.stages > 1`` the engine is the plugin's ``PlanPipelineEngine`` (pipe_engine.py),
 which runs each step's execution plan; ``train_step`` hands it the step.
+
+With ``sequence_parallel.enabled`` a micro-batch may run on a group of neighbouring ranks, each
+holding a shard of every row (sequence_parallel.py); DeepSpeed still sees plain data parallelism.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ __all__ = ["initialize", "train_step", "training_dtype", "save_checkpoint", "loa
 LOADER_STATE = "dyn_plugin_loader.json"
 
 # Keys of a micro-batch a causal LM takes; the rest (boundaries for other kernels) stay out.
-MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels", "shift_labels")
 
 
 def skip_cpu_shm_build() -> None:
@@ -125,6 +128,9 @@ def initialize(
         raise _dtype_mismatch("the cost_model argument's dtype", cost_model.dtype, training_dtype(cfg.deepspeed),
                               "build it (or measure its profile) in the precision DeepSpeed trains in")
     pp = cfg.plugin.pipeline.stages
+    sp = cfg.plugin.sequence_parallel
+    if sp.enabled:
+        _check_sequence_parallel(cfg)
     if pp > 1 and cfg.zero_stage >= 2:
         raise ValueError(f"pipeline.stages = {pp} with zero_optimization.stage = {cfg.zero_stage}: DeepSpeed's "
                          "pipeline engine supports ZeRO stages 0 and 1 only; use ZeRO-1 with pipelines, or ZeRO-2/3 without")
@@ -143,6 +149,10 @@ def initialize(
         raise ValueError(f"pipeline.stages = {pp} does not divide the {world} ranks; launch a multiple of {pp} ranks")
     dp = world // pp
     stage, replica = divmod(rank, dp)  # stage-major, as DeepSpeed's PipeDataParallelTopology lays ranks out
+    if sp.enabled:
+        from deepspeed_ext.sequence_parallel import use_plugin_attention
+
+        use_plugin_attention(model)
     loader = DynLoader(dataset, lengths=lengths, config=cfg, cost_model=cost_model or _cost_model(cfg, model),
                        dp_rank=replica, dp_size=dp, pp_rank=stage, pp_size=pp, seed=seed)
     ds_config = _deepspeed_config(cfg.deepspeed, dp)
@@ -164,7 +174,28 @@ def initialize(
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, model_parameters=model_parameters or model.parameters(),
             lr_scheduler=lr_scheduler, config=ds_config, dist_init_required=False)
+    if sp.enabled:
+        from deepspeed_ext.sequence_parallel import SequenceRuntime
+
+        shape = model_shape(model)
+        engine._dyn_plugin_sequence = SequenceRuntime(sp, columns=dp, stages=pp, num_heads=shape.num_heads,
+                                                      num_kv_heads=shape.num_kv_heads, seed=seed, device=engine.device)
     return engine, optimizer, loader, scheduler
+
+
+def _check_sequence_parallel(cfg: LoadedConfig) -> None:
+    from deepspeed_ext.sequence_parallel import check_deepspeed_config
+
+    check_deepspeed_config(cfg.deepspeed)
+    pp = cfg.plugin.pipeline.stages
+    if pp > 1:
+        raise ValueError(f"sequence_parallel.enabled with pipeline.stages = {pp}: the DeepSpeed adapter runs "
+                         "sequence-parallel groups in its data-parallel path only; use pipeline.stages = 1")
+    balance = cfg.plugin.sequence_parallel.balance
+    if cfg.zero_stage >= 2 and balance == "inter":
+        raise ValueError(f"sequence_parallel.balance = 'inter' with zero_optimization.stage = {cfg.zero_stage}: groups "
+                         "would run different numbers of micro-batches, but ZeRO-2/3 need the same number on every "
+                         "rank; use balance 'intra' or 'auto', or ZeRO stage 0 or 1")
 
 
 @contextlib.contextmanager
@@ -202,16 +233,20 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
     # micro-batch would stall the device queue; the one host read is the return value.
     total = torch.zeros((), dtype=torch.float64, device=engine.device)
     recompute = _recompute_switch(engine)
+    sequence = _sequence_runtime(engine, step)
     for i, (desc, mb) in enumerate(zip(step.loaded, step.micro_batches)):
         recompute.set(desc["recompute"])
         engine.set_gradient_accumulation_boundary(i == n - 1)
         inputs = {k: v.to(engine.device) for k, v in mb.items() if k in MODEL_KEYS}
-        t0 = time.perf_counter()
-        out = engine(**inputs, use_cache=False)
-        # the plan knows the count; counting the labels would read a device tensor back
-        loss_sum = out.loss * scored_tokens(desc["seq_lens"])  # HF returns the mean over the scored tokens
-        t1 = time.perf_counter()
-        engine.backward(loss_sum * (dp / step.scored_tokens), scale_wrt_gas=False)
+        if desc["sp"] > 1:  # a shard: HF sums the loss over its labels, shifted before the split
+            inputs.update(labels=inputs["shift_labels"], num_items_in_batch=1)
+        with sequence.micro_batch(step, i, mb) if sequence else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            out = engine(**inputs, use_cache=False)
+            # the plan knows the count; counting the labels would read a device tensor back
+            loss_sum = out.loss if desc["sp"] > 1 else out.loss * scored_tokens(desc["seq_lens"])  # HF: the mean
+            t1 = time.perf_counter()
+            engine.backward(loss_sum * (dp / step.scored_tokens), scale_wrt_gas=False)
         total += loss_sum.detach().double()
         if timings is not None:
             timings.append(((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
@@ -222,6 +257,15 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
     if dp > 1:
         dist.all_reduce(total)
     return float(total) / step.scored_tokens
+
+
+def _sequence_runtime(engine, step: Step):
+    """The engine's sequence-parallel runtime (None without ``sequence_parallel.enabled``)."""
+    sequence = getattr(engine, "_dyn_plugin_sequence", None)
+    if sequence is None and any(size > 1 for size, _, _ in step.shards):
+        raise ValueError(f"step {step.index} splits micro-batches over sequence-parallel groups, but this engine was "
+                         "not initialized with sequence_parallel.enabled (deepspeed_ext.initialize builds the groups)")
+    return sequence
 
 
 def _recompute_switch(engine):

@@ -14,6 +14,11 @@
   ``labels`` with -100 at each sequence's first token: HF shifts labels by one, so that position
   would otherwise be predicted from the previous sequence's last token.
 
+With sequence parallelism over ``sp`` ranks the plan's width is a multiple of ``sp``: a packed
+row ends in one padding document (``pad_id`` tokens, positions from 0, labels -100) and padded
+rows are padded wider. :func:`shard` then gives each rank of the group its contiguous 1/sp of
+every row, labels shifted first: the label of a shard's last token is the next shard's first.
+
 ``scored_tokens`` counts the labels a causal LM actually scores (length - 1 per sequence), the
 denominator of an exact token-mean loss.
 """
@@ -42,16 +47,19 @@ def position_ids(seq_lens: Sequence[int], layout: str, shape: Sequence[int]) -> 
     rows, width = int(shape[0]), int(shape[1])
     if layout == "padded":
         return torch.arange(width).expand(rows, width)
-    if layout == "packed":
-        return torch.cat([torch.arange(s) for s in seq_lens]).unsqueeze(0)
+    if layout == "packed":  # the padding document (sequence parallelism) restarts at 0 too
+        fill = width - sum(seq_lens)
+        return torch.cat([torch.arange(s) for s in seq_lens] + ([torch.arange(fill)] if fill else [])).unsqueeze(0)
     raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
 
 
 def collate(
     sample_ids: Sequence[int], seq_lens: Sequence[int], layout: str, shape: Sequence[int],
-    fetch: Callable[[int], Any], *, pad_id: int = 0,
+    fetch: Callable[[int], Any], *, pad_id: int = 0, sp: int = 1,
 ) -> dict[str, Any]:
-    """Build the micro-batch; ``fetch(i)`` returns dataset item i, checked against its planned length."""
+    """Build the micro-batch; ``fetch(i)`` returns dataset item i, checked against its planned length.
+    ``sp``: the sequence-parallel size the plan's ``shape`` was rounded for (the whole micro-batch
+    is built here; :func:`shard` splits it)."""
     seqs = []
     for i, s in zip(sample_ids, seq_lens):
         ids = sample_tokens(fetch(i))
@@ -65,7 +73,7 @@ def collate(
         seqs = [torch.cat(seqs)]
     else:
         starts = None
-    _check_shape(seqs, layout, (rows, width), sample_ids)
+    _check_shape(seqs, layout, (rows, width), sample_ids, sp)
     if layout == "padded":
         input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((rows, width), dtype=torch.long)
@@ -78,27 +86,57 @@ def collate(
             labels[0, starts] = IGNORE
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
     if layout == "packed":
+        fill = width - sum(len(ids) for ids in seqs)
+        if fill:  # a document of its own: no real token attends to it, no label scores it
+            seqs.append(torch.full((fill,), pad_id, dtype=torch.long))
         input_ids = torch.cat(seqs).unsqueeze(0)
         cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor([len(ids) for ids in seqs]), 0)
         labels = input_ids.clone()
         labels[0, cu[:-1].long()] = IGNORE
+        if fill:
+            labels[0, -fill:] = IGNORE
         longest = max(len(ids) for ids in seqs)
         return {"input_ids": input_ids, "position_ids": position_ids(seq_lens, layout, shape), "labels": labels,
                 "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
     raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
 
 
-def _check_shape(seqs: list[torch.Tensor], layout: str, shape: tuple[int, int], sample_ids: Sequence[int]) -> None:
+def _check_shape(seqs: list[torch.Tensor], layout: str, shape: tuple[int, int], sample_ids: Sequence[int],
+                 sp: int) -> None:
     """The tensors about to be built must have exactly the plan's ``shape``: the planner priced
     that shape and later pipeline stages size their receive buffers by it, so a mismatch is a
     wrong price at best and a failed or hung send/receive at worst."""
     lens = [len(ids) for ids in seqs]
-    if layout == "packed":  # the sequences go into one row, back to back
-        ok = (1, sum(lens)) == shape
+    if layout == "packed":  # the sequences go into one row, back to back, rounded up to sp
+        ok = (1, -(-sum(lens) // sp) * sp) == shape
     else:  # one row each, padded up to the plan's width (a fixed width may exceed the longest)
         ok = len(seqs) == shape[0] and max(lens) <= shape[1]
     if not ok:
         raise ValueError(
-            f"micro-batch of samples {list(sample_ids)} ({layout}, sequence lengths {lens}) does not fit the plan's shape "
+            f"micro-batch of samples {list(sample_ids)} ({layout}, sequence lengths {lens}, sp {sp}) does not fit the plan's shape "
             f"{tuple(shape)}; plans must take their shapes from dyn_plugin.cost.model.tensor_shape, as the planner does")
+
+
+def shard(batch: dict[str, Any], sp: int, index: int) -> dict[str, torch.Tensor]:
+    """Rank ``index`` of a sequence-parallel group of ``sp``: its contiguous 1/sp of every row of a
+    whole micro-batch from :func:`collate`.
+
+    Labels are shifted before the split (``shift_labels[t]`` = ``labels[t + 1]``, -100 after each
+    document's last token and on padding), since a shard's last token is scored against the next
+    shard's first. ``position_ids`` are explicit for padded rows too, so each shard's rotary
+    embeddings see its true positions; ``sequence_position_ids`` keeps the whole micro-batch's,
+    from which the sequence-parallel attention finds every document. No ``attention_mask``: rows
+    are causal and right-padded, documents are found from position resets."""
+    input_ids, labels = batch["input_ids"], batch["labels"]
+    rows, width = input_ids.shape
+    if width % sp or not 0 <= index < sp:
+        raise ValueError(f"cannot give shard {index} of {sp} of a micro-batch {width} tokens wide: plans round the "
+                         "width up to a multiple of the group size (dyn_plugin.cost.model.tensor_shape)")
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = torch.arange(width).expand(rows, width)
+    shifted = torch.cat([labels[:, 1:], labels.new_full((rows, 1), IGNORE)], dim=1)
+    cols = slice(index * (width // sp), (index + 1) * (width // sp))
+    return {"input_ids": input_ids[:, cols].contiguous(), "position_ids": positions[:, cols].contiguous(),
+            "shift_labels": shifted[:, cols].contiguous(), "sequence_position_ids": positions}

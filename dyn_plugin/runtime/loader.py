@@ -13,6 +13,8 @@ processes plan ahead and each rank reads only its own plan (see planner_pool.py)
 
 Exactly once: an epoch's global batches partition the samples and every sample of a global
 batch goes to exactly one replica's micro-batches (pipeline stages of one replica share them).
+A replica may be a sequence-parallel group of several data-parallel ranks: each of them lists
+the group's samples and holds its shard of every row (``Step.shards``).
 ``state_dict()`` after any step and ``load_state_dict()`` on a fresh loader resume at the next
 global batch, with the same plans.
 
@@ -40,7 +42,7 @@ from ..config import DynPluginConfig, LoadedConfig, load_config
 from ..cost.table import TableCostModel
 from ..lengths.io import cap_lengths, validate_lengths
 from ..plan.instructions import ExecutionPlan
-from .collate import collate
+from .collate import collate, shard
 from .planning import PlanningContext, RankPlan
 
 STATE_VERSION = 1
@@ -67,9 +69,15 @@ class Step:
 
     @property
     def loaded(self) -> list[dict]:
-        """The plan's description (sample_ids, seq_lens, layout, recompute, shape) of each entry
-        of ``micro_batches``, in the same order."""
+        """The plan's description (sample_ids, seq_lens, layout, recompute, shape, sp, group) of
+        each entry of ``micro_batches``, in the same order."""
         return [self.plan.micro_batches[m] for m in self.plan.loads]
+
+    @property
+    def shards(self) -> list[tuple[int, int, int]]:
+        """(group size, group's first column, this rank's shard index) of each entry of
+        ``micro_batches``: an entry with group size > 1 holds shard ``index`` of every row."""
+        return [(d["sp"], d["group"], self.plan.replica - d["group"]) for d in self.loaded]
 
 
 class DynLoader:
@@ -293,8 +301,11 @@ class DynLoader:
         tensors, ids = [], []
         for m in rp.plan.loads:
             desc = rp.plan.micro_batches[m]
-            tensors.append(collate(desc["sample_ids"], desc["seq_lens"], desc["layout"], desc["shape"],
-                                   self.dataset.__getitem__, pad_id=self.pad_id))
+            batch = collate(desc["sample_ids"], desc["seq_lens"], desc["layout"], desc["shape"],
+                            self.dataset.__getitem__, pad_id=self.pad_id, sp=desc["sp"])
+            if desc["sp"] > 1:
+                batch = shard(batch, desc["sp"], rp.plan.replica - desc["group"])
+            tensors.append(batch)
             ids.append(list(desc["sample_ids"]))
         return Step(rp.epoch, rp.step, rp.plan, tensors, ids, rp.scored_tokens, rp.digest, rp.predicted_ms)
 

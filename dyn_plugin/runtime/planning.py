@@ -45,12 +45,12 @@ class RankPlan:
 
 
 def step_digest(plan: StepPlan) -> str:
-    """A fingerprint of the whole plan (which samples, where, in which order, how)."""
+    """A fingerprint of the whole plan (which samples, on which group of columns, in which order, how)."""
     h = hashlib.sha256()
     for r in plan.replicas:
-        h.update(repr(r.schedule.order).encode())
+        h.update(repr((r.first, r.size, r.schedule.order)).encode())
         for mb in r.micro_batches:
-            h.update(repr((mb.sample_ids, mb.layout, mb.recompute, mb.shape)).encode())
+            h.update(repr((mb.sample_ids, mb.layout, mb.recompute, mb.shape, mb.sp, mb.checkpointed)).encode())
     return h.hexdigest()[:16]
 
 

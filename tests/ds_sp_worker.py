@@ -1,0 +1,169 @@
+"""One rank of the sequence-parallel DeepSpeed tests (run as a script): planned steps with forced
+groupings of the ranks into sequence-parallel groups, compared with the single-process token-mean
+reference; then, optionally, a run with dropout that records the random state each group draws,
+stopped by a kill after a checkpoint or resumed from it.
+
+    ds_sp_worker.py OUT_DIR TAG JOB_JSON
+    JOB_JSON: {"exact": [{"zero": z, "steps": [[grouping, layout], ...]}, ...],
+               "dropout": null | "full" | "stop-after:K" | "resume"}
+Rank 0 writes OUT_DIR/TAG.json.
+"""
+import copy
+import itertools
+import json
+import os
+import signal
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import deepspeed_ext
+
+deepspeed_ext.skip_cpu_shm_build()
+
+import deepspeed  # noqa: E402
+from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
+from ranks import finish  # noqa: E402
+
+from dyn_plugin.cost.model import RECOMPUTES  # noqa: E402
+from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
+from dyn_plugin.plan.planner import ReplicaPlan, StepPlan, make_micro_batch  # noqa: E402
+from dyn_plugin.plan.schedule import one_f_one_b  # noqa: E402
+from dyn_plugin.plan.simulator import simulate  # noqa: E402
+from dyn_plugin.runtime import planning  # noqa: E402
+
+PER_GROUP = 2  # micro-batches per group: equal counts, as ZeRO-2/3 need
+STEPS = 4  # of the dropout run
+
+
+def hand_plan(lens, spec, grouping, layout) -> StepPlan:
+    """The global batch over groups of ``grouping`` columns: sequences longest first to the group
+    with the fewest tokens per rank, then PER_GROUP micro-batches per group, recompute modes mixed
+    (recompute in backward must re-run attention over its own micro-batch's group)."""
+    load, members = [0.0] * len(grouping), [[] for _ in grouping]
+    for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
+        g = min(range(len(grouping)), key=lambda g: (load[g] / grouping[g], g))
+        members[g].append(i)
+        load[g] += lens[i]
+    replicas = []
+    firsts = np.cumsum((0,) + tuple(grouping[:-1]))  # laid out in order; the groupings given are aligned
+    for g, (k, first) in enumerate(zip(grouping, firsts.tolist())):
+        chunks = [c.tolist() for c in np.array_split(members[g], PER_GROUP)]
+        mbs = tuple(make_micro_batch(c, lens, spec, layout, RECOMPUTES[j % len(RECOMPUTES)], sp=k)
+                    for j, c in enumerate(chunks))
+        schedule = one_f_one_b(len(mbs), spec.pp)
+        replicas.append(ReplicaPlan(mbs, schedule, simulate(mbs, schedule, spec.link), first=first, size=k))
+    return StepPlan("dynapipe", layout, tuple(replicas), spec.update_ms)
+
+
+def force_groupings(loader, steps) -> None:
+    """Step s of the loader plans with the (grouping, layout) steps[s % len(steps)], through the
+    loader's own planning path (execution plans, checks, digests)."""
+    plan = loader.context.plan
+
+    def forced(epoch, step):
+        saved = planning.plan_step
+        planning.plan_step = lambda lens, spec: hand_plan(lens, spec, *steps[step % len(steps)])
+        try:
+            return plan(epoch, step)
+        finally:
+            planning.plan_step = saved
+
+    loader.context.plan = forced
+
+
+def engine_for(model, stage, data, lengths, optimizer, seed=3):
+    config = {
+        "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+        "dyn_plugin": {
+            "microbatching": {"global_tokens": 1000, "max_seq_len": 256},
+            "cost_model": {"kind": "analytic", "dtype": "fp32"},
+            "sequence_parallel": {"enabled": True, "sizes": [1, 2, 4], "attention": "auto"},
+        },
+    }
+    return deepspeed_ext.initialize(model=model, config=config, dataset=data, lengths=lengths,
+                                    optimizer=optimizer(model.parameters()), seed=seed)
+
+
+def gather_objects(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def step_record(step) -> dict:
+    """What this rank ran: its groups, (shard width, whole width, tokens of the fullest row) per
+    micro-batch, and the samples it holds shard 0 of."""
+    return {"shards": step.shards, "widths": [(mb["input_ids"].shape[1], d["shape"][1], _row_tokens(d))
+                                             for mb, d in zip(step.micro_batches, step.loaded)],
+            "samples": [i for (_, _, index), ids in zip(step.shards, step.sample_ids) if index == 0 for i in ids]}
+
+
+def _row_tokens(desc) -> int:
+    return sum(desc["seq_lens"]) if desc["layout"] == "packed" else max(desc["seq_lens"])
+
+
+def exact_case(case, data, lengths) -> dict:
+    stage, planned = case["zero"], [(tuple(g), layout) for g, layout in case["steps"]]
+    torch.manual_seed(0)
+    model = build_causal_lm(MODEL)
+    ref = copy.deepcopy(model)
+    engine, _, loader, _ = engine_for(model, stage, data, lengths, lambda p: torch.optim.SGD(p, lr=LR))
+    force_groupings(loader, planned)
+    steps = []
+    for n, step in zip(range(len(planned)), loader):
+        deepspeed_ext.train_step(engine, step)
+        batch = [int(i) for i in loader.context.batches(step.epoch)[step.index]]
+        reference(ref, [data[i]["input_ids"] for i in batch], LR)
+        records = gather_objects(step_record(step))
+        steps.append({"grouping": planned[n][0], "layout": planned[n][1], "batch": sorted(batch), "ranks": records})
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+        diff = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(params, ref.parameters()))
+    engine.destroy()
+    return {**case, "max_abs_diff": diff, "steps": steps, "kinds": engine._dyn_plugin_sequence.kinds}
+
+
+def dropout_run(out, mode) -> list:
+    """AdamW with attention dropout: each micro-batch draws a value at the start of its forward;
+    a kill after a checkpoint and a resume must draw the same and end on the same weights."""
+    lengths, data = random_dataset(0)
+    torch.manual_seed(0)
+    model = build_causal_lm({**MODEL, "attention_dropout": 0.2})
+    engine, _, loader, _ = engine_for(model, 1, data, lengths, lambda p: torch.optim.AdamW(p, lr=1e-2), seed=5)
+    force_groupings(loader, [((2,), "packed"), ((1, 1), "packed"), ((2,), "padded")])
+    drawn = []
+    engine.module.register_forward_pre_hook(lambda *_: drawn.append(float(torch.rand(()))))
+    ckpt = os.path.join(out, "ckpt")
+    if mode == "resume":
+        deepspeed_ext.load_checkpoint(engine, loader, ckpt)
+    stop = int(mode.split(":")[1]) if mode.startswith("stop-after") else None
+    steps = []
+    for n, step in enumerate(itertools.islice(loader, STEPS - loader.step)):
+        drawn.clear()
+        deepspeed_ext.train_step(engine, step)
+        steps.append(gather_objects({"step": step.index, "digest": step.digest, "shards": step.shards,
+                                     "drawn": list(drawn)}))
+        if stop is not None and n + 1 == stop:
+            deepspeed_ext.save_checkpoint(engine, loader, ckpt, tag="crash")
+            os.kill(os.getpid(), signal.SIGKILL)
+    flat = torch.cat([p.detach().flatten() for p in engine.module.parameters()])
+    if dist.get_rank() == 0:
+        torch.save(flat, os.path.join(out, f"params-{mode}.pt"))
+    return steps
+
+
+def main():
+    out, tag, job = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    deepspeed.init_distributed(dist_backend="gloo")
+    lengths, data = random_dataset(0)
+    results = {"exact": [exact_case(case, data, lengths) for case in job.get("exact", [])]}
+    if job.get("dropout"):
+        results["dropout"] = dropout_run(out, job["dropout"])
+    finish(results, os.path.join(out, f"{tag}.json"))
+
+
+if __name__ == "__main__":
+    main()
