@@ -36,13 +36,12 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed_ext import _sequence_runtime
 from deepspeed_ext.pipe_module import summed_token_loss
 from dyn_plugin.models.recompute import RecomputeSwitch
-from dyn_plugin.models.sequence_parallel import SequenceShard, sharded
+from dyn_plugin.models.sequence_parallel import SequenceShard
 from dyn_plugin.plan.instructions import (EXCHANGES, BackwardPass, ExecutionPlan, ForwardPass, Instruction,
                                           LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads,
                                           SendActivation, SendGrad)
 from dyn_plugin.runtime.collate import position_ids
 from dyn_plugin.runtime.loader import Step
-from dyn_plugin.runtime.sequence_groups import group_rng, group_seed
 
 
 class PlanPipelineEngine(PipelineEngine):
@@ -141,21 +140,21 @@ class PlanPipelineEngine(PipelineEngine):
         between) and a random stream seeded per group and micro-batch, so dropout draws the same
         on every rank of the group, again under recompute, and again after a resume.
 
-        NCCL: the ranks of a group are the group's columns at this stage, and every column of a
-        group runs the same plan (execution_plans: the group's schedule, local shapes, its peers
-        the same column on the neighbouring stages). So they reach this micro-batch's attention
-        collectives at the same instruction, after the same sends and receives, and issue them in
-        the same order on the group's communicator; a column's point-to-point partners are its own
-        copies on the other stages, so the group's collectives and the pipeline's transfers cannot
-        wait on each other in a cycle: a step of one column's run is the same step in every
-        column's (check_plans(rendezvous=True) replays them together). Collectives run on the
-        engine's device, issued in instruction order on its stream like the transfers."""
+        NCCL: the attention collectives inside span the group's columns at this stage (their own
+        communicator, ``SequenceGroups``). Every column of a group runs the same plan
+        (execution_plans: the group's schedule, local shapes, its point-to-point peers the same
+        column on the neighbouring stages), so the k columns run k copies of one instruction
+        sequence: they reach each of the group's collectives at the same instruction, in the same
+        order, after the same transfers, and the transfers pair within a copy as they do without
+        groups (batch_next batches, untouched). A wait cycle would have to exist in one column's
+        run already; check_plans(rendezvous=True), which PlanningContext.plan runs on every step,
+        replays all ranks with unbuffered sends and these forwards and backwards as collectives.
+        Everything is issued in instruction order on the engine's device (the shard's positions
+        included), with no host synchronisation per micro-batch."""
         if self._sequence is None or not isinstance(ins, (ForwardPass, BackwardPass)):
             yield
             return
-        step, desc = self._step, self._step.plan.micro_batches[ins.mb]
-        seed = group_seed(self._sequence.seed, step.epoch, step.index, ins.mb, desc["group"], self.stage_id)
-        with group_rng(seed, self.device), sharded(self._shard(ins.mb)):
+        with self._sequence.running(self._step, ins.mb, self.stage_id, self._shard(ins.mb)):
             yield
 
     def _shard(self, mb: int) -> SequenceShard | None:
@@ -166,11 +165,9 @@ class PlanPipelineEngine(PipelineEngine):
         if desc["sp"] == 1:
             return None
         if mb not in self._shards:
-            size, first = desc["sp"], desc["group"]
-            self._shards[mb] = SequenceShard(
-                group=self._sequence.groups.group(self.stage_id, first, size), size=size,
-                index=self._step.plan.replica - first, kind=self._sequence.kinds[size],
-                position_ids=position_ids(desc["seq_lens"], desc["layout"], desc["shape"]).to(self.device))
+            whole = position_ids(desc["seq_lens"], desc["layout"], desc["shape"]).to(self.device)
+            self._shards[mb] = self._sequence.shard(self.stage_id, desc["sp"], desc["group"],
+                                                    self._step.plan.replica - desc["group"], whole)
         return self._shards[mb]
 
     @staticmethod
@@ -219,8 +216,8 @@ class PlanPipelineEngine(PipelineEngine):
         if self.is_first_stage():
             self.pipe_buffers["inputs"][ins.buffer] = (tensors["input_ids"].to(self.device), self._positions(ins.mb))
         if self.is_last_stage():  # a shard's labels were shifted before the split
-            sharded_labels = self._step.plan.micro_batches[ins.mb]["sp"] > 1
-            self.pipe_buffers["labels"][ins.buffer] = tensors["shift_labels" if sharded_labels else "labels"].to(self.device)
+            key = "shift_labels" if self._step.plan.micro_batches[ins.mb]["sp"] > 1 else "labels"
+            self.pipe_buffers["labels"][ins.buffer] = tensors[key].to(self.device)
 
     def _exec_recv_activation(self, ins: RecvActivation) -> tuple[dist.P2POp, Callable[[], None]]:
         hidden = torch.empty(ins.shapes[0], dtype=self._act_dtype(), device=self.device)

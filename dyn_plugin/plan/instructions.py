@@ -306,8 +306,8 @@ def _waits(plan: ExecutionPlan, stage_ranks: dict[int, list[int]],
             key = (plan.stage, desc["group"], ins.mb, type(ins).__name__)
             columns = range(desc["group"], desc["group"] + desc["sp"])
             if any((plan.stage, c) not in column_ranks for c in columns):
-                raise ValueError(f"rank {plan.rank}: micro-batch {ins.mb} runs on the sequence-parallel group of columns "
-                                 f"{list(columns)}, but some of them have no plan at stage {plan.stage}")
+                raise ValueError(f"rank {plan.rank}: micro-batch {ins.mb} runs on the sequence-parallel group of "
+                                 f"columns {list(columns)}, but some of them have no plan at stage {plan.stage}")
             members = [column_ranks[(plan.stage, c)] for c in columns]
             waits.append([_Post(n, ("group", plan.rank, *key), tuple(("group", r, *key) for r in members))])
             continue
