@@ -37,12 +37,18 @@ py::tuple to_tuple(const dyn::StageCost& r) {
   return py::make_tuple(r.forward_ms, r.backward_ms, r.stored_bytes, r.peak_bytes, r.extrapolated);
 }
 
-dyn::Features checked_features(const CostTable& t, py::array_t<int64_t, py::array::c_style | py::array::forcecast> lens) {
+void check_sp(int64_t sp) {
+  if (sp < 1 || (sp & (sp - 1))) throw std::invalid_argument("a sequence-parallel size must be a power of two");
+}
+
+dyn::Features checked_features(const CostTable& t, py::array_t<int64_t, py::array::c_style | py::array::forcecast> lens,
+                               int64_t sp) {
   if (lens.ndim() != 1 || lens.shape(0) == 0) throw std::invalid_argument("seq_lens must be a non-empty 1-D array");
+  check_sp(sp);
   const int64_t* p = lens.data();
   for (py::ssize_t i = 0; i < lens.shape(0); ++i)
     if (p[i] <= 0) throw std::invalid_argument("sequence lengths must be positive");
-  return t.features(p, lens.shape(0));
+  return t.features(p, lens.shape(0), sp);
 }
 
 }  // namespace
@@ -55,11 +61,12 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "stage_cost",
           [](const CostTable& t, py::array_t<int64_t, py::array::c_style | py::array::forcecast> lens,
-             int64_t num_layers, bool first, bool last) {
-            return to_tuple(t.stage_cost(checked_features(t, lens), num_layers, first, last));
+             int64_t num_layers, bool first, bool last, int64_t sp) {
+            return to_tuple(t.stage_cost(checked_features(t, lens, sp), num_layers, first, last));
           },
-          py::arg("seq_lens"), py::arg("num_layers"), py::arg("first"), py::arg("last"),
-          "(forward_ms, backward_ms, stored_bytes, peak_bytes, extrapolated) of one micro-batch")
+          py::arg("seq_lens"), py::arg("num_layers"), py::arg("first"), py::arg("last"), py::arg("sp") = 1,
+          "(forward_ms, backward_ms, stored_bytes, peak_bytes, extrapolated) of one micro-batch, per rank of a "
+          "sequence-parallel group of sp (collectives not included)")
       .def(
           "stage_cost_many",
           [](const CostTable& t, py::array_t<int64_t, py::array::c_style | py::array::forcecast> lens,
@@ -87,10 +94,14 @@ PYBIND11_MODULE(_core, m) {
       "partition",
       [](py::array_t<int64_t, py::array::c_style | py::array::forcecast> sorted_lens, const std::vector<CostTable*>& tables,
          const std::vector<std::tuple<int64_t, bool, bool>>& stages,
-         const std::vector<std::tuple<double, int64_t>>& memory, int64_t dp, double thin) {
+         const std::vector<std::tuple<double, int64_t>>& memory, int64_t dp, double thin, int64_t sp,
+         const std::vector<dyn::LayerComm>& comm) {
         if (stages.size() != memory.size() || stages.empty())
           throw std::invalid_argument("need one memory entry per pipeline stage");
         if (dp < 1) throw std::invalid_argument("dp must be >= 1");
+        check_sp(sp);
+        if (!comm.empty() && comm.size() != tables.size())
+          throw std::invalid_argument("comm needs one (fa, fb, ba, bb) per table (recompute mode), or none");
         std::vector<int64_t> lens(sorted_lens.data(), sorted_lens.data() + sorted_lens.shape(0));
         std::vector<const CostTable*> ts(tables.begin(), tables.end());
         std::vector<dyn::StageShape> ss;
@@ -100,10 +111,12 @@ PYBIND11_MODULE(_core, m) {
         dyn::PartitionResult r;
         {
           py::gil_scoped_release release;
-          r = dyn::partition(lens, ts, ss, ms, dp, thin);
+          r = dyn::partition(lens, ts, ss, ms, dp, thin, sp, comm);
         }
         return py::make_tuple(r.ok, r.bounds, r.modes, r.t_max, r.objective, r.infeasible_at);
       },
       py::arg("sorted_lens"), py::arg("tables"), py::arg("stages"), py::arg("memory"), py::arg("dp"), py::arg("thin"),
-      "DynaPipe partition DP: (ok, bounds, modes, t_max, objective, infeasible_at)");
+      py::arg("sp") = 1, py::arg("comm") = std::vector<dyn::LayerComm>{},
+      "DynaPipe partition DP: (ok, bounds, modes, t_max, objective, infeasible_at); runs priced per rank of a "
+      "sequence-parallel group of sp, plus per layer the collectives comm[mode] = (fa, fb, ba, bb)");
 }

@@ -32,17 +32,28 @@ struct CostTable {
   int64_t pad_multiple = 8;
   double max_tokens = 0, max_len = 0;
 
-  Features features(const int64_t* lens, int64_t n) const {
-    int64_t longest = 0;
-    double sum = 0, sq = 0;
+  // Per rank of a sequence-parallel group of sp (cost/model.py features): n sequences of `total`
+  // tokens, sum of squares `square`. The row is rounded up to a multiple of sp (a packed row by a
+  // padding document of `fill` tokens, a causal block of its own); each rank runs 1/sp of the
+  // slots and of the attention. sp = 1 is the plain micro-batch.
+  Features from_sums(int64_t n, int64_t total, int64_t square, int64_t longest, int64_t sp) const {
+    const double k = double(sp);
+    if (packed) {
+      const int64_t width = round_up(total, sp), fill = width - total;
+      return {double(width) / k, double(square + fill * fill) / k, longest};
+    }
+    const int64_t s = round_up(round_up(longest, pad_multiple), sp);
+    return {double(n) * double(s) / k, double(n) * double(s) * double(s) / k, s};
+  }
+
+  Features features(const int64_t* lens, int64_t n, int64_t sp = 1) const {
+    int64_t longest = 0, total = 0, square = 0;
     for (int64_t i = 0; i < n; ++i) {
       longest = std::max(longest, lens[i]);
-      sum += double(lens[i]);
-      sq += double(lens[i]) * double(lens[i]);
+      total += lens[i];
+      square += lens[i] * lens[i];
     }
-    if (packed) return {sum, sq, longest};
-    const int64_t s = round_up(longest, pad_multiple);
-    return {double(n) * s, double(n) * s * s, s};
+    return from_sums(n, total, square, longest, sp);
   }
 
   double eval(int c, int m, const Features& f) const {

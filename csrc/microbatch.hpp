@@ -1,8 +1,9 @@
 // DynaPipe micro-batching DP in C++: the twin of dyn_plugin/plan/microbatch.py (same loops,
-// same order, same tie-breaking, so both give the same plan). Costs come from CostTable
-// (cost_table.hpp) directly: no Python call per query.
+// same order, same tie-breaking, same arithmetic, so both give the same plan). Costs come from
+// CostTable (cost_table.hpp) directly: no Python call per query.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -22,38 +23,37 @@ struct StageMemory {
   int64_t in_flight;
 };
 
+// Attention collectives of one transformer layer (cost/sequence_parallel.py LayerComm):
+// ms = a + b * token slots per rank, {forward a, forward b, backward a, backward b}.
+using LayerComm = std::array<double, 4>;
+
 struct RunCosts {
   // times[i][w], modes[i][w]: run [i, i + w + 1) of the longest-first order
   std::vector<std::vector<double>> times;
   std::vector<std::vector<int>> modes;
 };
 
+// Runs are priced per rank of a sequence-parallel group of sp; comm (empty, or one per table,
+// i.e. per recompute mode) adds every layer's collectives to each stage's forward and backward.
 inline RunCosts run_costs(const std::vector<int64_t>& lens, const std::vector<const CostTable*>& tables,
-                          const std::vector<StageShape>& stages, const std::vector<StageMemory>& memory) {
+                          const std::vector<StageShape>& stages, const std::vector<StageMemory>& memory,
+                          int64_t sp = 1, const std::vector<LayerComm>& comm = {}) {
   const int64_t n = static_cast<int64_t>(lens.size());
   RunCosts rc;
   rc.times.resize(n);
   rc.modes.resize(n);
   for (int64_t i = 0; i < n; ++i) {
-    double sum = 0, sq = 0;
-    int64_t longest = 0;
+    int64_t total = 0, square = 0, longest = 0;
     for (int64_t j = i + 1; j <= n; ++j) {
-      const double l = double(lens[j - 1]);
-      sum += l;
-      sq += l * l;
-      if (lens[j - 1] > longest) longest = lens[j - 1];
+      const int64_t l = lens[j - 1];
+      total += l;
+      square += l * l;
+      if (l > longest) longest = l;
       double best = std::numeric_limits<double>::infinity();
       int best_mode = -1;
       for (size_t mi = 0; mi < tables.size(); ++mi) {
         const CostTable& t = *tables[mi];
-        Features f;
-        if (t.packed) {
-          f = {sum, sq, longest};
-        } else {
-          const int64_t s = round_up(longest, t.pad_multiple);
-          const double cnt = double(j - i);
-          f = {cnt * double(s), cnt * double(s) * double(s), s};
-        }
+        const Features f = t.from_sums(j - i, total, square, longest, sp);
         if (!t.in_range(f)) continue;
         double time = 0;
         bool fits = true;
@@ -63,7 +63,14 @@ inline RunCosts run_costs(const std::vector<int64_t>& lens, const std::vector<co
             fits = false;
             break;
           }
-          time = std::max(time, c.forward_ms + c.backward_ms);
+          double fwd = c.forward_ms, bwd = c.backward_ms;
+          if (!comm.empty()) {
+            const LayerComm& k = comm[mi];
+            const double layers = double(stages[s].num_layers);
+            fwd += layers * (k[0] + k[1] * f.slots);
+            bwd += layers * (k[2] + k[3] * f.slots);
+          }
+          time = std::max(time, fwd + bwd);
         }
         if (fits && time < best) {
           best = time;
@@ -147,9 +154,9 @@ inline std::vector<double> candidates(const RunCosts& rc, double thin) {
 
 inline PartitionResult partition(const std::vector<int64_t>& sorted_lens, const std::vector<const CostTable*>& tables,
                                  const std::vector<StageShape>& stages, const std::vector<StageMemory>& memory,
-                                 int64_t dp, double thin) {
+                                 int64_t dp, double thin, int64_t sp = 1, const std::vector<LayerComm>& comm = {}) {
   PartitionResult r;
-  const RunCosts rc = run_costs(sorted_lens, tables, stages, memory);
+  const RunCosts rc = run_costs(sorted_lens, tables, stages, memory, sp, comm);
   for (size_t i = 0; i < rc.times.size(); ++i)
     if (rc.times[i].empty()) {
       r.infeasible_at = int64_t(i);

@@ -93,8 +93,11 @@ def _cost_model(cfg: LoadedConfig, model: torch.nn.Module) -> TableCostModel:
     if cm.kind == "analytic" and cm.model is None:
         cm = cm.model_copy(update={"model": model_shape(model)})
     cost = build_cost_model(cm, cfg.plugin.cluster)
-    if cost.hidden_size is None:  # a profile that does not record it: the live model does
-        cost.hidden_size = model_shape(model).hidden_size
+    if cost.hidden_size is None or cost.num_heads is None:  # a profile that does not record them: the live model does
+        shape = model_shape(model)
+        cost.hidden_size = cost.hidden_size or shape.hidden_size
+        if cost.num_heads is None:
+            cost.num_heads, cost.num_kv_heads = shape.num_heads, shape.num_kv_heads
     return cost
 
 
@@ -217,6 +220,7 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
     import torch.distributed as dist
 
     from deepspeed_ext.pipe_engine import PlanPipelineEngine
+    from dyn_plugin.models.recompute import planned_layers
 
     if isinstance(engine, PlanPipelineEngine):
         if timings is not None:
@@ -232,7 +236,7 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
     recompute = _recompute_switch(engine)
     sequence = _sequence_runtime(engine, step)
     for i, (desc, mb) in enumerate(zip(step.loaded, step.micro_batches)):
-        recompute.set(desc["recompute"])
+        recompute.set(desc["recompute"], planned_layers(desc, stage=0))  # no pipeline: the one stage
         engine.set_gradient_accumulation_boundary(i == n - 1)
         inputs = {k: v.to(engine.device) for k, v in mb.items() if k in MODEL_KEYS}
         if desc["sp"] > 1:  # a shard: HF sums the loss over its labels, shifted before the split

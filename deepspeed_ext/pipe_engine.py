@@ -35,7 +35,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from deepspeed_ext import _sequence_runtime
 from deepspeed_ext.pipe_module import summed_token_loss
-from dyn_plugin.models.recompute import RecomputeSwitch
+from dyn_plugin.models.recompute import RecomputeSwitch, planned_layers
 from dyn_plugin.models.sequence_parallel import SequenceShard
 from dyn_plugin.plan.instructions import (EXCHANGES, BackwardPass, ExecutionPlan, ForwardPass, Instruction,
                                           LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads,
@@ -227,8 +227,15 @@ class PlanPipelineEngine(PipelineEngine):
             self.pipe_buffers["inputs"][ins.buffer] = (hidden, self._positions(ins.mb))
         return dist.P2POp(dist.irecv, hidden, self._peer(ins, -1)), done
 
+    def _set_recompute(self, mb: int) -> None:
+        """The micro-batch's recompute mode on its count of this stage's layers. Set again for its
+        backward: a recompute calls the layers' blocks as they are wrapped at that moment, which
+        other micro-batches' forwards in between may have changed."""
+        desc = self._step.plan.micro_batches[mb]
+        self._recompute.set(desc["recompute"], planned_layers(desc, self.stage_id))
+
     def _exec_forward(self, ins: ForwardPass) -> None:
-        self._recompute.set(self._step.plan.micro_batches[ins.mb]["recompute"])
+        self._set_recompute(ins.mb)
         outputs = super(PipelineEngine, self).forward(self.pipe_buffers["inputs"][ins.buffer])
         if self.is_last_stage():
             loss = self._token_loss(ins.mb, outputs, self.pipe_buffers["labels"][ins.buffer])
@@ -270,6 +277,7 @@ class PlanPipelineEngine(PipelineEngine):
         return dist.P2POp(dist.irecv, grad, self._peer(ins, +1)), done
 
     def _exec_backward(self, ins: BackwardPass) -> None:
+        self._set_recompute(ins.mb)
         if self.is_last_stage():
             self.loss = self._losses.pop(ins.buffer)
         # DeepSpeed's own backward: loss scaling, bf16 gradient bookkeeping, its hooks

@@ -12,14 +12,15 @@ import deepspeed_ext
 deepspeed_ext.skip_cpu_shm_build()
 
 import deepspeed  # noqa: E402
+from ranks import finish  # noqa: E402
 
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
 from dyn_plugin.models.recompute import _attention, decoder_layers  # noqa: E402
-from ranks import finish  # noqa: E402
 
 MODEL = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=97, max_position_embeddings=512, tie_word_embeddings=False)
 LR = 0.5
+PYRAMID = (1, 2, 1, 0)  # checkpointed layers of the mixed-mode step's micro-batches, in turn
 
 
 def reference(model, samples, lr):
@@ -61,14 +62,14 @@ def count_attention_calls(model) -> list[int]:
     return calls
 
 
-def record_modes(engine, calls: list[int]) -> list[tuple[str, int]]:
-    """(mode, attention calls so far) each time train_step switches to a micro-batch's mode."""
+def record_modes(engine, calls: list[int]) -> list[tuple[str, int | None, int]]:
+    """(mode, layer count, attention calls so far) each time train_step switches to a micro-batch's mode."""
     switch = deepspeed_ext._recompute_switch(engine)
     seen, set_mode = [], switch.set
 
-    def recording(mode: str) -> None:
-        seen.append((mode, calls[0]))
-        set_mode(mode)
+    def recording(mode: str, layers: int | None = None) -> None:
+        seen.append((mode, layers, calls[0]))
+        set_mode(mode, layers)
 
     switch.set = recording
     return seen
@@ -76,7 +77,8 @@ def record_modes(engine, calls: list[int]) -> list[tuple[str, int]]:
 
 def run_case(stage: int, layout: str, recompute: str, data, lengths, world: int, modes: tuple[str, ...] = ()) -> dict:
     """One planned step against the reference. ``modes`` overrides the plan's recompute mode of
-    this rank's micro-batches in turn: one step that switches modes between its micro-batches."""
+    this rank's micro-batches in turn, and ``PYRAMID`` their checkpointed layer counts: one step
+    that switches modes and counts between its micro-batches."""
     torch.manual_seed(0)
     model = build_causal_lm(MODEL)
     ref = copy.deepcopy(model)
@@ -98,12 +100,14 @@ def run_case(stage: int, layout: str, recompute: str, data, lengths, world: int,
     if modes:
         for i, desc in enumerate(step.loaded):
             desc["recompute"] = modes[i % len(modes)]
+            desc["checkpointed"] = (PYRAMID[i % len(PYRAMID)],)  # one stage
         seen = record_modes(engine, calls)
     deepspeed_ext.train_step(engine, step)
     if modes:
         # attention forwards per micro-batch: once per layer, twice where backward recomputes it
-        marks = [c for _, c in seen] + [calls[0]]
-        result = {"planned_modes": [d["recompute"] for d in step.loaded], "modes_ran": [m for m, _ in seen],
+        marks = [c for _, _, c in seen] + [calls[0]]
+        result = {"planned_modes": [d["recompute"] for d in step.loaded], "modes_ran": [m for m, _, _ in seen],
+                  "planned_counts": [d["checkpointed"][0] for d in step.loaded], "counts_ran": [n for _, n, _ in seen],
                   "attention_calls": [b - a for a, b in zip(marks, marks[1:])], "layers": MODEL["num_hidden_layers"]}
     mine = torch.tensor([i for mb in step.sample_ids for i in mb] + [-1] * (64 - sum(map(len, step.sample_ids))))
     gathered = [torch.zeros_like(mine) for _ in range(world)]

@@ -13,10 +13,33 @@ import deepspeed_ext
 deepspeed_ext.skip_cpu_shm_build()
 
 import deepspeed  # noqa: E402
-
-from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
 from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
 from ranks import finish  # noqa: E402
+
+from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
+
+
+def pyramid(step, stage_layers: list[int]) -> None:
+    """Give the step's micro-batches their own checkpointed layer counts, different on each stage
+    (as a pyramid plan would): the engine must apply its own stage's entry."""
+    for i, desc in enumerate(step.plan.micro_batches):
+        desc["checkpointed"] = tuple((i + s) % (n + 1) for s, n in enumerate(stage_layers))
+
+
+def record_pyramid(engine) -> list[tuple[int | None, int, int]]:
+    """(planned count, layers running the micro-batch's mode, layers of the stage) each time the
+    engine sets up a forward or a backward."""
+    applied, set_recompute = [], engine._set_recompute
+
+    def recording(mb: int) -> None:
+        set_recompute(mb)
+        counts = engine._step.plan.micro_batches[mb]["checkpointed"]
+        modes = engine._recompute._modes
+        ran = len(modes) - modes.count("none")
+        applied.append((counts[engine.stage_id] if counts else None, ran, len(modes)))
+
+    engine._set_recompute = recording
+    return applied
 
 
 def main():
@@ -42,8 +65,11 @@ def main():
         engine, _, loader, _ = deepspeed_ext.initialize(
             model=model, config=config, dataset=data, lengths=lengths,
             optimizer=lambda params: torch.optim.SGD(params, lr=LR), seed=3)
+        applied = record_pyramid(engine)
         ids, shapes, batch_sizes = [], [], []
         for step in itertools.islice(loader, 2):  # through one engine: counts and shapes change between steps
+            if recompute != "none":
+                pyramid(step, [s.num_layers for s in loader.context.spec.stages])
             loss = deepspeed_ext.train_step(engine, step)
             shapes.append([mb["shape"] for mb in step.plan.micro_batches])
             batch_sizes.append(len(loader.context.batches(0)[step.index]))
@@ -69,6 +95,9 @@ def main():
         local = {id(p) for p in engine.module.parameters()}
         diffs = [float((p.detach() - q.detach()).abs().max())
                  for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()) if id(p) in local]
+        everywhere = [None] * world
+        dist.all_gather_object(everywhere, applied)
+        applied = [a for rank in everywhere for a in rank]
         stats = torch.tensor([max(diffs), len(diffs)], dtype=torch.float64)
         both = [torch.zeros_like(stats) for _ in range(world)]
         dist.all_gather(both, stats)
@@ -78,6 +107,8 @@ def main():
             "samples": len(ids), "distinct": len(set(ids)), "global_batch": sum(batch_sizes),
             "micro_batches": len(first.plan.micro_batches), "sizes": [len(mb["sample_ids"]) for mb in first.plan.micro_batches],
             "shapes_changed": shapes[0] != shapes[1],
+            # per forward and backward on every rank: (planned count, layers that recomputed, layers of the stage)
+            "pyramid": applied,
             "loss": loss, "dp": engine.dp_world_size, "restored_diff": restored, "resume_step": loader.step, "recompute": recompute, "recompute_ran": engine._recompute.mode,
         })
     finish(results, out)

@@ -79,9 +79,12 @@ def test_bench_planner_prints_json(capsys):
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     methods = {(r["method"], r["impl"]) for r in records}
     assert ("dynapipe", "cpp" if dyn_plugin_native() else "python") in methods
-    assert {m for m, _ in methods} == {"dynapipe", "fixed_padding", "token_budget", "packing_full", "packing_varlen"}
+    assert {m for m, _ in methods} == {"dynapipe", "dynapipe_all_or_nothing", "fixed_padding", "token_budget",
+                                       "packing_full", "packing_varlen"}
     plan = next(r for r in records if r["method"] == "dynapipe")
     assert plan["sim_iter_ms"] >= plan["lower_bound_ms"] * (1 - 1e-9) and plan["plan_ms_p50"] > 0
+    whole = next(r for r in records if r["method"] == "dynapipe_all_or_nothing")
+    assert whole["pyramid_speedup"] >= 1.0  # pyramid checkpointing never slows a plan
 
 
 def dyn_plugin_native() -> bool:

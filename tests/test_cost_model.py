@@ -95,6 +95,13 @@ def test_table_model_uses_native_when_built():
     assert (m.native("packed", "none") is not None) == (core is not None)
 
 
+def test_analytic_model_knows_its_heads():
+    mha = analytic_cost_model(SHAPE, A100)
+    assert (mha.num_heads, mha.num_kv_heads, mha.kv_hidden_size) == (32, None, 4096)
+    gqa = analytic_cost_model(SHAPE.model_copy(update={"num_kv_heads": 8}), A100)
+    assert (gqa.num_heads, gqa.num_kv_heads, gqa.kv_hidden_size) == (32, 8, 1024)
+
+
 def test_fit_recovers_exact_coefficients():
     rng = np.random.default_rng(0)
     tok = rng.uniform(10, 5000, 40)

@@ -4,7 +4,6 @@ for the plugin's pipeline engine at pp=2 and pp=2 x dp=2."""
 import json
 
 import pytest
-
 from ranks import run
 
 EXACT = 1e-7  # plan vs single-process reference, fp32: equal up to the order floats are summed in
@@ -24,11 +23,13 @@ def test_exact_token_mean_step_for_every_zero_stage(tmp_path):
     for r in results:
         assert r["recompute_ran"] == r["recompute"], r  # recompute changes memory, never the gradients
     assert any(len(set(r["micro_batch_sizes"])) > 1 for r in results)  # of uneven sizes
-    # one step whose micro-batches switch recompute modes, each honoured: attention runs once per
-    # layer, twice where backward recomputes it (full: the whole layer; selective: attention only)
+    # one step whose micro-batches switch recompute modes and checkpointed layer counts (pyramid),
+    # each honoured: attention runs once per layer, twice in each layer whose backward recomputes it
+    # (full: the whole layer; selective: attention only)
     assert len(set(mixed["planned_modes"])) > 1, mixed
-    assert mixed["modes_ran"] == mixed["planned_modes"], mixed
-    assert mixed["attention_calls"] == [mixed["layers"] * (1 if m == "none" else 2) for m in mixed["planned_modes"]], mixed
+    assert mixed["modes_ran"] == mixed["planned_modes"] and mixed["counts_ran"] == mixed["planned_counts"], mixed
+    assert mixed["attention_calls"] == [mixed["layers"] + (0 if m == "none" else n)
+                                        for m, n in zip(mixed["planned_modes"], mixed["planned_counts"])], mixed
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["pp2", "pp2xdp2"])
@@ -47,6 +48,12 @@ def test_pipeline_engine_runs_the_plan_exactly(tmp_path, world):
         assert r["params_compared"] == r["params"] * r["dp"], r  # every parameter, on the stage that holds it
         assert r["samples"] == r["distinct"] == r["global_batch"], r  # each sample once, over all replicas, 2 steps
         assert r["micro_batches"] > 1, r
+        # each forward and backward ran its micro-batch's mode on the count planned for its stage
+        if r["recompute"] == "none":
+            assert all(ran == 0 for _, ran, _ in r["pyramid"]), r
+        else:
+            assert all(ran == planned and planned is not None for planned, ran, _ in r["pyramid"]), r
+            assert any(0 < planned < layers for planned, _, layers in r["pyramid"]), r  # partial counts ran
     assert any(len(set(r["sizes"])) > 1 for r in results)  # of uneven sizes
 
 
@@ -111,3 +118,20 @@ def test_bench_train_runs_the_comparison(tmp_path, capsys):
                            "--modes", "dyn_plugin"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert [r["mode"] for r in json.loads((tmp_path / "ds" / "summary.json").read_text())] == ["dyn_plugin"]
+
+
+def test_cost_model_takes_the_heads_a_profile_lacks_from_the_live_model(tmp_path):
+    """A version 2 profile of imported tables records no heads: the model being trained says."""
+    from deepspeed_ext import _cost_model
+    from dyn_plugin.config import load_config
+    from dyn_plugin.models.hf import PRESETS, build_causal_lm
+    from dyn_plugin.profiles import DIR
+
+    raw = json.loads((DIR / "a100-gpt-6.7b.json").read_text())
+    raw["version"], raw["model"]["num_heads"] = 2, None
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(raw))
+    cfg = load_config({"fp16": {"enabled": True},
+                       "dyn_plugin": {"cost_model": {"kind": "profile", "profile": str(path)}}})
+    cost = _cost_model(cfg, build_causal_lm(PRESETS["tiny-llama"], num_layers=1))
+    assert (cost.num_heads, cost.num_kv_heads, cost.hidden_size) == (4, 2, 4096)  # width: the profile's own

@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 from dyn_plugin.config import DeviceSpec, ModelShape
 from dyn_plugin.cost import split_layers
 from dyn_plugin.cost.analytic import analytic_cost_model
-from dyn_plugin.cost.native import core
-from dyn_plugin.cost.table import evaluate_stage
 from dyn_plugin.cost.model import features
+from dyn_plugin.cost.native import core
+from dyn_plugin.cost.sequence_parallel import SequenceParallelCost
+from dyn_plugin.cost.table import evaluate_stage
 from dyn_plugin.plan import microbatch
 from dyn_plugin.plan.microbatch import InfeasibleError, StageMemory, partition
 
@@ -128,3 +129,83 @@ def test_infeasible_sequence_is_named():
 def test_fewer_sequences_than_replicas_is_refused():
     with pytest.raises(ValueError, match="cannot give each of 4 data-parallel ranks"):
         partition([10, 20], COST, layout="packed", stages=split_layers(8, 1), memory=memory_for(1, 10), dp=4)
+
+
+# Sequence parallelism: runs split over sp ranks, priced per rank plus each layer's collectives.
+SP_LINK = dict(hidden=1024, kv_hidden=1024, act_bytes=2, link_gb_per_s=25.0, latency_us=10.0)
+
+
+def layer_comms(sp, kind="ulysses", cost=SequenceParallelCost()):
+    return [cost.layer(sp, kind, rc, **SP_LINK) for rc in RECOMPUTES]
+
+
+@pytest.mark.native
+@settings(max_examples=120, deadline=None)
+@given(**inputs, sp=st.sampled_from([1, 2, 4]), kind=st.sampled_from(["ulysses", "ring"]),
+       priced=st.booleans())
+def test_native_and_python_give_the_same_plan_split_over_sp_ranks(lens, layout, pp, dp, budget, sp, kind, priced):
+    stages, memory = split_layers(8, pp), memory_for(pp, budget)
+    kw = dict(layout=layout, stages=stages, memory=memory, dp=dp, sp=sp,
+              comm=layer_comms(sp, kind) if priced else None)
+    try:
+        py = partition(lens, COST, native=False, **kw)
+    except ValueError as exc:
+        with pytest.raises(type(exc)):
+            partition(lens, COST, native=True, **kw)
+        return
+    assert partition(lens, COST, native=True, **kw) == py
+
+
+@pytest.mark.native
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(1, 6000), min_size=1, max_size=9), layout=st.sampled_from(["padded", "packed"]),
+       sp=st.sampled_from([1, 2, 4, 8]), rc=st.sampled_from(RECOMPUTES))
+def test_native_features_per_rank_match_python(lens, layout, sp, rc):
+    """A micro-batch's per-rank cost in C++ (the row rounded up to sp, a padding document for
+    packed rows) is exactly the Python twin's on ``features(..., sp)``."""
+    stage = split_layers(8, 2)[1]
+    want = evaluate_stage(COST.table(layout, rc), features(lens, layout, COST.pad_multiple, sp), stage)
+    got = COST.native(layout, rc).stage_cost(lens, stage.num_layers, stage.first, stage.last, sp)
+    assert got[:4] == (want.forward_ms, want.backward_ms, want.stored_bytes, want.peak_bytes)
+
+
+def planner_spec(pp, budget_gb, attention):
+    from dyn_plugin.plan.planner import PlannerSpec
+    from dyn_plugin.plan.types import LinkSpec
+
+    return PlannerSpec(COST, tuple(split_layers(8, pp)), tuple(memory_for(pp, budget_gb)), dp=4, link=LinkSpec(25.0),
+                       hidden_size=SHAPE.hidden_size, sp_sizes=(1, 2, 4), sp_attention=attention,
+                       sp_link=(LinkSpec(25.0), LinkSpec(12.5)), devices_per_node=8)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lens=st.lists(st.integers(1, 6000), min_size=1, max_size=8), layout=st.sampled_from(["padded", "packed"]),
+       pp=st.integers(1, 3), sp=st.sampled_from([2, 4]), attention=st.sampled_from(["ulysses", "ring"]))
+def test_runs_cost_what_the_planner_prices_their_micro_batch(lens, layout, pp, sp, attention):
+    """Every run the DP considers costs exactly what ``make_micro_batch`` charges the micro-batch it
+    becomes, collectives included, in the mode the DP picked for it."""
+    from dyn_plugin.plan.planner import make_micro_batch
+
+    spec = planner_spec(pp, 20, attention)
+    order = sorted(lens, reverse=True)
+    comm = [spec.layer_comm(sp, rc) for rc in RECOMPUTES]
+    times, modes = microbatch.run_costs(np.array(order), COST, layout, RECOMPUTES, spec.stages, spec.memory, sp=sp,
+                                        comm=comm)
+    for i, (ts, ms) in enumerate(zip(times, modes)):
+        for w, (t, m) in enumerate(zip(ts, ms)):
+            mb = make_micro_batch(range(i, i + w + 1), order, spec, layout, RECOMPUTES[m], sp=sp)
+            assert mb.time_ms == t
+
+
+def test_a_sequence_too_long_for_one_rank_fits_split_over_four():
+    stages, memory = split_layers(8, 2), memory_for(2, 4)
+    with pytest.raises(InfeasibleError, match="length 12000"):
+        partition([12000, 100], COST, layout="packed", stages=stages, memory=memory)
+    for native in (False, True) if core is not None else (False,):
+        p = partition([12000, 100], COST, layout="packed", stages=stages, memory=memory, sp=4, comm=layer_comms(4),
+                      native=native)
+        assert p.bounds[-1] == 2 and p.recompute[0] != "none"
+    with pytest.raises(ValueError, match="power of two, got sp=3"):
+        partition([100], COST, layout="packed", stages=stages, memory=memory, sp=3)
+    with pytest.raises(ValueError, match="one LayerComm per recompute mode"):
+        partition([100], COST, layout="packed", stages=stages, memory=memory, sp=2, comm=layer_comms(2)[:1])

@@ -22,7 +22,7 @@ class FakeEngine:
 
     def __init__(self):
         self.backwards = []
-        self._dyn_plugin_recompute = SimpleNamespace(set=lambda mode: None)
+        self._dyn_plugin_recompute = SimpleNamespace(set=lambda mode, layers=None: None)
 
     def set_gradient_accumulation_boundary(self, last: bool) -> None:
         pass
@@ -40,7 +40,7 @@ class FakeEngine:
 
 def _step(seq_lens_per_mb):
     descs = tuple({"sample_ids": tuple(range(len(lens))), "seq_lens": tuple(lens), "layout": "padded",
-                   "recompute": "none", "shape": (len(lens), max(lens))} for lens in seq_lens_per_mb)
+                   "recompute": "none", "shape": (len(lens), max(lens)), "checkpointed": ()} for lens in seq_lens_per_mb)
     plan = ExecutionPlan(rank=0, replica=0, stage=0, num_stages=1, num_buffers=1, micro_batches=descs,
                          instructions=tuple(LoadMicroBatch(0, m, 0) for m in range(len(descs))) + (ReduceGrads(0), OptimizerStep(0)))
     data = [torch.arange(1, 40)] * 8

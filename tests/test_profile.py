@@ -68,7 +68,7 @@ def test_round_trip_and_samples_only_profile(tmp_path):
     path = tmp_path / "p.json"
     save_profile(p, path)
     raw = json.loads(path.read_text())
-    assert raw["schema"] == SCHEMA and raw["version"] == 2
+    assert raw["schema"] == SCHEMA and raw["version"] == 3
     assert load_profile(path) == p
     raw["tables"] = None  # as a profile produced elsewhere may come: measurements only
     again = load_profile(raw)
@@ -91,6 +91,45 @@ def test_per_component_samples_from_elsewhere():
     assert got.forward_ms == pytest.approx(lin(LAYER, f), rel=1e-6)
 
 
+def test_collectives_and_heads_round_trip_into_the_cost_model(tmp_path):
+    """Measured all-to-all and ring exchange points are stored, fitted (ms = c0 + c1 * bytes) and
+    reach the cost model with the heads; the cost model's dict form keeps them."""
+    from dyn_plugin.cost.profile import CollectiveSamples
+    from dyn_plugin.cost.table import TableCostModel
+
+    p = make_profile(synthetic_samples())
+    p = p.model_copy(update={
+        "ranks": 2, "model": p.model.model_copy(update={"num_heads": 8, "num_kv_heads": 2}),
+        # on lines: all-to-all 0.2 ms + 1 ms/MB, ring exchange 0.5 ms + 1.5 ms/MB
+        "collectives": CollectiveSamples(alltoall=[(1e3, 0.201), (1e6, 1.2), (4e6, 4.2)],
+                                         p2p=[(1e3, 0.5015), (1e6, 2.0), (4e6, 6.5)])})
+    path = tmp_path / "p.json"
+    save_profile(p, path)
+    raw = json.loads(path.read_text())
+    assert raw["collectives"]["alltoall"][1] == [1e6, 1.2] and raw["model"]["num_heads"] == 8
+    assert load_profile(path) == p
+    cm = cost_model_from_profile(load_profile(path))
+    assert (cm.num_heads, cm.num_kv_heads, cm.kv_hidden_size) == (8, 2, None)  # no hidden size in this profile
+    assert cm.collectives.alltoall == pytest.approx((0.2, 1e-6), rel=1e-9)
+    assert cm.collectives.p2p == pytest.approx((0.5, 1.5e-6), rel=1e-9) and cm.collectives.ranks == 2
+    assert TableCostModel.from_dict(cm.to_dict()).collectives == cm.collectives
+
+
+def test_profiles_without_collectives_price_them_from_the_link():
+    """A version 2 file (no heads, no collectives) still loads; the heads come from its transformers
+    config, the collectives from the cluster's link (nothing measured)."""
+    raw = json.loads(make_profile(synthetic_samples()).model_dump_json(by_alias=True))
+    del raw["collectives"]
+    for key in ("num_heads", "num_kv_heads"):
+        del raw["model"][key]
+    v2 = {**raw, "version": 2, "model": {**raw["model"], "config": {"num_attention_heads": 16, "num_key_value_heads": 4}}}
+    cm = cost_model_from_profile(load_profile(v2))
+    assert (cm.num_heads, cm.num_kv_heads) == (16, 4)
+    assert cm.collectives.alltoall is None and cm.collectives.p2p is None
+    bare = cost_model_from_profile(load_profile({**raw, "version": 2}))
+    assert bare.num_heads is None and bare.collectives.alltoall is None
+
+
 def test_version_1_files_were_measured_in_the_model_dtype():
     raw = json.loads(make_profile(synthetic_samples()).model_dump_json(by_alias=True))
     del raw["device"]["dtype"]
@@ -100,7 +139,7 @@ def test_version_1_files_were_measured_in_the_model_dtype():
 
 def test_rejects_unknown_version_and_bad_files(tmp_path):
     raw = json.loads(make_profile(synthetic_samples()).model_dump_json(by_alias=True))
-    with pytest.raises(ValueError, match="schema version 99.*reads versions 1, 2"):
+    with pytest.raises(ValueError, match="schema version 99.*reads versions 1, 2, 3"):
         load_profile({**raw, "version": 99})
     with pytest.raises(ValueError, match="device.dtype 'bf16' differs from model.dtype 'fp32'"):
         load_profile({**raw, "device": {**raw["device"], "dtype": "bf16"}})
@@ -127,6 +166,7 @@ def test_bundled_a100_profile_matches_the_measured_tables():
     if os.path.exists(A100):
         assert import_measured_tables(A100, num_layers=32, hidden_size=4096).tables == bundled.tables
     cm = cost_model_from_profile(bundled)
+    assert (cm.num_heads, cm.num_kv_heads, cm.hidden_size) == (32, None, 4096)  # GPT 6.7B
     one_layer = StageSpec(1, first=False, last=False)
     # measured A100 rows (tp=1): [seq, mbs, ms] encoder.forward, recompute none
     for (s, b, ms) in [(1024, 1, None), (2048, 1, None), (4096, 2, None)]:

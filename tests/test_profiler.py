@@ -47,8 +47,26 @@ def test_update_measured_with_the_load_gone(profile):
     cost = cost_model_from_profile(profile)
     assert cost.update.optimizer is not None and cost.update.allreduce is not None
     assert TableCostModel.from_dict(cost.to_dict()).update == cost.update
-    left = subprocess.run(["pgrep", "-f", "dyn_plugin.cost.(shadow|collective)"], capture_output=True, text=True).stdout
+    left = subprocess.run(["pgrep", "-f", "dyn_plugin.profiling.(shadow|collective)"], capture_output=True,
+                          text=True).stdout
     assert left == "", f"profiling helpers still running: {left}"
+
+
+def test_sequence_parallel_collectives_measured_among_the_ranks(profile):
+    """The same 2 gloo ranks time an all-to-all and a ring exchange at three sizes; the cost model
+    gets their lines and the model's heads (tiny-llama: 4 query, 2 key/value heads)."""
+    from dyn_plugin.cost.profile import cost_model_from_profile
+    from dyn_plugin.profiling.collective import measure_collectives
+
+    c = profile.collectives
+    assert c.backend == "gloo"
+    for points in (c.alltoall, c.p2p):
+        assert [b for b, _ in points] == [1 << 16, 1 << 20, 4 << 20] and all(ms > 0 for _, ms in points)
+    cost = cost_model_from_profile(profile)
+    assert cost.collectives.ranks == 2 and cost.collectives.alltoall[1] > 0 and cost.collectives.p2p[1] > 0
+    assert (cost.num_heads, cost.num_kv_heads, cost.kv_hidden_size) == (4, 2, 64)
+    with pytest.raises(ValueError, match=r"unknown collectives \['broadcast'\]"):
+        measure_collectives(2, {"broadcast": [1024]})
 
 
 def test_held_out_prediction_within_15_percent(profile):

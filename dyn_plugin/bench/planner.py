@@ -3,12 +3,15 @@
 A GPT-6.7B-class model (32 layers split over the pipeline stages, A100 40GB tables with a
 36000 MB limit, ZeRO-1), global batches drawn from the bundled length distributions.
 Sequences longer than the tables measured (8192) are truncated to it, as a trainer with
-max_seq_len 8192 would.
+max_seq_len 8192 would. The plugin plans with pyramid checkpointing (the config's default);
+``dynapipe_all_or_nothing`` is the same planner with every micro-batch recomputing all of its
+layers or none, and its ``pyramid_speedup`` says how much faster the pyramid plans are.
 """
 from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from typing import Iterator
 
 import numpy as np
@@ -41,6 +44,7 @@ def bench_planner(args: argparse.Namespace) -> Iterator[dict]:
                 cfg = DynPluginConfig.model_validate({
                     "pipeline": {"stages": pp},
                     "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
+                    "sequence_parallel": {"pyramid": not args.no_pyramid},
                 })
                 base = {"distribution": dist, "global_tokens": tokens, "pp": pp, "dp": dp}
                 try:
@@ -57,7 +61,11 @@ def _bench_config(base: dict, batches: list[list[int]], spec, python_batches: in
     bound = [max(i, critical_path_ms(b, spec)) for i, b in zip(ideal, batches)]
     runs = [("dynapipe", "cpp", lambda b: plan_step(b, spec, native=True), len(batches)),
             ("dynapipe", "python", lambda b: plan_step(b, spec, native=False), python_batches)]
+    if spec.pyramid:
+        whole = replace(spec, pyramid=False)
+        runs.append(("dynapipe_all_or_nothing", "cpp", lambda b: plan_step(b, whole, native=True), len(batches)))
     runs += [(name, "python", lambda b, n=name: plan_baseline(n, b, spec, MAX_LEN), len(batches)) for name in BASELINES]
+    planned = None  # the plugin's step times (C++ DP), which the all-or-nothing row compares with
     for method, impl, fn, count in runs:
         if count == 0:
             continue
@@ -81,4 +89,8 @@ def _bench_config(base: dict, batches: list[list[int]], spec, python_batches: in
             micro_batches=float(np.mean([len(p.micro_batches) for p in plans])),
             layout=plans[0].layout,
         )
+        if (method, impl) == ("dynapipe", "cpp"):
+            planned = iters
+        elif method == "dynapipe_all_or_nothing" and planned is not None:
+            rec["pyramid_speedup"] = float(np.mean([a / p for a, p in zip(iters, planned)]))
         yield rec

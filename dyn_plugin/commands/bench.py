@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     planner.add_argument("--python-batches", type=int, default=2,
                          help="of those, how many also go through the (slow) pure-Python planner")
     planner.add_argument("--seed", type=int, default=0)
+    planner.add_argument("--no-pyramid", action="store_true",
+                         help="plan without pyramid checkpointing (every micro-batch recomputes all of its layers or "
+                              "none); by default the all-or-nothing plans are also run as dynapipe_all_or_nothing")
     sp = sub.add_parser("sp", help="dynamic sequence parallelism vs fixed sizes, Megatron's hybrid CP and DCP's "
                                    "buckets: simulated step on A100 GPT-6.7B costs with priced attention collectives")
     sp.add_argument("--distributions", default="code,prose,mixture")

@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", nargs="?", help="with import: per-layer cost tables JSON (a100-measured format)")
     parser.add_argument("--num-layers", type=int, help="with import: layers of the model the tables describe")
     parser.add_argument("--hidden-size", type=int, help="with import: the model's hidden size")
+    parser.add_argument("--num-heads", type=int, help="with import: the model's attention heads (known for the "
+                                                      "A100 tables gpt-6.7b and t5-11b)")
+    parser.add_argument("--num-kv-heads", type=int, help="with import: key/value heads, if fewer than --num-heads")
     parser.add_argument("--model", default="tiny-llama",
                         help="preset (tiny-llama, llama-350m, tiny-gpt2) or path to a HF config.json (default: tiny-llama)")
     parser.add_argument("--out", required=True, help="profile JSON to write")
@@ -42,9 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, help="timed repeats per point (the minimum is kept)")
     parser.add_argument("--ranks", type=int, default=1,
                         help="measure as one of N training ranks on this host: on CPU N-1 processes train beside "
-                             "it; the gradient all-reduce is measured among N (on CUDA over NCCL, one GPU each: "
-                             "with fewer GPUs it is priced from the cluster link). Use the ranks per host you "
-                             "train with")
+                             "it; the gradient all-reduce and sequence parallelism's all-to-all and ring exchange "
+                             "are measured among N (on CUDA over NCCL, one GPU each: with fewer GPUs they are "
+                             "priced from the cluster link). Use the ranks per host you train with")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (training ranks often run with 1)")
     parser.add_argument("--validate", type=int, default=16, metavar="N",
                         help="also time N held-out random micro-batches through the full model and report "
@@ -92,10 +95,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_summary(profile) -> None:
-    """Fit error of each table (of the layer), the update's cost, and the held-out error if measured."""
+    """Fit error of each table (of the layer), the update's and the collectives' cost, and the
+    held-out error if measured."""
     from ..cost.model import Precision
     from ..cost.profile import cost_model_from_profile
 
+    cost = cost_model_from_profile(profile)
     d = profile.device
     print(f"measured on {d.type} ({d.name}) in {d.dtype}")
     print(f"{'table':<24}{'fwd MAPE':>10}{'bwd MAPE':>10}{'stored MAPE':>13}  (fit error)")
@@ -105,7 +110,6 @@ def print_summary(profile) -> None:
               f"{f['backward_ms'].mape:>10.1%}{f['stored_bytes'].mape:>13.1%}")
     u = profile.update
     if u is not None and (u.optimizer or u.allreduce):
-        cost = cost_model_from_profile(profile)
         params = cost.stage_params()
         line = f"update of the whole model ({params / 1e6:.1f}M parameters): AdamW step " \
                f"{cost.update.optimizer_ms(params):.1f} ms"
@@ -114,13 +118,24 @@ def print_summary(profile) -> None:
             line += f", {u.backend} all-reduce of its {cost.dtype} gradients among {profile.ranks}: " \
                     f"{cost.update.allreduce_ms(grad_bytes, profile.ranks, 1.0):.1f} ms"
         print(line)
+    c = profile.collectives
+    if c is not None and c.alltoall and c.p2p:
+        sp, mib = cost.collectives, 1 << 20
+        print(f"sequence parallelism, {c.backend} among {profile.ranks}: all-to-all of 1 MiB per rank "
+              f"{sp.alltoall[0] + sp.alltoall[1] * mib:.2f} ms, ring exchange of 1 MiB "
+              f"{sp.p2p[0] + sp.p2p[1] * mib:.2f} ms")
     if profile.ranks > 1 and u is not None and not u.allreduce:
-        print(f"all-reduce among {profile.ranks} not measured (fewer {d.type} devices than ranks): "
-              "priced from the cluster's link bandwidth")
+        print(f"all-reduce among {profile.ranks} not measured (fewer {d.type} devices than ranks), nor the "
+              "sequence-parallel collectives: priced from the cluster's link bandwidth")
     v = profile.validation
     if v:
         print(f"held-out: {v['count']} random micro-batches through the {v['num_layers']}-layer model "
               f"({v['recompute']} recompute): step-time error mean {v['mape']:.1%}, max {v['max_ape']:.1%}")
+    pyr = profile.pyramid
+    if pyr:
+        counts = "/".join(str(c["checkpointed"]) for c in pyr["cases"])
+        print(f"pyramid: peak memory with {counts} of {pyr['num_layers']} layers under {pyr['recompute']} recompute, "
+              f"predicted within {pyr['max_error']:.1%} of measured")
 
 
 def run_import(args: argparse.Namespace) -> int:
@@ -129,7 +144,8 @@ def run_import(args: argparse.Namespace) -> int:
 
     if not (args.source and args.num_layers and args.hidden_size):
         raise ValueError("usage: dynplugin profile import FILE --num-layers N --hidden-size H --out profile.json")
-    profile = import_measured_tables(args.source, num_layers=args.num_layers, hidden_size=args.hidden_size)
+    profile = import_measured_tables(args.source, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                                     num_heads=args.num_heads, num_kv_heads=args.num_kv_heads)
     save_profile(profile, args.out)
     print_summary(profile)
     print(f"{len(profile.samples)} samples from {args.source} -> {args.out}")

@@ -91,6 +91,6 @@ def analytic_cost_model(
         dtype=dtype,
         allow_extrapolation=True,  # a formula has no measured range to leave
         hidden_size=shape.hidden_size,
-        num_heads=shape.num_heads,  # sequence parallelism: whether Ulysses can split the heads
-        num_kv_heads=shape.num_kv_heads or shape.num_heads,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
     )

@@ -21,14 +21,19 @@ from typing import Any
 from .profile import SCHEMA, VERSION, DeviceInfo, ModelInfo, Profile, Sample, fit_tables
 
 MB = 1 << 20
+# Attention heads of the artifact's models (its Megatron configs; the tables do not say):
+# GPT 6.7B: 32 heads of 128 over hidden 4096; T5 11B: 128 heads of 128 (d_kv) over hidden 1024.
+HEADS = {"gpt-6.7b": 32, "t5-11b": 128}
 
 
 def _rows(table: dict[str, Any], key: str, name: str) -> dict[tuple[int, int], float]:
     return {(int(s), int(b)): float(v) for s, b, v in table[key].get(name, [])}
 
 
-def import_measured_tables(source: str | os.PathLike | dict[str, Any], *, num_layers: int, hidden_size: int) -> Profile:
-    """The tables hold one layer; the model's depth and width come from the caller."""
+def import_measured_tables(source: str | os.PathLike | dict[str, Any], *, num_layers: int, hidden_size: int,
+                           num_heads: int | None = None, num_kv_heads: int | None = None) -> Profile:
+    """The tables hold one layer; the model's depth and width come from the caller, and so do its
+    attention heads (default: those of the artifact's models by table name, else unknown)."""
     if isinstance(source, dict):
         raw = source
     else:
@@ -65,6 +70,7 @@ def import_measured_tables(source: str | os.PathLike | dict[str, Any], *, num_la
     return Profile(
         schema=SCHEMA, version=VERSION, created="",
         model=ModelInfo(name=raw.get("name", "imported"), num_layers=num_layers, hidden_size=hidden_size,
+                        num_heads=num_heads or HEADS.get(raw.get("name")), num_kv_heads=num_kv_heads,
                         params=params, dtype="fp16",
                         config={"description": raw.get("description", "")}),
         device=DeviceInfo(type="gpu", name=raw.get("measured_on", "unknown").split(",")[0]),

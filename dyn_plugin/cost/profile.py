@@ -1,6 +1,6 @@
 """The profile file: measured costs of one model on one device, and the cost model fitted to them.
 
-A profile is JSON (schema ``dyn_plugin.profile``, version 2; version 1 files are read too;
+A profile is JSON (schema ``dyn_plugin.profile``, version 3; versions 1 and 2 are read too;
 docs/profile-format.md). Its
 ``samples`` are the measurements, one per (component, layout, recompute, tp, micro-batch);
 its ``tables`` are the fits. A profile written elsewhere (another machine, a GPU) may omit
@@ -17,13 +17,16 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .model import COMPONENTS, METRICS, features
+from .sequence_parallel import SequenceParallelCost
 from .table import CostTable, LinearFit, TableCostModel, fit_error, fit_linear, nnls_relative
 from .update import UpdateCost
 
 SCHEMA = "dyn_plugin.profile"
-VERSION = 2
-# Version 2 added device.dtype; a version 1 file measured in its model's dtype.
-READS = (1, 2)
+VERSION = 3
+# Version 2 added device.dtype; a version 1 file measured in its model's dtype. Version 3 added
+# model.num_heads / num_kv_heads and the sequence-parallel collectives; without them the heads
+# come from the model's config where it has them and the collectives from the cluster's links.
+READS = (1, 2, 3)
 
 
 class _Record(BaseModel):
@@ -67,9 +70,19 @@ class ModelInfo(_Record):
     name: str
     num_layers: int = Field(gt=0)
     hidden_size: int | None = Field(default=None, gt=0, description="model width; sizes activations between stages")
+    num_heads: int | None = Field(default=None, gt=0, description="attention (query) heads: Ulysses or ring")
+    num_kv_heads: int | None = Field(default=None, gt=0, description="key/value heads; absent: as many as num_heads")
     params: dict[Literal["embedding", "layer", "head"], float]
     dtype: Literal["fp32", "fp16", "bf16"]
     config: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _heads_from_config(self) -> "ModelInfo":
+        if self.num_heads is None:  # a version 1 or 2 file of a transformers model: its config says
+            heads = self.config.get("num_attention_heads") or self.config.get("n_head")
+            if heads:
+                self.num_heads, self.num_kv_heads = int(heads), self.config.get("num_key_value_heads")
+        return self
 
 
 class DeviceInfo(_Record):
@@ -90,6 +103,17 @@ class UpdateSamples(_Record):
     allreduce: list[tuple[float, float]] = Field(default=[], description="(bytes, ms) of an all-reduce among `ranks`")
 
 
+class CollectiveSamples(_Record):
+    """Measured attention collectives of sequence parallelism (sequence_parallel.py)."""
+
+    backend: str = "gloo"
+    alltoall: list[tuple[float, float]] = Field(
+        default=[], description="(bytes, ms) of an all-to-all of a buffer of that many bytes per rank among `ranks`")
+    p2p: list[tuple[float, float]] = Field(
+        default=[], description="(bytes, ms) of a ring exchange among `ranks`: each sends that many bytes to the "
+        "next rank while it receives as many from the previous one")
+
+
 class Profile(_Record):
     schema_: Literal["dyn_plugin.profile"] = Field(alias="schema", default=SCHEMA)
     version: int = VERSION
@@ -106,9 +130,15 @@ class Profile(_Record):
         "on padded batches only, with kernels whose cost follows tokens and sum(s_i^2), as varlen attention does",
     )
     validation: dict[str, Any] | None = Field(default=None, description="held-out check of the fit, if one was run")
+    pyramid: dict[str, Any] | None = Field(
+        default=None, description="peak activation memory of one micro-batch at several checkpointed-layer counts, "
+        "measured against the fit's prediction, if checked")
     ranks: int = Field(default=1, ge=1, description="processes training side by side while measuring: the profiled "
                        "one and ranks-1 load processes (ranks on one host slow each other down)")
     update: UpdateSamples | None = Field(default=None, description="gradient all-reduce and optimizer step, measured")
+    collectives: CollectiveSamples | None = Field(
+        default=None, description="sequence-parallel all-to-all and ring exchange, measured; absent: priced from the "
+        "cluster's link bandwidth")
 
     @model_validator(mode="after")
     def _measured_dtype(self) -> "Profile":
@@ -247,6 +277,11 @@ def cost_model_from_profile(profile: Profile, *, allow_extrapolation: bool = Fal
         hidden_size=profile.model.hidden_size,
         update=UpdateCost.fit(profile.update.optimizer, profile.update.allreduce, max(profile.ranks, 2))
         if profile.update else UpdateCost(),
+        num_heads=profile.model.num_heads,
+        num_kv_heads=profile.model.num_kv_heads,
+        collectives=SequenceParallelCost.fit(profile.collectives.alltoall, profile.collectives.p2p,
+                                             max(profile.ranks, 2))
+        if profile.collectives else SequenceParallelCost(),
     )
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from .model import Recompute
+from .update import fit_line
 
 AttentionKind = Literal["ulysses", "ring"]
 
@@ -44,7 +45,9 @@ class LayerComm:
 
 @dataclass(frozen=True)
 class SequenceParallelCost:
-    """Measured collectives: ms = c0 + c1 * bytes a rank sends, among ``ranks`` processes."""
+    """Measured collectives among ``ranks`` processes, ms = c0 + c1 * bytes: for the all-to-all,
+    the bytes of each rank's buffer (it keeps 1/ranks of it and sends the rest); for a ring
+    exchange, the bytes of the block each rank sends to its successor while it receives one."""
 
     alltoall: tuple[float, float] | None = None
     p2p: tuple[float, float] | None = None  # one exchange: send a block to the next rank, receive one
@@ -92,6 +95,13 @@ class SequenceParallelCost:
         d = d or {}
         pair = lambda v: None if v is None else (float(v[0]), float(v[1]))  # noqa: E731
         return cls(pair(d.get("alltoall")), pair(d.get("p2p")), int(d.get("ranks", 2)))
+
+    @classmethod
+    def fit(cls, alltoall: Sequence[Sequence[float]] | None, p2p: Sequence[Sequence[float]] | None,
+            ranks: int) -> "SequenceParallelCost":
+        """From measured (bytes, ms) points among ``ranks`` processes: an all-to-all of a buffer of
+        that many bytes per rank, and one ring exchange of a block of that many bytes."""
+        return cls(fit_line(alltoall), fit_line(p2p), ranks)
 
 
 def attention_kind(k: int, wanted: str, num_heads: int | None, num_kv_heads: int | None) -> AttentionKind:

@@ -141,7 +141,9 @@ class TableCostModel:
     num_heads: int | None = None
     num_kv_heads: int | None = None  # None: as many as query heads
     collectives: SequenceParallelCost = field(default_factory=SequenceParallelCost)
-    _native: dict = field(default_factory=dict, repr=False)
+    # C++ tables, built on first use; not an init field, so every dataclasses.replace() copy (another
+    # pad_multiple, extrapolation allowed) builds its own instead of sharing the original's
+    _native: dict = field(default_factory=dict, repr=False, init=False, compare=False)
 
     def to_dict(self) -> dict:
         """Plain JSON-able form (coefficients only), e.g. for planner processes; see from_dict."""
@@ -179,7 +181,7 @@ class TableCostModel:
             raise ValueError(f"pad_multiple must be >= 1; got {pad_multiple}")
         if pad_multiple == self.pad_multiple:
             return self
-        return replace(self, pad_multiple=pad_multiple, _native={})  # C++ tables hold their own pad_multiple
+        return replace(self, pad_multiple=pad_multiple)
 
     def table(self, layout: Layout, recompute: Recompute, tp: int = 1) -> CostTable:
         key = (layout, recompute, tp)

@@ -48,10 +48,11 @@ class UpdateCost:
     def fit(cls, optimizer: Sequence[Sequence[float]] | None, allreduce: Sequence[Sequence[float]] | None,
             ranks: int) -> "UpdateCost":
         """From measured (parameters, ms) and (bytes, ms) points: least squares, intercept >= 0."""
-        return cls(_line(optimizer), _line(allreduce), ranks)
+        return cls(fit_line(optimizer), fit_line(allreduce), ranks)
 
 
-def _line(points: Sequence[Sequence[float]] | None) -> tuple[float, float] | None:
+def fit_line(points: Sequence[Sequence[float]] | None) -> tuple[float, float] | None:
+    """(c0, c1) of y = c0 + c1 * x through measured (x, y) points; None without points."""
     if not points:
         return None
     x, y = np.asarray(points, dtype=float).T

@@ -4,7 +4,8 @@ The planner picks a recompute mode per micro-batch (DynaPipe; DCP's pyramid chec
 recomputes less for shorter sequences): ``full`` recomputes each decoder layer in backward,
 ``selective`` only its attention block, ``none`` keeps everything. ``RecomputeSwitch`` wraps the
 layers' (or attention blocks') ``forward`` in non-reentrant checkpointing and unwraps them again,
-so one model runs every micro-batch in its own mode. The profiler measures through the same
+so one model runs every micro-batch in its own mode; with a layer count (pyramid checkpointing)
+only that many of the layers run in the mode, the others keep their activations. The profiler measures through the same
 switch, so the profile prices exactly what training executes.
 """
 from __future__ import annotations
@@ -17,7 +18,6 @@ from torch import nn
 from ..cost.model import RECOMPUTES
 
 
-
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """Transformer blocks: the modules that own an attention block (``self_attn`` or ``attn``)."""
     return [m for m in model.modules() if isinstance(getattr(m, "self_attn", None) or getattr(m, "attn", None), nn.Module)]
@@ -28,22 +28,42 @@ def _attention(layer: nn.Module) -> nn.Module:
 
 
 class RecomputeSwitch:
+    """Puts the first ``layers`` decoder layers of a module under a recompute mode, the rest under none."""
+
     def __init__(self, model: nn.Module) -> None:
         self.layers = decoder_layers(model)
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no transformer blocks (modules with self_attn or attn) to "
                              "recompute")
         self.mode = "none"
+        self.count = len(self.layers)  # layers under ``mode``
+        self._modes = ["none"] * len(self.layers)  # what each layer runs now
 
-    def set(self, mode: str) -> None:
+    def set(self, mode: str, layers: int | None = None) -> None:
+        """Run the first ``layers`` of this module's decoder layers under ``mode`` and the others with
+        no recompute (pyramid checkpointing); None = all of them. Only layers that change are touched."""
         if mode not in RECOMPUTES:
             raise ValueError(f"recompute mode {mode!r}; known: {', '.join(RECOMPUTES)}")
-        if mode == self.mode:
+        count = len(self.layers) if layers is None else layers
+        if not 0 <= count <= len(self.layers):
+            raise ValueError(f"checkpointed layers = {layers}: this module has {len(self.layers)} decoder layers; "
+                             "the plan was made for another pipeline split")
+        if (mode, count) == (self.mode, self.count):
             return
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            want = mode if i < count else "none"
+            if want == self._modes[i]:
+                continue
             for m in (layer, _attention(layer)):
                 m.__dict__.pop("forward", None)  # back to the class's forward
-            target = layer if mode == "full" else _attention(layer) if mode == "selective" else None
+            target = layer if want == "full" else _attention(layer) if want == "selective" else None
             if target is not None:
                 target.forward = functools.partial(cp.checkpoint, target.forward, use_reentrant=False)
-        self.mode = mode
+            self._modes[i] = want
+        self.mode, self.count = mode, count
+
+
+def planned_layers(desc: dict, stage: int) -> int | None:
+    """Layers of ``stage`` an execution plan's micro-batch runs under its recompute mode (None = all)."""
+    counts = desc["checkpointed"]
+    return counts[stage] if counts else None

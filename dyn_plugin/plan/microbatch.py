@@ -13,9 +13,14 @@ congruent to k mod dp (every data-parallel rank must get the same number: ZeRO-2
 gradients on every backward). The plan minimises (stages - 1) * t_max + f(N, 0) / dp: pipeline
 fill and drain plus the work spread over the replicas.
 
-Unlike the seed, every cost comes from the cost table in a flat loop (csrc/microbatch.cpp does
+Unlike the seed, every cost comes from the cost table in a flat loop (csrc/microbatch.hpp does
 the same in C++ on the same tables), and the t_max candidates are the run times themselves,
 thinned geometrically and pruned once no larger bound can win.
+
+With sequence parallelism every micro-batch of the partition is split over the ``sp`` ranks of
+its group: a run is priced per rank (``features(..., sp)``) plus, per transformer layer of each
+stage, its attention collectives (``LayerComm``: a + b * token slots per rank), as
+``planner.make_micro_batch`` prices the micro-batch it becomes.
 """
 from __future__ import annotations
 
@@ -61,32 +66,42 @@ class StageMemory:
         return self.in_flight * stored + (peak - stored) <= self.budget
 
 
+def run_features(count: int, total: int, square: int, longest: int, layout: Layout, pad_multiple: int,
+                 sp: int = 1) -> Features:
+    """``features(lens, layout, pad_multiple, sp)`` of a run of ``count`` sequences from its running
+    sums (tokens ``total``, squares ``square``): the twin of ``CostTable::from_sums`` in
+    csrc/cost_table.hpp, integer sums converted once, so both compute the same doubles."""
+    if layout == "packed":
+        width = round_up(total, sp)
+        fill = width - total  # the padding document, a causal block of its own
+        return Features(float(width) / sp, float(square + fill * fill) / sp, longest)
+    width = round_up(round_up(longest, pad_multiple), sp)
+    return Features(float(count * width) / sp, float(count * width * width) / sp, width)
+
+
 def run_costs(
     lens: np.ndarray, cost: TableCostModel, layout: Layout, recomputes: Sequence[Recompute],
     stages: Sequence[StageSpec], memory: Sequence[StageMemory], tp: int = 1, sp: int = 1,
     comm: Sequence[LayerComm] | None = None,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """For each start i: times and mode indices of runs [i, i+1), [i, i+2), ... while feasible.
+    """For each start i: times and mode indices of runs [i, i+1), [i, i+2), ... while feasible,
+    per rank of a sequence-parallel group of ``sp``; ``comm[m]``: each layer's collectives under
+    ``recomputes[m]`` (None: none priced).
 
-    Pure-Python twin of ``RunCosts`` in csrc/microbatch.cpp.
+    Pure-Python twin of ``run_costs`` in csrc/microbatch.hpp.
     """
     tables = [cost.table(layout, r, tp) for r in recomputes]
+    per_layer = None if comm is None else [c.as_tuple() for c in comm]
     times, modes = [], []
     n = len(lens)
     for i in range(n):
         ts, ms = [], []
         total = square = longest = 0
         for j in range(i + 1, n + 1):
-            # running sums, as the C++ twin keeps them (integers: exact in float64 either way)
+            # running sums, as the C++ twin keeps them
             s = int(lens[j - 1])
             total, square, longest = total + s, square + s * s, max(longest, s)
-            if layout == "packed":
-                width = round_up(total, sp)
-                fill = width - total
-                f = Features(float(width) / sp, float(square + fill * fill) / sp, longest)
-            else:
-                width = round_up(round_up(longest, cost.pad_multiple), sp)
-                f = Features(float((j - i) * width) / sp, float((j - i) * width * width) / sp, width)
+            f = run_features(j - i, total, square, longest, layout, cost.pad_multiple, sp)
             best, best_mode = np.inf, -1
             for mi, table in enumerate(tables):
                 if not (cost.allow_extrapolation or table.covers(f.slots, f.max_len)):
@@ -97,9 +112,12 @@ def run_costs(
                     if not mem.fits(c.stored_bytes, c.peak_bytes):
                         fits = False
                         break
-                    extra = 0.0 if comm is None else spec.num_layers * (comm[mi].forward_ms(f.slots)
-                                                                        + comm[mi].backward_ms(f.slots))
-                    t = max(t, c.forward_ms + c.backward_ms + extra)
+                    fwd, bwd = c.forward_ms, c.backward_ms
+                    if per_layer is not None:
+                        fa, fb, ba, bb = per_layer[mi]
+                        fwd += spec.num_layers * (fa + fb * f.slots)
+                        bwd += spec.num_layers * (ba + bb * f.slots)
+                    t = max(t, fwd + bwd)
                 if fits and t < best:
                     best, best_mode = t, mi
             if best_mode < 0:
@@ -160,20 +178,30 @@ def partition(
     memory: Sequence[StageMemory], dp: int = 1, recomputes: Sequence[Recompute] = ("none", "selective", "full"),
     tp: int = 1, native: bool = True, sp: int = 1, comm: Sequence[LayerComm] | None = None,
 ) -> Partition:
-    """The DP over the longest-first order (C++ when built and ``native``; same result either way)."""
+    """The DP over the longest-first order (C++ when built and ``native``; same result either way).
+
+    ``sp``: every micro-batch runs on a sequence-parallel group of that many ranks, priced per rank;
+    ``comm``: one ``LayerComm`` per entry of ``recomputes`` (``PlannerSpec.layer_comm(sp, mode)``),
+    each layer's attention collectives in that mode; None prices none (as for ``sp`` = 1)."""
     arr = np.asarray(lens, dtype=np.int64)
     if arr.ndim != 1 or len(arr) == 0:
         raise ValueError("a global batch needs at least one sequence")
     if len(arr) < dp:
         raise ValueError(f"a global batch of {len(arr)} sequences cannot give each of {dp} data-parallel ranks a micro-batch")
+    if sp < 1 or sp & (sp - 1):
+        raise ValueError(f"a sequence-parallel size must be a power of two, got sp={sp}")
+    if comm is not None and len(comm) != len(recomputes):
+        raise ValueError(f"comm has {len(comm)} entries; it needs one LayerComm per recompute mode "
+                         f"({len(recomputes)}: {', '.join(recomputes)})")
     order = np.argsort(-arr, kind="stable")
     sorted_lens = arr[order]
     pp = len(stages)
-    if native and core is not None and sp == 1:
+    if native and core is not None:
         tables = [cost.native(layout, r, tp) for r in recomputes]
         specs = [(s.num_layers, s.first, s.last) for s in stages]
         mems = [(m.budget, m.in_flight) for m in memory]
-        ok, bounds, modes, t_max, obj, bad = core.partition(sorted_lens, tables, specs, mems, dp, THIN)
+        per_layer = [] if comm is None else [c.as_tuple() for c in comm]
+        ok, bounds, modes, t_max, obj, bad = core.partition(sorted_lens, tables, specs, mems, dp, THIN, sp, per_layer)
         if not ok and bad >= 0:
             _infeasible(arr, order, bad, layout, memory)
         if not ok:

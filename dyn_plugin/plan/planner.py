@@ -21,7 +21,7 @@ from .assign import assign_to_replicas, split_for_replicas
 from .instructions import ExecutionPlan, build_execution_plans
 from .microbatch import StageMemory, partition
 from .schedule import choose_schedule, one_f_one_b
-from .simulator import simulate
+from .simulator import simulate, stage_peak_bytes
 from .types import LinkSpec, MicroBatch, Schedule, SimResult
 
 MB = 1 << 20
@@ -262,6 +262,7 @@ def make_micro_batch(
         costs = [evaluate_stage(table, f, s) for s in spec.stages]
     else:
         plain = spec.cost.table(layout, "none", spec.tp)
+        extrapolated = extrapolated or not plain.covers(f.slots, f.max_len)
         costs = [evaluate_checkpointed(table, plain, f, s, c) for s, c in zip(spec.stages, counts)]
     fwd, bwd = [c.forward_ms for c in costs], [c.backward_ms for c in costs]
     if sp > 1:
@@ -300,12 +301,16 @@ def schedule_replicas(
 def schedule_replica(mbs: Sequence[MicroBatch], spec: PlannerSpec, *, first: int, size: int = 1,
                      adaptive: bool = True) -> ReplicaPlan:
     """One replica's pipeline: the schedule searched by simulation within the memory budget,
-    then recompute relaxed where it leaves memory spare (or plain 1F1B in the given order)."""
+    then recompute relaxed where it leaves memory spare, by whole micro-batches and then (pyramid
+    checkpointing) by layers; or plain 1F1B in the given order."""
     mbs = tuple(mbs)
     if adaptive:
         schedule, sim = choose_schedule(mbs, spec.link, memory_budget=[m.budget for m in spec.memory], seed=spec.seed,
                                         candidates=4, policy=spec.schedule)
         mbs, sim = relax_recompute(mbs, schedule, sim, spec)
+        if spec.pyramid:
+            from .pyramid import fewest_checkpointed  # here, not on top: pyramid.py prices through this module
+            mbs, sim = fewest_checkpointed(mbs, schedule, sim, spec)
     else:
         schedule = one_f_one_b(len(mbs), spec.pp)
         sim = simulate(mbs, schedule, spec.link)
@@ -322,22 +327,35 @@ def relax_recompute(
     the schedule fixed, the simulator knows each stage's true peak: try each micro-batch in a
     cheaper mode (most time saved first) and keep the change if every stage still fits and the
     step got no slower, as DCP's pyramid checkpointing spends spare memory on less recompute.
+
+    A stage's peak depends on its op order only (``stage_peak_bytes``), and with the order fixed
+    no op getting shorter can lengthen the step: a change that shortens every op needs no
+    simulation, only the others do (fitted tables may price one op of a cheaper mode slower).
     """
     budget = [m.budget for m in spec.memory]
     cheaper = {rc: spec.recomputes[: spec.recomputes.index(rc)] for rc in spec.recomputes}
     current = list(mbs)
+    stale = False  # sim no longer describes current (changes accepted without simulating)
     for i in sorted(range(len(current)), key=lambda i: -current[i].time_ms):
         for rc in cheaper[current[i].recompute]:
-            candidate = make_micro_batch(current[i].sample_ids, _lengths_of(current[i]), spec, current[i].layout, rc,
-                                         sp=current[i].sp)
+            old = current[i]
+            candidate = make_micro_batch(old.sample_ids, _lengths_of(old), spec, old.layout, rc, sp=old.sp)
             if not in_range(candidate, spec):
                 continue
             trial = current[:i] + [candidate] + current[i + 1:]
+            if any(stage_peak_bytes(trial, ops, s) > budget[s] for s, ops in enumerate(schedule.stages)):
+                continue
+            if all(nf <= f and nb <= b for nf, f, nb, b in zip(candidate.forward_ms, old.forward_ms,
+                                                               candidate.backward_ms, old.backward_ms)):
+                current, stale = trial, True
+                break
+            if stale:
+                sim, stale = simulate(current, schedule, spec.link), False
             result = simulate(trial, schedule, spec.link)
-            if all(p <= b for p, b in zip(result.peak_bytes, budget)) and result.makespan_ms <= sim.makespan_ms:
+            if result.makespan_ms <= sim.makespan_ms:
                 current, sim = trial, result
                 break
-    return tuple(current), sim
+    return tuple(current), simulate(current, schedule, spec.link) if stale else sim
 
 
 def in_range(mb: MicroBatch, spec: PlannerSpec) -> bool:
@@ -434,13 +452,16 @@ def ideal_ms(lengths: Sequence[int], spec: PlannerSpec) -> float:
 
 def critical_path_ms(lengths: Sequence[int], spec: PlannerSpec) -> float:
     """A lower bound no plan can beat: the longest sequence alone, in the cheapest recompute mode
-    and group size it fits in, must still pass forward through every stage and backward through
-    every stage, and the update follows."""
+    and group size it fits in (with pyramid checkpointing: on the fewest layers it fits with), must
+    still pass forward through every stage and backward through every stage, and the update follows."""
     longest = int(max(lengths))
     best = float("inf")
     for layout, rc, sp in ((l, r, k) for l in spec.layouts for r in spec.recomputes for k in spec.sp_sizes):
         mb = make_micro_batch([0], [longest], spec, layout, rc, sp=sp)
         if all(p <= m.budget for p, m in zip(mb.peak_bytes, spec.memory)):
+            if spec.pyramid:  # alone, it may keep some layers' activations
+                from .pyramid import fewest_checkpointed_alone  # here: pyramid.py prices through this module
+                mb = fewest_checkpointed_alone(mb, spec)
             hops = 2 * (spec.pp - 1) * spec.link.transfer_ms(mb.activation_bytes)
             best = min(best, sum(mb.forward_ms) + sum(mb.backward_ms) + hops)
     return best + spec.update_ms

@@ -106,7 +106,7 @@ def simulate(
 
 def stage_peak_bytes(micro_batches: Sequence[MicroBatch], ops: Sequence[Op], stage: int) -> float:
     """Activation peak of ``stage`` running ``ops``: it depends on their order only, not on timing."""
-    return max((during for during, _ in _memory_steps(micro_batches, ops, stage)), default=0.0)
+    return max((during for during, _ in memory_steps(micro_batches, ops, stage)), default=0.0)
 
 
 def memory_timeline(micro_batches: Sequence[MicroBatch], result: SimResult) -> list[tuple[int, float, float]]:
@@ -117,13 +117,13 @@ def memory_timeline(micro_batches: Sequence[MicroBatch], result: SimResult) -> l
             by_stage.setdefault(stage, []).append((Op(name[0], int(name[1:])), start, end))
     samples = []
     for stage, timed in sorted(by_stage.items()):
-        steps = _memory_steps(micro_batches, [op for op, _, _ in timed], stage)
+        steps = memory_steps(micro_batches, [op for op, _, _ in timed], stage)
         for (_, start, end), (during, after) in zip(timed, steps):
             samples += [(stage, start, during), (stage, end, after)]
     return samples
 
 
-def _memory_steps(micro_batches: Sequence[MicroBatch], ops: Sequence[Op], stage: int) -> list[tuple[float, float]]:
+def memory_steps(micro_batches: Sequence[MicroBatch], ops: Sequence[Op], stage: int) -> list[tuple[float, float]]:
     """Per op: bytes while it runs and after it ends.
 
     F(mb) allocates mb's stored bytes at its start, kept until B(mb) on this stage ends; an op's

@@ -1,9 +1,15 @@
-"""The gradient all-reduce, measured: ``measure_allreduce`` starts ``ranks`` local processes
+"""Collectives, measured: ``measure_collectives`` starts ``ranks`` local processes
 
-    python -m dyn_plugin.profiling.collective --rank R --world N --port P --sizes ... --parent PID
+    python -m dyn_plugin.profiling.collective --rank R --world N --port P --sizes JSON --parent PID
 
-that all-reduce fp32 buffers of a few sizes over gloo (CPU ranks) or NCCL (one GPU per rank);
-rank 0 prints (bytes, ms) as JSON.
+that run each requested collective on fp32 buffers of a few sizes over gloo (CPU ranks) or
+NCCL (one GPU per rank); rank 0 prints {op: [(bytes, ms), ...]} as JSON. The ops:
+
+- ``allreduce``: the gradient all-reduce of a step (update.py);
+- ``alltoall``: ``all_to_all_single`` of a buffer of that many bytes per rank, Ulysses'
+  collective (sequence_parallel.py);
+- ``p2p``: one ring exchange: every rank sends a block of that many bytes to rank+1 while it
+  receives one from rank-1, posted together (``batch_isend_irecv``) as ring attention does.
 """
 from __future__ import annotations
 
@@ -13,20 +19,27 @@ import os
 import subprocess
 import sys
 import time
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+OPS = ("allreduce", "alltoall", "p2p")
 
-def measure_allreduce(ranks: int, sizes: Sequence[int], *, repeats: int = 5, threads: int | None = None,
-                      timeout_s: float = 120, backend: str = "gloo") -> list[tuple[float, float]]:
-    """(bytes, ms) of an fp32 all-reduce among ``ranks`` local processes on ``backend``, per size."""
+
+def measure_collectives(ranks: int, sizes: Mapping[str, Sequence[int]], *, repeats: int = 5,
+                        threads: int | None = None, timeout_s: float = 120,
+                        backend: str = "gloo") -> dict[str, list[tuple[float, float]]]:
+    """(bytes, ms) per size of each op in ``sizes`` (keys from ``OPS``) among ``ranks`` local
+    processes on ``backend``; every op is measured in the same processes, one start-up for all."""
     from ..child import free_port
 
+    unknown = set(sizes) - set(OPS)
+    if unknown:
+        raise ValueError(f"unknown collectives {sorted(unknown)}; measurable: {', '.join(OPS)}")
     port = free_port()
     cmd = [sys.executable, "-m", "dyn_plugin.profiling.collective", "--world", str(ranks), "--port", str(port),
-           "--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats), "--parent", str(os.getpid()),
-           "--backend", backend]
+           "--sizes", json.dumps({op: [int(b) for b in s] for op, s in sizes.items()}), "--repeats", str(repeats),
+           "--parent", str(os.getpid()), "--backend", backend]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads or 1)}
     procs = [subprocess.Popen(cmd + ["--rank", str(r)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
              for r in range(ranks)]
@@ -37,8 +50,36 @@ def measure_allreduce(ranks: int, sizes: Sequence[int], *, repeats: int = 5, thr
             if p.poll() is None:
                 p.kill()
     if any(p.returncode for p in procs):
-        raise RuntimeError(f"all-reduce measurement failed: exit codes {[p.returncode for p in procs]}")
-    return [tuple(pt) for pt in json.loads(outs[0].decode().strip().splitlines()[-1])]
+        raise RuntimeError(f"collective measurement ({', '.join(sizes)}) failed: exit codes "
+                           f"{[p.returncode for p in procs]}")
+    measured = json.loads(outs[0].decode().strip().splitlines()[-1])
+    return {op: [tuple(pt) for pt in points] for op, points in measured.items()}
+
+
+def _collective(op: str, nbytes: int, rank: int, world: int, device) -> tuple[Callable[[], None], int]:
+    """The collective to time on buffers of about ``nbytes``, and the bytes it really moves per rank."""
+    import torch
+    import torch.distributed as dist
+
+    if op == "allreduce":
+        t = torch.ones(max(nbytes // 4, 1), device=device)
+        return lambda: dist.all_reduce(t), t.numel() * 4
+    if op == "alltoall":
+        n = max(nbytes // 4 // world, 1) * world  # all_to_all_single splits the buffer evenly
+        src, dst = torch.ones(n, device=device), torch.empty(n, device=device)
+        return lambda: dist.all_to_all_single(dst, src), n * 4
+    if op == "p2p":
+        n = max(nbytes // 4, 1)
+        send, recv = torch.ones(n, device=device), torch.empty(n, device=device)
+
+        def exchange() -> None:
+            # both posted before either waits: a rendezvous backend (NCCL) would deadlock on a blocking send
+            ops = [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+
+        return exchange, n * 4
+    raise ValueError(f"unknown collective {op!r}; measurable: {', '.join(OPS)}")
 
 
 def _rank_main(argv: list[str] | None = None) -> int:
@@ -50,7 +91,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     for name in ("--rank", "--world", "--port", "--repeats", "--parent"):
         p.add_argument(name, type=int, required=True)
-    p.add_argument("--sizes", required=True)
+    p.add_argument("--sizes", required=True, help="JSON: {op: [bytes, ...]}")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     args = p.parse_args(argv)
     die_with_parent(args.parent)
@@ -62,23 +103,25 @@ def _rank_main(argv: list[str] | None = None) -> int:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                             world_size=args.world)
-    points = []
-    for nbytes in map(int, args.sizes.split(",")):
-        t = torch.ones(max(nbytes // 4, 1), device=device)
-        best = np.inf
-        for i in range(args.repeats + 1):
-            dist.barrier()
-            sync()
-            t0 = time.perf_counter()
-            dist.all_reduce(t)
-            sync()  # NCCL returns once the collective is queued
-            ms = (time.perf_counter() - t0) * 1e3
-            best = min(best, ms) if i else best  # the first is a warm-up
-        slowest = torch.tensor([best], dtype=torch.float64, device=device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the step waits for the slowest rank
-        points.append((float(t.numel() * 4), float(slowest)))
+    measured: dict[str, list[tuple[float, float]]] = {}
+    for op, sizes in json.loads(args.sizes).items():
+        measured[op] = []
+        for nbytes in sizes:
+            run, moved = _collective(op, int(nbytes), args.rank, args.world, device)
+            best = np.inf
+            for i in range(args.repeats + 1):
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                run()
+                sync()  # NCCL returns once the collective is queued
+                ms = (time.perf_counter() - t0) * 1e3
+                best = min(best, ms) if i else best  # the first is a warm-up
+            slowest = torch.tensor([best], dtype=torch.float64, device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the step waits for the slowest rank
+            measured[op].append((float(moved), float(slowest)))
     if args.rank == 0:
-        print(json.dumps(points), flush=True)
+        print(json.dumps(measured), flush=True)
     dist.destroy_process_group()
     return 0
 

@@ -18,11 +18,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..cost.model import LAYOUTS, RECOMPUTES, Layout, Precision, Recompute, features, round_up
-from ..cost.profile import SCHEMA, VERSION, ModelInfo, Profile, Sample, UpdateSamples, fit_tables
+from ..cost.model import LAYOUTS, RECOMPUTES, Layout, Precision, Recompute, StageSpec, features, round_up
+from ..cost.profile import (SCHEMA, VERSION, CollectiveSamples, ModelInfo, Profile, Sample, UpdateSamples,
+                            cost_model_from_profile, fit_tables)
+from ..cost.table import evaluate_checkpointed
 from ..models.recompute import RecomputeSwitch, decoder_layers
 from .allocator import stable_cpu_allocator
-from .collective import measure_allreduce
+from .collective import measure_collectives
 from .device import Target, measures
 from .optimizer import measure_optimizer
 from .shadow import ShadowLoad
@@ -160,9 +162,9 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
 
     ``ranks`` > 1 measures as one of that many training ranks on this host: on CPU, ranks-1
     processes train the same model beside it while it times (shadow.py); the gradient all-reduce
-    is measured among ``ranks`` processes (on CUDA, one per GPU: with fewer GPUs than ranks it is
-    left unmeasured and priced from the cluster's link); the optimizer step is measured in every
-    case (update.py).
+    and sequence parallelism's all-to-all and ring exchange are measured among ``ranks``
+    processes (on CUDA, one per GPU: with fewer GPUs than ranks they are left unmeasured and
+    priced from the cluster's link); the optimizer step is measured in every case (update.py).
     """
     import torch
     from tqdm import tqdm
@@ -221,13 +223,16 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
     grad_bytes = Precision.of(target.dtype).grad * (params["embedding"] + params["head"]
                                                     + params["layer"] * _full_depth(model_cfg))
     backend = "nccl" if cuda else "gloo"
-    allreduce = []
+    measured = {}
     if ranks > 1 and cuda and torch.cuda.device_count() < ranks:
-        logger.warning("all-reduce not measured: it needs %d GPUs on this host (one per rank), %d found; the cost "
-                       "model prices it from the cluster's link bandwidth", ranks, torch.cuda.device_count())
+        logger.warning("collectives not measured: they need %d GPUs on this host (one per rank), %d found; the "
+                       "cost model prices them from the cluster's link bandwidth", ranks, torch.cuda.device_count())
     elif ranks > 1:
-        allreduce = measure_allreduce(ranks, [1 << 20, 4 << 20, int(grad_bytes)], repeats=grid.repeats,
-                                      threads=threads, backend=backend)
+        # attention collectives move a few activations' worth per layer: tens of KB to MBs per rank
+        attention = [1 << 16, 1 << 20, 4 << 20]
+        measured = measure_collectives(ranks, {"allreduce": [1 << 20, 4 << 20, int(grad_bytes)],
+                                               "alltoall": attention, "p2p": attention},
+                                       repeats=grid.repeats, threads=threads, backend=backend)
     samples: list[Sample] = []
     for (layout, lens, rc, depth), job, (fwd, bwd) in zip(keys, jobs, times):
         stored, peak = _memory(job.model, *job.inputs)
@@ -242,6 +247,8 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
         version=VERSION,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         model=ModelInfo(name=name, num_layers=_full_depth(model_cfg), hidden_size=ref.config.hidden_size,
+                        num_heads=ref.config.num_attention_heads,
+                        num_kv_heads=getattr(ref.config, "num_key_value_heads", None),
                         params=params, dtype=target.dtype, config=model_cfg),
         device=target.info(),
         pad_multiple=pad,
@@ -249,10 +256,14 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
         samples=samples,
         tables=fit_tables(samples, pad),
         ranks=ranks,
-        update=UpdateSamples(backend=backend, optimizer=optimizer, allreduce=allreduce),
+        update=UpdateSamples(backend=backend, optimizer=optimizer, allreduce=measured.get("allreduce", [])),
+        collectives=CollectiveSamples(backend=backend, alltoall=measured["alltoall"], p2p=measured["p2p"])
+        if measured else None,
     )
     if held_out:
         profile = profile.model_copy(update={"validation": _score(profile, held_out, times[len(jobs):], grid.recomputes[0])})
+    if "none" in grid.recomputes and len(grid.recomputes) > 1:
+        profile = profile.model_copy(update={"pyramid": _pyramid_check(profile, model_cfg, grid, target, rng, pad)})
     return profile
 
 
@@ -277,8 +288,6 @@ def _held_out_cases(keys: list, count: int, grid: ProfileGrid, rng: np.random.Ge
 
 
 def _score(profile: Profile, cases: list[dict], times: list[tuple[float, float]], recompute: Recompute) -> dict:
-    from ..cost.profile import cost_model_from_profile
-
     cost = cost_model_from_profile(profile)
     for case, (fwd, bwd) in zip(cases, times):
         m = fwd + bwd
@@ -287,6 +296,45 @@ def _score(profile: Profile, cases: list[dict], times: list[tuple[float, float]]
     errors = [c["error"] for c in cases]
     return {"recompute": recompute, "num_layers": profile.model.num_layers, "count": len(cases),
             "mape": float(np.mean(errors)), "max_ape": float(np.max(errors)), "cases": cases}
+
+
+def _pyramid_check(profile: Profile, model_cfg: dict, grid: ProfileGrid, target: Target, rng: np.random.Generator,
+                   pad: int) -> dict:
+    """Peak activation memory of one micro-batch through the full-depth model with 0, n/2 and n
+    of its n layers checkpointed (through the RecomputeSwitch training uses), against what
+    ``evaluate_checkpointed`` predicts from the fitted tables: pyramid plans are priced by
+    combining two tables that were each measured whole, and this checks the combination."""
+    import torch
+
+    from ..models.hf import build_causal_lm
+
+    mode = "full" if "full" in grid.recomputes else next(r for r in grid.recomputes if r != "none")
+    layout = "packed" if "packed" in grid.layouts else grid.layouts[0]
+    # the largest measured micro-batch: activations dominate there, and it is inside the fit's range
+    seq_len, size = max(grid.points(), key=lambda p: (p[0] * p[1], p[0]))
+    lens = micro_batch_lengths(layout, seq_len, size, rng)
+    cost = cost_model_from_profile(profile)
+    f = features(lens, layout, pad)
+    torch.manual_seed(grid.seed)
+    model = _on(build_causal_lm(model_cfg).train(), target)
+    switch = RecomputeSwitch(model)
+    inputs = _inputs_on(make_inputs(lens, layout, model.config.vocab_size, pad, rng), target)
+    _step(model, *inputs)  # gradients allocated once, as in the profile's own memory pass
+    depth = len(switch.layers)
+    cases = []
+    for count in sorted({0, depth // 2, depth}):
+        switch.set(mode, count)
+        stored, peak = _memory(model, *inputs)
+        predicted = evaluate_checkpointed(cost.table(layout, mode), cost.table(layout, "none"), f, StageSpec(depth), count)
+        cases.append({"checkpointed": count, "measured_peak_bytes": peak, "predicted_peak_bytes": predicted.peak_bytes,
+                      "measured_stored_bytes": stored, "predicted_stored_bytes": predicted.stored_bytes,
+                      "error": round(abs(predicted.peak_bytes - peak) / peak, 4)})
+    worst = max(c["error"] for c in cases)
+    logger.info("pyramid checkpointing check (%s, %d tokens, %s of %d layers checkpointed): peak memory predicted "
+                "within %.1f%% of measured", mode, int(f.slots), "/".join(str(c["checkpointed"]) for c in cases),
+                depth, 100 * worst)
+    return {"recompute": mode, "layout": layout, "seq_lens": lens, "num_layers": depth, "max_error": worst,
+            "cases": cases}
 
 
 def _full_depth(cfg: dict) -> int:
