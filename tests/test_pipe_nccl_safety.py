@@ -40,7 +40,8 @@ class FakeEngine:
 
 def _step(seq_lens_per_mb):
     descs = tuple({"sample_ids": tuple(range(len(lens))), "seq_lens": tuple(lens), "layout": "padded",
-                   "recompute": "none", "shape": (len(lens), max(lens)), "checkpointed": ()} for lens in seq_lens_per_mb)
+                   "recompute": "none", "shape": (len(lens), max(lens)), "checkpointed": (), "sp": 1, "group": 0}
+                  for lens in seq_lens_per_mb)
     plan = ExecutionPlan(rank=0, replica=0, stage=0, num_stages=1, num_buffers=1, micro_batches=descs,
                          instructions=tuple(LoadMicroBatch(0, m, 0) for m in range(len(descs))) + (ReduceGrads(0), OptimizerStep(0)))
     data = [torch.arange(1, 40)] * 8
