@@ -29,7 +29,7 @@ from ranks import finish  # noqa: E402
 
 from dyn_plugin.cost.model import RECOMPUTES  # noqa: E402
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
-from dyn_plugin.plan.planner import ReplicaPlan, StepPlan, make_micro_batch  # noqa: E402
+from dyn_plugin.plan.planner import ReplicaPlan, StepPlan, make_micro_batch, plan_step  # noqa: E402
 from dyn_plugin.plan.schedule import one_f_one_b  # noqa: E402
 from dyn_plugin.plan.simulator import simulate  # noqa: E402
 from dyn_plugin.runtime import planning  # noqa: E402
@@ -41,7 +41,9 @@ STEPS = 4  # of the dropout run
 def hand_plan(lens, spec, grouping, layout) -> StepPlan:
     """The global batch over groups of ``grouping`` columns: sequences longest first to the group
     with the fewest tokens per rank, then PER_GROUP micro-batches per group, recompute modes mixed
-    (recompute in backward must re-run attention over its own micro-batch's group)."""
+    (recompute in backward must re-run attention over its own micro-batch's group). Modes go by
+    micro-batch index, alike on every rank: ZeRO-3 gathers each module's parameters over all
+    ranks in the order modules run, and recompute changes that order."""
     load, members = [0.0] * len(grouping), [[] for _ in grouping]
     for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
         g = min(range(len(grouping)), key=lambda g: (load[g] / grouping[g], g))
@@ -58,14 +60,19 @@ def hand_plan(lens, spec, grouping, layout) -> StepPlan:
     return StepPlan("dynapipe", layout, tuple(replicas), spec.update_ms)
 
 
-def force_groupings(loader, steps) -> None:
-    """Step s of the loader plans with the (grouping, layout) steps[s % len(steps)], through the
-    loader's own planning path (execution plans, checks, digests)."""
+def planner_plan(lens, spec, grouping, layout) -> StepPlan:
+    """The plugin's planner, held to ``grouping`` (it picks layouts, micro-batches, recompute)."""
+    return plan_step(lens, spec, grouping=grouping)
+
+
+def force_groupings(loader, steps, planner=hand_plan) -> None:
+    """Step s of the loader plans ``planner(lengths, spec, *steps[s % len(steps)])`` ((grouping,
+    layout) pairs), through the loader's own planning path (execution plans, checks, digests)."""
     plan = loader.context.plan
 
     def forced(epoch, step):
         saved = planning.plan_step
-        planning.plan_step = lambda lens, spec: hand_plan(lens, spec, *steps[step % len(steps)])
+        planning.plan_step = lambda lens, spec: planner(lens, spec, *steps[step % len(steps)])
         try:
             return plan(epoch, step)
         finally:
@@ -127,13 +134,14 @@ def exact_case(case, data, lengths) -> dict:
 
 
 def dropout_run(out, mode) -> list:
-    """AdamW with attention dropout: each micro-batch draws a value at the start of its forward;
-    a kill after a checkpoint and a resume must draw the same and end on the same weights."""
+    """AdamW with attention dropout, the planner's plans on alternating groupings: each micro-batch
+    draws a value at the start of its forward; a kill after a checkpoint and a resume must plan
+    and draw the same and end on the same weights."""
     lengths, data = random_dataset(0)
     torch.manual_seed(0)
     model = build_causal_lm({**MODEL, "attention_dropout": 0.2})
     engine, _, loader, _ = engine_for(model, 1, data, lengths, lambda p: torch.optim.AdamW(p, lr=1e-2), seed=5)
-    force_groupings(loader, [((2,), "packed"), ((1, 1), "packed"), ((2,), "padded")])
+    force_groupings(loader, [((2,), None), ((1, 1), None)], planner_plan)
     drawn = []
     engine.module.register_forward_pre_hook(lambda *_: drawn.append(float(torch.rand(()))))
     ckpt = os.path.join(out, "ckpt")

@@ -228,6 +228,30 @@ def test_uneven_micro_batch_counts_refused_under_zero_2():
     assert list(DynLoader(data, lengths=lens, config=plugin, cost_model=cm, dp_size=2, seed=1, zero_stage=2))
 
 
+
+def test_recompute_differing_between_replicas_refused_under_zero_3(monkeypatch):
+    """ZeRO-3 gathers parameters per module over all ranks in the order modules run; a replica that
+    recomputes where another does not runs them in another order (gloo: a size mismatch; NCCL: a hang)."""
+    from dataclasses import replace
+
+    from dyn_plugin.runtime import planning
+
+    cfg, cm, lens, data = make()
+    plan_step = planning.plan_step
+
+    def mixed(lengths, spec):
+        plan = plan_step(lengths, spec)
+        first = plan.replicas[0]
+        redone = tuple(replace(mb, recompute="full") for mb in first.micro_batches)
+        return replace(plan, replicas=(replace(first, micro_batches=redone),) + plan.replicas[1:])
+
+    monkeypatch.setattr(planning, "plan_step", mixed)
+    loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=0, dp_size=2, seed=1, zero_stage=3)
+    with pytest.raises(ValueError, match="ZeRO-3 needs the same recompute at each micro-batch index"):
+        list(loader)
+    assert list(DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_size=2, seed=1, zero_stage=2))
+
+
 METHODS = ["dynapipe", "fixed_padding", "token_budget", "packing_full", "packing_varlen"]
 
 

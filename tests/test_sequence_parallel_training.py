@@ -91,7 +91,7 @@ def test_dropout_is_equal_within_a_group_and_resumes_exactly(two_ranks):
         (size, first, _), = {tuple(s) for s in step[0]["shards"]}
         same = len({tuple(r["drawn"]) for r in step}) == 1
         assert same == (size == 2), step  # a group of 2 draws alike; two groups of 1 draw apart
-        assert len(step[0]["drawn"]) == 2  # one draw per micro-batch forward
+        assert all(len(r["drawn"]) == len(r["shards"]) for r in step)  # one draw per micro-batch forward
     # the resumed run continues at step 2 with the same plans and the same random numbers ...
     assert [r["step"] for r in resumed[0]] == [2] * 2 and len(resumed) == len(full) - 2
     assert resumed == full[2:]
@@ -126,6 +126,57 @@ def test_padded_shards_carry_their_positions():
     assert shifted.tolist() == [[2, 3, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE], [5, 6, 7, 8] + [IGNORE] * 4]
     with pytest.raises(ValueError, match="multiple of the group size"):
         shard(collate([0], [3], "padded", (1, 6), data.__getitem__), 4, 0)
+
+
+def test_loader_shards_every_sample_once_and_resumes_with_the_same_plans():
+    """Four ranks, the planner with sizes 1, 2 and 4, device memory capped so long sequences need a
+    group: each sample in one group's micro-batch, each rank of the group a shard of it; a fresh
+    loader resumed from state_dict() plans the rest of the epoch the same."""
+    import numpy as np
+
+    from dyn_plugin.config import DynPluginConfig
+    from dyn_plugin.cost.from_config import build_cost_model
+    from dyn_plugin.runtime.loader import DynLoader
+
+    cfg = DynPluginConfig.model_validate({
+        "cost_model": {"kind": "analytic", "dtype": "fp32", "model": {
+            "hidden_size": 64, "num_layers": 4, "num_heads": 4, "ffn_hidden_size": 128, "vocab_size": 100}},
+        "microbatching": {"global_tokens": 6000, "max_seq_len": 2000},
+        "cluster": {"device": {"memory_mb": 48, "memory_fraction": 1.0}},
+        "sequence_parallel": {"enabled": True, "sizes": [1, 2, 4]}})
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1, 2000, size=40)
+    data = [{"input_ids": rng.integers(1, 100, size=int(n))} for n in lens]
+    cm = build_cost_model(cfg.cost_model, cfg.cluster)
+
+    def loaders():
+        return [DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=r, dp_size=4, seed=2)
+                for r in range(4)]
+
+    epoch = [list(loader) for loader in loaders()]
+    sizes, everything = set(), []
+    for steps in zip(*epoch):
+        groups = {}  # (group's first column, micro-batch) -> {shard index: token ids}
+        for rank, step in enumerate(steps):
+            loaded = zip(step.plan.loads, step.shards, step.sample_ids, step.micro_batches)
+            for m, (size, first, index), ids, mb in loaded:
+                sizes.add(size)
+                assert first <= rank < first + size and index == rank - first
+                groups.setdefault((first, m), {})[index] = mb["input_ids"]
+                everything += ids if index == 0 else []
+        for (first, m), shards in groups.items():  # the group's shards, side by side, are the whole micro-batch
+            desc = steps[first].plan.micro_batches[m]
+            whole = collate(desc["sample_ids"], desc["seq_lens"], desc["layout"], desc["shape"], data.__getitem__,
+                            sp=desc["sp"])
+            assert sorted(shards) == list(range(desc["sp"]))
+            assert torch.equal(torch.cat([shards[i] for i in range(desc["sp"])], dim=1), whole["input_ids"])
+    assert sorted(everything) == list(range(len(lens)))  # every sample of the epoch in exactly one group
+    assert sizes == {1, 2, 4}, sizes  # the capped memory made the planner split the long sequences
+    resumed = loaders()
+    for loader, original in zip(resumed, loaders()):
+        next(iter(original))
+        loader.load_state_dict(original.state_dict())
+    assert [[s.digest for s in loader] for loader in resumed] == [[s.digest for s in steps[1:]] for steps in epoch]
 
 
 @pytest.mark.parametrize("section,fix", [

@@ -109,6 +109,16 @@ class PlanningContext:
             raise ValueError(f"global batch {step} of epoch {epoch}: microbatching.method {method!r} gave the replicas "
                              f"{counts} micro-batches, but ZeRO-{self.zero_stage} needs the same number on every "
                              "data-parallel rank; use method 'dynapipe' (it plans equal counts) or ZeRO stage 0 or 1")
+        modes = [tuple((r.micro_batches[i].recompute, r.micro_batches[i].checkpointed) for i in r.schedule.order)
+                 for r in plan.replicas]  # in the order each replica runs them
+        if self.zero_stage == 3 and len(set(modes)) > 1:
+            # ZeRO-3 gathers each module's parameters over every rank in the order modules run, and
+            # recompute re-runs modules in backward: ranks that recompute differently desynchronise
+            # the gathers (a hang under NCCL)
+            raise ValueError(f"global batch {step} of epoch {epoch}: the replicas recompute differently at the same "
+                             f"micro-batch ({[[m for m, _ in r] for r in modes]}), but ZeRO-3 needs the same "
+                             "recompute at each micro-batch index on every rank; set microbatching.recompute to one "
+                             "mode or use ZeRO stage 0-2")
         digest = step_digest(plan)
         tokens = scored_tokens(lens)
         # Plans index the global batch; the loader needs dataset indices.
