@@ -16,7 +16,8 @@ With ``pipeline.stages > 1`` the engine is the plugin's ``PlanPipelineEngine`` (
 which runs each step's execution plan; ``train_step`` hands it the step.
 
 With ``sequence_parallel.enabled`` a micro-batch may run on a group of neighbouring ranks, each
-holding a shard of every row (sequence_parallel.py); DeepSpeed still sees plain data parallelism.
+holding a shard of every row (sequence_parallel.py), in pipelines too (at every stage); DeepSpeed
+still sees plain data parallelism.
 """
 from __future__ import annotations
 
@@ -159,6 +160,7 @@ def initialize(
     loader = DynLoader(dataset, lengths=lengths, config=cfg, cost_model=cost_model or _cost_model(cfg, model),
                        dp_rank=replica, dp_size=dp, pp_rank=stage, pp_size=pp, seed=seed)
     ds_config = _deepspeed_config(cfg.deepspeed, dp)
+    shape = model_shape(model) if sp.enabled else None  # a pipeline's module below has no config
     swap = contextlib.nullcontext()
     if pp > 1:
         from deepspeed.pipe import PipelineModule
@@ -180,7 +182,6 @@ def initialize(
     if sp.enabled:
         from deepspeed_ext.sequence_parallel import SequenceRuntime
 
-        shape = model_shape(model)
         engine._dyn_plugin_sequence = SequenceRuntime(sp, columns=dp, stages=pp, num_heads=shape.num_heads,
                                                       num_kv_heads=shape.num_kv_heads, seed=seed, device=engine.device)
     return engine, optimizer, loader, scheduler
@@ -190,12 +191,6 @@ def _check_sequence_parallel(cfg: LoadedConfig) -> None:
     from deepspeed_ext.sequence_parallel import check_deepspeed_config
 
     check_deepspeed_config(cfg.deepspeed)
-    pp = cfg.plugin.pipeline.stages
-    if pp > 1:
-        raise ValueError(f"sequence_parallel.enabled with pipeline.stages = {pp}: the plugin's pipeline engine does "
-                         "not run sequence-parallel groups (each stage would enter its group's shard around every "
-                         "forward and backward); train with pipeline.stages = 1, or plan and simulate such runs with "
-                         "`dynplugin plan`")
     balance = cfg.plugin.sequence_parallel.balance
     if cfg.zero_stage >= 2 and balance == "inter":
         raise ValueError(f"sequence_parallel.balance = 'inter' with zero_optimization.stage = {cfg.zero_stage}: groups "
@@ -268,7 +263,8 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
 def _sequence_runtime(engine, step: Step):
     """The engine's sequence-parallel runtime (None without ``sequence_parallel.enabled``)."""
     sequence = getattr(engine, "_dyn_plugin_sequence", None)
-    if sequence is None and any(size > 1 for size, _, _ in step.shards):
+    # the plan's micro-batches, not the loaded ones: a pipeline's middle stages load none
+    if sequence is None and any(d["sp"] > 1 for d in step.plan.micro_batches):
         raise ValueError(f"step {step.index} splits micro-batches over sequence-parallel groups, but this engine was "
                          "not initialized with sequence_parallel.enabled (deepspeed_ext.initialize builds the groups)")
     return sequence

@@ -13,9 +13,18 @@ DeepSpeed's own (``_exec_reduce_grads``, ``_exec_optimizer_step``, ``_exec_backw
 The loss is exact: the last stage sums each micro-batch's token losses and scales by
 dp / (scored tokens of the global batch), so after DeepSpeed averages over data-parallel ranks
 the update is that of the token-mean loss, whatever the plan.
+
+Sequence parallelism: a micro-batch whose plan says ``sp`` > 1 runs on the group of ``sp``
+neighbouring columns starting at column ``group``, at every stage; each rank holds its
+contiguous 1/sp of every row (activations, gradients and instruction shapes are local) and
+attention spans the stage's group (``sharded``). Each shard's loss is its own tokens' summed loss
+against labels shifted before the split, scaled as above with dp = every column: the group's
+shard losses add up to the micro-batch's, and the gradients of each rank's parameters include
+the other shards' through the attention collectives, so the update stays the exact token mean.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from types import MethodType
 from typing import Callable, Iterator
@@ -24,7 +33,10 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from deepspeed_ext import _sequence_runtime
+from deepspeed_ext.pipe_module import summed_token_loss
 from dyn_plugin.models.recompute import RecomputeSwitch, planned_layers
+from dyn_plugin.models.sequence_parallel import SequenceShard
 from dyn_plugin.plan.instructions import (EXCHANGES, BackwardPass, ExecutionPlan, ForwardPass, Instruction,
                                           LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads,
                                           SendActivation, SendGrad)
@@ -37,8 +49,22 @@ class PlanPipelineEngine(PipelineEngine):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._check_topology()
         self._losses: dict[int, torch.Tensor] = {}  # buffer -> scaled loss awaiting its backward
         self._recompute = RecomputeSwitch(self.module)  # the plan's recompute mode, per micro-batch
+
+    def _check_topology(self) -> None:
+        """Plans, their peers and the sequence-parallel groups number ranks stage-major, global rank
+        = stage * columns + column (plan.planner.execution_plans, runtime.sequence_groups), as
+        DeepSpeed's PipeDataParallelTopology does; another order, or more axes (model parallelism),
+        would pair ranks the plans did not."""
+        topo, columns = self.grid.topology(), self.dp_world_size
+        axes = topo.get_axis_names()
+        if axes != ["pipe", "data"] or any(topo.get_rank(pipe=s, data=c) != s * columns + c
+                                           for s in range(self.num_stages) for c in range(columns)):
+            raise ValueError(f"the pipeline's topology (axes {axes}) does not number ranks stage * columns + column, "
+                             "as the plugin's plans and sequence-parallel groups do: build the PipelineModule with "
+                             "num_stages (DeepSpeed then uses PipeDataParallelTopology), not a custom topology")
 
     def train_batch(self, data_iter: Iterator[Step] | Step | None = None) -> float:  # type: ignore[override]
         """Run this rank's plan of one step and take the optimizer step; returns the global
@@ -88,6 +114,8 @@ class PlanPipelineEngine(PipelineEngine):
         self._step = step
         self._training = training
         self._tensors = dict(zip(plan.loads, step.micro_batches))
+        self._sequence = _sequence_runtime(self, step)
+        self._shards: dict[int, SequenceShard] = {}  # micro-batch -> its group's shard, built at first use
         self._loss_scale = self.dp_world_size / step.scored_tokens
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._reserve_pipe_buffers(plan.num_buffers)
@@ -97,12 +125,50 @@ class PlanPipelineEngine(PipelineEngine):
             if handler is None:
                 raise RuntimeError(f"{type(self).__name__} has no handler for {type(ins).__name__}")
             if not isinstance(ins, EXCHANGES):
-                MethodType(handler, self)(ins)
+                with self._in_group(ins):
+                    MethodType(handler, self)(ins)
                 continue
             batch.append(MethodType(handler, self)(ins))
             if not ins.batch_next:
                 self._exchange(batch)
                 batch = []
+
+    @contextlib.contextmanager
+    def _in_group(self, ins: Instruction) -> Iterator[None]:
+        """Around a micro-batch's forward and its backward: its sequence-parallel group for attention
+        (recompute in backward re-runs attention with the group of its own forward, whatever ran in
+        between) and a random stream seeded per group and micro-batch, so dropout draws the same
+        on every rank of the group, again under recompute, and again after a resume.
+
+        NCCL: the attention collectives inside span the group's columns at this stage (their own
+        communicator, ``SequenceGroups``). Every column of a group runs the same plan
+        (execution_plans: the group's schedule, local shapes, its point-to-point peers the same
+        column on the neighbouring stages), so the k columns run k copies of one instruction
+        sequence: they reach each of the group's collectives at the same instruction, in the same
+        order, after the same transfers, and the transfers pair within a copy as they do without
+        groups (batch_next batches, untouched). A wait cycle would have to exist in one column's
+        run already; check_plans(rendezvous=True), which PlanningContext.plan runs on every step,
+        replays all ranks with unbuffered sends and these forwards and backwards as collectives.
+        Everything is issued in instruction order on the engine's device (the shard's positions
+        included), with no host synchronisation per micro-batch."""
+        if self._sequence is None or not isinstance(ins, (ForwardPass, BackwardPass)):
+            yield
+            return
+        with self._sequence.running(self._step, ins.mb, self.stage_id, self._shard(ins.mb)):
+            yield
+
+    def _shard(self, mb: int) -> SequenceShard | None:
+        """Micro-batch ``mb``'s sequence-parallel shard (None on a group of one), built once per step.
+        It carries the whole rows' position ids, on the device: attention finds the documents that
+        cross shard boundaries from them."""
+        desc = self._step.plan.micro_batches[mb]
+        if desc["sp"] == 1:
+            return None
+        if mb not in self._shards:
+            whole = position_ids(desc["seq_lens"], desc["layout"], desc["shape"]).to(self.device)
+            self._shards[mb] = self._sequence.shard(self.stage_id, desc["sp"], desc["group"],
+                                                    self._step.plan.replica - desc["group"], whole)
+        return self._shards[mb]
 
     @staticmethod
     def _exchange(batch: list[tuple[dist.P2POp, Callable[[], None]]]) -> None:
@@ -136,15 +202,22 @@ class PlanPipelineEngine(PipelineEngine):
         return torch.float16 if self.fp16_enabled() else torch.float32
 
     def _positions(self, mb: int) -> torch.Tensor:
-        desc = self._step.plan.micro_batches[mb]
-        return position_ids(desc["seq_lens"], desc["layout"], desc["shape"]).to(self.device)
+        """Position ids of this rank's part of micro-batch ``mb``, on the device: rotary embeddings
+        turn each token by its own position, so a shard takes its columns of the whole rows'."""
+        shard = self._shard(mb)
+        if shard is None:
+            desc = self._step.plan.micro_batches[mb]
+            return position_ids(desc["seq_lens"], desc["layout"], desc["shape"]).to(self.device)
+        width = shard.position_ids.shape[1] // shard.size
+        return shard.position_ids[:, shard.index * width:(shard.index + 1) * width]
 
     def _exec_load(self, ins: LoadMicroBatch) -> None:
         tensors = self._tensors[ins.mb]
         if self.is_first_stage():
             self.pipe_buffers["inputs"][ins.buffer] = (tensors["input_ids"].to(self.device), self._positions(ins.mb))
-        if self.is_last_stage():
-            self.pipe_buffers["labels"][ins.buffer] = tensors["labels"].to(self.device)
+        if self.is_last_stage():  # a shard's labels were shifted before the split
+            key = "shift_labels" if self._step.plan.micro_batches[ins.mb]["sp"] > 1 else "labels"
+            self.pipe_buffers["labels"][ins.buffer] = tensors[key].to(self.device)
 
     def _exec_recv_activation(self, ins: RecvActivation) -> tuple[dist.P2POp, Callable[[], None]]:
         hidden = torch.empty(ins.shapes[0], dtype=self._act_dtype(), device=self.device)
@@ -165,7 +238,7 @@ class PlanPipelineEngine(PipelineEngine):
         self._set_recompute(ins.mb)
         outputs = super(PipelineEngine, self).forward(self.pipe_buffers["inputs"][ins.buffer])
         if self.is_last_stage():
-            loss = self.module.loss_fn(outputs, self.pipe_buffers["labels"][ins.buffer])
+            loss = self._token_loss(ins.mb, outputs, self.pipe_buffers["labels"][ins.buffer])
             self._loss_sum += loss.detach().double()
             if self._training:
                 self._losses[ins.buffer] = loss * self._loss_scale
@@ -176,6 +249,17 @@ class PlanPipelineEngine(PipelineEngine):
             raise RuntimeError(f"stage {self.stage_id} produced {tuple(hidden.shape)} for micro-batch {ins.mb}, the plan "
                                f"expects {tuple(ins.shapes[0])}: does the model's hidden size match the cost model's?")
         self.pipe_buffers["outputs"][ins.buffer] = hidden
+
+    def _token_loss(self, mb: int, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The module's summed token loss; a shard's with its pre-shifted labels."""
+        if self._step.plan.micro_batches[mb]["sp"] == 1:
+            return self.module.loss_fn(logits, labels)
+        if self.module.loss_fn is not summed_token_loss:
+            raise ValueError(f"micro-batch {mb} runs sequence-parallel, so the last stage holds a shard of each row "
+                             "with labels shifted before the split; the module's loss_fn "
+                             f"{getattr(self.module.loss_fn, '__name__', self.module.loss_fn)!r} shifts them again. "
+                             "Use deepspeed_ext.pipe_module.summed_token_loss (causal_lm_pipe does)")
+        return summed_token_loss(logits, labels, shifted=True)
 
     def _exec_send_activation(self, ins: SendActivation) -> tuple[dist.P2POp, Callable[[], None]]:
         hidden = self.pipe_buffers["outputs"][ins.buffer].detach().contiguous()

@@ -73,12 +73,15 @@ class Head(nn.Module):
         return self.lm_head(self.norm(inputs[0]))
 
 
-def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor, *, shifted: bool = False) -> torch.Tensor:
     """Cross-entropy summed over the scored tokens (HF's shift: position t predicts label t+1).
+    ``shifted``: ``labels[t]`` is already position t's target, as a sequence-parallel shard holds
+    them (its last position's target is the next shard's first token, which it cannot shift in).
 
     A sum, not a mean: the engine divides by the whole global batch's scored tokens."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE,
-                           reduction="sum")
+    if not shifted:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 def causal_lm_pipe(model: nn.Module, layers_per_stage: Sequence[int]) -> PlannedPipelineModule:

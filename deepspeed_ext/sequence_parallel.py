@@ -1,4 +1,4 @@
-"""Sequence parallelism in DeepSpeed's data-parallel path: a group of ranks per micro-batch.
+"""Sequence parallelism in DeepSpeed, data-parallel or pipelined: a group of ranks per micro-batch.
 
 DeepSpeed sees plain data parallelism over every rank (its ``sequence_parallel_size`` stays 1):
 a plan groups neighbouring ranks into aligned power-of-two sequence-parallel groups per
@@ -12,7 +12,8 @@ mean whatever the grouping.
 ``SequenceRuntime.micro_batch`` is entered around a micro-batch's forward and backward: the
 group's shard for attention (recompute in backward re-runs it with this group, not whichever is
 current later) and a random stream seeded per group and micro-batch, so dropout draws the same
-on every rank of the group and again after a resume.
+on every rank of the group and again after a resume. The pipeline engine (pipe_engine.py) enters
+``running`` around each stage's forward and backward of a micro-batch, with that stage's group.
 """
 from __future__ import annotations
 
@@ -59,14 +60,26 @@ class SequenceRuntime:
                       for k in group_sizes(columns, config.sizes) if k > 1}
         self.seed, self.device = seed, device
 
+    def shard(self, stage: int, size: int, first: int, index: int, positions: torch.Tensor) -> SequenceShard | None:
+        """Shard ``index`` of a micro-batch on the group of ``size`` columns from ``first`` at pipeline
+        ``stage`` (None on a group of one); ``positions``: the whole rows' position ids, on the device."""
+        if size == 1:
+            return None
+        return SequenceShard(self.groups.group(stage, first, size), size, index, self.kinds[size], positions)
+
+    @contextlib.contextmanager
+    def running(self, step: Step, mb: int, stage: int, shard: SequenceShard | None) -> Iterator[None]:
+        """Around the forward and the backward of ``step``'s micro-batch ``mb`` (an index into its
+        plan's micro-batches) at pipeline ``stage``: attention over ``shard``'s group, random
+        numbers from the group's stream."""
+        seed = group_seed(self.seed, step.epoch, step.index, mb, step.plan.micro_batches[mb]["group"], stage)
+        with group_rng(seed, self.device), sharded(shard):
+            yield
+
     @contextlib.contextmanager
     def micro_batch(self, step: Step, i: int, batch: Mapping[str, torch.Tensor]) -> Iterator[None]:
         """Around entry ``i`` of ``step.micro_batches`` (``batch``): its forward and its backward."""
         size, first, index = step.shards[i]
-        shard = None
-        if size > 1:
-            positions = batch["sequence_position_ids"].to(self.device)
-            shard = SequenceShard(self.groups.group(0, first, size), size, index, self.kinds[size], positions)
-        seed = group_seed(self.seed, step.epoch, step.index, step.plan.loads[i], first)
-        with group_rng(seed, self.device), sharded(shard):
+        positions = batch["sequence_position_ids"].to(self.device) if size > 1 else None
+        with self.running(step, step.plan.loads[i], 0, self.shard(0, size, first, index, positions)):
             yield

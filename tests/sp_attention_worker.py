@@ -149,6 +149,7 @@ def check_rng():
     world = dist.get_world_size()
     seeds = [group_seed(7, 0, 3, mb, 0) for mb in range(3)]
     assert len(set(seeds)) == 3 and seeds == [group_seed(7, 0, 3, mb, 0) for mb in range(3)]
+    assert group_seed(7, 0, 3, 0, 0, stage=1) not in seeds  # pipeline stages draw their own masks
     torch.manual_seed(100 + dist.get_rank())  # ranks' own streams differ
     before = torch.get_rng_state()
     with group_rng(seeds[0]):

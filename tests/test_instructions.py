@@ -252,3 +252,25 @@ def test_a_stage_warms_up_at_most_one_more_than_its_successor():
     assert [sum(1 for op in ops[:ops.index(next(o for o in ops if o.kind == "B"))]) - 1 for ops in schedule.stages] == [1, 0, 0, 0]
     plans = build_execution_plans([mb([4], 4)] * 5, schedule, replica=0, stage_ranks=range(4), hidden_size=HIDDEN)
     check_plans(plans, rendezvous=True)
+
+
+def test_rendezvous_replays_a_sequence_parallel_group_as_collectives():
+    # columns 0 and 1 form one group of 2 at both stages: each micro-batch's forward and backward
+    # is an attention collective of the stage's two columns, so they must run the same order
+    mbs = [dataclasses.replace(mb([4, 6], 2), sp=2), dataclasses.replace(mb([8], 2), sp=2)]
+
+    def column(c, order):
+        return build_execution_plans(mbs, one_f_one_b(2, 2, order=order), replica=c, stage_ranks=[c, 2 + c],
+                                     hidden_size=HIDDEN, group=0)
+
+    assert column(0, [0, 1])[0].instructions[1].shapes == ((2, 3, HIDDEN),)  # each rank's half of the rows
+    check_plans(column(0, [0, 1]) + column(1, [0, 1]), rendezvous=True)
+    # each column alone pairs its transfers (buffered or not); together the group's collectives cross
+    crossed = column(0, [0, 1]) + column(1, [1, 0])
+    check_plans(crossed)
+    with pytest.raises(ValueError, match=r"rank 0 \(stage 0\) waits forever at instruction 1 ForwardPass of "
+                                         r"micro-batch 0 with peer rank 1, which is blocked at its instruction 1 "
+                                         r"ForwardPass of micro-batch 1"):
+        check_plans(crossed, rendezvous=True)
+    with pytest.raises(ValueError, match=r"group of columns \[0, 1\], but some of them have no plan at stage 0"):
+        check_plans(column(0, [0, 1]), rendezvous=True)

@@ -186,15 +186,12 @@ def test_loader_shards_every_sample_once_and_resumes_with_the_same_plans():
 
 @pytest.mark.parametrize("section,fix", [
     ({"deepspeed": {"sequence_parallel_size": 2}}, "remove it and use dyn_plugin.sequence_parallel"),
-    ({"pipeline": {"stages": 2}}, "pipeline engine does not run sequence-parallel groups"),
     ({"zero": 2, "sequence_parallel": {"balance": "inter"}}, "ZeRO-2/3 need the same number on every rank"),
 ])
 def test_refused_before_training(section, fix):
     import deepspeed_ext
 
     plugin = {"sequence_parallel": {"enabled": True, **section.get("sequence_parallel", {})}}
-    if "pipeline" in section:
-        plugin["pipeline"] = section["pipeline"]
     cfg = {"zero_optimization": {"stage": section.get("zero", 0)}, **section.get("deepspeed", {}), "dyn_plugin": plugin}
     with pytest.raises(ValueError, match=fix):
         deepspeed_ext.initialize(model=None, config=cfg, dataset=[], lengths=[])

@@ -11,7 +11,10 @@ gradient back would hang if each waited for its own send first. A send that the 
 follows by a receive from the same peer is therefore marked ``batch_next``: the engine posts
 both in one batch (``dist.batch_isend_irecv``), as Megatron's send_forward_recv_backward and
 send_backward_recv_forward do. ``check_plans(..., rendezvous=True)`` replays the plans with
-unbuffered sends and names the first instruction that would wait forever.
+unbuffered sends and names the first instruction that would wait forever; it counts the
+forward and backward of a sequence-parallel micro-batch as collectives of its group's ranks at
+that stage (attention spans them), so the group's collectives and the pipeline's transfers are
+proven not to wait on each other either.
 """
 from __future__ import annotations
 
@@ -274,11 +277,14 @@ class _Post:
     needs: tuple[tuple, ...]
 
 
-def _waits(plan: ExecutionPlan, stage_ranks: dict[int, list[int]]) -> list[list[_Post]]:
+def _waits(plan: ExecutionPlan, stage_ranks: dict[int, list[int]],
+           column_ranks: dict[tuple[int, int], int]) -> list[list[_Post]]:
     """The points where ``plan``'s rank blocks, in order: each a batch of operations posted together.
 
     NCCL matches point-to-point messages per (sender, receiver) pair in posting order, whatever
-    they carry; ReduceGrads is a collective of the stage's data-parallel ranks."""
+    they carry; ReduceGrads is a collective of the stage's data-parallel ranks; the forward and
+    backward of a micro-batch with ``sp`` > 1 are collectives of its group's columns at the stage
+    (``column_ranks``: (stage, column) -> rank)."""
     waits: list[list[_Post]] = []
     batch: list[_Post] = []
     sent: Counter = Counter()
@@ -295,6 +301,16 @@ def _waits(plan: ExecutionPlan, stage_ranks: dict[int, list[int]]) -> list[list[
         elif isinstance(ins, ReduceGrads):
             waits.append([_Post(n, ("reduce", plan.rank), tuple(("reduce", r) for r in stage_ranks[plan.stage]))])
             continue
+        elif isinstance(ins, (ForwardPass, BackwardPass)) and plan.micro_batches[ins.mb]["sp"] > 1:
+            desc = plan.micro_batches[ins.mb]
+            key = (plan.stage, desc["group"], ins.mb, type(ins).__name__)
+            columns = range(desc["group"], desc["group"] + desc["sp"])
+            if any((plan.stage, c) not in column_ranks for c in columns):
+                raise ValueError(f"rank {plan.rank}: micro-batch {ins.mb} runs on the sequence-parallel group of "
+                                 f"columns {list(columns)}, but some of them have no plan at stage {plan.stage}")
+            members = [column_ranks[(plan.stage, c)] for c in columns]
+            waits.append([_Post(n, ("group", plan.rank, *key), tuple(("group", r, *key) for r in members))])
+            continue
         else:
             continue
         if not ins.batch_next:
@@ -310,8 +326,9 @@ def _replay_rendezvous(plans: Sequence[ExecutionPlan]) -> None:
     stage_ranks: dict[int, list[int]] = {}
     for plan in plans:
         stage_ranks.setdefault(plan.stage, []).append(plan.rank)
+    column_ranks = {(p.stage, p.replica): p.rank for p in plans}
     by_rank = {p.rank: p for p in plans}
-    waits = {p.rank: _waits(p, stage_ranks) for p in plans}
+    waits = {p.rank: _waits(p, stage_ranks, column_ranks) for p in plans}
     at = dict.fromkeys(by_rank, 0)  # the wait each rank is blocked in
     posted = {post.own for w in waits.values() if w for post in w[0]}
     queue = list(by_rank)
@@ -343,9 +360,9 @@ def _replay_rendezvous(plans: Sequence[ExecutionPlan]) -> None:
 
 
 def _rank_of(op: tuple) -> int:
-    """The rank that posts ``op``: the sender of a send, the receiver of a receive."""
+    """The rank that posts ``op``: the sender of a send, the receiver of a receive, a collective's member."""
     kind = op[0]
-    return op[1] if kind in ("send", "reduce") else op[2]
+    return op[1] if kind in ("send", "reduce", "group") else op[2]
 
 
 def _check_one(plan: ExecutionPlan) -> None:

@@ -66,10 +66,12 @@ class SequenceGroups:
                 f"{self.stages} stages, for sizes {list(self.sizes)} (sequence_parallel.sizes)") from None
 
 
-def group_seed(seed: int, epoch: int, step: int, micro_batch: int, group_first: int) -> int:
-    """A seed for one micro-batch of one group, the same on each of its ranks and in a resumed run.
-    Hashed, so neighbouring micro-batches get unrelated streams."""
-    digest = hashlib.blake2b(repr((seed, epoch, step, micro_batch, group_first)).encode(), digest_size=8).digest()
+def group_seed(seed: int, epoch: int, step: int, micro_batch: int, group_first: int, stage: int = 0) -> int:
+    """A seed for one micro-batch of one group at one pipeline stage, the same on each of its ranks
+    and in a resumed run. Hashed, so neighbouring micro-batches get unrelated streams; the stage is
+    part of it, so the layers of different stages do not draw the same dropout masks."""
+    key = (seed, epoch, step, micro_batch, group_first, stage)
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1  # torch seeds are below 2**64; keep it positive in int64 too
 
 
