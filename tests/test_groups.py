@@ -117,3 +117,41 @@ def test_sp_baselines_are_complete_and_slower(method):
         base = plan_baseline(method, batch, spec, 8192)
         check_plan(base, batch, spec)
         assert plan_step(batch, spec).iteration_ms <= base.iteration_ms * (1 + 1e-9)
+
+
+def test_zero3_recomputes_alike_at_each_run_position():
+    """ZeRO-3 gathers parameters in module order and recompute re-runs modules: every rank's i-th
+    micro-batch must recompute alike (the runtime refuses plans that do not)."""
+    from dyn_plugin.plan.planner import checkpointed_layers
+
+    differed = 0
+    for sp in (False, True):
+        loose = spec_for(2, pp=4, sp=sp, zero_stage=1)
+        strict = replace(loose, same_recompute=True)
+        for batch in batches(65536, 3):
+            for spec in (loose, strict):
+                plan = plan_step(batch, spec)
+                rows = [tuple((r.micro_batches[i].recompute, checkpointed_layers(r.micro_batches[i], spec))
+                              for i in r.schedule.order) for r in plan.replicas]
+                if spec is loose:
+                    differed += len(set(rows)) > 1 and len({len(r) for r in rows}) == 1
+                    continue
+                assert len(set(rows)) == 1, rows
+                check_plan(plan, batch, spec)
+    assert differed, "the loose plans should differ somewhere, or the test shows nothing"
+
+
+def test_runtime_warns_when_costs_are_extrapolated(caplog):
+    from dyn_plugin.runtime.planning import PlanningContext
+
+    cfg = DynPluginConfig.model_validate({
+        "pipeline": {"stages": 4}, "microbatching": {"max_seq_len": 32768, "global_tokens": 40000},
+        "sequence_parallel": {"enabled": True},
+        "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
+    })
+    lengths = np.array([30000, 2000, 1500, 900, 700, 400] * 4)
+    ctx = PlanningContext(cfg, replace(COST, allow_extrapolation=True), lengths, dp=8, pp=4, zero_stage=1)
+    with caplog.at_level("WARNING"):
+        for step in range(len(ctx.batches(0))):
+            ctx.plan(0, step)
+    assert "beyond what cost model" in caplog.text

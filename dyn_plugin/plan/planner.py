@@ -49,6 +49,7 @@ class PlannerSpec:
     sp_attention: str = "auto"  # ulysses | ring | auto
     pyramid: bool = False  # checkpoint per micro-batch only as many layers as memory needs
     equal_counts: bool = False  # every rank runs the same number of micro-batches (ZeRO-2/3, or balance = intra)
+    same_recompute: bool = False  # every rank recomputes alike at each micro-batch of its run order (ZeRO-3)
     sp_link: tuple[LinkSpec, LinkSpec] = (LinkSpec(100.0), LinkSpec(12.5))  # inside a node, across nodes
     devices_per_node: int = 1
 
@@ -125,8 +126,8 @@ def planner_spec(
     equal = zero_stage >= 2 or (sp.enabled and sp.balance == "intra")
     sp_link = (LinkSpec(cluster.intra_node_gb_per_s, cluster.latency_us), LinkSpec(cluster.inter_node_gb_per_s, cluster.latency_us))
     return PlannerSpec(cost, stages, tuple(memory), dp, link, hidden, layouts, recomputes, tp, seed, mb.max_seq_len,
-                       pipe.schedule, update, sizes, sp.attention, sp.pyramid and "none" in recomputes, equal, sp_link,
-                       cluster.devices_per_node)
+                       pipe.schedule, update, sizes, sp.attention, sp.pyramid and "none" in recomputes, equal,
+                       zero_stage >= 3, sp_link, cluster.devices_per_node)
 
 
 def balanced_split(cost: TableCostModel, num_stages: int, *, tokens: int = 4096, tp: int = 1) -> tuple[StageSpec, ...]:
@@ -390,7 +391,7 @@ def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True,
     if grouping is not None or spec.sp_sizes != (1,):
         from .groups import plan_groups  # groups.py builds on this module
 
-        grouped = plan_groups(lengths, spec, native=native, grouping=grouping)
+        grouped = same_recompute(plan_groups(lengths, spec, native=native, grouping=grouping), spec)
         if grouping is not None or 1 not in spec.sp_sizes:
             return grouped
         try:
@@ -414,10 +415,46 @@ def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True,
             candidates.append(mbs)
     best = None
     for mbs in candidates:
-        plan = schedule_replicas(mbs, spec, method="dynapipe")
+        plan = same_recompute(schedule_replicas(mbs, spec, method="dynapipe"), spec)
         if best is None or plan.iteration_ms < best.iteration_ms:
             best = plan
     return best
+
+
+def checkpointed_layers(mb: MicroBatch, spec: PlannerSpec) -> tuple[int, ...]:
+    """Checkpointed layers per stage (a whole-stage mode: all of them, none under no recompute)."""
+    if mb.checkpointed:
+        return tuple(mb.checkpointed)
+    return tuple(s.num_layers if mb.recompute != "none" else 0 for s in spec.stages)
+
+
+def same_recompute(plan: StepPlan, spec: PlannerSpec) -> StepPlan:
+    """With ``spec.same_recompute`` (ZeRO-3), every replica's i-th micro-batch (in run order)
+    recomputes alike: ZeRO-3 gathers each module's parameters over every rank in the order the
+    modules run, and recompute re-runs modules in backward, so ranks that recompute differently
+    desynchronise the gathers (a hang under NCCL). Where they differ, each takes the most
+    recompute among them (the strongest mode; its most checkpointed layers, or all of them where
+    modes differ): memory only falls, the schedules stay, the replicas are simulated again."""
+    if not spec.same_recompute or len(plan.replicas) < 2:
+        return plan
+    orders = [r.schedule.order for r in plan.replicas]
+    if len({len(o) for o in orders}) > 1:
+        raise ValueError("the same recompute per micro-batch needs equal micro-batch counts on every replica")
+    new = [list(r.micro_batches) for r in plan.replicas]
+    for pos in range(len(orders[0])):
+        mbs = [r.micro_batches[o[pos]] for r, o in zip(plan.replicas, orders)]
+        if len({(mb.recompute, checkpointed_layers(mb, spec)) for mb in mbs}) == 1:
+            continue
+        mode = max((mb.recompute for mb in mbs), key=RECOMPUTES.index)
+        counts = None  # every layer, where the modes differ
+        if all(mb.recompute == mode for mb in mbs):
+            counts = [max(c) for c in zip(*(checkpointed_layers(mb, spec) for mb in mbs))]
+        for r, (mb, o) in enumerate(zip(mbs, orders)):
+            new[r][o[pos]] = make_micro_batch(mb.sample_ids, _lengths_of(mb), spec, mb.layout, mode, sp=mb.sp,
+                                              checkpointed=counts)
+    replicas = tuple(replace(r, micro_batches=tuple(m), sim=simulate(m, r.schedule, spec.link))
+                     for r, m in zip(plan.replicas, new))
+    return replace(plan, replicas=replicas)
 
 
 def _cheapest_feasible(groups: list[list[int]], lengths: Sequence[int], spec: PlannerSpec) -> list[MicroBatch] | None:

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from .planner import PlannerSpec, in_range, make_micro_batch
+from .planner import PlannerSpec, checkpointed_layers, in_range, make_micro_batch
 from .schedule import one_f_one_b
 from .simulator import memory_steps, simulate
 from .types import MicroBatch, Schedule, SimResult
@@ -81,7 +81,7 @@ def _search(mbs: tuple[MicroBatch, ...], schedule: Schedule, spec: PlannerSpec, 
     current = list(mbs)
     for _, i, bare, lowered in sorted(_candidates(current, spec, strict), key=lambda c: (-c[0], c[1])):
         mb = current[i]
-        counts = _counts(mb, spec)
+        counts = list(checkpointed_layers(mb, spec))
         spans = [(at[s][("F", i)], at[s][("B", i)]) for s in stages]
         target = list(counts)
         for s in lowered:
@@ -111,7 +111,7 @@ def _candidates(mbs: list[MicroBatch], spec: PlannerSpec, strict: bool) -> list[
     of every micro-batch that recomputes some layer and could recompute fewer in the measured range."""
     out = []
     for i, mb in enumerate(mbs):
-        counts = _counts(mb, spec)
+        counts = list(checkpointed_layers(mb, spec))
         if mb.recompute == "none" or not any(counts):
             continue
         bare = make_micro_batch(mb.sample_ids, dict(zip(mb.sample_ids, mb.seq_lens)), spec, mb.layout, mb.recompute,
@@ -124,13 +124,6 @@ def _candidates(mbs: list[MicroBatch], spec: PlannerSpec, strict: bool) -> list[
         if lowered:
             out.append((saved / cost if cost > 0 else math.inf, i, bare, lowered))
     return out
-
-
-def _counts(mb: MicroBatch, spec: PlannerSpec) -> list[int]:
-    """Checkpointed layers per stage (a whole-stage mode: all of them, none under no recompute)."""
-    if mb.checkpointed:
-        return list(mb.checkpointed)
-    return [s.num_layers if mb.recompute != "none" else 0 for s in spec.stages]
 
 
 def _gains(mb: MicroBatch, bare: MicroBatch, s: int, strict: bool) -> bool:

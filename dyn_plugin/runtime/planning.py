@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -16,11 +17,13 @@ from ..config import DynPluginConfig
 from ..cost.table import TableCostModel
 from ..plan.baselines import plan_baseline
 from ..plan.instructions import ExecutionPlan, check_plans, plan_from_json, plan_to_json
-from ..plan.planner import PlannerSpec, StepPlan, execution_plans, plan_step, planner_spec
+from ..plan.planner import PlannerSpec, StepPlan, checkpointed_layers, execution_plans, plan_step, planner_spec
 from .collate import scored_tokens
 from .sampler import epoch_batches
 
 RANK_PLAN_SCHEMA = "dyn_plugin.rank_plan"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class PlanningContext:
                                               tp=self.tp, seed=self.seed)
         self._epochs: dict[int, list[list[int]]] = {}
         self._offsets: dict[int, int] = {0: 0}  # run-wide position of each epoch's first batch
+        self._extrapolated = 0  # steps planned with costs beyond the measured range so far
 
     def batches(self, epoch: int) -> list[list[int]]:
         """The epoch's global batches (sample indices), cached: every step of it needs them."""
@@ -109,16 +113,23 @@ class PlanningContext:
             raise ValueError(f"global batch {step} of epoch {epoch}: microbatching.method {method!r} gave the replicas "
                              f"{counts} micro-batches, but ZeRO-{self.zero_stage} needs the same number on every "
                              "data-parallel rank; use method 'dynapipe' (it plans equal counts) or ZeRO stage 0 or 1")
-        modes = [tuple((r.micro_batches[i].recompute, r.micro_batches[i].checkpointed) for i in r.schedule.order)
-                 for r in plan.replicas]  # in the order each replica runs them
+        modes = [tuple((r.micro_batches[i].recompute, checkpointed_layers(r.micro_batches[i], self.spec))
+                       for i in r.schedule.order) for r in plan.replicas]  # in the order each replica runs them
         if self.zero_stage == 3 and len(set(modes)) > 1:
-            # ZeRO-3 gathers each module's parameters over every rank in the order modules run, and
-            # recompute re-runs modules in backward: ranks that recompute differently desynchronise
-            # the gathers (a hang under NCCL)
+            # the planner makes them alike (planner.same_recompute); a baseline or a hand-made plan may
+            # not, and ranks that recompute differently desynchronise ZeRO-3's gathers (a hang under NCCL)
             raise ValueError(f"global batch {step} of epoch {epoch}: the replicas recompute differently at the same "
                              f"micro-batch ({[[m for m, _ in r] for r in modes]}), but ZeRO-3 needs the same "
                              "recompute at each micro-batch index on every rank; set microbatching.recompute to one "
                              "mode or use ZeRO stage 0-2")
+        if plan.extrapolated:
+            # allowed by cost_model.allow_extrapolation, never silent: the first time, then every 100th step
+            if self._extrapolated % 100 == 0:
+                logger.warning("global batch %d of epoch %d: %d micro-batch(es) priced beyond what cost model %r "
+                               "measured (longest sequence %d); profile longer sequences for exact prices "
+                               "(%d step(s) so far)", step, epoch, plan.extrapolated, self.cost.name, max(lens),
+                               self._extrapolated + 1)
+            self._extrapolated += 1
         digest = step_digest(plan)
         tokens = scored_tokens(lens)
         # Plans index the global batch; the loader needs dataset indices.
