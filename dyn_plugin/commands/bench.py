@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sp.add_argument("--gpus", default="8,32")
     sp.add_argument("--pp", default="4,1", help="pipeline stages, comma-separated (columns = gpus / pp)")
     sp.add_argument("--max-len", default="8192,32768", help="sequences are capped at each of these")
-    sp.add_argument("--sizes", default="1,2,4,8", help="sequence-parallel group sizes allowed")
+    sp.add_argument("--sizes", default="1,2,4,8,16,32", help="sequence-parallel group sizes allowed (those up to "
+                                                             "the column count apply)")
     sp.add_argument("--batches", type=int, default=4, help="global batches per configuration")
     sp.add_argument("--seed", type=int, default=0)
     loader = sub.add_parser("loader", help="loader steps/s, time each step waits for its plan (planning locally or "

@@ -159,8 +159,8 @@ def megatron_hybrid_cp(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
     # max_seqlen_per_dp_cp_rank as a user would tune it: the largest per-rank capacity whose rows fit
     for capacity in sorted({max(1, int(limits.longest[1] * f)) for f in (1.0, 0.75, 0.5, 0.375, 0.25)}, reverse=True):
         # Megatron's rule counts tokens only; where quadratic attention memory needs more ranks, give them
-        cp = [max(1 << max(0, math.ceil(math.log2(s / capacity))), limits.smallest(s) or spec.sp_sizes[-1])
-              for s in lens.tolist()]
+        cp = [_allowed(max(1 << max(0, math.ceil(math.log2(s / capacity))), limits.smallest(s) or spec.sp_sizes[-1]),
+                       spec) for s in lens.tolist()]
         work = (lens.astype(float) ** 2) / np.asarray(cp)
 
         def rows(k: int, ids: list[int], capacity: int = capacity) -> list[list[int]]:
@@ -171,6 +171,15 @@ def megatron_hybrid_cp(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
         except InfeasibleError as exc:
             last = exc
     raise last
+
+
+def _allowed(k: int, spec: PlannerSpec) -> int:
+    """The smallest allowed group size of at least ``k`` (the same sizes every method may use)."""
+    size = next((a for a in spec.sp_sizes if a >= k), None)
+    if size is None:
+        raise InfeasibleError(f"a sequence needs a group of {k} ranks; sequence_parallel.sizes allows at most "
+                              f"{spec.sp_sizes[-1]}")
+    return size
 
 
 def dcp_bucket(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:

@@ -16,9 +16,9 @@ in groups of one, where they pay no collectives. Per step:
    the group's pipeline fill and drain by its longest sequence); groups may end up with
    different amounts of work and micro-batch counts (DCP's inter balancing) unless every rank
    must run the same count (ZeRO-2/3, or ``balance = intra``);
-4. the best of those are planned for real: DynaPipe's DP cuts each group's sequences into
-   micro-batches priced at the group's size, each group's schedule is searched and simulated,
-   and the plan with the shortest simulated step wins.
+4. the best of those, and every grouping of one size, are planned for real: DynaPipe's DP cuts
+   each group's sequences into micro-batches priced at the group's size, each group's schedule
+   is searched and simulated, and the plan with the shortest simulated step wins.
 
 DynaPipe's plan (every group one column wide) is one candidate of ``plan_step``, so turning
 sequence parallelism on never plans a slower step than leaving it off.
@@ -193,9 +193,13 @@ def plan_groups(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = Tru
             candidates = groupings(spec.dp, spec.sp_sizes, need)
         times = {k: sequence_ms(lens, k, spec, layout) for k in set(k for g in candidates for k in g)}
         ranked = sorted(candidates, key=lambda g: fluid_ms(g, times, spec.pp))[:ESTIMATED]
-        dispatched = [d for d in ((g, dispatch(lens, g, times, limits, spec.pp)) for g in ranked) if d[1] is not None]
+        # one size for every group is planned whatever the estimates say: a fixed size is never better
+        uniform = [g for g in candidates if len(set(g)) == 1 and g not in ranked]
+        dispatched = [d for d in ((g, dispatch(lens, g, times, limits, spec.pp)) for g in ranked + uniform)
+                      if d[1] is not None]
         dispatched.sort(key=lambda d: d[1][0])
-        for g, (_, members) in dispatched[:PLANNED]:
+        chosen = dispatched[:PLANNED] + [d for d in dispatched[PLANNED:] if len(set(d[0])) == 1]
+        for g, (_, members) in chosen:
             plan = _plan_grouping(lens, g, members, spec, layout, native)
             if plan is not None and (best is None or plan.iteration_ms < best.iteration_ms):
                 best = plan
