@@ -126,8 +126,9 @@ def run_mode(mode: str, args, docs, lengths, device: torch.device, dtype: str) -
     bar = tqdm(total=total, desc=f"{mode:>12}", disable=dist.get_rank() != 0)
     for n, step in enumerate(loader):
         # on the rank's device: NCCL reduces device tensors only
-        real = torch.tensor([sum(sum(len(docs[i]) for i in mb) for mb in step.sample_ids)], dtype=torch.float64,
-                            device=device)
+        # every rank of a sequence-parallel group lists the group's samples: count them on its first shard only
+        real = torch.tensor([sum(sum(len(docs[i]) for i in mb) for mb, (_, _, index) in zip(step.sample_ids, step.shards)
+                                 if index == 0)], dtype=torch.float64, device=device)
         slots = torch.tensor([sum(int(m["input_ids"].numel()) for m in step.micro_batches)], dtype=torch.float64,
                              device=device)
         timings: list = []
