@@ -188,9 +188,10 @@ def dcp_bucket(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
     size = np.zeros(len(lens), dtype=int)
     per_seq = np.zeros(len(lens))
     batch: dict[int, int] = {}
+    limits = size_limits(lens, spec, "packed")
     for b in np.unique(bucket):
         top = int(lens[bucket == b].max())
-        times = {k: sequence_ms(np.array([top]), k, spec, "packed")[0] * k for k in spec.sp_sizes}
+        times = {k: sequence_ms(np.array([top]), k, spec, "packed", limits)[0] * k for k in spec.sp_sizes}
         k = min(times, key=lambda k: (times[k], k))  # the best profiled time per device
         if not np.isfinite(times[k]):
             raise InfeasibleError(f"dcp_bucket: sequences of length {top} fit in no group of {spec.sp_sizes}")

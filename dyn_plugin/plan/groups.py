@@ -32,8 +32,9 @@ from typing import Sequence
 import numpy as np
 
 from ..cost.model import Layout
+from .assign import split_for_replicas
 from .microbatch import InfeasibleError, partition
-from .planner import PlannerSpec, ReplicaPlan, StepPlan, make_micro_batch, schedule_replica, usable
+from .planner import PlannerSpec, StepPlan, cheapest_feasible, make_micro_batch, schedule_replica, usable
 from .types import MicroBatch
 
 ESTIMATED = 8  # groupings dispatched after the fluid estimate
@@ -42,13 +43,20 @@ PLANNED = 3  # groupings planned and simulated in full
 
 @dataclass(frozen=True)
 class SizeLimits:
-    """Per group size, the longest sequence that fits alone, and its time per sequence."""
+    """Per (group size, recompute mode), the longest of the batch's sequences that fits alone
+    (0: none does); found once per layout, read by the size choice and the per-sequence times."""
 
     sizes: tuple[int, ...]
-    longest: dict[int, int]  # size -> longest sequence that fits alone in some recompute mode
+    by_mode: dict[tuple[int, str], int]
+
+    @property
+    def longest(self) -> dict[int, int]:
+        """Per group size, the longest sequence that fits alone in some recompute mode."""
+        return {k: max(v for (size, _), v in self.by_mode.items() if size == k) for k in self.sizes}
 
     def smallest(self, length: int) -> int | None:
-        return next((k for k in self.sizes if length <= self.longest[k]), None)
+        longest = self.longest
+        return next((k for k in self.sizes if length <= longest[k]), None)
 
 
 def groupings(columns: int, sizes: Sequence[int], need: int) -> list[tuple[int, ...]]:
@@ -81,18 +89,18 @@ def aligned_firsts(grouping: Sequence[int]) -> list[int]:
 
 
 def size_limits(lengths: np.ndarray, spec: PlannerSpec, layout: Layout) -> SizeLimits:
-    """Per group size, the longest of the batch's sequences that fits alone in some recompute mode."""
-    return SizeLimits(tuple(spec.sp_sizes), {k: max(_longest_alone(lengths, k, rc, spec, layout) for rc in spec.recomputes)
-                                              for k in spec.sp_sizes})
+    """Per group size and recompute mode, the longest of the batch's sequences that fits alone."""
+    return SizeLimits(tuple(spec.sp_sizes), {(k, rc): _longest_alone(lengths, k, rc, spec, layout)
+                                              for k in spec.sp_sizes for rc in spec.recomputes})
 
 
-def sequence_ms(lengths: np.ndarray, k: int, spec: PlannerSpec, layout: Layout) -> np.ndarray:
+def sequence_ms(lengths: np.ndarray, k: int, spec: PlannerSpec, layout: Layout, limits: SizeLimits) -> np.ndarray:
     """Per sequence, the slowest stage's forward + backward at group size ``k`` in the cheapest
     recompute mode it fits in alone (inf where none), fixed per-micro-batch costs left out:
-    sequences share them."""
+    sequences share them. ``limits``: ``size_limits`` of a batch holding ``lengths``."""
     out = np.full(len(lengths), np.inf)
     for rc in spec.recomputes:
-        todo = (lengths <= _longest_alone(lengths, k, rc, spec, layout)) & np.isinf(out)
+        todo = (lengths <= limits.by_mode[(k, rc)]) & np.isinf(out)
         if todo.any():
             out[todo] = _marginal_ms(lengths[todo], k, rc, spec, layout)
     return out
@@ -132,7 +140,7 @@ def _marginal_ms(lengths: np.ndarray, k: int, rc: str, spec: PlannerSpec, layout
     return worst
 
 
-def dispatch(lengths: np.ndarray, grouping: Sequence[int], times: dict[int, np.ndarray], limits: SizeLimits,
+def dispatch(lengths: np.ndarray, grouping: Sequence[int], times: dict[int, np.ndarray],
              pp: int) -> tuple[float, list[list[int]]] | None:
     """Longest first, each sequence onto the group where it would finish earliest: the group's
     work so far, its time there, and (pp - 1) times the group's longest sequence for the
@@ -191,11 +199,11 @@ def plan_groups(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = Tru
             candidates = [tuple(grouping)]
         else:
             candidates = groupings(spec.dp, spec.sp_sizes, need)
-        times = {k: sequence_ms(lens, k, spec, layout) for k in set(k for g in candidates for k in g)}
+        times = {k: sequence_ms(lens, k, spec, layout, limits) for k in set(k for g in candidates for k in g)}
         ranked = sorted(candidates, key=lambda g: fluid_ms(g, times, spec.pp))[:ESTIMATED]
         # one size for every group is planned whatever the estimates say: a fixed size is never better
         uniform = [g for g in candidates if len(set(g)) == 1 and g not in ranked]
-        dispatched = [d for d in ((g, dispatch(lens, g, times, limits, spec.pp)) for g in ranked + uniform)
+        dispatched = [d for d in ((g, dispatch(lens, g, times, spec.pp)) for g in ranked + uniform)
                       if d[1] is not None]
         dispatched.sort(key=lambda d: d[1][0])
         chosen = dispatched[:PLANNED] + [d for d in dispatched[PLANNED:] if len(set(d[0])) == 1]
@@ -235,26 +243,20 @@ def _plan_grouping(lens: np.ndarray, grouping: Sequence[int], members: list[list
 
 
 def _equal_counts(per_group: list[list[MicroBatch]], lens: np.ndarray, spec: PlannerSpec) -> list[list[MicroBatch]] | None:
-    """Split micro-batches (the most tokens first, alternate members) in groups with fewer until
-    every group runs as many as the most; None when a group runs out of sequences to split."""
+    """Split micro-batches (``split_for_replicas``: the most tokens first, alternate members) in
+    groups with fewer until every group runs as many as the most; None when a group runs out of
+    sequences to split."""
     target = max(len(g) for g in per_group)
     out = []
     for mbs in per_group:
-        mbs = list(mbs)
-        while len(mbs) < target:
-            big = max((mb for mb in mbs if len(mb.sample_ids) > 1), key=lambda mb: (mb.real_tokens, -mb.sample_ids[0]),
-                      default=None)
-            if big is None:
-                return None
-            mbs.remove(big)
-            for half in (big.sample_ids[0::2], big.sample_ids[1::2]):
-                mbs.append(_cheapest(half, lens, spec, big.layout, big.sp))
-        out.append(mbs)
+        try:
+            ids = split_for_replicas([list(mb.sample_ids) for mb in mbs], lens, target, equal_counts=False)
+        except ValueError:
+            return None
+        kept = {mb.sample_ids: mb for mb in mbs}
+        halves = [g for g in ids if tuple(g) not in kept]
+        priced = cheapest_feasible(halves, lens, spec, mbs[0].layout, mbs[0].sp) if halves else []
+        if priced is None:
+            return None
+        out.append([kept[tuple(g)] for g in ids if tuple(g) in kept] + priced)
     return out
-
-
-def _cheapest(ids: Sequence[int], lens: np.ndarray, spec: PlannerSpec, layout: Layout, sp: int) -> MicroBatch:
-    """A micro-batch in its cheapest usable recompute mode (a half of a usable one always fits)."""
-    options = [make_micro_batch(ids, lens, spec, layout, rc, sp=sp) for rc in spec.recomputes]
-    fitting = [mb for mb in options if usable(mb, spec)] or options[-1:]
-    return min(fitting, key=lambda mb: mb.time_ms)

@@ -254,11 +254,9 @@ def make_micro_batch(
     table = spec.cost.table(layout, recompute, spec.tp)
     f = features(lens, layout, spec.cost.pad_multiple, sp)
     extrapolated = not table.covers(f.slots, f.max_len)
-    if checkpointed is None:
-        counts = tuple(s.num_layers if recompute != "none" else 0 for s in spec.stages)
-    else:
-        counts = tuple(int(c) for c in checkpointed)
-    whole = all(c == (s.num_layers if recompute != "none" else 0) for c, s in zip(counts, spec.stages))
+    whole_stage = _whole_stage_counts(recompute, spec)
+    counts = whole_stage if checkpointed is None else tuple(int(c) for c in checkpointed)
+    whole = counts == whole_stage
     if whole:
         costs = [evaluate_stage(table, f, s) for s in spec.stages]
     else:
@@ -410,7 +408,7 @@ def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True,
             rows = split_for_replicas(pack_rows(lengths, spec.row_len), lengths, spec.dp, equal_counts=True)
         except ValueError:  # too few sequences for equal counts: the DP candidates remain
             rows = None
-        mbs = _cheapest_feasible(rows, lengths, spec) if rows else None
+        mbs = cheapest_feasible(rows, lengths, spec) if rows else None
         if mbs is not None:
             candidates.append(mbs)
     best = None
@@ -423,9 +421,11 @@ def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True,
 
 def checkpointed_layers(mb: MicroBatch, spec: PlannerSpec) -> tuple[int, ...]:
     """Checkpointed layers per stage (a whole-stage mode: all of them, none under no recompute)."""
-    if mb.checkpointed:
-        return tuple(mb.checkpointed)
-    return tuple(s.num_layers if mb.recompute != "none" else 0 for s in spec.stages)
+    return tuple(mb.checkpointed) if mb.checkpointed else _whole_stage_counts(mb.recompute, spec)
+
+
+def _whole_stage_counts(recompute: Recompute, spec: PlannerSpec) -> tuple[int, ...]:
+    return tuple(s.num_layers if recompute != "none" else 0 for s in spec.stages)
 
 
 def same_recompute(plan: StepPlan, spec: PlannerSpec) -> StepPlan:
@@ -457,13 +457,14 @@ def same_recompute(plan: StepPlan, spec: PlannerSpec) -> StepPlan:
     return replace(plan, replicas=replicas)
 
 
-def _cheapest_feasible(groups: list[list[int]], lengths: Sequence[int], spec: PlannerSpec) -> list[MicroBatch] | None:
-    """Each packed group in its cheapest recompute mode that fits; None if one fits in none."""
+def cheapest_feasible(groups: Sequence[Sequence[int]], lengths: Sequence[int], spec: PlannerSpec,
+                      layout: Layout = "packed", sp: int = 1) -> list[MicroBatch] | None:
+    """Each group in its cheapest recompute mode that fits; None if one fits in none."""
     out = []
     for g in groups:
         best = None
         for rc in spec.recomputes:
-            mb = make_micro_batch(g, lengths, spec, "packed", rc)
+            mb = make_micro_batch(g, lengths, spec, layout, rc, sp=sp)
             if usable(mb, spec) and (best is None or mb.time_ms < best.time_ms):
                 best = mb
         if best is None:
