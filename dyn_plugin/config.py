@@ -165,6 +165,29 @@ class SequenceParallelConfig(_Section):
         return self
 
 
+class ShardingConfig(_Section):
+    """OSDP: a sharding choice per module, searched under a memory budget (dyn_plugin/plan/sharding.py)."""
+
+    enabled: bool = Field(default=False, description="shard each module as the searched plan says (FSDP entry, or ZeRO-3 "
+                          "settings merged by deepspeed_ext.initialize)")
+    host: Literal["auto", "fsdp2", "fsdp1", "zero3"] = Field(
+        default="auto", description="whose semantics price the choices: 'auto' = zero3 under DeepSpeed, fsdp2 in the FSDP entry")
+    memory_budget_mb: float | None = Field(
+        default=None, gt=0, description="per-rank memory the plan (model states + activations) may use; "
+        "default cluster.device.memory_mb * memory_fraction")
+    plan: str | None = Field(default=None, description="a plan JSON written by `dynplugin shard`; unset: searched at start-up")
+    shard_size: int | None = Field(
+        default=None, gt=0, description="ranks a parameter is sharded over (< world: hybrid sharding, replicated across "
+        "groups); unset: the search tries the world and the node")
+    choices: list[Literal["replicate", "keep", "grad_op", "full", "reshard", "split"]] = Field(
+        default=["replicate", "keep", "grad_op", "full", "reshard", "split"],
+        description="choices the search may make per module (the host may allow fewer)")
+    max_slices: int = Field(default=4, ge=2, description="'split': most slices a linear layer is cut into")
+    overlap: float = Field(
+        default=1.0, ge=0, le=1, description="share of the neighbouring module's compute that hides a collective: "
+        "1 on GPUs (separate streams); lower on CPUs, where gloo and the kernels share the cores")
+
+
 class LoaderConfig(_Section):
     planners: int = Field(default=1, ge=1, description="background planner processes (with a store)")
     prefetch: int = Field(default=4, ge=1, description="global batches planned ahead of training (with a store)")
@@ -259,6 +282,7 @@ class DynPluginConfig(_Section):
     microbatching: MicrobatchingConfig = MicrobatchingConfig()
     pipeline: PipelineConfig = PipelineConfig()
     sequence_parallel: SequenceParallelConfig = SequenceParallelConfig()
+    sharding: ShardingConfig = ShardingConfig()
     cluster: ClusterConfig = ClusterConfig()
     store: StoreConfig = StoreConfig()
     loader: LoaderConfig = LoaderConfig()

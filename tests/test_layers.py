@@ -23,7 +23,7 @@ ALLOWED = {
     "profiles": {"cost"},
     "plan": {"config", "lengths", "cost"},
     "store": {"config", "child"},
-    "models": {"cost"},
+    "models": {"cost", "plan"},
     "profiling": {"config", "cost", "models", "child"},
     "runtime": {"config", "lengths", "cost", "plan", "store", "child"},
     "bench": {"config", "lengths", "cost", "profiles", "plan", "store", "runtime"},

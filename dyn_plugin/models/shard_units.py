@@ -1,0 +1,58 @@
+"""A model's sharding units: the modules a sharding plan decides for (plan/shard_plan.py).
+
+Each decoder layer gives two units, its attention block and its MLP; the input embedding and
+an untied LM head are units of their own; the root (name "") owns every parameter left over
+(norms, the final norm). Units do not nest, apart from the root, so wrapping them bottom-up
+gives every parameter exactly one owner.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from ..plan.shard_plan import ShardUnit
+from .recompute import _attention, decoder_layers
+
+
+def unit_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Qualified name -> module of every unit but the root, in forward order."""
+    names = {m: n for n, m in model.named_modules()}
+    units: dict[str, nn.Module] = {}
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embed is not None:
+        units[names[embed]] = embed
+    for layer in decoder_layers(model):
+        for part in (_attention(layer), getattr(layer, "mlp", None)):
+            if part is not None:
+                units[names[part]] = part
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and embed is not None and head.weight is embed.weight:
+        head = None  # tied: the embedding unit owns the weight
+    if head is not None:
+        units[names[head]] = head
+    return units
+
+
+def shard_units(model: nn.Module) -> list[ShardUnit]:
+    """The units of ``model`` with their parameter counts, the root last."""
+    modules = unit_modules(model)
+    layer_of = {id(l): i for i, l in enumerate(decoder_layers(model))}
+    owner_layer = {}
+    for name, m in model.named_modules():
+        if id(m) in layer_of:
+            owner_layer[name] = layer_of[id(m)]
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    owned: set[int] = set()
+    units = []
+    for name, m in modules.items():
+        params = [p for p in m.parameters() if id(p) not in owned]
+        owned |= {id(p) for p in params}
+        if m is embed:
+            component, layer = "embedding", -1
+        else:
+            layer = next((i for prefix, i in owner_layer.items() if name.startswith(prefix + ".")), -1)
+            component = "layer" if layer >= 0 else "head"
+        linear_out = m.out_features if isinstance(m, nn.Linear) else 0
+        units.append(ShardUnit(name, sum(p.numel() for p in params), component, layer, linear_out))
+    rest = sum(p.numel() for p in model.parameters() if id(p) not in owned)
+    units.append(ShardUnit("", rest, "other"))
+    return units
