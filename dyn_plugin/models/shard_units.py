@@ -56,3 +56,17 @@ def shard_units(model: nn.Module) -> list[ShardUnit]:
     rest = sum(p.numel() for p in model.parameters() if id(p) not in owned)
     units.append(ShardUnit("", rest, "other"))
     return units
+
+
+def config_units(spec: str | dict) -> tuple[str, list[ShardUnit]]:
+    """(model name, units) of a model given as a preset, a HF ``config.json`` path or a dict: built on
+    the meta device, so a 6.7B-parameter model costs no memory and no time to inventory."""
+    import torch
+
+    from .hf import build_causal_lm, load_model_config
+
+    cfg = load_model_config(spec)
+    with torch.device("meta"):
+        model = build_causal_lm(cfg)
+    name = spec if isinstance(spec, str) else cfg["model_type"]
+    return str(name), shard_units(model)

@@ -1,0 +1,118 @@
+"""``dynplugin shard``: search a per-module sharding plan (OSDP) and print it as a table."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+HELP = "search a sharding choice per module under the memory budget (OSDP); print it as a table and write the plan JSON"
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="the model: a preset (tiny-llama, llama-350m, tiny-gpt2) or a "
+                                                       "HF config.json; built on the meta device, no weights")
+    parser.add_argument("--config", required=True, help="DeepSpeed JSON config with a dyn_plugin section "
+                                                        "(sharding.memory_budget_mb, cluster, cost_model)")
+    parser.add_argument("--lengths", default="code", help="lengths .npy/.json or a bundled distribution; one global "
+                                                          "batch of it is the typical step the search prices")
+    parser.add_argument("--world", type=int, help="ranks (default: cluster.devices_per_node * cluster.num_nodes)")
+    parser.add_argument("--host", choices=("fsdp2", "fsdp1", "zero3"), help="whose semantics price the choices "
+                                                                             "(default: sharding.host, auto = fsdp2)")
+    parser.add_argument("--out", default="shard-plan.json", help="where the plan JSON goes (default %(default)s)")
+    parser.add_argument("--plot", metavar="PNG", help="the memory/time frontier the search explored, with the chosen point")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..config import load_config
+    from ..cost.from_config import build_cost_model
+    from ..lengths.io import cap_lengths, load_lengths
+    from ..models.shard_units import config_units
+    from ..plan.sharding import search_sharding
+    from ..runtime.sampler import global_batches
+
+    cfg = load_config(args.config)
+    plugin = cfg.plugin
+    cost = build_cost_model(plugin.cost_model, plugin.cluster)
+    world = args.world or plugin.cluster.world_size
+    host = args.host or (plugin.sharding.host if plugin.sharding.host != "auto" else "fsdp2")
+    name, units = config_units(args.model)
+    lengths = cap_lengths(load_lengths(args.lengths), plugin.microbatching.max_seq_len, plugin.microbatching.truncate)
+    ids = global_batches(lengths, plugin.microbatching.global_tokens, 1, args.seed)[0]
+    plan = search_sharding(units, cost, plugin, world=world, lengths=[int(lengths[i]) for i in ids], host=host,
+                           model=name)
+    plan.save(args.out)
+    if args.json:
+        print(json.dumps(plan.to_dict()))
+    else:
+        print_plan(plan)
+        print(f"plan -> {args.out}")
+    if args.plot:
+        plot_frontier(plan, args.plot)
+        print(f"frontier -> {args.plot}")
+    return 0
+
+
+def print_plan(plan) -> None:
+    """One row per unit, consecutive identical rows of decoder layers folded into one."""
+    mb = 1 << 20
+    print(f"{plan.model}: {plan.world} ranks, sharded over {plan.shard_size} ({plan.replicas} replica group(s)), "
+          f"{plan.dtype}, {plan.host}; budget {plan.memory_budget_bytes / mb:,.0f} MB; typical step "
+          f"{plan.micro_batches} micro-batches per rank")
+    print(f"{'module':<34}{'choice':<14}{'params':>12}{'memory MB':>11}{'comm ms':>10}{'exposed ms':>11}")
+    rows = [(u.name or "(root)", u.choice.label, u.params, u.memory_bytes / mb, u.comm_ms, u.exposed_ms) for u in plan.units]
+    for name, choice, params, mem, comm, exposed in _fold(rows):
+        print(f"{name:<34}{choice:<14}{params:>12,}{mem:>11.1f}{comm:>10.1f}{exposed:>11.1f}")
+    print(f"{'gather reserve':<60}{plan.gather_reserve_bytes / mb:>11.1f}")
+    print(f"{'activations (typical step peak)':<60}{plan.activation_bytes / mb:>11.1f}")
+    print(f"{'total (predicted peak)':<60}{plan.peak_bytes / mb:>11.1f}{sum(u.comm_ms for u in plan.units):>10.1f}"
+          f"{plan.exposed_ms:>11.1f}")
+    print(f"simulated step: {plan.compute_ms:.1f} ms compute + {plan.exposed_ms:.1f} ms exposed communication = "
+          f"{plan.step_ms:.1f} ms")
+
+
+def _fold(rows: list[tuple]) -> list[tuple]:
+    """Runs of units that differ only in their layer index print as one row, e.g. 'layers.0-31.mlp' x32."""
+    import re
+
+    out: list[list] = []
+    for row in rows:
+        key = re.sub(r"\.(\d+)\.", ".#.", row[0])
+        if out and out[-1][0] == key and out[-1][1][1:] == row[1:] and key != row[0]:
+            out[-1][2].append(re.search(r"\.(\d+)\.", row[0]).group(1))
+            continue
+        out.append([key, row, [m.group(1)] if (m := re.search(r"\.(\d+)\.", row[0])) else []])
+    folded = []
+    for key, row, idx in out:
+        name = key.replace("#", idx[0] if len(idx) == 1 else f"{idx[0]}-{idx[-1]}") if idx else row[0]
+        folded.append((name + (f" x{len(idx)}" if len(idx) > 1 else ""),) + row[1:])
+    return folded
+
+
+def plot_frontier(plan, path: str) -> None:
+    """Exposed communication against model-state memory: the best the search found at each memory
+    level, the budget it had, and the point it chose."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mb = 1 << 20
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if plan.frontier:
+        xs, ys = zip(*plan.frontier)
+        ax.step(xs, ys, where="post", label="frontier: least exposed communication within each memory")
+    chosen = sum(u.memory_bytes for u in plan.units) / mb
+    ax.plot([chosen], [plan.exposed_ms], "o", color="crimson", label=f"chosen ({chosen:,.0f} MB, {plan.exposed_ms:.1f} ms)")
+    budget = (plan.memory_budget_bytes - plan.activation_bytes - plan.gather_reserve_bytes) / mb
+    ax.axvline(budget, color="gray", linestyle="--", label="budget for model states")
+    ax.set_xlabel("model-state memory per rank (MB)")
+    ax.set_ylabel("exposed communication per step (ms)")
+    ax.set_title(f"{plan.model}: sharding search, {plan.world} ranks")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
