@@ -11,7 +11,7 @@ parameter, persistent or not, and gradients are reduce-scattered every micro-bat
   instead of one per micro-batch); keep loses its unsharded gradient accumulation (reduce-scatter per
   micro-batch); replicate loses its unsharded gradients and optimizer states.
 - full -> partitioned and released after every use (``stage3_max_reuse_distance`` 0: else ZeRO-3
-  keeps whatever is reused within a billion elements gathered, which on most models is everything).
+  keeps gathered whatever is reused within 1e9 elements: on a model below that size, everything).
 - reshard(r) -> partitioned, with hpZ (``zero_hpz_partition_size`` r): after forward a copy stays
   partitioned over r ranks and backward gathers from it. hpZ is one setting for every partitioned
   parameter, so it is used only where the plan's reshard units all say the same r, and it then
