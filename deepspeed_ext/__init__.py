@@ -15,6 +15,10 @@ batch, whatever the plan (sizes, layout, counts per rank) and for every ZeRO sta
 With ``pipeline.stages > 1`` the engine is the plugin's ``PlanPipelineEngine`` (pipe_engine.py),
 which runs each step's execution plan; ``train_step`` hands it the step.
 
+With ``sharding.enabled`` and ZeRO stage 3, the per-module sharding plan (``sharding.plan``, or the
+``shard_plan`` argument) is expressed in ZeRO-3's own settings as closely as they allow (zero3.py):
+its keys are merged into ``zero_optimization`` and what ZeRO-3 cannot express is logged.
+
 With ``sequence_parallel.enabled`` a micro-batch may run on a group of neighbouring ranks, each
 holding a shard of every row (sequence_parallel.py), in pipelines too (at every stage); DeepSpeed
 still sees plain data parallelism.
@@ -29,9 +33,11 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from deepspeed_ext.zero3 import merge_zero_config, zero3_settings
 from dyn_plugin.config import LoadedConfig, ModelShape, load_config
 from dyn_plugin.cost.from_config import build_cost_model
 from dyn_plugin.cost.table import TableCostModel
+from dyn_plugin.plan.shard_plan import ShardPlan
 from dyn_plugin.profiling.allocator import stable_cpu_allocator
 from dyn_plugin.runtime.collate import scored_tokens
 from dyn_plugin.runtime.loader import DynLoader, Step
@@ -122,8 +128,11 @@ def initialize(
     lr_scheduler: Any = None,
     cost_model: TableCostModel | None = None,
     seed: int = 0,
+    shard_plan: ShardPlan | None = None,
 ):
-    """``deepspeed.initialize`` with the plugin's loader; returns (engine, optimizer, loader, scheduler)."""
+    """``deepspeed.initialize`` with the plugin's loader; returns (engine, optimizer, loader, scheduler).
+
+    ``shard_plan``: a sharding plan to apply under ZeRO-3 instead of the one ``sharding.plan`` names."""
     import deepspeed
     import torch.distributed as dist
 
@@ -135,6 +144,10 @@ def initialize(
     sp = cfg.plugin.sequence_parallel
     if sp.enabled:
         _check_sequence_parallel(cfg)
+    if shard_plan is not None and not cfg.plugin.sharding.enabled:
+        raise ValueError("a shard_plan was given but dyn_plugin.sharding.enabled is false; set it to true to apply the plan")
+    if cfg.plugin.sharding.enabled:
+        _check_sharding(cfg)
     if pp > 1 and cfg.zero_stage >= 2:
         raise ValueError(f"pipeline.stages = {pp} with zero_optimization.stage = {cfg.zero_stage}: DeepSpeed's "
                          "pipeline engine supports ZeRO stages 0 and 1 only; use ZeRO-1 with pipelines, or ZeRO-2/3 without")
@@ -157,9 +170,14 @@ def initialize(
         from deepspeed_ext.sequence_parallel import use_plugin_attention
 
         use_plugin_attention(model)
+    ds_config = _deepspeed_config(cfg.deepspeed, dp)
+    if cfg.plugin.sharding.enabled:
+        mapping = _apply_sharding(cfg, model, shard_plan, world, rank)
+        ds_config = merge_zero_config(ds_config, mapping)
+    # INTEGRATION POINT (H1, wt-search): pass state_bytes=mapping.memory_bytes here once DynLoader takes it,
+    # so the planner prices ZeRO-3's real model states under the mapping; until then it prices plain ZeRO-3.
     loader = DynLoader(dataset, lengths=lengths, config=cfg, cost_model=cost_model or _cost_model(cfg, model),
                        dp_rank=replica, dp_size=dp, pp_rank=stage, pp_size=pp, seed=seed)
-    ds_config = _deepspeed_config(cfg.deepspeed, dp)
     shape = model_shape(model) if sp.enabled else None  # a pipeline's module below has no config
     swap = contextlib.nullcontext()
     if pp > 1:
@@ -185,6 +203,42 @@ def initialize(
         engine._dyn_plugin_sequence = SequenceRuntime(sp, columns=dp, stages=pp, num_heads=shape.num_heads,
                                                       num_kv_heads=shape.num_kv_heads, seed=seed, device=engine.device)
     return engine, optimizer, loader, scheduler
+
+
+def _check_sharding(cfg: LoadedConfig) -> None:
+    """A sharding plan runs here only as ZeRO-3 settings."""
+    if cfg.zero_stage != 3:
+        raise ValueError(f"dyn_plugin.sharding.enabled with zero_optimization.stage = {cfg.zero_stage}: DeepSpeed "
+                         "expresses a per-module sharding plan only under ZeRO-3; set zero_optimization.stage to 3, "
+                         "or train with the FSDP entry dyn_plugin.fsdp")
+    host = cfg.plugin.sharding.host
+    if host not in ("auto", "zero3"):
+        raise ValueError(f"dyn_plugin.sharding.host = {host!r} under DeepSpeed: plans here run as ZeRO-3 settings; set "
+                         "it to 'zero3' or 'auto', or train with the FSDP entry dyn_plugin.fsdp")
+
+
+def _apply_sharding(cfg: LoadedConfig, model: torch.nn.Module, plan: ShardPlan | None, world: int, rank: int):
+    """Load and check the plan, log what ZeRO-3 loses; the mapping."""
+    if plan is None:
+        path = cfg.plugin.sharding.plan
+        if path is None:
+            # INTEGRATION POINT (H1, wt-search): search the plan here (dyn_plugin.plan.sharding.search_sharding,
+            # host "zero3") when sharding.plan is unset.
+            raise ValueError("dyn_plugin.sharding.enabled needs a plan: set dyn_plugin.sharding.plan to a plan JSON "
+                             "written by `dynplugin shard`, or pass shard_plan= to deepspeed_ext.initialize")
+        plan = ShardPlan.load(path)
+    if plan.world != world:
+        raise ValueError(f"the sharding plan was searched for {plan.world} ranks but {world} are running; search it for "
+                         f"{world} (`dynplugin shard`)")
+    dtype = training_dtype(cfg.deepspeed)
+    if plan.dtype != dtype:
+        raise _dtype_mismatch("the sharding plan's dtype", plan.dtype, dtype, "search the plan in the precision "
+                              "DeepSpeed trains in")
+    mapping = zero3_settings(model, plan)  # refuses a plan for another model, naming its units
+    if rank == 0:
+        for line in mapping.lost:
+            logger.warning("sharding plan under ZeRO-3: %s", line)
+    return mapping
 
 
 def _check_sequence_parallel(cfg: LoadedConfig) -> None:

@@ -32,6 +32,16 @@ def unit_modules(model: nn.Module) -> dict[str, nn.Module]:
     return units
 
 
+def parameter_units(model: nn.Module) -> dict[str, str]:
+    """Qualified parameter name (``named_parameters`` order, shared parameters once) -> the unit
+    that owns it: the first unit holding it, in forward order; the root "" owns the rest."""
+    owner = {}
+    for unit, m in unit_modules(model).items():
+        for p in m.parameters():
+            owner.setdefault(id(p), unit)
+    return {name: owner.get(id(p), "") for name, p in model.named_parameters()}
+
+
 def shard_units(model: nn.Module) -> list[ShardUnit]:
     """The units of ``model`` with their parameter counts, the root last."""
     modules = unit_modules(model)
@@ -41,20 +51,20 @@ def shard_units(model: nn.Module) -> list[ShardUnit]:
         if id(m) in layer_of:
             owner_layer[name] = layer_of[id(m)]
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    owned: set[int] = set()
+    params = dict(model.named_parameters())
+    counts = dict.fromkeys([*modules, ""], 0)
+    for name, unit in parameter_units(model).items():
+        counts[unit] += params[name].numel()
     units = []
     for name, m in modules.items():
-        params = [p for p in m.parameters() if id(p) not in owned]
-        owned |= {id(p) for p in params}
         if m is embed:
             component, layer = "embedding", -1
         else:
             layer = next((i for prefix, i in owner_layer.items() if name.startswith(prefix + ".")), -1)
             component = "layer" if layer >= 0 else "head"
         linear_out = m.out_features if isinstance(m, nn.Linear) else 0
-        units.append(ShardUnit(name, sum(p.numel() for p in params), component, layer, linear_out))
-    rest = sum(p.numel() for p in model.parameters() if id(p) not in owned)
-    units.append(ShardUnit("", rest, "other"))
+        units.append(ShardUnit(name, counts[name], component, layer, linear_out))
+    units.append(ShardUnit("", counts[""], "other"))
     return units
 
 
