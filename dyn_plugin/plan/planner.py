@@ -78,12 +78,18 @@ class PlannerSpec:
 
 def planner_spec(
     cost: TableCostModel, config: DynPluginConfig, *, dp: int, zero_stage: int = 0, tp: int = 1,
-    hidden_size: int | None = None, seed: int = 0,
+    hidden_size: int | None = None, seed: int = 0, state_bytes: float | None = None,
 ) -> PlannerSpec:
     """Build the spec from the plugin config: stages, per-stage activation budget after model
     states (ZeRO stage and dp), the link between stages, allowed layouts and recompute modes.
     Padded micro-batches are priced and shaped at ``microbatching.pad_multiple``, the width the
-    collate pads to."""
+    collate pads to.
+
+    ``state_bytes``: a sharding plan's model states per rank (``ShardPlan.state_bytes``) in place
+    of ZeRO's, on one pipeline stage; activations then get ``sharding.memory_budget_mb`` (else the
+    device's memory) minus them, the budget the plan was searched for. Sharded modules gather in
+    step on every rank, so pass ``zero_stage=3`` too: equal micro-batch counts and the same
+    recompute per micro-batch index, as ZeRO-3 needs."""
     pipe, cluster, mb = config.pipeline, config.cluster, config.microbatching
     cost = cost.with_pad_multiple(mb.pad_multiple)
     if pipe.layers_per_stage:
@@ -93,9 +99,20 @@ def planner_spec(
     else:
         stages = balanced_split(cost, pipe.stages, tp=tp)
     device_bytes = cluster.device.memory_mb * MB * cluster.device.memory_fraction
+    if state_bytes is not None:
+        if len(stages) > 1:
+            raise ValueError(f"a sharding plan's model states (state_bytes) are those of the whole model: they need "
+                             f"pipeline.stages = 1, not {len(stages)}")
+        budget = config.sharding.memory_budget_mb
+        device_bytes = budget * MB if budget else device_bytes
+        if state_bytes >= device_bytes:
+            raise ValueError(f"the sharding plan's model states take {state_bytes / MB:.0f} MB of the "
+                             f"{device_bytes / MB:.0f} MB per rank (sharding.memory_budget_mb, else the device's "
+                             "memory): none is left for activations; search the plan for this budget")
     memory = []
     for i, s in enumerate(stages):
-        states = cost.model_state_bytes(stage=s, zero_stage=zero_stage, dp=dp, tp=tp).total
+        states = state_bytes if state_bytes is not None else \
+            cost.model_state_bytes(stage=s, zero_stage=zero_stage, dp=dp, tp=tp).total
         if states >= device_bytes:
             raise ValueError(
                 f"pipeline stage {i} needs {states / MB:.0f} MB for model states (ZeRO-{zero_stage}, dp={dp}) but "

@@ -69,10 +69,11 @@ class PlanningContext:
     zero_stage: int = 0
     tp: int = 1
     seed: int = 0
+    state_bytes: float | None = None  # a sharding plan's model states per rank, in place of ZeRO's (planner_spec)
 
     def __post_init__(self) -> None:
         self.spec: PlannerSpec = planner_spec(self.cost, self.config, dp=self.dp, zero_stage=self.zero_stage,
-                                              tp=self.tp, seed=self.seed)
+                                              tp=self.tp, seed=self.seed, state_bytes=self.state_bytes)
         self._epochs: dict[int, list[list[int]]] = {}
         self._offsets: dict[int, int] = {0: 0}  # run-wide position of each epoch's first batch
         self._extrapolated = 0  # steps planned with costs beyond the measured range so far
@@ -146,11 +147,12 @@ class PlanningContext:
         return json.dumps({
             "config": self.config.model_dump(mode="json", exclude_unset=True), "cost": self.cost.to_dict(),
             "lengths": self.lengths.tolist(), "dp": self.dp, "pp": self.pp, "zero_stage": self.zero_stage,
-            "tp": self.tp, "seed": self.seed,
+            "tp": self.tp, "seed": self.seed, "state_bytes": self.state_bytes,
         })
 
     @classmethod
     def from_json(cls, text: str) -> "PlanningContext":
         d = json.loads(text)
         return cls(DynPluginConfig.model_validate(d["config"]), TableCostModel.from_dict(d["cost"]),
-                   np.asarray(d["lengths"], dtype=np.int64), d["dp"], d["pp"], d["zero_stage"], d["tp"], d["seed"])
+                   np.asarray(d["lengths"], dtype=np.int64), d["dp"], d["pp"], d["zero_stage"], d["tp"], d["seed"],
+                   d.get("state_bytes"))
