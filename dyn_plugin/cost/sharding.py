@@ -168,7 +168,8 @@ def price(units: Sequence[Unit], choices: Sequence[ChoiceLike], *, dtype: str, w
         raise ValueError(f"shard_size {shard_size} does not divide the world of {world} ranks")
     bad = [c.kind for c in choices if c.kind not in HOST_KINDS[host]]
     if bad:
-        raise ValueError(f"{host} cannot run sharding choice(s) {sorted(set(bad))}; it runs {', '.join(HOST_KINDS[host])}")
+        raise ValueError(f"{host} cannot run sharding choice(s) {sorted(set(bad))}; it runs "
+                         f"{', '.join(HOST_KINDS[host])}")
     prec = Precision.of(dtype)
     p, g, o = prec.param, prec.grad, prec.optimizer
     P = np.array([u.params for u in units], dtype=float)

@@ -90,7 +90,8 @@ def choice_columns(config: DynPluginConfig, host: str, shard_size: int) -> list[
             cols += [Choice("reshard", reshard_to=r) for r in range(2, shard_size)
                      if shard_size % r == 0 and r <= config.cluster.devices_per_node]
         elif kind == "split":
-            cols += [Choice("split", slices=k, sharded=s) for k in range(2, sharding.max_slices + 1) for s in range(1, k)]
+            cols += [Choice("split", slices=k, sharded=s)
+                     for k in range(2, sharding.max_slices + 1) for s in range(1, k)]
         else:
             cols.append(Choice(kind))  # type: ignore[arg-type]
     return cols
@@ -180,7 +181,8 @@ class _Search:
         if not units:
             raise ValueError("a sharding search needs the model's units (models.shard_units.shard_units)")
         self.units, self.cost, self.config, self.world = list(units), cost, config, world
-        self.lengths, self.host, self.model, self.native, self.resolution = list(lengths), host, model, native, resolution
+        self.lengths, self.host, self.model = list(lengths), host, model
+        self.native, self.resolution = native, resolution
         # forward order: the root first (its forward encloses every other unit's), then as listed
         self.order = sorted(range(len(units)), key=lambda i: units[i].name != "")
         self.links = Links.of(config.cluster, cost.update)
@@ -223,16 +225,18 @@ class _Search:
         opened = prices.opens[chosen]
         reserve = float(prices.reserve_bytes[opened].max()) if opened.any() else 0.0
         at = {i: r for r, i in enumerate(self.order)}  # unit index -> its row in forward order
-        units = tuple(UnitPlan(u.name, u.params, cols[chosen[at[i]]], float(prices.memory_bytes[at[i], chosen[at[i]]]),
-                               float(prices.comm_ms[at[i], chosen[at[i]]]), float(prices.exposed_ms[at[i], chosen[at[i]]]))
-                      for i, u in enumerate(self.units))
-        compute = (typ.compute_ms if typ else 0.0) + self.optimizer_fixed_ms + float(prices.optimizer_ms[rows, chosen].sum())
+        units = tuple(UnitPlan(u.name, u.params, cols[c], float(prices.memory_bytes[r, c]), float(prices.comm_ms[r, c]),
+                               float(prices.exposed_ms[r, c]))
+                      for u, r, c in ((u, at[i], chosen[at[i]]) for i, u in enumerate(self.units)))
+        compute = ((typ.compute_ms if typ else 0.0) + self.optimizer_fixed_ms
+                   + float(prices.optimizer_ms[rows, chosen].sum()))
         frontier: tuple[tuple[float, float], ...] = ()
         if selection is not None and typ is not None:
             f = selection.frontier
             base = typ.compute_ms + self.optimizer_fixed_ms
             steps = [m for m in range(len(f)) if f[m] < np.inf and (m == 0 or f[m] < f[m - 1])]
-            frontier = tuple(((m * selection.unit_bytes + typ.activation_bytes) / MB, base + float(f[m])) for m in steps)
+            frontier = tuple(((m * selection.unit_bytes + typ.activation_bytes) / MB, base + float(f[m]))
+                             for m in steps)
         return ShardPlan(self.model, self.world, shard_size, self.cost.dtype, self.host, self.budget,
                          typ.micro_batches if typ else 0, typ.activation_bytes if typ else 0.0, reserve, compute, units,
                          frontier)
@@ -242,9 +246,9 @@ class _Search:
         longest = max(self.lengths)
         return ValueError(
             f"the memory budget, {self.budget / MB:.0f} MB per rank, is below the smallest possible sharding plan: "
-            f"{need:.0f} MB ({least_states / MB:.0f} MB of model states with every module sharded as far as {self.host} "
-            f"can, {self.least_activation / MB:.0f} MB of activations for the longest sequence, {longest} tokens, "
-            f"alone); raise sharding.memory_budget_mb (or cluster.device.memory_mb) to at least {math.ceil(need)} MB, "
+            f"{need:.0f} MB ({least_states / MB:.0f} MB of model states with every module sharded as far as "
+            f"{self.host} can, {self.least_activation / MB:.0f} MB of activations for the longest sequence, "
+            f"{longest} tokens, alone); raise sharding.memory_budget_mb (or cluster.device.memory_mb) to at least {math.ceil(need)} MB, "
             "or train on more ranks")
 
     def chain(self, shard_size: int, cols: list[Choice], choice: tuple[int, ...], state_bytes: float,
@@ -309,8 +313,8 @@ def search_sharding(units: Sequence[ShardUnit], cost: TableCostModel, config: Dy
 
 
 def uniform_plan(units: Sequence[ShardUnit], cost: TableCostModel, config: DynPluginConfig, choice: Choice, *,
-                 world: int, lengths: Sequence[int], host: str = "fsdp2", model: str = "", shard_size: int | None = None,
-                 native: bool = True) -> ShardPlan:
+                 world: int, lengths: Sequence[int], host: str = "fsdp2", model: str = "",
+                 shard_size: int | None = None, native: bool = True) -> ShardPlan:
     """Every unit the same ``choice`` (``BASELINES``: FSDP's FULL_SHARD, SHARD_GRAD_OP, NO_SHARD),
     priced as the search prices its plans, on the step planned with its model states; sharded
     over ``shard_size`` ranks (default the world). A ValueError when it does not fit the budget."""
