@@ -384,6 +384,8 @@ def test_planner_takes_the_plans_model_states():
     cost = build_cost_model(cfg.cost_model, cfg.cluster)
     spec = planner_spec(cost, cfg, dp=4, zero_stage=3, state_bytes=120 * MB)
     assert spec.memory[0].budget == 380 * MB and spec.equal_counts and spec.same_recompute
+    # modules gather in step on every rank whatever the ZeRO stage says
+    assert planner_spec(cost, cfg, dp=4, state_bytes=120 * MB).same_recompute
     with pytest.raises(ValueError, match="none is left for activations"):
         planner_spec(cost, cfg, dp=4, zero_stage=3, state_bytes=500 * MB)
     staged = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={"stages": 2})})

@@ -88,8 +88,8 @@ def planner_spec(
     ``state_bytes``: a sharding plan's model states per rank (``ShardPlan.state_bytes``) in place
     of ZeRO's, on one pipeline stage; activations then get ``sharding.memory_budget_mb`` (else the
     device's memory) minus them, the budget the plan was searched for. Sharded modules gather in
-    step on every rank, so pass ``zero_stage=3`` too: equal micro-batch counts and the same
-    recompute per micro-batch index, as ZeRO-3 needs."""
+    step on every rank, so the plan then has ZeRO-3's rules whatever ``zero_stage`` says: equal
+    micro-batch counts and the same recompute per micro-batch index."""
     pipe, cluster, mb = config.pipeline, config.cluster, config.microbatching
     cost = cost.with_pad_multiple(mb.pad_multiple)
     if pipe.layers_per_stage:
@@ -140,11 +140,12 @@ def planner_spec(
     sizes = group_sizes(dp, sp.sizes) if sp.enabled else (1,)
     for k in sizes:
         attention_kind(k, sp.attention, cost.num_heads, cost.num_kv_heads)  # a size Ulysses cannot split: say so now
-    equal = zero_stage >= 2 or (sp.enabled and sp.balance == "intra")
+    sharded = zero_stage >= 3 or state_bytes is not None  # modules gathered in step on every rank
+    equal = zero_stage >= 2 or sharded or (sp.enabled and sp.balance == "intra")
     sp_link = (LinkSpec(cluster.intra_node_gb_per_s, cluster.latency_us), LinkSpec(cluster.inter_node_gb_per_s, cluster.latency_us))
     return PlannerSpec(cost, stages, tuple(memory), dp, link, hidden, layouts, recomputes, tp, seed, mb.max_seq_len,
                        pipe.schedule, update, sizes, sp.attention, sp.pyramid and "none" in recomputes, equal,
-                       zero_stage >= 3, sp_link, cluster.devices_per_node)
+                       sharded, sp_link, cluster.devices_per_node)
 
 
 def balanced_split(cost: TableCostModel, num_stages: int, *, tokens: int = 4096, tp: int = 1) -> tuple[StageSpec, ...]:
