@@ -248,8 +248,8 @@ class _Search:
             f"the memory budget, {self.budget / MB:.0f} MB per rank, is below the smallest possible sharding plan: "
             f"{need:.0f} MB ({least_states / MB:.0f} MB of model states with every module sharded as far as "
             f"{self.host} can, {self.least_activation / MB:.0f} MB of activations for the longest sequence, "
-            f"{longest} tokens, alone); raise sharding.memory_budget_mb (or cluster.device.memory_mb) to at least {math.ceil(need)} MB, "
-            "or train on more ranks")
+            f"{longest} tokens, alone); raise sharding.memory_budget_mb (or cluster.device.memory_mb) to at least "
+            f"{math.ceil(need)} MB, or train on more ranks")
 
     def chain(self, shard_size: int, cols: list[Choice], choice: tuple[int, ...], state_bytes: float,
               rounds: int) -> list[ShardPlan]:
