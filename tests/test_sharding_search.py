@@ -156,17 +156,18 @@ def test_memory_and_communication_per_choice_follow_the_contract():
         hc = [c for c in cols if c.kind in HOST_KINDS[host]]
         pr = price(units, hc, dtype="fp32", world=world, shard_size=n, forward_ms=zero, backward_ms=zero, links=links,
                    overlap=1.0, host=host)
-        p, g, o = 4, 4, 8
+        p, g, o = 4, 4, 8  # fp32
+        pgo = p + g + o
         for i, u in enumerate(units):
             P = u.params
             ag, ag2 = ring(LINES.allgather, P * p, n, 1), ring(LINES.allgather, P * p, 2, 1)
             red = ring(LINES.reducescatter, P * g, n, 1) + ring(LINES.allreduce, P * g / n, world // n, 2)
             ar = ring(LINES.allreduce, P * g, world, 2)
             per_step = host == "fsdp2"
-            memory = {"replicate": P * 16, "keep": P * 16 / n + P * 8, "grad_op": P * 16 / n + P * 4,
-                      "full": P * 16 / n, "reshard(2)": P * 16 / n + P * 4 / 2,
-                      "split(1/4)": 1 / 4 * P * 16 / n + 3 / 4 * (P * 16 / n + P * 8),
-                      "split(2/3)": 2 / 3 * P * 16 / n + 1 / 3 * (P * 16 / n + P * 8)}
+            memory = {"replicate": P * pgo, "keep": P * pgo / n + P * (p + g), "grad_op": P * pgo / n + P * p,
+                      "full": P * pgo / n, "reshard(2)": P * pgo / n + P * p / 2,
+                      "split(1/4)": 1 / 4 * P * pgo / n + 3 / 4 * (P * pgo / n + P * (p + g)),
+                      "split(2/3)": 2 / 3 * P * pgo / n + 1 / 3 * (P * pgo / n + P * (p + g))}
             comm = {"replicate": ar if per_step else m * ar, "keep": ag + red if per_step else m * (ag + red),
                     "grad_op": m * (ag + red), "full": m * (2 * ag + red), "reshard(2)": m * (ag + ag2 + red)}
 
