@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "cost_table.hpp"
+#include "knapsack.hpp"
 #include "microbatch.hpp"
 
 namespace py = pybind11;
@@ -119,4 +120,41 @@ PYBIND11_MODULE(_core, m) {
       py::arg("sp") = 1, py::arg("comm") = std::vector<dyn::LayerComm>{},
       "DynaPipe partition DP: (ok, bounds, modes, t_max, objective, infeasible_at); runs priced per rank of a "
       "sequence-parallel group of sp, plus per layer the collectives comm[mode] = (fa, fb, ba, bb)");
+
+  m.def(
+      "knapsack",
+      [](py::array_t<int64_t, py::array::c_style | py::array::forcecast> weights,
+         py::array_t<double, py::array::c_style | py::array::forcecast> times,
+         py::array_t<uint8_t, py::array::c_style | py::array::forcecast> opens,
+         py::array_t<int64_t, py::array::c_style | py::array::forcecast> reserve, int64_t capacity) {
+        if (weights.ndim() != 2 || times.ndim() != 2 || opens.ndim() != 2 || reserve.ndim() != 1)
+          throw std::invalid_argument("weights, times, opens must be [items, choices] and reserve [items]");
+        const int64_t items = weights.shape(0), choices = weights.shape(1);
+        if (times.shape(0) != items || times.shape(1) != choices || opens.shape(0) != items ||
+            opens.shape(1) != choices || reserve.shape(0) != items)
+          throw std::invalid_argument("weights, times, opens and reserve disagree on the number of items or choices");
+        if (capacity < 0) throw std::invalid_argument("capacity must be >= 0");
+        const int64_t* r = reserve.data();
+        for (int64_t i = 0; i < items; ++i) {
+          if (r[i] < 0) throw std::invalid_argument("reserve must be >= 0");
+          if (i && r[i] > r[i - 1]) throw std::invalid_argument("items must come in descending reserve order");
+        }
+        const int64_t* w = weights.data();
+        for (int64_t k = 0; k < items * choices; ++k)
+          if (w[k] < 0) throw std::invalid_argument("weights must be >= 0");
+        std::vector<int64_t> wv(w, w + items * choices), rv(r, r + items);
+        std::vector<double> tv(times.data(), times.data() + items * choices);
+        std::vector<uint8_t> ov(opens.data(), opens.data() + items * choices);
+        dyn::KnapsackResult res;
+        {
+          py::gil_scoped_release release;
+          res = dyn::knapsack(wv, tv, ov, rv, items, choices, capacity);
+        }
+        py::array_t<double> frontier(static_cast<py::ssize_t>(res.frontier.size()));
+        std::copy(res.frontier.begin(), res.frontier.end(), frontier.mutable_data());
+        return py::make_tuple(res.ok, res.choice, res.weight, frontier);
+      },
+      py::arg("weights"), py::arg("times"), py::arg("opens"), py::arg("reserve"), py::arg("capacity"),
+      "multiple-choice knapsack with a shared reserve (plan/knapsack.py): (ok, choice per item, units used, "
+      "frontier[capacity + 1]); items in descending reserve order");
 }

@@ -44,8 +44,12 @@ def test_update_measured_with_the_load_gone(profile):
     assert p3 > p1 and t3 > 0 and t1 > 0
     sizes = [b for b, _ in profile.update.allreduce]
     assert len(sizes) == 3 and all(ms > 0 for _, ms in profile.update.allreduce)
+    # sharded data parallelism's collectives, among the same 2 ranks: the whole buffer's bytes per rank
+    for points in (profile.update.allgather, profile.update.reducescatter):
+        assert [b for b, _ in points] == [1 << 20, 4 << 20, 8 << 20] and all(ms > 0 for _, ms in points)
     cost = cost_model_from_profile(profile)
     assert cost.update.optimizer is not None and cost.update.allreduce is not None
+    assert cost.update.allgather[1] > 0 and cost.update.reducescatter[1] > 0
     assert TableCostModel.from_dict(cost.to_dict()).update == cost.update
     left = subprocess.run(["pgrep", "-f", "dyn_plugin.profiling.(shadow|collective)"], capture_output=True,
                           text=True).stdout

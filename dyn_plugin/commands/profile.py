@@ -45,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, help="timed repeats per point (the minimum is kept)")
     parser.add_argument("--ranks", type=int, default=1,
                         help="measure as one of N training ranks on this host: on CPU N-1 processes train beside "
-                             "it; the gradient all-reduce and sequence parallelism's all-to-all and ring exchange "
-                             "are measured among N (on CUDA over NCCL, one GPU each: with fewer GPUs they are "
+                             "it; the gradient all-reduce, sharded data parallelism's all-gather and "
+                             "reduce-scatter and sequence parallelism's all-to-all and ring exchange are measured "
+                             "among N (on CUDA over NCCL, one GPU each: with fewer GPUs they are "
                              "priced from the cluster link). Use the ranks per host you train with")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (training ranks often run with 1)")
     parser.add_argument("--validate", type=int, default=16, metavar="N",
@@ -118,6 +119,11 @@ def print_summary(profile) -> None:
             line += f", {u.backend} all-reduce of its {cost.dtype} gradients among {profile.ranks}: " \
                     f"{cost.update.allreduce_ms(grad_bytes, profile.ranks, 1.0):.1f} ms"
         print(line)
+    if u is not None and u.allgather and u.reducescatter:
+        layer = cost.params["layer"] * Precision.of(cost.dtype).param
+        print(f"sharded data parallelism, {u.backend} among {profile.ranks}: all-gather of one layer's parameters "
+              f"{cost.update.allgather_ms(layer, profile.ranks, 1.0):.2f} ms, reduce-scatter of its gradients "
+              f"{cost.update.reducescatter_ms(layer, profile.ranks, 1.0):.2f} ms")
     c = profile.collectives
     if c is not None and c.alltoall and c.p2p:
         sp, mib = cost.collectives, 1 << 20
@@ -126,7 +132,7 @@ def print_summary(profile) -> None:
               f"{sp.p2p[0] + sp.p2p[1] * mib:.2f} ms")
     if profile.ranks > 1 and u is not None and not u.allreduce:
         print(f"all-reduce among {profile.ranks} not measured (fewer {d.type} devices than ranks), nor the "
-              "sequence-parallel collectives: priced from the cluster's link bandwidth")
+              "sharded data-parallel and sequence-parallel collectives: priced from the cluster's link bandwidth")
     v = profile.validation
     if v:
         print(f"held-out: {v['count']} random micro-batches through the {v['num_layers']}-layer model "

@@ -101,6 +101,10 @@ class UpdateSamples(_Record):
     backend: str = "gloo"
     optimizer: list[tuple[float, float]] = Field(default=[], description="(parameters, ms) of one AdamW step")
     allreduce: list[tuple[float, float]] = Field(default=[], description="(bytes, ms) of an all-reduce among `ranks`")
+    allgather: list[tuple[float, float]] = Field(
+        default=[], description="(bytes gathered per rank: the whole buffer, ms) of an all-gather among `ranks`")
+    reducescatter: list[tuple[float, float]] = Field(
+        default=[], description="(bytes reduced per rank: the whole buffer, ms) of a reduce-scatter among `ranks`")
 
 
 class CollectiveSamples(_Record):
@@ -275,7 +279,8 @@ def cost_model_from_profile(profile: Profile, *, allow_extrapolation: bool = Fal
         pad_multiple=profile.pad_multiple,
         allow_extrapolation=allow_extrapolation,
         hidden_size=profile.model.hidden_size,
-        update=UpdateCost.fit(profile.update.optimizer, profile.update.allreduce, max(profile.ranks, 2))
+        update=UpdateCost.fit(profile.update.optimizer, profile.update.allreduce, max(profile.ranks, 2),
+                              profile.update.allgather, profile.update.reducescatter)
         if profile.update else UpdateCost(),
         num_heads=profile.model.num_heads,
         num_kv_heads=profile.model.num_kv_heads,

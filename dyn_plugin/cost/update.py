@@ -1,11 +1,14 @@
-"""What a step costs after its micro-batches: the gradient all-reduce and the optimizer step.
+"""What a step costs in collectives and after its micro-batches: the gradient all-reduce, the
+sharded data-parallel all-gather and reduce-scatter, and the optimizer step.
 
-Both are measured by the profiler: one AdamW step of the profiled model at its depths (ms per
-parameter updated), and an all-reduce among ``ranks`` local processes on the backend training
-uses (gloo on CPU) at a few sizes (ms per byte; collective.py). Without a measurement the
-all-reduce is priced from the cluster's link bandwidth (a ring moves 2 (dp-1)/dp of the bytes)
-and the optimizer step is left out, so the A100 import and the analytic model claim nothing
-they did not measure.
+All are measured by the profiler: one AdamW step of the profiled model at its depths (ms per
+parameter updated), and each collective among ``ranks`` local processes on the backend training
+uses (gloo on CPU) at a few sizes (ms per byte; collective.py). Bytes are those of the whole
+buffer per rank: the all-reduced gradients, the gathered parameters, the gradients before they
+are reduce-scattered. Without a measurement a collective is priced from the link bandwidth of a
+ring (an all-reduce moves 2 (n-1)/n of the bytes, an all-gather or a reduce-scatter (n-1)/n;
+each of the ring's steps pays the link latency, where one is given) and the optimizer step is
+left out, so the A100 import and the analytic model claim nothing they did not measure.
 """
 from __future__ import annotations
 
@@ -14,44 +17,68 @@ from typing import Sequence
 
 import numpy as np
 
+Line = tuple[float, float]  # ms = c0 + c1 * x
+
 
 @dataclass(frozen=True)
 class UpdateCost:
-    optimizer: tuple[float, float] | None = None  # ms = c0 + c1 * parameters this rank updates
-    allreduce: tuple[float, float] | None = None  # ms = c0 + c1 * bytes, among `ranks` processes
+    optimizer: Line | None = None  # ms = c0 + c1 * parameters this rank updates
+    allreduce: Line | None = None  # ms = c0 + c1 * bytes, among `ranks` processes
     ranks: int = 2
+    allgather: Line | None = None  # ms = c0 + c1 * gathered bytes (the whole buffer), among `ranks`
+    reducescatter: Line | None = None  # ms = c0 + c1 * bytes reduced (the whole buffer), among `ranks`
 
     def optimizer_ms(self, params: float) -> float:
         if self.optimizer is None:
             return 0.0
         return self.optimizer[0] + self.optimizer[1] * params
 
-    def allreduce_ms(self, nbytes: float, dp: int, link_gb_per_s: float) -> float:
-        if dp <= 1:
-            return 0.0
-        ring = 2 * (dp - 1) / dp
-        if self.allreduce is None:
-            return ring * nbytes / (link_gb_per_s * 1e9) * 1e3
-        measured_ring = 2 * (self.ranks - 1) / self.ranks
-        return self.allreduce[0] + self.allreduce[1] * nbytes * ring / measured_ring
+    def allreduce_ms(self, nbytes, dp: int, link_gb_per_s: float, latency_us: float = 0.0):
+        """All-reduce of ``nbytes`` among ``dp`` ranks (``nbytes`` may be an array)."""
+        return _ring(self.allreduce, self.ranks, 2.0, nbytes, dp, link_gb_per_s, latency_us)
+
+    def allgather_ms(self, nbytes, n: int, link_gb_per_s: float, latency_us: float = 0.0):
+        """All-gather of a buffer of ``nbytes`` (the gathered whole) among ``n`` ranks."""
+        return _ring(self.allgather, self.ranks, 1.0, nbytes, n, link_gb_per_s, latency_us)
+
+    def reducescatter_ms(self, nbytes, n: int, link_gb_per_s: float, latency_us: float = 0.0):
+        """Reduce-scatter of a buffer of ``nbytes`` (the whole, before scattering) among ``n`` ranks."""
+        return _ring(self.reducescatter, self.ranks, 1.0, nbytes, n, link_gb_per_s, latency_us)
 
     def to_dict(self) -> dict:
-        return {"optimizer": self.optimizer, "allreduce": self.allreduce, "ranks": self.ranks}
+        d = {"optimizer": self.optimizer, "allreduce": self.allreduce, "ranks": self.ranks}
+        # only when measured: files written before these existed stay as they were
+        d.update({k: v for k, v in (("allgather", self.allgather), ("reducescatter", self.reducescatter)) if v})
+        return d
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "UpdateCost":
         d = d or {}
         pair = lambda v: None if v is None else (float(v[0]), float(v[1]))  # noqa: E731
-        return cls(pair(d.get("optimizer")), pair(d.get("allreduce")), int(d.get("ranks", 2)))
+        return cls(pair(d.get("optimizer")), pair(d.get("allreduce")), int(d.get("ranks", 2)),
+                   pair(d.get("allgather")), pair(d.get("reducescatter")))
 
     @classmethod
     def fit(cls, optimizer: Sequence[Sequence[float]] | None, allreduce: Sequence[Sequence[float]] | None,
-            ranks: int) -> "UpdateCost":
+            ranks: int, allgather: Sequence[Sequence[float]] | None = None,
+            reducescatter: Sequence[Sequence[float]] | None = None) -> "UpdateCost":
         """From measured (parameters, ms) and (bytes, ms) points: least squares, intercept >= 0."""
-        return cls(fit_line(optimizer), fit_line(allreduce), ranks)
+        return cls(fit_line(optimizer), fit_line(allreduce), ranks, fit_line(allgather), fit_line(reducescatter))
 
 
-def fit_line(points: Sequence[Sequence[float]] | None) -> tuple[float, float] | None:
+def _ring(measured: Line | None, ranks: int, passes: float, nbytes, n: int, link_gb_per_s: float,
+          latency_us: float):
+    """A ring collective that moves ``passes * (n-1)/n`` of ``nbytes`` per rank in ``passes * (n-1)``
+    steps: the measured line scaled from ``ranks`` to ``n`` by that factor, else the link's time."""
+    if n <= 1:
+        return 0.0 * nbytes
+    share = passes * (n - 1) / n
+    if measured is None:
+        return share * nbytes / (link_gb_per_s * 1e9) * 1e3 + passes * (n - 1) * latency_us / 1e3
+    return measured[0] + measured[1] * nbytes * share / (passes * (ranks - 1) / ranks)
+
+
+def fit_line(points: Sequence[Sequence[float]] | None) -> Line | None:
     """(c0, c1) of y = c0 + c1 * x through measured (x, y) points; None without points."""
     if not points:
         return None

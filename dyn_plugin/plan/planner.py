@@ -78,12 +78,18 @@ class PlannerSpec:
 
 def planner_spec(
     cost: TableCostModel, config: DynPluginConfig, *, dp: int, zero_stage: int = 0, tp: int = 1,
-    hidden_size: int | None = None, seed: int = 0,
+    hidden_size: int | None = None, seed: int = 0, state_bytes: float | None = None,
 ) -> PlannerSpec:
     """Build the spec from the plugin config: stages, per-stage activation budget after model
     states (ZeRO stage and dp), the link between stages, allowed layouts and recompute modes.
     Padded micro-batches are priced and shaped at ``microbatching.pad_multiple``, the width the
-    collate pads to."""
+    collate pads to.
+
+    ``state_bytes``: a sharding plan's model states per rank (``ShardPlan.state_bytes``) in place
+    of ZeRO's, on one pipeline stage; activations then get ``sharding.memory_budget_mb`` (else the
+    device's memory) minus them, the budget the plan was searched for. Sharded modules gather in
+    step on every rank, so the plan then has ZeRO-3's rules whatever ``zero_stage`` says: equal
+    micro-batch counts and the same recompute per micro-batch index."""
     pipe, cluster, mb = config.pipeline, config.cluster, config.microbatching
     cost = cost.with_pad_multiple(mb.pad_multiple)
     if pipe.layers_per_stage:
@@ -93,9 +99,20 @@ def planner_spec(
     else:
         stages = balanced_split(cost, pipe.stages, tp=tp)
     device_bytes = cluster.device.memory_mb * MB * cluster.device.memory_fraction
+    if state_bytes is not None:
+        if len(stages) > 1:
+            raise ValueError(f"a sharding plan's model states (state_bytes) are those of the whole model: they need "
+                             f"pipeline.stages = 1, not {len(stages)}")
+        budget = config.sharding.memory_budget_mb
+        device_bytes = budget * MB if budget else device_bytes
+        if state_bytes >= device_bytes:
+            raise ValueError(f"the sharding plan's model states take {state_bytes / MB:.0f} MB of the "
+                             f"{device_bytes / MB:.0f} MB per rank (sharding.memory_budget_mb, else the device's "
+                             "memory): none is left for activations; search the plan for this budget")
     memory = []
     for i, s in enumerate(stages):
-        states = cost.model_state_bytes(stage=s, zero_stage=zero_stage, dp=dp, tp=tp).total
+        states = state_bytes if state_bytes is not None else \
+            cost.model_state_bytes(stage=s, zero_stage=zero_stage, dp=dp, tp=tp).total
         if states >= device_bytes:
             raise ValueError(
                 f"pipeline stage {i} needs {states / MB:.0f} MB for model states (ZeRO-{zero_stage}, dp={dp}) but "
@@ -123,11 +140,12 @@ def planner_spec(
     sizes = group_sizes(dp, sp.sizes) if sp.enabled else (1,)
     for k in sizes:
         attention_kind(k, sp.attention, cost.num_heads, cost.num_kv_heads)  # a size Ulysses cannot split: say so now
-    equal = zero_stage >= 2 or (sp.enabled and sp.balance == "intra")
+    sharded = zero_stage >= 3 or state_bytes is not None  # modules gathered in step on every rank
+    equal = zero_stage >= 2 or sharded or (sp.enabled and sp.balance == "intra")
     sp_link = (LinkSpec(cluster.intra_node_gb_per_s, cluster.latency_us), LinkSpec(cluster.inter_node_gb_per_s, cluster.latency_us))
     return PlannerSpec(cost, stages, tuple(memory), dp, link, hidden, layouts, recomputes, tp, seed, mb.max_seq_len,
                        pipe.schedule, update, sizes, sp.attention, sp.pyramid and "none" in recomputes, equal,
-                       zero_stage >= 3, sp_link, cluster.devices_per_node)
+                       sharded, sp_link, cluster.devices_per_node)
 
 
 def balanced_split(cost: TableCostModel, num_stages: int, *, tokens: int = 4096, tp: int = 1) -> tuple[StageSpec, ...]:

@@ -118,7 +118,7 @@ class ShardPlan:
     gather_reserve_bytes: float  # parameters being gathered at any moment (the prefetched unit and the current one)
     compute_ms: float  # that plan's compute per step
     units: tuple[UnitPlan, ...]
-    frontier: tuple[tuple[float, float], ...] = ()  # (memory MB, exposed ms) the search explored: the best time per memory
+    frontier: tuple[tuple[float, float], ...] = ()  # (peak MB, step ms) the search explored: the best step per memory
     version: int = VERSION
 
     def __post_init__(self) -> None:

@@ -6,6 +6,11 @@ that run each requested collective on fp32 buffers of a few sizes over gloo (CPU
 NCCL (one GPU per rank); rank 0 prints {op: [(bytes, ms), ...]} as JSON. The ops:
 
 - ``allreduce``: the gradient all-reduce of a step (update.py);
+- ``allgather``: ``all_gather_into_tensor`` (``all_gather_single`` from torch 2.13) of a sharded buffer, sharded data parallelism's
+  parameter gather; the bytes recorded are the whole gathered buffer per rank (each rank
+  contributes 1/ranks of them), as update.py prices it;
+- ``reducescatter``: ``reduce_scatter_tensor`` (``reduce_scatter_single``) of a buffer, sharded data parallelism's gradient
+  reduction; the bytes recorded are the whole buffer each rank reduces (each keeps 1/ranks);
 - ``alltoall``: ``all_to_all_single`` of a buffer of that many bytes per rank, Ulysses'
   collective (sequence_parallel.py);
 - ``p2p``: one ring exchange: every rank sends a block of that many bytes to rank+1 while it
@@ -23,7 +28,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-OPS = ("allreduce", "alltoall", "p2p")
+OPS = ("allreduce", "allgather", "reducescatter", "alltoall", "p2p")
 
 
 def measure_collectives(ranks: int, sizes: Mapping[str, Sequence[int]], *, repeats: int = 5,
@@ -64,6 +69,15 @@ def _collective(op: str, nbytes: int, rank: int, world: int, device) -> tuple[Ca
     if op == "allreduce":
         t = torch.ones(max(nbytes // 4, 1), device=device)
         return lambda: dist.all_reduce(t), t.numel() * 4
+    if op in ("allgather", "reducescatter"):
+        n = max(nbytes // 4 // world, 1) * world  # the whole buffer: `world` equal shards
+        whole, shard = torch.ones(n, device=device), torch.ones(n // world, device=device)
+        # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (same collectives)
+        if op == "allgather":
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            return lambda: gather(whole, shard), n * 4
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(shard, whole), n * 4
     if op == "alltoall":
         n = max(nbytes // 4 // world, 1) * world  # all_to_all_single splits the buffer evenly
         src, dst = torch.ones(n, device=device), torch.empty(n, device=device)

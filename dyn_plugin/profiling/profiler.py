@@ -163,8 +163,9 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
     ``ranks`` > 1 measures as one of that many training ranks on this host: on CPU, ranks-1
     processes train the same model beside it while it times (shadow.py); the gradient all-reduce
     and sequence parallelism's all-to-all and ring exchange are measured among ``ranks``
-    processes (on CUDA, one per GPU: with fewer GPUs than ranks they are left unmeasured and
-    priced from the cluster's link); the optimizer step is measured in every case (update.py).
+    processes, and so are sharded data parallelism's all-gather and reduce-scatter (on CUDA, one
+    process per GPU: with fewer GPUs than ranks they are left unmeasured and priced from the
+    cluster's link); the optimizer step is measured in every case (update.py).
     """
     import torch
     from tqdm import tqdm
@@ -230,7 +231,11 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
     elif ranks > 1:
         # attention collectives move a few activations' worth per layer: tens of KB to MBs per rank
         attention = [1 << 16, 1 << 20, 4 << 20]
+        # sharded data parallelism gathers and reduces one module's parameters at a time: up to a few layers' worth
+        layer_bytes = int(Precision.of(target.dtype).grad * params["layer"])
+        sharded = [1 << 20, 4 << 20, max(layer_bytes, 8 << 20)]
         measured = measure_collectives(ranks, {"allreduce": [1 << 20, 4 << 20, int(grad_bytes)],
+                                               "allgather": sharded, "reducescatter": sharded,
                                                "alltoall": attention, "p2p": attention},
                                        repeats=grid.repeats, threads=threads, backend=backend)
     samples: list[Sample] = []
@@ -256,7 +261,8 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
         samples=samples,
         tables=fit_tables(samples, pad),
         ranks=ranks,
-        update=UpdateSamples(backend=backend, optimizer=optimizer, allreduce=measured.get("allreduce", [])),
+        update=UpdateSamples(backend=backend, optimizer=optimizer, allreduce=measured.get("allreduce", []),
+                             allgather=measured.get("allgather", []), reducescatter=measured.get("reducescatter", [])),
         collectives=CollectiveSamples(backend=backend, alltoall=measured["alltoall"], p2p=measured["p2p"])
         if measured else None,
     )

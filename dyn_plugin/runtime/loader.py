@@ -97,9 +97,12 @@ class DynLoader:
         tp: int = 1,
         pad_id: int = 0,
         device: torch.device | str | None = None,
+        state_bytes: float | None = None,
     ) -> None:
         """``device``: where the loader's collectives run (run-id broadcast, plan check); by default
-        ``cuda:$LOCAL_RANK`` under NCCL, else the CPU."""
+        ``cuda:$LOCAL_RANK`` under NCCL, else the CPU. ``state_bytes``: a sharding plan's model
+        states per rank (``ShardPlan.state_bytes``), planned with in place of ZeRO's (with
+        ``zero_stage=3``: equal micro-batch counts, the same recompute per micro-batch index)."""
         if not isinstance(config, (DynPluginConfig, LoadedConfig)):
             config = load_config(config)
         if isinstance(config, LoadedConfig):
@@ -115,7 +118,8 @@ class DynLoader:
         self.dp_rank, self.dp_size, self.pp_rank, self.pp_size = dp_rank, dp_size, pp_rank, pp_size
         self.seed, self.pad_id = seed, pad_id
         self.lengths = self._checked_lengths(lengths)
-        self.context = PlanningContext(config, cost_model, self.lengths, dp_size, pp_size, zero_stage or 0, tp, seed)
+        self.context = PlanningContext(config, cost_model, self.lengths, dp_size, pp_size, zero_stage or 0, tp, seed,
+                                       state_bytes)
         self.epoch, self.step = 0, 0
         self.plan_wait_s: list[float] = []  # per step, how long this rank waited for its plan
         # hashed once (8 MB at 1M samples), for the resume check and the plan check alike
@@ -124,7 +128,7 @@ class DynLoader:
         self.device = torch.device(device) if device is not None else _default_device()
         self._checks: collections.deque = collections.deque()  # plan checks in flight, oldest first
         self._checked_first = False
-        sizes = (seed, dp_size, pp_size, zero_stage or 0, tp)
+        sizes = (seed, dp_size, pp_size, zero_stage or 0, tp, state_bytes)
         self._local_fingerprints = _fingerprints(lengths_hash.digest(), cost_model, config, sizes)
         self._store = self._pool = None
         if config.store.backend != "none":

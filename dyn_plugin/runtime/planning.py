@@ -69,10 +69,11 @@ class PlanningContext:
     zero_stage: int = 0
     tp: int = 1
     seed: int = 0
+    state_bytes: float | None = None  # a sharding plan's model states per rank, in place of ZeRO's (planner_spec)
 
     def __post_init__(self) -> None:
         self.spec: PlannerSpec = planner_spec(self.cost, self.config, dp=self.dp, zero_stage=self.zero_stage,
-                                              tp=self.tp, seed=self.seed)
+                                              tp=self.tp, seed=self.seed, state_bytes=self.state_bytes)
         self._epochs: dict[int, list[list[int]]] = {}
         self._offsets: dict[int, int] = {0: 0}  # run-wide position of each epoch's first batch
         self._extrapolated = 0  # steps planned with costs beyond the measured range so far
@@ -109,17 +110,20 @@ class PlanningContext:
         else:
             plan = plan_baseline(method, lens, self.spec, self.config.microbatching.max_seq_len)
         counts = [len(r.micro_batches) for r in plan.replicas]
-        if self.zero_stage >= 2 and len(set(counts)) > 1:
+        # a sharding plan's modules gather in step on every rank, as ZeRO-3's do
+        sharded = self.state_bytes is not None
+        who = "a sharding plan" if sharded else f"ZeRO-{self.zero_stage}"
+        if (self.zero_stage >= 2 or sharded) and len(set(counts)) > 1:
             raise ValueError(f"global batch {step} of epoch {epoch}: microbatching.method {method!r} gave the replicas "
-                             f"{counts} micro-batches, but ZeRO-{self.zero_stage} needs the same number on every "
+                             f"{counts} micro-batches, but {who} needs the same number on every "
                              "data-parallel rank; use method 'dynapipe' (it plans equal counts) or ZeRO stage 0 or 1")
         modes = [tuple((r.micro_batches[i].recompute, checkpointed_layers(r.micro_batches[i], self.spec))
                        for i in r.schedule.order) for r in plan.replicas]  # in the order each replica runs them
-        if self.zero_stage == 3 and len(set(modes)) > 1:
+        if (self.zero_stage == 3 or sharded) and len(set(modes)) > 1:
             # the planner makes them alike (planner.same_recompute); a baseline or a hand-made plan may
             # not, and ranks that recompute differently desynchronise ZeRO-3's gathers (a hang under NCCL)
             raise ValueError(f"global batch {step} of epoch {epoch}: the replicas recompute differently at the same "
-                             f"micro-batch ({[[m for m, _ in r] for r in modes]}), but ZeRO-3 needs the same "
+                             f"micro-batch ({[[m for m, _ in r] for r in modes]}), but {who} needs the same "
                              "recompute at each micro-batch index on every rank; set microbatching.recompute to one "
                              "mode or use ZeRO stage 0-2")
         if plan.extrapolated:
@@ -146,11 +150,12 @@ class PlanningContext:
         return json.dumps({
             "config": self.config.model_dump(mode="json", exclude_unset=True), "cost": self.cost.to_dict(),
             "lengths": self.lengths.tolist(), "dp": self.dp, "pp": self.pp, "zero_stage": self.zero_stage,
-            "tp": self.tp, "seed": self.seed,
+            "tp": self.tp, "seed": self.seed, "state_bytes": self.state_bytes,
         })
 
     @classmethod
     def from_json(cls, text: str) -> "PlanningContext":
         d = json.loads(text)
         return cls(DynPluginConfig.model_validate(d["config"]), TableCostModel.from_dict(d["cost"]),
-                   np.asarray(d["lengths"], dtype=np.int64), d["dp"], d["pp"], d["zero_stage"], d["tp"], d["seed"])
+                   np.asarray(d["lengths"], dtype=np.int64), d["dp"], d["pp"], d["zero_stage"], d["tp"], d["seed"],
+                   d.get("state_bytes"))
