@@ -8,6 +8,7 @@ import time
 
 HELP = ("benchmarks that print JSON: cost (cost-model evaluation), planner (plans vs baselines on A100 costs), "
         "sp (dynamic sequence parallelism vs fixed and bucketed sizes, simulated), "
+        "shard (the per-module sharding search vs FSDP's uniform strategies, simulated), "
         "loader (planning ahead, plan wait, store latency), train (DeepSpeed on 2 CPU ranks, batchings side by side)")
 
 
@@ -39,6 +40,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                              "the column count apply)")
     sp.add_argument("--batches", type=int, default=4, help="global batches per configuration")
     sp.add_argument("--seed", type=int, default=0)
+    shard = sub.add_parser("shard", help="the sharding search (osdp) against full_shard, shard_grad_op and no_shard: "
+                                         "search time, simulated step and peak memory on A100 costs")
+    shard.add_argument("--models", default="gpt-6.7b,gpt-48l", help="gpt-6.7b (A100-measured layers), gpt-48l "
+                                                                   "(GPT-2 XL's shape, analytic A100 costs)")
+    shard.add_argument("--gpus", default="8,16", help="ranks (8 per node)")
+    shard.add_argument("--budgets-mb", default="24000,30000,36000", help="memory budgets per rank")
+    shard.add_argument("--tokens-per-gpu", type=int, default=16384, help="global batch = this x gpus tokens")
+    shard.add_argument("--max-len", type=int, default=8192, help="sequences are capped at this")
+    shard.add_argument("--lengths", default="code")
+    shard.add_argument("--seed", type=int, default=0)
     loader = sub.add_parser("loader", help="loader steps/s, time each step waits for its plan (planning locally or "
                                             "ahead through a store), store round-trip latency")
     loader.add_argument("--steps", type=int, default=20)
@@ -63,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--sp", action="store_true", help="instead, dynamic sequence parallelism against a fixed size "
                                                           "of 2 and against full recompute, sequences up to 16384 "
                                                           "tokens, device memory capped so the longest need one of them")
-    for p in (cost, planner, sp, loader, train):
+    for p in (cost, planner, sp, shard, loader, train):
         p.add_argument("--json", action="store_true", help="one JSON object per line, no indentation")
 
 
@@ -71,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     host = dict(machine=platform.machine(), python=platform.python_version(), date=time.strftime("%Y-%m-%d"))
     if args.what == "train":
         return bench_train(args, host)
-    if args.what in ("planner", "sp", "loader"):
+    if args.what in ("planner", "sp", "shard", "loader"):
         if args.what == "planner":
             from ..bench.planner import bench_planner
 
@@ -80,6 +91,12 @@ def run(args: argparse.Namespace) -> int:
             from ..bench.sp import bench_sp
 
             records = bench_sp(args)
+        elif args.what == "shard":
+            from ..bench.shard import bench_shard
+            from ..models.shard_units import config_units
+
+            records = bench_shard(args, {"gpt-6.7b": config_units("examples/gpt-6.7b.json")[1],
+                                         "gpt-48l": config_units(GPT_48L)[1]})
         elif args.samples is not None:
             from ..bench.loader import bench_loader_scale
 
@@ -96,6 +113,11 @@ def run(args: argparse.Namespace) -> int:
     record.update(host)
     print(json.dumps(record, indent=None if args.json else 2))
     return 0
+
+
+# GPT-2 XL's shape with Megatron's padded vocabulary and an untied head (the head can then be split)
+GPT_48L = dict(model_type="gpt2", n_embd=1600, n_layer=48, n_head=25, n_inner=6400, vocab_size=50304, n_positions=8192,
+               tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
 
 
 def bench_cost(args: argparse.Namespace) -> dict:

@@ -62,39 +62,49 @@ def print_plan(plan) -> None:
     print(f"{plan.model}: {plan.world} ranks, sharded over {plan.shard_size} ({plan.replicas} replica group(s)), "
           f"{plan.dtype}, {plan.host}; budget {plan.memory_budget_bytes / mb:,.0f} MB; typical step "
           f"{plan.micro_batches} micro-batches per rank")
-    print(f"{'module':<34}{'choice':<14}{'params':>12}{'memory MB':>11}{'comm ms':>10}{'exposed ms':>11}")
+    print(f"{'module':<40}{'choice':<14}{'params':>12}{'MB each':>11}{'comm ms':>10}{'exposed ms':>11}")
     rows = [(u.name or "(root)", u.choice.label, u.params, u.memory_bytes / mb, u.comm_ms, u.exposed_ms) for u in plan.units]
     for name, choice, params, mem, comm, exposed in _fold(rows):
-        print(f"{name:<34}{choice:<14}{params:>12,}{mem:>11.1f}{comm:>10.1f}{exposed:>11.1f}")
-    print(f"{'gather reserve':<60}{plan.gather_reserve_bytes / mb:>11.1f}")
-    print(f"{'activations (typical step peak)':<60}{plan.activation_bytes / mb:>11.1f}")
-    print(f"{'total (predicted peak)':<60}{plan.peak_bytes / mb:>11.1f}{sum(u.comm_ms for u in plan.units):>10.1f}"
+        print(f"{name:<40}{choice:<14}{params:>12,}{mem:>11.1f}{comm:>10.1f}{exposed:>11.1f}")
+    print(f"{'gather reserve':<66}{plan.gather_reserve_bytes / mb:>11.1f}")
+    print(f"{'activations (typical step peak)':<66}{plan.activation_bytes / mb:>11.1f}")
+    print(f"{'total (predicted peak)':<66}{plan.peak_bytes / mb:>11.1f}{sum(u.comm_ms for u in plan.units):>10.1f}"
           f"{plan.exposed_ms:>11.1f}")
     print(f"simulated step: {plan.compute_ms:.1f} ms compute + {plan.exposed_ms:.1f} ms exposed communication = "
           f"{plan.step_ms:.1f} ms")
 
 
 def _fold(rows: list[tuple]) -> list[tuple]:
-    """Runs of units that differ only in their layer index print as one row, e.g. 'layers.0-31.mlp' x32."""
+    """Units that differ only in their layer index and print the same fold into one row, e.g.
+    'transformer.h.1-31.mlp x31', in the order they first appear."""
     import re
 
-    out: list[list] = []
+    groups: dict[tuple, list[str]] = {}
     for row in rows:
-        key = re.sub(r"\.(\d+)\.", ".#.", row[0])
-        if out and out[-1][0] == key and out[-1][1][1:] == row[1:] and key != row[0]:
-            out[-1][2].append(re.search(r"\.(\d+)\.", row[0]).group(1))
-            continue
-        out.append([key, row, [m.group(1)] if (m := re.search(r"\.(\d+)\.", row[0])) else []])
+        m = re.search(r"\.(\d+)\.", row[0])
+        key = (re.sub(r"\.(\d+)\.", ".#.", row[0], count=1),) + tuple(round(v, 1) if isinstance(v, float) else v
+                                                                   for v in row[1:])
+        groups.setdefault(key, []).append(m.group(1) if m else "")
     folded = []
-    for key, row, idx in out:
-        name = key.replace("#", idx[0] if len(idx) == 1 else f"{idx[0]}-{idx[-1]}") if idx else row[0]
-        folded.append((name + (f" x{len(idx)}" if len(idx) > 1 else ""),) + row[1:])
+    for key, idx in groups.items():
+        name = key[0].replace("#", _ranges([int(i) for i in idx])) if idx[0] else key[0]
+        folded.append((name + (f" x{len(idx)}" if len(idx) > 1 else ""),) + key[1:])
     return folded
 
 
+def _ranges(ints: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, start = [], ints[0]
+    for a, b in zip(ints, ints[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}-{a}" if a > start else f"{a}")
+            start = b
+    return ",".join(out)
+
+
 def plot_frontier(plan, path: str) -> None:
-    """Exposed communication against model-state memory: the best the search found at each memory
-    level, the budget it had, and the point it chose."""
+    """Step time against peak memory per rank: the best the search found at each memory level
+    (on the typical step it chose), the budget, and the point it chose."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,14 +114,13 @@ def plot_frontier(plan, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     if plan.frontier:
         xs, ys = zip(*plan.frontier)
-        ax.step(xs, ys, where="post", label="frontier: least exposed communication within each memory")
-    chosen = sum(u.memory_bytes for u in plan.units) / mb
-    ax.plot([chosen], [plan.exposed_ms], "o", color="crimson", label=f"chosen ({chosen:,.0f} MB, {plan.exposed_ms:.1f} ms)")
-    budget = (plan.memory_budget_bytes - plan.activation_bytes - plan.gather_reserve_bytes) / mb
-    ax.axvline(budget, color="gray", linestyle="--", label="budget for model states")
-    ax.set_xlabel("model-state memory per rank (MB)")
-    ax.set_ylabel("exposed communication per step (ms)")
-    ax.set_title(f"{plan.model}: sharding search, {plan.world} ranks")
+        ax.step(xs, ys, where="post", marker=".", label="frontier: fastest step within each peak memory")
+    ax.plot([plan.peak_bytes / mb], [plan.step_ms], "o", color="crimson",
+            label=f"chosen ({plan.peak_bytes / mb:,.0f} MB, {plan.step_ms:,.1f} ms)")
+    ax.axvline(plan.memory_budget_bytes / mb, color="gray", linestyle="--", label="memory budget")
+    ax.set_xlabel("predicted peak memory per rank (MB)")
+    ax.set_ylabel("simulated step (ms)")
+    ax.set_title(f"{plan.model}: sharding search, {plan.world} ranks, {plan.micro_batches} micro-batch(es) per rank")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

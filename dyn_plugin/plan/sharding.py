@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -195,18 +197,28 @@ class _Search:
         self._prices: dict[tuple[float, int, tuple[Choice, ...]], Prices] = {}
         optimizer = cost.update.optimizer
         self.optimizer_fixed_ms = optimizer[0] if optimizer else 0.0
+        self.seconds: Counter[str] = Counter()  # planning (typical steps), pricing, knapsack
 
     def step(self, state_bytes: float) -> TypicalStep:
         if state_bytes not in self._steps:
+            t0 = time.perf_counter()
             self._steps[state_bytes] = typical_step(self.lengths, self.cost, self.config, world=self.world,
                                                     state_bytes=state_bytes, native=self.native)
+            self.seconds["planning"] += time.perf_counter() - t0
         return self._steps[state_bytes]
+
+    def select(self, prices: Prices, state_budget: float) -> Selection | None:
+        t0 = time.perf_counter()
+        found = select(prices, state_budget, resolution=self.resolution, native=self.native)
+        self.seconds["knapsack"] += time.perf_counter() - t0
+        return found
 
     def prices(self, typ: TypicalStep | None, shard_size: int, cols: Sequence[Choice]) -> Prices:
         """Prices in forward order; without a step (memory only: it does not depend on the step) one
         micro-batch of no compute."""
         key = (typ.state_bytes if typ else -1.0, shard_size, tuple(cols))
         if key not in self._prices:
+            t0 = time.perf_counter()
             ordered = [self.units[i] for i in self.order]
             if typ is None:
                 fwd = bwd = np.zeros((len(ordered), 1))
@@ -215,6 +227,7 @@ class _Search:
             self._prices[key] = price(ordered, cols, dtype=self.cost.dtype, world=self.world, shard_size=shard_size,
                                       forward_ms=fwd, backward_ms=bwd, links=self.links,
                                       overlap=self.config.sharding.overlap, host=self.host)
+            self.seconds["pricing"] += time.perf_counter() - t0
         return self._prices[key]
 
     def shard_plan(self, choice: Sequence[int], cols: Sequence[Choice], prices: Prices, typ: TypicalStep | None,
@@ -259,7 +272,7 @@ class _Search:
         for k in range(rounds):
             typ = self.step(state_bytes)
             prices = self.prices(typ, shard_size, cols)
-            found = select(prices, self.budget - typ.activation_bytes, resolution=self.resolution, native=self.native)
+            found = self.select(prices, self.budget - typ.activation_bytes)
             plan = self.shard_plan(choice, cols, prices, typ, shard_size, found)
             out.append(plan)
             logger.debug("sharding search, shard size %d, round %d: %d micro-batches, activations %.0f MB, model "
@@ -283,7 +296,7 @@ class _Search:
                 continue
             # the other end: the most model states the budget allows beside the smallest activations
             prices = self.prices(self.step(small_state), n, cols)
-            big = select(prices, self.budget - self.least_activation, resolution=self.resolution, native=self.native)
+            big = self.select(prices, self.budget - self.least_activation)
             starts = [(small, small_state)]
             if big is not None and big.choice != small:
                 starts.append((big.choice, self.shard_plan(big.choice, cols, memory, None, n).state_bytes))
@@ -302,14 +315,19 @@ class _Search:
 
 def search_sharding(units: Sequence[ShardUnit], cost: TableCostModel, config: DynPluginConfig, *, world: int,
                     lengths: Sequence[int], host: str = "fsdp2", model: str = "", native: bool = True,
-                    resolution: int = RESOLUTION, rounds: int = ROUNDS) -> ShardPlan:
+                    resolution: int = RESOLUTION, rounds: int = ROUNDS, timings: dict | None = None) -> ShardPlan:
     """The fastest sharding plan of ``units`` on ``world`` ranks within the memory budget
     (``sharding.memory_budget_mb``, else the device's memory times its fraction), for global
     batches like ``lengths``; ``host``: fsdp2 | fsdp1 | zero3, whose semantics price the choices.
-    A budget below the smallest possible plan is a ValueError that says the minimum."""
+    A budget below the smallest possible plan is a ValueError that says the minimum. ``timings``,
+    if given, receives the milliseconds spent planning typical steps, pricing and in the knapsack."""
     search = _Search(units, cost, config, world=world, lengths=lengths, host=host, model=model, native=native,
                      resolution=resolution)
-    return search.run(rounds)
+    try:
+        return search.run(rounds)
+    finally:
+        if timings is not None:
+            timings.update({f"{k}_ms": v * 1e3 for k, v in search.seconds.items()})
 
 
 def uniform_plan(units: Sequence[ShardUnit], cost: TableCostModel, config: DynPluginConfig, choice: Choice, *,
