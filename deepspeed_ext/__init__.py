@@ -171,13 +171,14 @@ def initialize(
 
         use_plugin_attention(model)
     ds_config = _deepspeed_config(cfg.deepspeed, dp)
+    cost = cost_model or _cost_model(cfg, model)
+    state_bytes = None
     if cfg.plugin.sharding.enabled:
-        mapping = _apply_sharding(cfg, model, shard_plan, world, rank)
+        shard_plan, mapping = _apply_sharding(cfg, model, shard_plan, cost, lengths, seed, rank)
         ds_config = merge_zero_config(ds_config, mapping)
-    # INTEGRATION POINT (H1, wt-search): pass state_bytes=mapping.memory_bytes here once DynLoader takes it,
-    # so the planner prices ZeRO-3's real model states under the mapping; until then it prices plain ZeRO-3.
-    loader = DynLoader(dataset, lengths=lengths, config=cfg, cost_model=cost_model or _cost_model(cfg, model),
-                       dp_rank=replica, dp_size=dp, pp_rank=stage, pp_size=pp, seed=seed)
+        state_bytes = mapping.memory_bytes  # what ZeRO-3 really holds under the mapping, not the plan's ideal
+    loader = DynLoader(dataset, lengths=lengths, config=cfg, cost_model=cost, dp_rank=replica, dp_size=dp, pp_rank=stage,
+                       pp_size=pp, seed=seed, state_bytes=state_bytes)
     shape = model_shape(model) if sp.enabled else None  # a pipeline's module below has no config
     swap = contextlib.nullcontext()
     if pp > 1:
@@ -197,6 +198,7 @@ def initialize(
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, model_parameters=model_parameters or model.parameters(),
             lr_scheduler=lr_scheduler, config=ds_config, dist_init_required=False)
+    engine._dyn_plugin_shard_plan = shard_plan if cfg.plugin.sharding.enabled else None  # the plan that ran
     if sp.enabled:
         from deepspeed_ext.sequence_parallel import SequenceRuntime
 
@@ -217,28 +219,21 @@ def _check_sharding(cfg: LoadedConfig) -> None:
                          "it to 'zero3' or 'auto', or train with the FSDP entry dyn_plugin.fsdp")
 
 
-def _apply_sharding(cfg: LoadedConfig, model: torch.nn.Module, plan: ShardPlan | None, world: int, rank: int):
-    """Load and check the plan, log what ZeRO-3 loses; the mapping."""
-    if plan is None:
-        path = cfg.plugin.sharding.plan
-        if path is None:
-            # INTEGRATION POINT (H1, wt-search): search the plan here (dyn_plugin.plan.sharding.search_sharding,
-            # host "zero3") when sharding.plan is unset.
-            raise ValueError("dyn_plugin.sharding.enabled needs a plan: set dyn_plugin.sharding.plan to a plan JSON "
-                             "written by `dynplugin shard`, or pass shard_plan= to deepspeed_ext.initialize")
-        plan = ShardPlan.load(path)
-    if plan.world != world:
-        raise ValueError(f"the sharding plan was searched for {plan.world} ranks but {world} are running; search it for "
-                         f"{world} (`dynplugin shard`)")
-    dtype = training_dtype(cfg.deepspeed)
-    if plan.dtype != dtype:
-        raise _dtype_mismatch("the sharding plan's dtype", plan.dtype, dtype, "search the plan in the precision "
-                              "DeepSpeed trains in")
-    mapping = zero3_settings(model, plan)  # refuses a plan for another model, naming its units
+def _apply_sharding(cfg: LoadedConfig, model: torch.nn.Module, plan: ShardPlan | None, cost: TableCostModel,
+                    lengths: Sequence[int], seed: int, rank: int):
+    """The run's plan (given, ``sharding.plan``, or searched with ZeRO-3's semantics; the same on
+    every rank) and its ZeRO-3 settings; what ZeRO-3 loses is logged."""
+    from dyn_plugin.models.shard_units import shard_units
+    from dyn_plugin.runtime.sharding import shard_plan_for_run
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    plan = shard_plan_for_run(shard_units(model), cfg.plugin, cost, lengths, host="zero3", device=device,
+                              model=type(model).__name__, seed=seed, plan=plan)
+    mapping = zero3_settings(model, plan)
     if rank == 0:
         for line in mapping.lost:
             logger.warning("sharding plan under ZeRO-3: %s", line)
-    return mapping
+    return plan, mapping
 
 
 def _check_sequence_parallel(cfg: LoadedConfig) -> None:

@@ -19,6 +19,7 @@ from ranks import finish  # noqa: E402
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
 from dyn_plugin.models.shard_units import parameter_units, shard_units  # noqa: E402
 from dyn_plugin.plan.shard_plan import Choice, ShardPlan, UnitPlan  # noqa: E402
+from deepspeed_ext.zero3 import zero3_memory_bytes, zero3_settings  # noqa: E402
 
 # unit -> choice; every other unit "full". Case "attention": the threshold alone separates them (attention
 # weights <= 1024 elements, MLP and embeddings above). Case "layer0": the MLP weights of both layers are the
@@ -51,9 +52,11 @@ def run_case(name: str, data, lengths, world: int, plan_dir: str, recompute: str
     torch.manual_seed(0)
     model = build_causal_lm(MODEL)
     ref = copy.deepcopy(model)
-    plan = hand_plan(model, CASES[name], world)
+    plan = hand_plan(model, CASES[name], world) if name in CASES else None
     sharding = {"enabled": True}
     kwargs = {"shard_plan": plan}
+    if name == "searched":  # no plan: initialize searches one with ZeRO-3's semantics
+        kwargs = {}
     if name == "layer0":  # the plan from its JSON file, as `dynplugin shard` writes it
         path = f"{plan_dir}/plan-{name}.json"
         if dist.get_rank() == 0:
@@ -72,6 +75,7 @@ def run_case(name: str, data, lengths, world: int, plan_dir: str, recompute: str
     engine, _, loader, _ = deepspeed_ext.initialize(
         model=model, config=config, dataset=data, lengths=lengths,
         optimizer=torch.optim.SGD(model.parameters(), lr=LR), seed=3, **kwargs)
+    plan = engine._dyn_plugin_shard_plan
     owner = parameter_units(model)
     wanted = sorted(n for n, u in owner.items() if plan.choices()[u].kind in KEPT)
     before = param_states(engine.module)
@@ -92,7 +96,9 @@ def run_case(name: str, data, lengths, world: int, plan_dir: str, recompute: str
               "numel": {n: p.ds_numel for n, p in engine.module.named_parameters()},
               "thresholds": [zero.param_persistence_threshold, zero.model_persistence_threshold],
               "reuse_distance": zero.max_reuse_distance, "recompute": recompute,
-              "recompute_ran": engine._dyn_plugin_recompute.mode}
+              "recompute_ran": engine._dyn_plugin_recompute.mode, "host": plan.host,
+              "planned_state_bytes": loader.context.state_bytes,
+              "mapped_state_bytes": zero3_memory_bytes(ref, zero3_settings(ref, plan), world, "fp32")}  # ref: whole weights
     engine.destroy()
     return result
 
@@ -103,7 +109,8 @@ def main():
     world = dist.get_world_size()
     lengths, data = random_dataset(0)
     results = [run_case("attention", data, lengths, world, plan_dir, "selective"),
-               run_case("layer0", data, lengths, world, plan_dir, "none")]
+               run_case("layer0", data, lengths, world, plan_dir, "none"),
+               run_case("searched", data, lengths, world, plan_dir, "none")]
     finish(results, out)
 
 

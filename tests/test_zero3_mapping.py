@@ -10,6 +10,7 @@ from deepspeed_ext.zero3 import UNLIMITED, merge_zero_config, persistent_paramet
 from dyn_plugin.config import load_config
 from dyn_plugin.models.hf import build_causal_lm
 from dyn_plugin.models.shard_units import parameter_units, shard_units
+from dyn_plugin.runtime.sharding import resolve_shard_plan
 
 ALL_KEEP = {"model.embed_tokens": "keep", "model.layers.0.self_attn": "keep", "model.layers.0.mlp": "keep",
             "model.layers.1.self_attn": "keep", "model.layers.1.mlp": "keep", "lm_head": "keep", "": "keep"}
@@ -129,10 +130,14 @@ def test_sharding_needs_zero3_and_a_plan_for_this_model(model):
         deepspeed_ext.initialize(model=None, config={"zero_optimization": {"stage": 3}}, dataset=[], lengths=[],
                                  shard_plan=plan)
     enabled = load_config({"zero_optimization": {"stage": 3}, "dyn_plugin": {"sharding": {"enabled": True}}})
+    cost, lengths = deepspeed_ext._cost_model(enabled, model), [50, 120, 30, 200] * 10
     with pytest.raises(ValueError, match="searched for 2 ranks but 4 are running"):
-        deepspeed_ext._apply_sharding(enabled, model, plan, world=4, rank=0)
-    with pytest.raises(ValueError, match="needs a plan: set dyn_plugin.sharding.plan"):
-        deepspeed_ext._apply_sharding(enabled, model, None, world=2, rank=0)
+        resolve_shard_plan(shard_units(model), enabled.plugin, cost, lengths, world=4, host="zero3", plan=plan)
+    # without a plan it is searched; a budget below the smallest plan says the minimum
+    tiny = load_config({"zero_optimization": {"stage": 3},
+                        "dyn_plugin": {"sharding": {"enabled": True, "memory_budget_mb": 0.05}}})
+    with pytest.raises(ValueError, match=r"below the smallest possible sharding plan: .* to at least \d+ MB"):
+        resolve_shard_plan(shard_units(model), tiny.plugin, cost, lengths, world=2, host="zero3")
     other = build_causal_lm({**MODEL, "num_hidden_layers": 3})
     with pytest.raises(ValueError, match="names modules this model does not have: 'model.layers.2.self_attn'"):
         zero3_settings(model, hand_plan(other, {}, world=2))

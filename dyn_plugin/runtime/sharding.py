@@ -1,0 +1,78 @@
+"""The sharding plan a run trains with: given, configured, or searched once and shared by every rank.
+
+Both hosts (the FSDP entry, ``deepspeed_ext`` under ZeRO-3) call ``shard_plan_for_run``. Rank 0
+resolves the plan (the ``plan`` argument, else ``sharding.plan``'s file, else the search on one
+global batch of the run's lengths) and broadcasts it as JSON bytes, so ranks cannot disagree on a
+plan they each computed, and a search runs once rather than once per rank. A refusal on rank 0 (a
+budget below the smallest plan, a plan for another model) is broadcast too, so every rank raises
+it instead of waiting for a plan that never comes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Sequence
+
+import torch
+
+from ..config import DynPluginConfig
+from ..cost.table import TableCostModel
+from ..plan.shard_plan import ShardPlan, ShardUnit
+from ..plan.sharding import search_sharding
+from .sampler import global_batches
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_shard_plan(units: Sequence[ShardUnit], plugin: DynPluginConfig, cost: TableCostModel,
+                       lengths: Sequence[int], *, world: int, host: str, model: str = "", seed: int = 0,
+                       plan: ShardPlan | str | os.PathLike | None = None) -> ShardPlan:
+    """The plan on this process: ``plan`` (a ShardPlan or a JSON path), else the file
+    ``sharding.plan`` names, else searched for the run's first global batch. Checked against the
+    model's units, the world and the cost model's precision."""
+    if plan is None and plugin.sharding.plan is not None:
+        plan = plugin.sharding.plan
+    if isinstance(plan, (str, os.PathLike)):
+        plan = ShardPlan.load(plan)
+    if plan is None:
+        ids = global_batches(lengths, plugin.microbatching.global_tokens, 1, seed)[0]
+        plan = search_sharding(units, cost, plugin, world=world, lengths=[int(lengths[i]) for i in ids], host=host,
+                               model=model)
+    plan.check_units(u.name for u in units)
+    if plan.world != world:
+        raise ValueError(f"the sharding plan was searched for {plan.world} ranks but {world} are running; search it "
+                         f"for {world} (`dynplugin shard --world {world}`)")
+    if plan.dtype != cost.dtype:
+        raise ValueError(f"the sharding plan was searched in {plan.dtype} but the run trains in {cost.dtype}: search it "
+                         "in the precision the model trains in")
+    return plan
+
+
+def shard_plan_for_run(units: Sequence[ShardUnit], plugin: DynPluginConfig, cost: TableCostModel,
+                       lengths: Sequence[int], *, host: str, device: torch.device, model: str = "", seed: int = 0,
+                       plan: ShardPlan | str | os.PathLike | None = None) -> ShardPlan:
+    """``resolve_shard_plan`` on rank 0, the same plan on every rank (see the module docstring)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return resolve_shard_plan(units, plugin, cost, lengths, world=1, host=host, model=model, seed=seed, plan=plan)
+    if dist.get_rank() == 0:
+        try:
+            found = resolve_shard_plan(units, plugin, cost, lengths, world=dist.get_world_size(), host=host,
+                                       model=model, seed=seed, plan=plan)
+            payload = {"plan": found.to_dict()}
+        except (ValueError, FileNotFoundError) as exc:
+            payload = {"error": str(exc)}
+        data = torch.frombuffer(bytearray(json.dumps(payload).encode()), dtype=torch.uint8).to(device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)  # on the device: NCCL broadcasts device tensors only
+    if dist.get_rank() != 0:
+        data = torch.empty(int(size), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=0)
+    payload = json.loads(bytes(data.cpu().numpy()).decode())
+    if "error" in payload:
+        raise ValueError(payload["error"])
+    return ShardPlan.from_dict(payload["plan"])
