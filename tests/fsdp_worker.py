@@ -12,6 +12,7 @@ from token_mean import LR, MODEL, global_samples, random_dataset, reference
 from dyn_plugin.cost.model import Precision
 from dyn_plugin.fsdp import initialize, train_step
 from dyn_plugin.fsdp.memory import measure, predicted_peak_bytes
+from dyn_plugin.fsdp.targets import wrap_targets
 from dyn_plugin.models.hf import build_causal_lm
 from dyn_plugin.models.shard_units import shard_units
 from dyn_plugin.plan.shard_plan import Choice, ShardPlan, UnitPlan
@@ -25,7 +26,7 @@ CASES = {
         ("fsdp2", 2, "none", "padded", ["full", "keep", "full", "grad_op", "replicate", "split(1/2)", "keep"]),
     ],
     "four": [
-        ("fsdp2", 4, "none", "packed", ["keep", "reshard(2)", "full", "reshard(2)", "grad_op", "split(1/2)", "replicate"]),
+        ("fsdp2", 4, "full", "packed", ["keep", "reshard(2)", "full", "reshard(2)", "grad_op", "split(1/2)", "replicate"]),
         ("fsdp2", 2, "selective", "packed", ["replicate", "keep", "full", "grad_op", "keep", "split(1/2)", "full"]),
         ("fsdp1", 2, "none", "packed", ["replicate", "grad_op", "full", "keep", "full", "split(1/2)", "full"]),
     ],
@@ -36,7 +37,7 @@ def config(recompute: str, layout: str) -> dict:
     return {"dyn_plugin": {
         "microbatching": {"layout": layout, "global_tokens": 1500, "max_seq_len": 256, "recompute": recompute},
         # a small device: the plan must cut each global batch into several uneven micro-batches
-        "cluster": {"device": {"memory_mb": {"none": 2, "selective": 1.6, "full": 1.0}[recompute], "memory_fraction": 1.0}},
+        "cluster": {"device": {"memory_mb": {"none": 2, "selective": 1.6, "full": 0.6}[recompute], "memory_fraction": 1.0}},
         "cost_model": {"kind": "analytic", "dtype": "fp32"},
     }}
 
@@ -84,6 +85,40 @@ def full_params(model, fsdp: str) -> dict[str, torch.Tensor]:
     return {n: torch.cat(ps) for n, ps in joined.items()}
 
 
+class CollectiveCounts:
+    """FSDP2's all-gathers and gradient reductions per unit, counted where its parameter groups call them."""
+
+    def __init__(self, model, plan, world):
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+        self.owner = {}
+        for t in wrap_targets(model, plan, world):  # bottom-up: the root gets only what no unit owns
+            for m in t.module.modules():
+                self.owner.setdefault(id(m), t.name)
+        self.kind = {t.name: t.choice.kind for t in wrap_targets(model, plan, world)}
+        self.counts: dict[str, list[int]] = {}
+        self._group = group
+        self._saved = group.foreach_all_gather, group.foreach_reduce
+        group.foreach_all_gather = self._counted(group.foreach_all_gather, 0)
+        group.foreach_reduce = self._counted(group.foreach_reduce, 1)
+
+    def _counted(self, fn, which):
+        def counted(fsdp_params, *args, **kwargs):
+            name = self.owner[id(fsdp_params[0]._module_info.module)]
+            self.counts.setdefault(name, [0, 0])[which] += 1
+            return fn(fsdp_params, *args, **kwargs)
+        return counted
+
+    def take(self) -> dict[str, list]:
+        """(kind, all-gathers, reductions) per unit since the last take."""
+        taken = {n: [self.kind[n], *c] for n, c in self.counts.items() if n}
+        self.counts = {}
+        return taken
+
+    def close(self):
+        self._group.foreach_all_gather, self._group.foreach_reduce = self._saved
+
+
 def run_case(fsdp, shard, recompute, layout, labels, data, lengths, world, measure_memory=False) -> dict:
     torch.manual_seed(0)
     model = build_causal_lm(MODEL)
@@ -95,15 +130,20 @@ def run_case(fsdp, shard, recompute, layout, labels, data, lengths, world, measu
             model, config(recompute, layout), data, lengths, plan=plan, fsdp=fsdp,
             optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=LR) if not measure_memory else torch.optim.AdamW(ps, lr=1e-3),
             seed=3)
-        steps, losses, sizes = [], [], []
+        counter = CollectiveCounts(model, plan, world) if fsdp == "fsdp2" else None
+        steps, losses, sizes, collectives = [], [], [], []
         for step in loader:
             losses.append(train_step(model, optimizer, step, plan))
             steps.append(step)
             sizes.append([len(s) for s in step.sample_ids])
+            if counter:
+                collectives.append(counter.take())
             if len(steps) == STEPS:
                 break
+        if counter:
+            counter.close()
     result = {"fsdp": fsdp, "shard": shard, "recompute": recompute, "layout": layout, "choices": labels,
-              "micro_batch_sizes": sizes, "losses": losses}
+              "micro_batch_sizes": sizes, "losses": losses, "collectives": collectives}
     if measure_memory:
         predicted = predicted_peak_bytes(plan, loader.context.cost, steps)
         mine = torch.tensor([mem.peak, predicted], dtype=torch.float64)

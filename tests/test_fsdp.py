@@ -95,12 +95,22 @@ def test_wrap_targets_split_the_planned_head_into_full_and_keep_slices():
     assert targets[-1].module is model and isinstance(model.lm_head, SplitLinear)
 
 
+# FSDP2 collectives per unit and step with M micro-batches: (all-gathers, gradient reductions), as
+# the plan prices them; recompute re-runs forwards inside backward without gathering again
+PER_STEP = {"keep": lambda m: (1, 1), "grad_op": lambda m: (m, m), "full": lambda m: (2 * m, m),
+            "reshard": lambda m: (2 * m, m), "replicate": lambda m: (0, 1)}
+
+
 def _check_exact(cases):
     for c in cases:
         assert c["compared"], c
         assert c["moved"] > 1e-3, c  # the step did change the weights
         assert c["max_abs_diff"] < 1e-6, c
-        assert all(len(sizes) >= 1 for sizes in c["micro_batch_sizes"])
+        assert c["fsdp"] == "fsdp1" or len(c["collectives"]) == len(c["micro_batch_sizes"]), c
+        for sizes, counts in zip(c["micro_batch_sizes"], c["collectives"]):
+            ran = {name: (gathers, reductions) for name, (_, gathers, reductions) in counts.items()}
+            planned = {name: PER_STEP[kind](len(sizes)) for name, (kind, _, _) in counts.items()}
+            assert ran == planned, (c["recompute"], sizes, counts)
 
 
 def test_fsdp1_policy_and_fsdp2_plan_train_exactly_on_two_ranks(tmp_path):
