@@ -128,29 +128,36 @@ def run_case(fsdp, shard, recompute, layout, labels, data, lengths, world, measu
     with measure() as mem:
         model, optimizer, loader, plan = initialize(
             model, config(recompute, layout), data, lengths, plan=plan, fsdp=fsdp,
+            # AdamW where memory is measured: its two states per parameter are what the plan prices
             optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=LR) if not measure_memory else torch.optim.AdamW(ps, lr=1e-3),
             seed=3)
         counter = CollectiveCounts(model, plan, world) if fsdp == "fsdp2" else None
         steps, losses, sizes, collectives = [], [], [], []
         for step in loader:
             losses.append(train_step(model, optimizer, step, plan))
+            step.micro_batches.clear()  # spent: what stays alive after the step is the model's states
             steps.append(step)
             sizes.append([len(s) for s in step.sample_ids])
             if counter:
                 collectives.append(counter.take())
             if len(steps) == STEPS:
                 break
+        at_rest = mem.live()  # after the optimizer step: sharded parameters and optimizer states
         if counter:
             counter.close()
     result = {"fsdp": fsdp, "shard": shard, "recompute": recompute, "layout": layout, "choices": labels,
               "micro_batch_sizes": sizes, "losses": losses, "collectives": collectives}
     if measure_memory:
         predicted = predicted_peak_bytes(plan, loader.context.cost, steps)
-        mine = torch.tensor([mem.peak, predicted], dtype=torch.float64)
+        prec = Precision.of(plan.dtype)
+        rest = sum(u.params * (prec.param + prec.optimizer) / (1 if u.choice.kind == "replicate" else shard)
+                   for u in plan.units)
+        mine = torch.tensor([mem.peak, predicted, at_rest, rest], dtype=torch.float64)
         gathered = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
         peaks = [g.tolist() for g in gathered]
         return {**result, "measured_peak": [p[0] for p in peaks], "predicted_peak": [p[1] for p in peaks],
+                "measured_at_rest": [p[2] for p in peaks], "predicted_at_rest": [p[3] for p in peaks],
                 "state_bytes": plan.state_bytes}
     for step in steps:
         reference(ref, [data[i]["input_ids"] for i in global_samples(step, world)], LR)

@@ -23,9 +23,12 @@ from ..runtime.loader import Step
 
 
 class PeakMemory:
-    """``peak``: bytes, set when the ``measure`` block ends."""
+    """``peak``: bytes, set when the ``measure`` block ends; ``live()``: bytes alive now (inside the block)."""
 
     peak: int = 0
+
+    def live(self) -> int:
+        return self._live()
 
 
 @contextlib.contextmanager
@@ -37,11 +40,13 @@ def measure(device: torch.device | str = "cpu") -> Iterator[PeakMemory]:
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
+        result._live = lambda: torch.cuda.memory_allocated(device) - base
         yield result
         torch.cuda.synchronize(device)
         result.peak = torch.cuda.max_memory_allocated(device) - base
         return
     with LiveMemory() as live:
+        result._live = lambda: live.live
         yield result
     result.peak = live.peak
 
