@@ -54,7 +54,7 @@ def unit_memory(params: int, choice: Choice, shard: int, prec: Precision) -> flo
             "reshard": states / shard + params * prec.param / max(choice.reshard_to, 1)}[choice.kind]
 
 
-def hand_plan(model, world: int, shard: int, labels: list[str]) -> ShardPlan:
+def hand_plan(model, world: int, shard: int, labels: list[str], host: str) -> ShardPlan:
     """A plan with the given choices, priced by the contract's memory formulas (no search yet)."""
     prec = Precision.of("fp32")
     units = shard_units(model)
@@ -63,7 +63,7 @@ def hand_plan(model, world: int, shard: int, labels: list[str]) -> ShardPlan:
                     for u, c in zip(units, choices))
     gathered = [u.params for u, c in zip(units, choices) if c.kind in ("full", "reshard", "split")]
     reserve = max(gathered, default=0) * (2 * prec.param + prec.grad)
-    return ShardPlan("tiny-llama", world, shard, "fp32", "fsdp2", 0.0, 0, 0.0, reserve, 0.0, planned)
+    return ShardPlan("tiny-llama", world, shard, "fp32", host, 0.0, 0, 0.0, reserve, 0.0, planned)
 
 
 def full_params(model, fsdp: str) -> dict[str, torch.Tensor]:
@@ -124,7 +124,7 @@ def run_case(fsdp, shard, recompute, layout, labels, data, lengths, world, measu
     model = build_causal_lm(MODEL)
     ref = copy.deepcopy(model)
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    plan = hand_plan(model, world, shard, labels)
+    plan = hand_plan(model, world, shard, labels, fsdp)
     with measure() as mem:
         model, optimizer, loader, plan = initialize(
             model, config(recompute, layout), data, lengths, plan=plan, fsdp=fsdp,

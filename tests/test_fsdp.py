@@ -139,3 +139,15 @@ def test_fsdp2_integer_reshard_and_hybrid_meshes_train_exactly_on_four_ranks(tmp
     _check_exact(cases)
     assert [(c["fsdp"], c["shard"]) for c in cases] == [("fsdp2", 4), ("fsdp2", 2), ("fsdp1", 2)]
     assert "reshard(2)" in cases[0]["choices"]
+
+
+def test_the_entry_refuses_what_sharded_training_cannot_run():
+    from dyn_plugin.fsdp import initialize
+
+    model = build_causal_lm(TINY)
+    with pytest.raises(ValueError, match="fsdp='fsdp3'"):
+        initialize(model, {}, [], [], fsdp="fsdp3")
+    with pytest.raises(ValueError, match="microbatching.method 'token_budget'.*only 'dynapipe'"):
+        initialize(model, {"dyn_plugin": {"microbatching": {"method": "token_budget"}}}, [], [])
+    with pytest.raises(ValueError, match="data-parallel only"):
+        initialize(model, {"dyn_plugin": {"pipeline": {"stages": 2}}}, [], [])

@@ -12,6 +12,7 @@ run the same number of micro-batches: the loader plans equal counts (``zero_stag
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
@@ -30,6 +31,8 @@ from ..runtime.collate import MODEL_KEYS, scored_tokens
 from ..runtime.loader import DynLoader, Step
 from .fully_shard import apply_fully_shard, held_units
 from .policy import policy
+
+logger = logging.getLogger(__name__)
 
 Host = Literal["fsdp2", "fsdp1"]
 
@@ -72,6 +75,9 @@ def initialize(
     else:
         stable_cpu_allocator()  # the allocator CPU profiles were measured under
     plan = _plan(plan, plugin.sharding.plan)
+    if plan.host != fsdp:
+        logger.warning("the sharding plan was priced for %s but trains under %s: its predicted memory and "
+                       "communication may not hold (search it with sharding.host = %r)", plan.host, fsdp, fsdp)
     cost = cost_model or live_cost_model(plugin.cost_model, plugin.cluster, model)
     if cost.dtype != plan.dtype:
         raise ValueError(f"the cost model prices {cost.dtype} but the sharding plan was searched in {plan.dtype}: set "
@@ -125,7 +131,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step, p
         for unit in held:
             unit.set_requires_gradient_sync(last, recurse=False)
             unit.set_reshard_after_backward(last, recurse=False)
-        inputs = {k: v.to(device, non_blocking=True) for k, v in mb.items() if k in MODEL_KEYS}
+        inputs = {k: v.to(device) for k, v in mb.items() if k in MODEL_KEYS}
         out = model(**inputs, use_cache=False)
         loss_sum = out.loss * scored_tokens(desc["seq_lens"])  # HF returns the mean; the plan knows the count
         (loss_sum * (world / step.scored_tokens)).backward()
