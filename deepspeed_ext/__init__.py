@@ -34,12 +34,12 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from deepspeed_ext.zero3 import merge_zero_config, zero3_settings
-from dyn_plugin.config import LoadedConfig, ModelShape, load_config
-from dyn_plugin.cost.from_config import build_cost_model
+from dyn_plugin.config import LoadedConfig, load_config
+from dyn_plugin.cost.from_config import live_cost_model, model_shape
 from dyn_plugin.cost.table import TableCostModel
 from dyn_plugin.plan.shard_plan import ShardPlan
 from dyn_plugin.profiling.allocator import stable_cpu_allocator
-from dyn_plugin.runtime.collate import scored_tokens
+from dyn_plugin.runtime.collate import MODEL_KEYS, scored_tokens
 from dyn_plugin.runtime.loader import DynLoader, Step
 
 logger = logging.getLogger(__name__)
@@ -48,30 +48,12 @@ __all__ = ["initialize", "train_step", "training_dtype", "save_checkpoint", "loa
 
 LOADER_STATE = "dyn_plugin_loader.json"
 
-# Keys of a micro-batch a causal LM takes; the rest (boundaries for other kernels) stay out.
-MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels", "shift_labels")
-
 
 def skip_cpu_shm_build() -> None:
     """Skip the shared-memory op DeepSpeed JIT-compiles on CPU at init (40-90 s); gloo does
     the collectives either way. Patch the module itself: ``deepspeed.comm.torch`` as an
     attribute is the torch module, so patching through it would silently do nothing."""
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-
-
-def model_shape(model: torch.nn.Module) -> ModelShape:
-    """The analytic cost model's view of a transformers model, from its config."""
-    c = model.config
-    hidden = getattr(c, "hidden_size", None) or c.n_embd
-    return ModelShape(
-        hidden_size=hidden,
-        num_layers=getattr(c, "num_hidden_layers", None) or c.n_layer,
-        num_heads=getattr(c, "num_attention_heads", None) or c.n_head,
-        num_kv_heads=getattr(c, "num_key_value_heads", None),
-        ffn_hidden_size=getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden,
-        vocab_size=c.vocab_size,
-        gated_mlp=getattr(c, "model_type", "") in ("llama", "mistral", "qwen2"),
-    )
 
 
 def training_dtype(ds: Mapping[str, Any]) -> str:
@@ -96,15 +78,7 @@ def _cost_model(cfg: LoadedConfig, model: torch.nn.Module) -> TableCostModel:
         raise _dtype_mismatch("dyn_plugin.cost_model.dtype", cm.dtype, ds_dtype,
                               f"set it to {ds_dtype!r} or leave it out (it follows the DeepSpeed config)")
     cm = cm.model_copy(update={"dtype": ds_dtype})  # set: a profile measured in another precision is refused
-    if cm.kind == "analytic" and cm.model is None:
-        cm = cm.model_copy(update={"model": model_shape(model)})
-    cost = build_cost_model(cm, cfg.plugin.cluster)
-    if cost.hidden_size is None or cost.num_heads is None:  # a profile that does not record them: the live model does
-        shape = model_shape(model)
-        cost.hidden_size = cost.hidden_size or shape.hidden_size
-        if cost.num_heads is None:
-            cost.num_heads, cost.num_kv_heads = shape.num_heads, shape.num_kv_heads
-    return cost
+    return live_cost_model(cm, cfg.plugin.cluster, model)
 
 
 def _deepspeed_config(ds: dict[str, Any], dp: int) -> dict[str, Any]:

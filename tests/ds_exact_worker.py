@@ -3,7 +3,6 @@ compared with a single-process reference on the whole global batch (run as a scr
 import copy
 import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -13,38 +12,13 @@ deepspeed_ext.skip_cpu_shm_build()
 
 import deepspeed  # noqa: E402
 from ranks import finish  # noqa: E402
+from token_mean import (LR, MODEL, global_samples, random_dataset,  # noqa: E402, F401 (also imported from here)
+                        reference)
 
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
 from dyn_plugin.models.recompute import _attention, decoder_layers  # noqa: E402
 
-MODEL = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=97, max_position_embeddings=512, tie_word_embeddings=False)
-LR = 0.5
 PYRAMID = (1, 2, 1, 0)  # checkpointed layers of the mixed-mode step's micro-batches, in turn
-
-
-def reference(model, samples, lr):
-    """Token-mean loss over every scored token of the global batch, in one process."""
-    total = sum(len(s) - 1 for s in samples)
-    loss = 0
-    for s in samples:
-        ids = torch.as_tensor(s).unsqueeze(0)
-        labels = ids.clone()
-        labels[0, 0] = -100
-        out = model(input_ids=ids, labels=labels, use_cache=False)
-        loss = loss + out.loss * (len(s) - 1)
-    (loss / total).backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= lr * p.grad
-            p.grad = None
-
-
-def random_dataset(seed: int):
-    """40 sequences of 2-200 random token ids: (lengths, dataset)."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(2, 200, size=40)
-    return lengths, [{"input_ids": rng.integers(0, 97, size=int(n))} for n in lengths]
 
 
 def count_attention_calls(model) -> list[int]:
@@ -109,10 +83,7 @@ def run_case(stage: int, layout: str, recompute: str, data, lengths, world: int,
         result = {"planned_modes": [d["recompute"] for d in step.loaded], "modes_ran": [m for m, _, _ in seen],
                   "planned_counts": [d["checkpointed"][0] for d in step.loaded], "counts_ran": [n for _, n, _ in seen],
                   "attention_calls": [b - a for a, b in zip(marks, marks[1:])], "layers": MODEL["num_hidden_layers"]}
-    mine = torch.tensor([i for mb in step.sample_ids for i in mb] + [-1] * (64 - sum(map(len, step.sample_ids))))
-    gathered = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine)
-    ids = sorted(int(i) for g in gathered for i in g if i >= 0)
+    ids = global_samples(step, world)
     reference(ref, [data[i]["input_ids"] for i in ids], LR)
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):

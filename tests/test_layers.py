@@ -27,6 +27,7 @@ ALLOWED = {
     "profiling": {"config", "cost", "models", "child"},
     "runtime": {"config", "lengths", "cost", "plan", "store", "child"},
     "bench": {"config", "lengths", "cost", "profiles", "plan", "store", "runtime"},
+    "fsdp": {"config", "lengths", "cost", "plan", "runtime", "models", "profiling", "store", "child"},
     "commands": {"config", "lengths", "cost", "profiles", "plan", "store", "runtime", "profiling", "models", "bench"},
     "cli": {"commands"},
     "__main__": {"cli"},

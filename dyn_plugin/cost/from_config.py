@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from ..config import ClusterConfig, CostModelConfig
+from ..config import ClusterConfig, CostModelConfig, ModelShape
 from .table import TableCostModel
 
 
@@ -37,3 +38,32 @@ def build_cost_model(cfg: CostModelConfig, cluster: ClusterConfig) -> TableCostM
             f"`dynplugin profile`, or train in {profile.model.dtype}"
         )
     return cost_model_from_profile(profile, allow_extrapolation=cfg.allow_extrapolation)
+
+
+def model_shape(model: Any) -> ModelShape:
+    """The analytic cost model's view of a transformers model, from its ``config`` (read only)."""
+    c = model.config
+    hidden = getattr(c, "hidden_size", None) or c.n_embd
+    return ModelShape(
+        hidden_size=hidden,
+        num_layers=getattr(c, "num_hidden_layers", None) or c.n_layer,
+        num_heads=getattr(c, "num_attention_heads", None) or c.n_head,
+        num_kv_heads=getattr(c, "num_key_value_heads", None),
+        ffn_hidden_size=getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden,
+        vocab_size=c.vocab_size,
+        gated_mlp=getattr(c, "model_type", "") in ("llama", "mistral", "qwen2"),
+    )
+
+
+def live_cost_model(cfg: CostModelConfig, cluster: ClusterConfig, model: Any) -> TableCostModel:
+    """``build_cost_model`` for a live transformers model: an analytic model without a shape takes
+    the model's, and a profile that does not record the attention widths takes them from it."""
+    if cfg.kind == "analytic" and cfg.model is None:
+        cfg = cfg.model_copy(update={"model": model_shape(model)})
+    cost = build_cost_model(cfg, cluster)
+    if cost.hidden_size is None or cost.num_heads is None:
+        shape = model_shape(model)
+        cost.hidden_size = cost.hidden_size or shape.hidden_size
+        if cost.num_heads is None:
+            cost.num_heads, cost.num_kv_heads = shape.num_heads, shape.num_kv_heads
+    return cost

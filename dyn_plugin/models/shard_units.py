@@ -25,8 +25,8 @@ def unit_modules(model: nn.Module) -> dict[str, nn.Module]:
             if part is not None:
                 units[names[part]] = part
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None and embed is not None and head.weight is embed.weight:
-        head = None  # tied: the embedding unit owns the weight
+    if head is not None and embed is not None and getattr(head, "weight", None) is embed.weight:
+        head = None  # tied: the embedding unit owns the weight (a split head, which has no one weight, is untied)
     if head is not None:
         units[names[head]] = head
     return units

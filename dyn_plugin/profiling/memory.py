@@ -4,11 +4,17 @@ CUDA has allocator statistics; CPU has none. This mode records the storage each 
 and notices when it dies, so it knows the bytes alive at every op: what a forward leaves for
 backward (stored activations) and the high-water mark (peak). Only the measuring pass runs
 under it: it slows ops down, so timings are taken separately.
+
+Storages resized in place are followed too: FSDP2 frees a unit's gathered parameters with
+``untyped_storage().resize_(0)`` and re-allocates them the same way, which no op reports, so
+``UntypedStorage.resize_`` is wrapped while the mode is active.
 """
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -22,12 +28,32 @@ class LiveMemory(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [its bytes now]
         self._live = 0
         self.peak = 0
+        self._resize = None
 
-    def _on_free(self, nbytes: int) -> None:
-        self._live -= nbytes
+    def _on_free(self, nbytes: list[int]) -> None:
+        self._live -= nbytes[0]
+
+    def __enter__(self) -> "LiveMemory":
+        resize = self._resize = torch.UntypedStorage.resize_
+
+        def resized(storage, size):
+            out = resize(storage, size)
+            nbytes = self._storages.get(storage)
+            if nbytes is not None:
+                self._live += size - nbytes[0]
+                nbytes[0] = size
+                self.peak = max(self.peak, self._live)
+            return out
+
+        torch.UntypedStorage.resize_ = resized
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        torch.UntypedStorage.resize_ = self._resize
+        super().__exit__(*exc)
 
     @property
     def live(self) -> int:
@@ -38,15 +64,31 @@ class LiveMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and not t.is_meta:
-                storage = t.untyped_storage()
-                if storage in self._storages:
-                    continue
-                nbytes = storage.nbytes()
-                self._storages[storage] = nbytes
-                self._live += nbytes
-                # The finalizer runs when the storage (not this Python wrapper) is freed.
-                torch.utils.weak.weakref.finalize(storage, self._on_free, nbytes)
+        if any(r.alias_info is not None for r in func._schema.returns):
+            # a view or an in-place result: its storage is an input's, not a new allocation (a
+            # weight viewed by ``t()`` in a linear's forward is not the forward's memory)
+            return out
+        for t in _plain(tree_flatten(out)[0]):
+            storage = t.untyped_storage()
+            if storage in self._storages:
+                continue
+            nbytes = [storage.nbytes()]
+            self._storages[storage] = nbytes
+            self._live += nbytes[0]
+            # The finalizer runs when the storage (not this Python wrapper) is freed.
+            torch.utils.weak.weakref.finalize(storage, self._on_free, nbytes)
         self.peak = max(self.peak, self._live)
         return out
+
+
+def _plain(tensors) -> Iterator[torch.Tensor]:
+    """The plain tensors that hold memory: tensors themselves, the inner tensors of wrapper
+    subclasses (a DTensor's local shard: the op that made it ran inside DTensor's dispatch, where
+    this mode does not see it; the wrapper's own storage has its full shape and holds no data).
+    Other subclasses (FakeTensor) hold no memory."""
+    for t in tensors:
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            yield from _plain(getattr(t, n) for n in names)
+        elif type(t) is torch.Tensor and not t.is_meta:
+            yield t

@@ -28,6 +28,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+# Keys of a micro-batch a causal LM takes; the rest (boundaries for other kernels) stay out.
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels", "shift_labels")
+
 IGNORE = -100
 
 
