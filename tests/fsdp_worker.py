@@ -33,13 +33,19 @@ CASES = {
 }
 
 
-def config(recompute: str, layout: str) -> dict:
+def config(recompute: str, layout: str, plan: ShardPlan | None) -> dict:
+    # a small device: beside the plan's model states, so little memory that the planner must cut
+    # each global batch into several uneven micro-batches; without a plan, the budget it is searched for
+    activations_mb = {"none": 2, "selective": 1.6, "full": 0.6}[recompute]
+    memory_mb = activations_mb + plan.state_bytes / 2**20 if plan else SEARCH_BUDGET_MB
     return {"dyn_plugin": {
         "microbatching": {"layout": layout, "global_tokens": 1500, "max_seq_len": 256, "recompute": recompute},
-        # a small device: the plan must cut each global batch into several uneven micro-batches
-        "cluster": {"device": {"memory_mb": {"none": 2, "selective": 1.6, "full": 0.6}[recompute], "memory_fraction": 1.0}},
+        "cluster": {"device": {"memory_mb": memory_mb, "memory_fraction": 1.0}},
         "cost_model": {"kind": "analytic", "dtype": "fp32"},
     }}
+
+
+SEARCH_BUDGET_MB = 2.3  # the memory case's plan is searched for this budget per rank
 
 
 def unit_memory(params: int, choice: Choice, shard: int, prec: Precision) -> float:
@@ -124,10 +130,10 @@ def run_case(fsdp, shard, recompute, layout, labels, data, lengths, world, measu
     model = build_causal_lm(MODEL)
     ref = copy.deepcopy(model)
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    plan = hand_plan(model, world, shard, labels, fsdp)
+    plan = hand_plan(model, world, shard, labels, fsdp) if labels else None  # None: initialize searches one
     with measure() as mem:
         model, optimizer, loader, plan = initialize(
-            model, config(recompute, layout), data, lengths, plan=plan, fsdp=fsdp,
+            model, config(recompute, layout, plan), data, lengths, plan=plan, fsdp=fsdp,
             # AdamW where memory is measured: its two states per parameter are what the plan prices
             optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=LR) if not measure_memory else torch.optim.AdamW(ps, lr=1e-3),
             seed=3)
@@ -158,7 +164,7 @@ def run_case(fsdp, shard, recompute, layout, labels, data, lengths, world, measu
         peaks = [g.tolist() for g in gathered]
         return {**result, "measured_peak": [p[0] for p in peaks], "predicted_peak": [p[1] for p in peaks],
                 "measured_at_rest": [p[2] for p in peaks], "predicted_at_rest": [p[3] for p in peaks],
-                "state_bytes": plan.state_bytes}
+                "state_bytes": plan.state_bytes, "budget": plan.memory_budget_bytes, "choices": [u.choice.label for u in plan.units]}
     for step in steps:
         reference(ref, [data[i]["input_ids"] for i in global_samples(step, world)], LR)
     mine = full_params(model, fsdp)
@@ -175,7 +181,8 @@ def main():
     world = dist.get_world_size()
     lengths, data = random_dataset(0)
     results = [run_case(*case, data, lengths, world) for case in CASES[group]]
-    memory = run_case(*CASES[group][1], data, lengths, world, measure_memory=True) if group == "two" else None
+    memory = run_case("fsdp2", 2, "selective", "packed", None, data, lengths, world, measure_memory=True) \
+        if group == "two" else None
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump({"cases": results, "memory": memory}, f)

@@ -122,11 +122,13 @@ def test_fsdp1_policy_and_fsdp2_plan_train_exactly_on_two_ranks(tmp_path):
     assert {c["fsdp"] for c in result["cases"]} == {"fsdp1", "fsdp2"}
     # uneven micro-batches, several per step: the keep units' flags switch between them
     assert any(len(sizes) > 2 and len(set(sizes)) > 1 for c in result["cases"] for sizes in c["micro_batch_sizes"])
-    # peak per rank (LiveMemory over wrapping and two AdamW steps) against the plan's states plus
-    # the step's activations as the cost model prices them; at rest: sharded parameters and AdamW states
+    # a plan searched by initialize for a budget: peak per rank (LiveMemory over wrapping and two
+    # AdamW steps) against the plan's states plus the step's activations as the cost model prices
+    # them, and never above the budget; at rest: sharded parameters and AdamW states
     memory = result["memory"]
     for measured, predicted in zip(memory["measured_peak"], memory["predicted_peak"]):
         assert abs(measured / predicted - 1) < 0.15, memory
+        assert measured <= memory["budget"], memory
     for measured, predicted in zip(memory["measured_at_rest"], memory["predicted_at_rest"]):
         assert abs(measured / predicted - 1) < 0.05, memory
 

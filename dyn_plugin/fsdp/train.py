@@ -25,10 +25,12 @@ from ..config import LoadedConfig, load_config
 from ..cost.from_config import live_cost_model
 from ..cost.table import TableCostModel
 from ..models.recompute import RecomputeSwitch, planned_layers
+from ..models.shard_units import shard_units
 from ..plan.shard_plan import ShardPlan
 from ..profiling.allocator import stable_cpu_allocator
 from ..runtime.collate import MODEL_KEYS, scored_tokens
 from ..runtime.loader import DynLoader, Step
+from ..runtime.sharding import shard_plan_for_run
 from .fully_shard import apply_fully_shard, held_units
 from .policy import policy
 
@@ -51,7 +53,8 @@ def initialize(
 ) -> tuple[nn.Module, torch.optim.Optimizer, DynLoader, ShardPlan]:
     """Shard ``model`` as the plan says and build its optimizer and the plugin's loader.
 
-    ``plan``: a ShardPlan, or the path of one (default: the config's ``dyn_plugin.sharding.plan``).
+    ``plan``: a ShardPlan, or the path of one (default: the config's ``dyn_plugin.sharding.plan``;
+    without either, the plan is searched for the run's lengths on rank 0 and shared with every rank).
     The model trains in the precision of its parameters, which must be the plan's and the cost
     model's. On CUDA the model is moved to ``cuda:$LOCAL_RANK`` first. Returns (model, optimizer,
     loader, plan); with ``fsdp="fsdp1"`` the model is the root ``FullyShardedDataParallel``."""
@@ -74,14 +77,13 @@ def initialize(
         model.to(device)
     else:
         stable_cpu_allocator()  # the allocator CPU profiles were measured under
-    plan = _plan(plan, plugin.sharding.plan)
+    cost = cost_model or live_cost_model(plugin.cost_model, plugin.cluster, model)
+    host = fsdp if plugin.sharding.host == "auto" else plugin.sharding.host
+    plan = shard_plan_for_run(shard_units(model), plugin, cost, lengths, host=host,
+                              device=next(model.parameters()).device, model=type(model).__name__, seed=seed, plan=plan)
     if plan.host != fsdp:
         logger.warning("the sharding plan was priced for %s but trains under %s: its predicted memory and "
                        "communication may not hold (search it with sharding.host = %r)", plan.host, fsdp, fsdp)
-    cost = cost_model or live_cost_model(plugin.cost_model, plugin.cluster, model)
-    if cost.dtype != plan.dtype:
-        raise ValueError(f"the cost model prices {cost.dtype} but the sharding plan was searched in {plan.dtype}: set "
-                         f"dyn_plugin.cost_model.dtype to {plan.dtype!r} (the precision the model trains in)")
     if fsdp == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -90,23 +92,10 @@ def initialize(
     else:
         apply_fully_shard(model, plan)
     optimizer = optimizer_fn(model.parameters())
-    # INTEGRATION POINT (H1): pass the plan's model states to the planner once DynLoader takes them:
-    # DynLoader(..., state_bytes=plan.state_bytes), so micro-batches are cut for the memory the plan leaves.
+    # micro-batches are cut for the memory the plan's model states leave
     loader = DynLoader(dataset, lengths=lengths, config=plugin, cost_model=cost, dp_rank=rank, dp_size=world,
-                       zero_stage=3, seed=seed)
+                       zero_stage=3, seed=seed, state_bytes=plan.state_bytes)
     return model, optimizer, loader, plan
-
-
-def _plan(plan: ShardPlan | str | os.PathLike | None, configured: str | None) -> ShardPlan:
-    """The given plan, else the configured file's."""
-    if isinstance(plan, ShardPlan):
-        return plan
-    path = plan if plan is not None else configured
-    if path is None:
-        # INTEGRATION POINT (H1): search the plan here when dyn_plugin.plan.sharding.search_sharding lands.
-        raise ValueError("no sharding plan: pass plan= (a ShardPlan or a JSON path) or set dyn_plugin.sharding.plan to a "
-                         "plan written by `dynplugin shard`")
-    return ShardPlan.load(path)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step, plan: ShardPlan) -> float:
