@@ -146,3 +146,29 @@ def test_bench_train_runs_without_a_profile_on_the_analytic_model(tmp_path, caps
     assert cost_model_section("p.json", "bf16") == {"kind": "profile", "profile": "p.json", "dtype": "bf16"}
     assert main(["bench", "train", "--out", str(tmp_path), "--profile", "p.json"]) == 0
     assert launched[1][-2:] == ["--profile", "p.json"] and "cost model: profile p.json" in capsys.readouterr().out
+
+
+def test_shard_command_prints_and_writes_the_plan(tmp_path, capsys):
+    from dyn_plugin.plan.shard_plan import ShardPlan
+
+    out, png = tmp_path / "plan.json", tmp_path / "frontier.png"
+    rc = main(["shard", "--model", "examples/gpt-6.7b.json", "--config", "examples/a100_gpt67b_shard.json",
+               "--out", str(out), "--plot", str(png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    # one row per kind of unit: the 32 layers' MLPs fold into one row
+    assert "transformer.h." in text and "x32" in text and "simulated step:" in text and png.stat().st_size > 0
+    plan = ShardPlan.load(out)
+    assert plan.world == 16 and plan.peak_bytes <= plan.memory_budget_bytes and len(plan.units) == 67
+    assert plan.frontier and all(a[1] >= b[1] for a, b in zip(plan.frontier, plan.frontier[1:]))
+
+
+def test_shard_command_says_the_minimum_budget(tmp_path, capsys):
+    config = json.loads(open("examples/a100_gpt67b_shard.json").read())
+    config["dyn_plugin"]["sharding"]["memory_budget_mb"] = 8000
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    assert main(["shard", "--model", "examples/gpt-6.7b.json", "--config", str(path), "--out",
+                 str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert "below the smallest possible sharding plan" in err and "sharding.memory_budget_mb" in err

@@ -198,6 +198,7 @@ class _Search:
         optimizer = cost.update.optimizer
         self.optimizer_fixed_ms = optimizer[0] if optimizer else 0.0
         self.seconds: Counter[str] = Counter()  # planning (typical steps), pricing, knapsack
+        self.solves = 0
 
     def step(self, state_bytes: float) -> TypicalStep:
         if state_bytes not in self._steps:
@@ -211,6 +212,7 @@ class _Search:
         t0 = time.perf_counter()
         found = select(prices, state_budget, resolution=self.resolution, native=self.native)
         self.seconds["knapsack"] += time.perf_counter() - t0
+        self.solves += 1
         return found
 
     def prices(self, typ: TypicalStep | None, shard_size: int, cols: Sequence[Choice]) -> Prices:
@@ -320,14 +322,15 @@ def search_sharding(units: Sequence[ShardUnit], cost: TableCostModel, config: Dy
     (``sharding.memory_budget_mb``, else the device's memory times its fraction), for global
     batches like ``lengths``; ``host``: fsdp2 | fsdp1 | zero3, whose semantics price the choices.
     A budget below the smallest possible plan is a ValueError that says the minimum. ``timings``,
-    if given, receives the milliseconds spent planning typical steps, pricing and in the knapsack."""
+    if given, receives the milliseconds spent planning typical steps, pricing and in the knapsack,
+    and how many knapsacks were solved."""
     search = _Search(units, cost, config, world=world, lengths=lengths, host=host, model=model, native=native,
                      resolution=resolution)
     try:
         return search.run(rounds)
     finally:
         if timings is not None:
-            timings.update({f"{k}_ms": v * 1e3 for k, v in search.seconds.items()})
+            timings.update({f"{k}_ms": v * 1e3 for k, v in search.seconds.items()}, knapsack_solves=search.solves)
 
 
 def uniform_plan(units: Sequence[ShardUnit], cost: TableCostModel, config: DynPluginConfig, choice: Choice, *,
