@@ -1,7 +1,8 @@
 """``dynplugin bench shard``: the sharding search (OSDP) against one strategy for every module.
 
 For each model, cluster and memory budget: the searched plan (``osdp``) and FSDP's uniform
-strategies (``full_shard``, ``shard_grad_op``, ``no_shard`` where it fits), each priced the same
+strategies (``full_shard``, ``shard_grad_op``, ``no_shard`` where it fits, and ``hybrid_shard``:
+FULL_SHARD inside a node, replicated across nodes, with more than one node), each priced the same
 way on the step the planner cuts for the memory its model states leave (plan/sharding.py), so
 a method that keeps more gathered also gets fewer, smaller micro-batches or more recompute.
 Records: search time (with its planning, pricing and knapsack parts), simulated step, peak.
@@ -17,13 +18,14 @@ from typing import Sequence
 from ..config import DynPluginConfig
 from ..cost.from_config import build_cost_model
 from ..lengths.io import cap_lengths, load_lengths
-from ..plan.shard_plan import MB, ShardPlan, ShardUnit
+from ..plan.shard_plan import MB, Choice, ShardPlan, ShardUnit
 from ..plan.sharding import BASELINES, search_sharding, uniform_plan
 from ..runtime.sampler import global_batches
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("osdp",) + tuple(BASELINES)
+# hybrid_shard: FULL_SHARD inside each node, replicated across nodes (FSDP's HYBRID_SHARD), where there are nodes
+METHODS = ("osdp",) + tuple(BASELINES) + ("hybrid_shard",)
 # The two models: the A100-measured GPT-6.7B (its profile's fp16 layers) and a 48-layer GPT
 # (GPT-2 XL's shape) priced by the analytic model at A100 figures, for the search at depth.
 SETUPS = {
@@ -49,42 +51,49 @@ def plugin_config(setup: str, gpus: int, budget_mb: float, tokens_per_gpu: int, 
 def bench_shard(args: argparse.Namespace, units: dict[str, Sequence[ShardUnit]]) -> list[dict]:
     """One record per (model, gpus, budget, method); ``units`` per model name (models/shard_units.py)."""
     records = []
-    lengths_all = load_lengths(args.lengths)
+    lengths = cap_lengths(load_lengths(args.lengths), args.max_len, True)
     for setup in args.models.split(","):
         for gpus in (int(g) for g in args.gpus.split(",")):
             for budget in (float(b) for b in args.budgets_mb.split(",")):
                 config = plugin_config(setup, gpus, budget, args.tokens_per_gpu, args.max_len)
-                cost = build_cost_model(config.cost_model, config.cluster)
-                lengths = cap_lengths(lengths_all, args.max_len, True)
                 ids = global_batches(lengths, config.microbatching.global_tokens, 1, args.seed)[0]
                 batch = [int(lengths[i]) for i in ids]
-                base = {"benchmark": "shard", "model": setup, "layers": cost.num_layers, "gpus": gpus,
-                        "memory_budget_mb": budget, "lengths": args.lengths, "global_tokens": sum(batch)}
-                plans: dict[str, ShardPlan] = {}
-                for method in METHODS:
-                    timings: dict = {}
-                    t0 = time.perf_counter()
-                    try:
-                        if method == "osdp":
-                            plan = search_sharding(units[setup], cost, config, world=gpus, lengths=batch, model=setup,
-                                                   timings=timings)
-                        else:
-                            plan = uniform_plan(units[setup], cost, config, BASELINES[method], world=gpus,
-                                                lengths=batch, model=setup)
-                    except ValueError as exc:  # does not fit the budget
-                        logger.info("%s, %d GPUs, %.0f MB: %s does not fit: %s", setup, gpus, budget, method, exc)
-                        records.append({**base, "method": method, "fits": False})
-                        continue
-                    ms = (time.perf_counter() - t0) * 1e3
-                    plans[method] = plan
-                    records.append({**base, "method": method, "fits": True, "search_ms": ms, **timings,
-                                    "sim_iter_ms": plan.step_ms, "exposed_ms": plan.exposed_ms,
-                                    "peak_mem_mb": plan.peak_bytes / MB, "micro_batches": plan.micro_batches,
-                                    "shard_size": plan.shard_size,
-                                    "choices": dict(sorted(Counter(u.choice.label for u in plan.units).items()))})
-                full = plans.get("full_shard")
-                for r in records[-len(METHODS):]:
-                    if full is not None and r.get("fits"):
-                        r["speedup_vs_full_shard"] = full.step_ms / r["sim_iter_ms"]
+                base = {"benchmark": "shard", "model": setup, "gpus": gpus, "memory_budget_mb": budget,
+                        "lengths": args.lengths, "global_tokens": sum(batch)}
+                records += compare_methods(units[setup], config, batch, base)
     return records
 
+
+def compare_methods(units: Sequence[ShardUnit], config: DynPluginConfig, batch: list[int], base: dict) -> list[dict]:
+    """Every method on one model, cluster, budget and global batch, side by side."""
+    cost = build_cost_model(config.cost_model, config.cluster)
+    gpus, nodes = config.cluster.world_size, config.cluster.num_nodes
+    plans: dict[str, ShardPlan] = {}
+    rows = []
+    for method in METHODS if nodes > 1 else METHODS[:-1]:
+        timings: dict = {}
+        t0 = time.perf_counter()
+        try:
+            if method == "osdp":
+                plan = search_sharding(units, cost, config, world=gpus, lengths=batch, model=base["model"],
+                                       timings=timings)
+            else:
+                plan = uniform_plan(units, cost, config, BASELINES.get(method, Choice("full")), world=gpus,
+                                    lengths=batch, model=base["model"],
+                                    shard_size=gpus // nodes if method == "hybrid_shard" else None)
+        except ValueError as exc:  # does not fit the budget
+            logger.info("%s, %d GPUs, %.0f MB: %s does not fit: %s", base["model"], gpus, base["memory_budget_mb"],
+                        method, exc)
+            rows.append({**base, "layers": cost.num_layers, "method": method, "fits": False})
+            continue
+        plans[method] = plan
+        rows.append({**base, "layers": cost.num_layers, "method": method, "fits": True,
+                     "search_ms": (time.perf_counter() - t0) * 1e3, **timings, "sim_iter_ms": plan.step_ms,
+                     "exposed_ms": plan.exposed_ms, "peak_mem_mb": plan.peak_bytes / MB,
+                     "micro_batches": plan.micro_batches, "shard_size": plan.shard_size,
+                     "choices": dict(sorted(Counter(u.choice.label for u in plan.units).items()))})
+    for r in rows:
+        for other in ("full_shard", "hybrid_shard"):
+            if other in plans and r["fits"]:
+                r[f"speedup_vs_{other}"] = plans[other].step_ms / r["sim_iter_ms"]
+    return rows
