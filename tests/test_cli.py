@@ -87,6 +87,19 @@ def test_bench_planner_prints_json(capsys):
     assert whole["pyramid_speedup"] >= 1.0  # pyramid checkpointing never slows a plan
 
 
+def test_bench_shard_prints_json(capsys):
+    assert main(["bench", "shard", "--models", "gpt-48l", "--gpus", "16", "--budgets-mb", "30000", "--json"]) == 0
+    records = {r["method"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert set(records) == {"osdp", "full_shard", "shard_grad_op", "no_shard", "hybrid_shard"}
+    assert not records["no_shard"]["fits"]  # 48 replicated layers do not fit in 30 GB
+    osdp = records["osdp"]
+    assert osdp["layers"] == 48 and osdp["peak_mem_mb"] <= 30000 and osdp["knapsack_solves"] >= 1
+    # the search's plans include every uniform one, priced the same way: none of them is faster
+    for r in records.values():
+        if r["fits"]:
+            assert osdp["sim_iter_ms"] <= r["sim_iter_ms"] * (1 + 1e-9), (osdp, r)
+
+
 def dyn_plugin_native() -> bool:
     import dyn_plugin
 

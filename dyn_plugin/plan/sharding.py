@@ -12,7 +12,10 @@ Every candidate is priced on the step planned with its own states, which is the 
 will plan (``DynLoader(state_bytes=plan.state_bytes, zero_stage=3)``), and the fastest wins.
 The iteration starts from both ends: the smallest model states (every unit sharded as far as it
 goes: the most room for activations) and the largest the budget allows beside the smallest
-activations (the longest sequence alone).
+activations (the longest sequence alone). FSDP's uniform strategies (every unit the same choice)
+are candidates too, each on its own planned step: the planner does not price communication, so
+with more memory it may cut more micro-batches than a chain needs; with them the search is never
+slower than one strategy for every module.
 
 Shard sizes tried: ``sharding.shard_size`` if set, else the world and, where it divides the
 world and is smaller, a node (hybrid sharding: gathers stay inside the node).
@@ -286,6 +289,21 @@ class _Search:
             state_bytes = self.shard_plan(choice, cols, prices, None, shard_size).state_bytes
         return out
 
+    def uniform(self, shard_size: int, cols: list[Choice], memory: Prices) -> list[ShardPlan]:
+        """Every unit the same choice (FSDP's strategies), each priced on its own planned step: the
+        planner does not see communication, so a chain may settle on more micro-batches than one of
+        these plans; with them among the candidates the search is never slower than a uniform plan."""
+        plans = []
+        for j, col in enumerate(cols):
+            if col.kind == "split":
+                continue
+            choice = (j,) * len(self.units)
+            state = self.shard_plan(choice, cols, memory, None, shard_size).state_bytes
+            if state + self.least_activation <= self.budget:
+                typ = self.step(state)
+                plans.append(self.shard_plan(choice, cols, self.prices(typ, shard_size, cols), typ, shard_size))
+        return plans
+
     def run(self, rounds: int) -> ShardPlan:
         candidates, least = [], math.inf
         for n in shard_sizes(self.config, self.world):
@@ -304,6 +322,7 @@ class _Search:
                 starts.append((big.choice, self.shard_plan(big.choice, cols, memory, None, n).state_bytes))
             for choice, state in starts:
                 candidates += self.chain(n, cols, choice, state, rounds)
+            candidates += self.uniform(n, cols, memory)
         if not candidates:
             raise self.minimum_error(least)
         best = min(candidates, key=lambda p: p.step_ms)
