@@ -150,7 +150,9 @@ def initialize(
     if cfg.plugin.sharding.enabled:
         shard_plan, mapping = _apply_sharding(cfg, model, shard_plan, cost, lengths, seed, rank)
         ds_config = merge_zero_config(ds_config, mapping)
-        state_bytes = mapping.memory_bytes  # what ZeRO-3 really holds under the mapping, not the plan's ideal
+        # what ZeRO-3 really holds under the mapping (not the plan's ideal), plus the room the plan keeps
+        # clear beside its states (planner_state_bytes)
+        state_bytes = mapping.memory_bytes + shard_plan.planning_state_bytes - shard_plan.state_bytes
     loader = DynLoader(dataset, lengths=lengths, config=cfg, cost_model=cost, dp_rank=replica, dp_size=dp, pp_rank=stage,
                        pp_size=pp, seed=seed, state_bytes=state_bytes)
     shape = model_shape(model) if sp.enabled else None  # a pipeline's module below has no config

@@ -98,7 +98,9 @@ def run_case(name: str, data, lengths, world: int, plan_dir: str, recompute: str
               "reuse_distance": zero.max_reuse_distance, "recompute": recompute,
               "recompute_ran": engine._dyn_plugin_recompute.mode, "host": plan.host,
               "planned_state_bytes": loader.context.state_bytes,
-              "mapped_state_bytes": zero3_memory_bytes(ref, zero3_settings(ref, plan), world, "fp32")}  # ref: whole weights
+              # ref: whole weights; the mapping's states plus the room the plan keeps clear beside its own
+              "mapped_state_bytes": zero3_memory_bytes(ref, zero3_settings(ref, plan), world, "fp32")
+              + plan.planning_state_bytes - plan.state_bytes}
     engine.destroy()
     return result
 

@@ -313,7 +313,7 @@ def test_search_plan_fits_roundtrips_and_native_equals_python(tmp_path):
     assert len({u.choice.kind for u in plan.units}) > 1  # a budget where the choices differ per unit
     assert [u.name for u in plan.units] == [u.name for u in units] and plan.dtype == "fp32" and plan.host == "fsdp2"
     # the step it was priced on is the one training plans with its states
-    typ = typical_step(LENGTHS, cost, cfg, world=4, state_bytes=plan.state_bytes)
+    typ = typical_step(LENGTHS, cost, cfg, world=4, state_bytes=plan.planning_state_bytes)
     assert (plan.micro_batches, plan.activation_bytes) == (typ.micro_batches, typ.activation_bytes)
     assert plan.step_ms == pytest.approx(plan.compute_ms + sum(u.exposed_ms for u in plan.units))
     mbs = [p for p, _ in plan.frontier]

@@ -94,7 +94,7 @@ def initialize(
     optimizer = optimizer_fn(model.parameters())
     # micro-batches are cut for the memory the plan's model states leave
     loader = DynLoader(dataset, lengths=lengths, config=plugin, cost_model=cost, dp_rank=rank, dp_size=world,
-                       zero_stage=3, seed=seed, state_bytes=plan.state_bytes)
+                       zero_stage=3, seed=seed, state_bytes=plan.planning_state_bytes)
     return model, optimizer, loader, plan
 
 

@@ -119,6 +119,10 @@ class ShardPlan:
     compute_ms: float  # that plan's compute per step
     units: tuple[UnitPlan, ...]
     frontier: tuple[tuple[float, float], ...] = ()  # (peak MB, step ms) the search explored: the best step per memory
+    # Model-state memory the step planner keeps clear (0: state_bytes). Larger than state_bytes where
+    # a smaller activation budget makes a faster step: the planner does not price gathers, so with
+    # room to spare it may cut more micro-batches, each gathering again.
+    planner_state_bytes: float = 0.0
     version: int = VERSION
 
     def __post_init__(self) -> None:
@@ -133,6 +137,11 @@ class ShardPlan:
     def state_bytes(self) -> float:
         """Model states per rank: every unit's, plus the gather reserve."""
         return sum(u.memory_bytes for u in self.units) + self.gather_reserve_bytes
+
+    @property
+    def planning_state_bytes(self) -> float:
+        """What the step planner is told the model states take (``DynLoader(state_bytes=...)``)."""
+        return max(self.planner_state_bytes, self.state_bytes)
 
     @property
     def peak_bytes(self) -> float:

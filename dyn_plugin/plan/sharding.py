@@ -9,13 +9,15 @@ model states (``planner_spec(state_bytes=...)``: activations get the budget the 
 So the two iterate: plan a step with some model states, search under the budget its activation
 peak leaves, plan again with the states found, until the choices stop changing (a few rounds).
 Every candidate is priced on the step planned with its own states, which is the step training
-will plan (``DynLoader(state_bytes=plan.state_bytes, zero_stage=3)``), and the fastest wins.
+will plan (``DynLoader(state_bytes=plan.planning_state_bytes, zero_stage=3)``), and the fastest wins.
 The iteration starts from both ends: the smallest model states (every unit sharded as far as it
 goes: the most room for activations) and the largest the budget allows beside the smallest
-activations (the longest sequence alone). FSDP's uniform strategies (every unit the same choice)
-are candidates too, each on its own planned step: the planner does not price communication, so
-with more memory it may cut more micro-batches than a chain needs; with them the search is never
-slower than one strategy for every module.
+activations (the longest sequence alone). The planner does not price communication, so with
+room to spare it may cut more micro-batches, each gathering again: the search also gives the
+planner activation budgets on a ladder (with the choices that fit beside each), prices every
+candidate on every step planned with less room than it leaves (``ShardPlan.planner_state_bytes``
+then tells the loader to keep that room clear), and counts FSDP's uniform strategies (every unit
+the same choice) among the candidates, so it is never slower than one strategy for every module.
 
 Shard sizes tried: ``sharding.shard_size`` if set, else the world and, where it divides the
 world and is smaller, a node (hybrid sharding: gathers stay inside the node).
@@ -257,7 +259,7 @@ class _Search:
                              for m in steps)
         return ShardPlan(self.model, self.world, shard_size, self.cost.dtype, self.host, self.budget,
                          typ.micro_batches if typ else 0, typ.activation_bytes if typ else 0.0, reserve, compute, units,
-                         frontier)
+                         frontier, typ.state_bytes if typ else 0.0)
 
     def minimum_error(self, least_states: float) -> ValueError:
         need = (least_states + self.least_activation) / MB
@@ -270,16 +272,16 @@ class _Search:
             f"{math.ceil(need)} MB, or train on more ranks")
 
     def chain(self, shard_size: int, cols: list[Choice], choice: tuple[int, ...], state_bytes: float,
-              rounds: int) -> list[ShardPlan]:
-        """Plan, search, plan again with the states found, ...: each round's plan is the previous
-        round's choices priced on the step planned with exactly their states."""
+              rounds: int) -> list[tuple[ShardPlan, tuple[int, ...]]]:
+        """Plan, search, plan again with the states found, ...: each round's plan (and its choice)
+        is the previous round's choices priced on the step planned with exactly their states."""
         out = []
         for k in range(rounds):
             typ = self.step(state_bytes)
             prices = self.prices(typ, shard_size, cols)
             found = self.select(prices, self.budget - typ.activation_bytes)
             plan = self.shard_plan(choice, cols, prices, typ, shard_size, found)
-            out.append(plan)
+            out.append((plan, choice))
             logger.debug("sharding search, shard size %d, round %d: %d micro-batches, activations %.0f MB, model "
                          "states %.0f MB, step %.1f ms (exposed %.1f ms)", shard_size, k, typ.micro_batches,
                          typ.activation_bytes / MB, plan.state_bytes / MB, plan.step_ms, plan.exposed_ms)
@@ -289,7 +291,31 @@ class _Search:
             state_bytes = self.shard_plan(choice, cols, prices, None, shard_size).state_bytes
         return out
 
-    def uniform(self, shard_size: int, cols: list[Choice], memory: Prices) -> list[ShardPlan]:
+    def on_tighter_steps(self, plan: ShardPlan, choice: tuple[int, ...], cols: list[Choice]) -> list[ShardPlan]:
+        """``plan``'s choices priced on every typical step planned with more model states than it
+        holds (less room for activations, which it still fits in): where the planner, given the
+        room, cuts more micro-batches than the communication is worth."""
+        n = plan.shard_size
+        return [self.shard_plan(choice, cols, self.prices(typ, n, cols), typ, n)
+                for typ in list(self._steps.values()) if typ.state_bytes > plan.state_bytes]
+
+    def ladder(self, shard_size: int, cols: list[Choice], least_state: float) -> list[tuple[ShardPlan, tuple[int, ...]]]:
+        """The step planner given activation budgets on a ladder (the least any plan needs, times
+        sqrt(2) per rung, up to what the smallest model states leave), and the fastest choices
+        whose states fit beside each: the search over how the budget splits between model states
+        and activations, which the chains reach only where the planner's steps lead them."""
+        out = []
+        room = self.budget - least_state
+        rungs = int(math.floor(2 * math.log2(room / self.least_activation))) + 1 if room >= self.least_activation else 0
+        for activations in [self.least_activation * 2 ** (k / 2) for k in range(rungs)] + [room]:
+            typ = self.step(self.budget - activations)  # planned as if the states took the rest
+            prices = self.prices(typ, shard_size, cols)
+            found = self.select(prices, self.budget - activations)
+            if found is not None:
+                out.append((self.shard_plan(found.choice, cols, prices, typ, shard_size, found), found.choice))
+        return out
+
+    def uniform(self, shard_size: int, cols: list[Choice], memory: Prices) -> list[tuple[ShardPlan, tuple[int, ...]]]:
         """Every unit the same choice (FSDP's strategies), each priced on its own planned step: the
         planner does not see communication, so a chain may settle on more micro-batches than one of
         these plans; with them among the candidates the search is never slower than a uniform plan."""
@@ -301,7 +327,7 @@ class _Search:
             state = self.shard_plan(choice, cols, memory, None, shard_size).state_bytes
             if state + self.least_activation <= self.budget:
                 typ = self.step(state)
-                plans.append(self.shard_plan(choice, cols, self.prices(typ, shard_size, cols), typ, shard_size))
+                plans.append((self.shard_plan(choice, cols, self.prices(typ, shard_size, cols), typ, shard_size), choice))
         return plans
 
     def run(self, rounds: int) -> ShardPlan:
@@ -321,11 +347,12 @@ class _Search:
             if big is not None and big.choice != small:
                 starts.append((big.choice, self.shard_plan(big.choice, cols, memory, None, n).state_bytes))
             for choice, state in starts:
-                candidates += self.chain(n, cols, choice, state, rounds)
-            candidates += self.uniform(n, cols, memory)
+                candidates += [(p, c, cols) for p, c in self.chain(n, cols, choice, state, rounds)]
+            candidates += [(p, c, cols) for p, c in self.uniform(n, cols, memory) + self.ladder(n, cols, small_state)]
         if not candidates:
             raise self.minimum_error(least)
-        best = min(candidates, key=lambda p: p.step_ms)
+        candidates += [(p, c, cols) for plan, c, cols in list(candidates) for p in self.on_tighter_steps(plan, c, cols)]
+        best = min((p for p, _, _ in candidates), key=lambda p: p.step_ms)
         logger.info("sharding plan for %s on %d ranks (shard size %d, %s): %d micro-batches, peak %.0f of %.0f MB, "
                     "step %.1f ms (compute %.1f, exposed communication %.1f); %d candidates from %d planned steps",
                     self.model or "the model", self.world, best.shard_size, self.host, best.micro_batches,
