@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import logging
 
@@ -114,13 +115,13 @@ def plot_frontier(plan, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     if plan.frontier:
         xs, ys = zip(*plan.frontier)
-        ax.step(xs, ys, where="post", marker=".", label="frontier: fastest step within each peak memory")
+        ax.step(xs, ys, where="post", marker=".", label="frontier: fastest step within each peak memory (memory rounded up per module, as the knapsack counts it)")
     ax.plot([plan.peak_bytes / mb], [plan.step_ms], "o", color="crimson",
             label=f"chosen ({plan.peak_bytes / mb:,.0f} MB, {plan.step_ms:,.1f} ms)")
     ax.axvline(plan.memory_budget_bytes / mb, color="gray", linestyle="--", label="memory budget")
     ax.set_xlabel("predicted peak memory per rank (MB)")
     ax.set_ylabel("simulated step (ms)")
-    ax.set_title(f"{plan.model}: sharding search, {plan.world} ranks, {plan.micro_batches} micro-batch(es) per rank")
+    ax.set_title(f"{os.path.basename(plan.model)}: {plan.world} ranks, {plan.micro_batches} micro-batch(es) per rank")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
