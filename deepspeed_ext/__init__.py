@@ -202,7 +202,9 @@ def _apply_sharding(cfg: LoadedConfig, model: torch.nn.Module, plan: ShardPlan |
     from dyn_plugin.models.shard_units import shard_units
     from dyn_plugin.runtime.sharding import shard_plan_for_run
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    # the device this rank's engine will use: before deepspeed.initialize no one has set the current
+    # device, and NCCL needs each rank's broadcast on its own GPU
+    device = torch.device("cuda", _local_rank()) if torch.cuda.is_available() else torch.device("cpu")
     plan = shard_plan_for_run(shard_units(model), cfg.plugin, cost, lengths, host="zero3", device=device,
                               model=type(model).__name__, seed=seed, plan=plan)
     mapping = zero3_settings(model, plan)
