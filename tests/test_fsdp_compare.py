@@ -40,7 +40,7 @@ def test_bench_shard_train_reports_every_method_and_osdp_stays_under_its_budget(
     assert all(f"| {method} | {'yes' if r['fits'] else 'no'} |" in report for method, r in rows.items())
     assert "no_shard does not fit" in report
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
-    assert [r["method"] for r in records] == ["osdp", "full_shard", "shard_grad_op"]  # one timed step each
+    assert sorted(r["method"] for r in records) == ["full_shard", "osdp", "shard_grad_op"]  # one timed step each
 
 
 def test_the_default_budget_is_the_largest_at_which_no_shard_does_not_fit():

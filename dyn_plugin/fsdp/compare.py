@@ -11,9 +11,10 @@ standard library's source, tokenized with the plugin's offline BPE) through the 
 (``initialize`` / ``train_step``), so only the sharding, and the micro-batches the planner cuts
 for the memory the plan's model states leave, differ.
 
-Per method: warm-up step(s), then timed steps (barrier and one device synchronisation around
-each: the step's kernels have run, not just been queued); effective tokens/s = real tokens /
-time. Then, in a separate short run (wrap + 2 steps), the peak memory per rank measured inside
+Warm-up step(s), then timed steps (barrier and one device synchronisation around each: the
+step's kernels have run, not just been queued), the methods taking turns on each global batch so
+that the load of other processes falls on all alike; effective tokens/s = real tokens / time.
+Then, per method, in a separate short run (wrap + 2 steps), the peak memory per rank measured inside
 ``memory.measure()`` against the plan's prediction for those steps and the budget: on CPU that
 measurement watches every op, which slows them, so it never shares a run with the timing.
 
@@ -111,36 +112,46 @@ def find_plan(method: str, units: list[ShardUnit], cost: TableCostModel, plugin:
     return plan, (time.perf_counter() - t0) * 1e3, timings, ""
 
 
-def timed_run(method: str, plan: ShardPlan, cost: TableCostModel, section: dict, args: argparse.Namespace, docs,
-              lengths, device: torch.device, dtype: str) -> list[dict]:
-    """Warm-up and timed steps of one method; a record per timed step (rank 0's view of the global step)."""
-    model, optimizer, loader, plan = initialize(
-        fresh_model(args, device, dtype), {"dyn_plugin": section}, [{"input_ids": d} for d in docs], lengths,
-        plan=plan, fsdp="fsdp2", optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=LR), cost_model=cost, seed=args.seed)
+def timed_runs(plans: dict[str, ShardPlan], cost: TableCostModel, section: dict, args: argparse.Namespace, docs,
+               lengths, device: torch.device, dtype: str) -> list[dict]:
+    """Warm-up and timed steps of every method, interleaved: each global batch trains under every
+    method in turn (the order rotating per step), so a change in the machine's load (other
+    processes on shared cores) falls on all methods alike. A record per method and timed step."""
+    runs = {}
+    for method, plan in plans.items():
+        model, optimizer, loader, plan = initialize(
+            fresh_model(args, device, dtype), {"dyn_plugin": section}, [{"input_ids": d} for d in docs], lengths,
+            plan=plan, fsdp="fsdp2", optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=LR), cost_model=cost,
+            seed=args.seed)
+        runs[method] = (model, optimizer, loader, iter(loader), plan)
     records = []
-    total = args.warmup + args.steps
-    bar = tqdm(total=total, desc=f"{method:>13}", disable=dist.get_rank() != 0)
-    for n, step in enumerate(loader):
-        # on the rank's device: NCCL reduces device tensors only
-        counts = torch.tensor([sum(sum(d["seq_lens"]) for d in step.loaded), len(step.micro_batches)],
-                              dtype=torch.float64, device=device)
-        synchronize(device)
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = train_step(model, optimizer, step, plan)
-        synchronize(device)  # once per step: the step's kernels have run, not just been queued
-        dist.barrier()
-        ms = (time.perf_counter() - t0) * 1e3
-        dist.all_reduce(counts)
-        bar.update()
-        if n >= args.warmup:
-            records.append({"method": method, "step": n, "measured_ms": ms, "real_tokens": float(counts[0]),
-                            "micro_batches": float(counts[1]) / dist.get_world_size(), "loss": loss,
-                            "loader_predicted_ms": step.predicted_ms})
-        if n + 1 == total:
-            break
+    methods = list(runs)
+    bar = tqdm(total=(args.warmup + args.steps) * len(methods), desc="steps (every method in turn)",
+               disable=dist.get_rank() != 0)
+    for n in range(args.warmup + args.steps):
+        for method in methods[n % len(methods):] + methods[:n % len(methods)]:
+            model, optimizer, _, steps, plan = runs[method]
+            step = next(steps)  # planned and collated outside the timed region
+            # on the rank's device: NCCL reduces device tensors only
+            counts = torch.tensor([sum(sum(d["seq_lens"]) for d in step.loaded), len(step.micro_batches)],
+                                  dtype=torch.float64, device=device)
+            synchronize(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = train_step(model, optimizer, step, plan)
+            synchronize(device)  # once per step: the step's kernels have run, not just been queued
+            dist.barrier()
+            ms = (time.perf_counter() - t0) * 1e3
+            dist.all_reduce(counts)
+            bar.update()
+            if n >= args.warmup:
+                records.append({"method": method, "step": n, "measured_ms": ms, "real_tokens": float(counts[0]),
+                                "micro_batches": float(counts[1]) / dist.get_world_size(), "loss": loss,
+                                "loader_predicted_ms": step.predicted_ms})
     bar.close()
-    loader.close()
+    for _, _, loader, _, _ in runs.values():
+        loader.close()
+    del runs
     release(device)
     return records
 
@@ -227,7 +238,8 @@ def report(rows: list[dict], args: argparse.Namespace, ranks_on: str, load: tupl
     text = (f"# Sharding plans trained: {args.model}, FSDP2, {dist.get_world_size()} {ranks_on}\n\n"
             f"Memory budget {args.budget_mb:,.0f} MB per rank (model states + activations; {args.budget_source}). Python standard library "
             f"source ({args.lengths}), sequences up to {args.max_len} tokens, {args.global_tokens:,} tokens per global "
-            f"batch, {args.steps} timed steps per method after {args.warmup} warm-up. Effective tokens/s counts real "
+            f"batch, {args.steps} timed steps per method after {args.warmup} warm-up, the methods taking turns on each "
+            f"global batch. Effective tokens/s counts real "
             f"tokens. Predicted step: the plan's priced step ({cost_model_label(args.profile)}, overlap "
             f"{args.overlap if args.overlap is not None else 'default'}); peak: the largest over ranks of "
             f"{MEMORY_STEPS} steps (wrap included) in a separate run, measured against the plan's prediction for "
@@ -288,15 +300,14 @@ def main() -> None:
         args.budget_source = "the largest whole MB at which no_shard does not fit (the default)"
     section = plugin_section(args, dtype, world, args.budget_mb)
     plugin = load_config({"dyn_plugin": section}).plugin
-    records, rows = [], []
-    for method in methods:
-        plan, search_ms, timings, reason = find_plan(method, units, cost, plugin, args, lengths)
-        mine, memory = [], None
-        if plan is not None:
-            mine = timed_run(method, plan, cost, section, args, docs, lengths, device, dtype)
-            memory = memory_run(plan, cost, section, args, docs, lengths, device, dtype)
-        records += mine
-        rows.append(summary_row(method, plan, search_ms, timings, reason, mine, memory, cost, args))
+    rows = []
+    found = {method: find_plan(method, units, cost, plugin, args, lengths) for method in methods}
+    plans = {method: plan for method, (plan, *_) in found.items() if plan is not None}
+    records = timed_runs(plans, cost, section, args, docs, lengths, device, dtype)
+    for method, (plan, search_ms, timings, reason) in found.items():
+        memory = memory_run(plan, cost, section, args, docs, lengths, device, dtype) if plan is not None else None
+        rows.append(summary_row(method, plan, search_ms, timings, reason,
+                                [r for r in records if r["method"] == method], memory, cost, args))
     if dist.get_rank() == 0:
         add_speedups(rows)
         text = report(rows, args, ranks_on, (load_start, [round(x, 2) for x in os.getloadavg()]))
