@@ -270,9 +270,11 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
             inputs.update(labels=inputs["shift_labels"], num_items_in_batch=1)
         with sequence.micro_batch(step, i, mb) if sequence else contextlib.nullcontext():
             t0 = time.perf_counter()
-            out = engine(**inputs, use_cache=False)
+            # only the loss is kept: the output's logits (tokens x vocabulary) alive through backward
+            # are memory the profile's peak does not include (it measured forward().loss)
+            loss = engine(**inputs, use_cache=False).loss
             # the plan knows the count; counting the labels would read a device tensor back
-            loss_sum = out.loss if desc["sp"] > 1 else out.loss * scored_tokens(desc["seq_lens"])  # HF: the mean
+            loss_sum = loss if desc["sp"] > 1 else loss * scored_tokens(desc["seq_lens"])  # HF: the mean
             t1 = time.perf_counter()
             engine.backward(loss_sum * (dp / step.scored_tokens), scale_wrt_gas=False)
         total += loss_sum.detach().double()

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 import deepspeed_ext
 from dyn_plugin.models.hf import build_causal_lm, load_model_config
+from dyn_plugin.runtime.train_bench import cost_model_label, cost_model_section, tokenized_corpus
 
 # mode -> what it changes in the dyn_plugin section
 MODES = {
@@ -48,36 +49,6 @@ MODES = {
 }
 SP_MODES = ("sp_dynamic", "sp_fixed", "sp1_full")
 BASELINES = ("padded", "packing", "packing_varlen", "sp_fixed", "sp1_full")  # the ratios the report shows
-
-
-def tokenized_corpus(name: str, max_len: int, out: str) -> tuple[list[np.ndarray], np.ndarray]:
-    """Real token ids: rank 0 tokenizes, everyone reads the same file (npz: no pickle)."""
-    path = os.path.join(out, f"{name}-tokens.npz")
-    if dist.get_rank() == 0 and not os.path.exists(path):
-        from dyn_plugin.lengths.corpus import iter_documents
-        from dyn_plugin.lengths.tokenizer import get_tokenizer
-
-        ids = [np.asarray(e.ids[:max_len], dtype=np.int32) for e in get_tokenizer().encode_batch(list(iter_documents(name)))]
-        ids = [x for x in ids if len(x) > 1]
-        np.savez(path, flat=np.concatenate(ids), offsets=np.cumsum([0] + [len(x) for x in ids]))
-    dist.barrier()
-    z = np.load(path)
-    flat, off = z["flat"], z["offsets"]
-    docs = [flat[a:b] for a, b in zip(off[:-1], off[1:])]
-    return docs, np.array([len(d) for d in docs])
-
-
-def cost_model_section(profile: str | None, dtype: str) -> dict:
-    """The measured profile when given, else the analytic model of the live model's shape
-    (predicted times then come from nominal device figures, not this machine's)."""
-    if profile:
-        return {"kind": "profile", "profile": profile, "dtype": dtype}
-    return {"kind": "analytic", "dtype": dtype}
-
-
-def cost_model_label(profile: str | None) -> str:
-    """Which cost model priced the plans, for the report and the JSON rows."""
-    return f"profile {profile}" if profile else "analytic (no --profile: predictions from nominal device figures)"
 
 
 def precision_section(dtype: str) -> dict:

@@ -140,7 +140,7 @@ def test_bench_train_runs_without_a_profile_on_the_analytic_model(tmp_path, caps
     """What a newcomer types: no --profile. The launch goes ahead on the analytic model and says so."""
     import subprocess as sp
 
-    from deepspeed_ext.compare import cost_model_section
+    from dyn_plugin.runtime.train_bench import cost_model_section
 
     launched = []
 

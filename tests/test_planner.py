@@ -13,7 +13,9 @@ from dyn_plugin.lengths.packing import pack_rows
 from dyn_plugin.plan.assign import assign_to_replicas
 from dyn_plugin.plan.baselines import BASELINES, plan_baseline
 from dyn_plugin.plan.instructions import check_plans, plan_from_json, plan_to_json
-from dyn_plugin.plan.planner import critical_path_ms, execution_plans, ideal_ms, make_micro_batch, plan_step, planner_spec
+from dyn_plugin.plan.microbatch import InfeasibleError, StageMemory
+from dyn_plugin.plan.planner import (critical_path_ms, execution_plans, ideal_ms, make_micro_batch, plan_step,
+                                     planner_spec)
 from dyn_plugin.runtime.sampler import global_batches
 
 CONFIG = load_config("examples/a100_gpt67b.json")
@@ -175,3 +177,21 @@ def test_token_budget_groups_as_deepspeed_batch_by_seqlens():
         assert ours[len(theirs) - 1][: len(theirs[-1])] == theirs[-1]
         assert sum(map(len, ours)) == len(lengths)
         assert all(sum(lengths[i] for i in g) <= budget for g in ours)
+
+
+def test_a_sequence_only_the_packed_layout_fits_is_planned_packed():
+    """Padding holds more than packing: where the longest sequence fits alone only when packed, the
+    step plans it packed instead of failing on the padded layout."""
+    mbc = CONFIG.plugin.microbatching.model_copy(update={"pad_multiple": 1024})
+    one_stage = CONFIG.plugin.pipeline.model_copy(update={"stages": 1})
+    spec = planner_spec(COST, CONFIG.plugin.model_copy(update={"microbatching": mbc, "pipeline": one_stage}), dp=4,
+                        zero_stage=3)
+    lengths = [5000, 700, 300, 200, 150, 100, 90, 80]
+    least = {layout: min(make_micro_batch([0], lengths, spec, layout, rc).peak_bytes[0] for rc in spec.recomputes)
+             for layout in ("padded", "packed")}
+    assert least["padded"] > least["packed"]  # 5000 tokens padded to 5120
+    spec = replace(spec, memory=(StageMemory((least["padded"] + least["packed"]) / 2, 1),))
+    plan = plan_step(lengths, spec)
+    assert {mb.layout for r in plan.replicas for mb in r.micro_batches if 0 in mb.sample_ids} == {"packed"}
+    with pytest.raises(InfeasibleError, match="does not fit in a padded micro-batch"):
+        plan_step(lengths, replace(spec, layouts=("padded",)))

@@ -47,9 +47,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shard.add_argument("--gpus", default="8,16", help="ranks (8 per node)")
     shard.add_argument("--budgets-mb", default="24000,30000,36000", help="memory budgets per rank")
     shard.add_argument("--tokens-per-gpu", type=int, default=16384, help="global batch = this x gpus tokens")
-    shard.add_argument("--max-len", type=int, default=8192, help="sequences are capped at this")
+    shard.add_argument("--max-len", type=int, help="sequences are capped at this (default 8192; 4096 with --train)")
     shard.add_argument("--lengths", default="code")
     shard.add_argument("--seed", type=int, default=0)
+    shard.add_argument("--train", action="store_true",
+                       help="instead, train tiny Llama with FSDP2 on local CPU ranks (a GPU each where there are GPUs) "
+                            "under --budget-mb, every method's plan side by side: measured effective tokens/s and peak "
+                            "memory (dyn_plugin/fsdp/compare.py)")
+    shard.add_argument("--budget-mb", type=float, help="with --train: memory per rank (model states + activations) "
+                                                       "the plans are searched for and trained under (default: the "
+                                                       "largest whole MB at which no_shard does not fit)")
+    shard.add_argument("--profile", help="with --train: tiny-llama profile of this machine (dynplugin profile --ranks 2); "
+                                         "without it the analytic cost model prices the plans")
+    shard.add_argument("--out", default="out/bench-shard-train", help="with --train: report folder")
+    shard.add_argument("--steps", type=int, default=4, help="with --train: timed steps per method")
+    shard.add_argument("--ranks", type=int, default=2, help="with --train: local ranks")
+    shard.add_argument("--global-tokens", type=int, default=16384, help="with --train: tokens per global batch")
+    shard.add_argument("--overlap", type=float, help="with --train: sharding.overlap (default: the config's)")
     loader = sub.add_parser("loader", help="loader steps/s, time each step waits for its plan (planning locally or "
                                             "ahead through a store), store round-trip latency")
     loader.add_argument("--steps", type=int, default=20)
@@ -82,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     host = dict(machine=platform.machine(), python=platform.python_version(), date=time.strftime("%Y-%m-%d"))
     if args.what == "train":
         return bench_train(args, host)
+    if args.what == "shard" and args.train:
+        return bench_shard_train(args, host)
     if args.what in ("planner", "sp", "shard", "loader"):
         if args.what == "planner":
             from ..bench.planner import bench_planner
@@ -95,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
             from ..bench.shard import bench_shard
             from ..models.shard_units import config_units
 
+            args.max_len = args.max_len or 8192
             records = bench_shard(args, {"gpt-6.7b": config_units("examples/gpt-6.7b.json")[1],
                                          "gpt-48l": config_units(GPT_48L)[1]})
         elif args.samples is not None:
@@ -162,27 +179,44 @@ def bench_cost(args: argparse.Namespace) -> dict:
 
 
 def bench_train(args: argparse.Namespace, host: dict) -> int:
-    """Launch the comparison on local ranks (torchrun), then print its summary rows."""
+    """Launch DeepSpeed's batchings side by side on local ranks (torchrun), then print its summary rows."""
+    from deepspeed_ext.compare import SP_MODES
+
+    extra = ["--modes", ",".join(SP_MODES)] if args.sp else []
+    max_len = args.max_len or (16384 if args.sp else 4096)
+    return launch_comparison("deepspeed_ext.compare", "train", args, host,
+                             ["--max-len", str(max_len), "--global-tokens", str(args.global_tokens)] + extra)
+
+
+def bench_shard_train(args: argparse.Namespace, host: dict) -> int:
+    """Launch the sharding plans side by side on local ranks (torchrun), then print its summary rows."""
+    extra = ["--max-len", str(args.max_len or 4096), "--global-tokens", str(args.global_tokens), "--lengths",
+             args.lengths, "--seed", str(args.seed)]
+    for flag, value in (("--budget-mb", args.budget_mb), ("--overlap", args.overlap)):
+        extra += [flag, str(value)] if value is not None else []
+    return launch_comparison("dyn_plugin.fsdp.compare", "shard-train", args, host, extra)
+
+
+def launch_comparison(module: str, benchmark: str, args: argparse.Namespace, host: dict, extra: list[str]) -> int:
+    """Run ``module`` on ``args.ranks`` local ranks (torchrun) writing into ``args.out``, then print
+    each row of its summary.json as a JSON record."""
     import os
     import subprocess
     import sys
 
-    from deepspeed_ext.compare import SP_MODES, cost_model_label
+    from ..runtime.train_bench import cost_model_label
 
-    extra = ["--modes", ",".join(SP_MODES)] if args.sp else []
-    max_len = args.max_len or (16384 if args.sp else 4096)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", "-m", "deepspeed_ext.compare",
-           "--out", args.out, "--steps", str(args.steps), "--max-len", str(max_len),
-           "--global-tokens", str(args.global_tokens)] + (["--profile", args.profile] if args.profile else []) + extra
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", "-m", module,
+           "--out", args.out, "--steps", str(args.steps)] + extra + (["--profile", args.profile] if args.profile else [])
     cost_model = cost_model_label(args.profile)
     if not args.json:
         print(f"cost model: {cost_model}" + ("" if args.profile else "; measure one with `dynplugin profile` and "
                                                                       "pass --profile for predictions of this machine"))
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL if args.json else None)
     if done.returncode != 0:
-        raise RuntimeError(f"training comparison failed (exit {done.returncode}): {' '.join(cmd)}")
+        raise RuntimeError(f"{benchmark} comparison failed (exit {done.returncode}): {' '.join(cmd)}")
     with open(os.path.join(args.out, "summary.json")) as f:
         for row in json.load(f):
-            print(json.dumps({"benchmark": "train", "cost_model": cost_model, **row, **host},
+            print(json.dumps({"benchmark": benchmark, "cost_model": cost_model, **row, **host},
                              indent=None if args.json else 2))
     return 0

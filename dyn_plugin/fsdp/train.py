@@ -121,8 +121,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step, p
             unit.set_requires_gradient_sync(last, recurse=False)
             unit.set_reshard_after_backward(last, recurse=False)
         inputs = {k: v.to(device) for k, v in mb.items() if k in MODEL_KEYS}
-        out = model(**inputs, use_cache=False)
-        loss_sum = out.loss * scored_tokens(desc["seq_lens"])  # HF returns the mean; the plan knows the count
+        # only the loss is kept: the output's logits (tokens x vocabulary) alive through backward
+        # are memory the profile's peak does not include (it measured forward().loss)
+        loss = model(**inputs, use_cache=False).loss
+        loss_sum = loss * scored_tokens(desc["seq_lens"])  # HF returns the mean; the plan knows the count
         (loss_sum * (world / step.scored_tokens)).backward()
         total += loss_sum.detach().double()
     optimizer.step()

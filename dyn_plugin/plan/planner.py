@@ -19,7 +19,7 @@ from ..cost.table import TableCostModel, evaluate_checkpointed, evaluate_stage
 from ..lengths.packing import pack_rows
 from .assign import assign_to_replicas, split_for_replicas
 from .instructions import ExecutionPlan, build_execution_plans
-from .microbatch import StageMemory, partition
+from .microbatch import InfeasibleError, StageMemory, partition
 from .schedule import choose_schedule, one_f_one_b
 from .simulator import simulate, stage_peak_bytes
 from .types import LinkSpec, MicroBatch, Schedule, SimResult
@@ -416,9 +416,14 @@ def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True,
             return grouped
         return grouped if grouped.iteration_ms < plain.iteration_ms else plain
     candidates: list[list[MicroBatch]] = []
+    infeasible: InfeasibleError | None = None
     for layout in spec.layouts:
-        part = partition(lengths, spec.cost, layout=layout, stages=spec.stages, memory=spec.memory, dp=spec.dp,
-                         recomputes=spec.recomputes, tp=spec.tp, native=native)
+        try:
+            part = partition(lengths, spec.cost, layout=layout, stages=spec.stages, memory=spec.memory, dp=spec.dp,
+                             recomputes=spec.recomputes, tp=spec.tp, native=native)
+        except InfeasibleError as exc:  # padding holds more than packing: the longest sequence may fit one layout only
+            infeasible = infeasible or exc
+            continue
         candidates.append([make_micro_batch(part.order[a:b], lengths, spec, layout, rc)
                            for a, b, rc in zip(part.bounds, part.bounds[1:], part.recompute)])
     if "packed" in spec.layouts and spec.row_len and max(lengths) <= spec.row_len:
@@ -429,6 +434,8 @@ def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True,
         mbs = cheapest_feasible(rows, lengths, spec) if rows else None
         if mbs is not None:
             candidates.append(mbs)
+    if not candidates:
+        raise infeasible  # type: ignore[misc]  # every layout was tried, and each raised
     best = None
     for mbs in candidates:
         plan = same_recompute(schedule_replicas(mbs, spec, method="dynapipe"), spec)
