@@ -420,3 +420,22 @@ def test_search_on_48_layers_is_fast():
                    links=Links.of(cfg.cluster, cost.update))
         sel = select(pr, 6000 * MB - typ.activation_bytes)
         assert time.perf_counter() - t0 < 1.0 and sel is not None
+
+
+def test_the_plan_leaves_room_for_the_runs_longest_sequence():
+    """The typical batch is one global batch; a later one may hold a longer sequence. The plan
+    leaves the planner room for the run's longest sequence alone, so every later step plans."""
+    from dyn_plugin.plan.planner import plan_step
+
+    cfg = config(130)
+    cost = build_cost_model(cfg.cost_model, cfg.cluster)
+    short = [min(n, 200) for n in LENGTHS]
+    plan = search_sharding(gpt_units(2), cost, cfg, world=4, lengths=short, longest=1024)
+    assert plan.peak_bytes <= 130 * MB
+    spec = planner_spec(cost, cfg, dp=4, zero_stage=3, state_bytes=plan.planning_state_bytes)
+    step = plan_step([1024, 5, 5, 5], spec)  # the longest sequence of the run, in a later step
+    assert max(mb.peak_bytes[0] for mb in step.micro_batches) + plan.state_bytes <= 130 * MB
+    # told only of the typical batch, the search takes the room the longest sequence needs
+    tight = search_sharding(gpt_units(2), cost, cfg, world=4, lengths=short)
+    with pytest.raises(ValueError, match="length 1024.* does not fit"):
+        plan_step([1024, 5, 5, 5], planner_spec(cost, cfg, dp=4, zero_stage=3, state_bytes=tight.planning_state_bytes))

@@ -60,12 +60,14 @@ def bench_shard(args: argparse.Namespace, units: dict[str, Sequence[ShardUnit]])
                 batch = [int(lengths[i]) for i in ids]
                 base = {"benchmark": "shard", "model": setup, "gpus": gpus, "memory_budget_mb": budget,
                         "lengths": args.lengths, "global_tokens": sum(batch)}
-                records += compare_methods(units[setup], config, batch, base)
+                records += compare_methods(units[setup], config, batch, base, int(lengths.max()))
     return records
 
 
-def compare_methods(units: Sequence[ShardUnit], config: DynPluginConfig, batch: list[int], base: dict) -> list[dict]:
-    """Every method on one model, cluster, budget and global batch, side by side."""
+def compare_methods(units: Sequence[ShardUnit], config: DynPluginConfig, batch: list[int], base: dict,
+                    longest: int) -> list[dict]:
+    """Every method on one model, cluster, budget and global batch, side by side; each leaves room
+    for the ``longest`` sequence of the run alone."""
     cost = build_cost_model(config.cost_model, config.cluster)
     gpus, nodes = config.cluster.world_size, config.cluster.num_nodes
     plans: dict[str, ShardPlan] = {}
@@ -76,11 +78,11 @@ def compare_methods(units: Sequence[ShardUnit], config: DynPluginConfig, batch: 
         try:
             if method == "osdp":
                 plan = search_sharding(units, cost, config, world=gpus, lengths=batch, model=base["model"],
-                                       timings=timings)
+                                       timings=timings, longest=longest)
             else:
                 plan = uniform_plan(units, cost, config, BASELINES.get(method, Choice("full")), world=gpus,
                                     lengths=batch, model=base["model"],
-                                    shard_size=gpus // nodes if method == "hybrid_shard" else None)
+                                    shard_size=gpus // nodes if method == "hybrid_shard" else None, longest=longest)
         except ValueError as exc:  # does not fit the budget
             logger.info("%s, %d GPUs, %.0f MB: %s does not fit: %s", base["model"], gpus, base["memory_budget_mb"],
                         method, exc)

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     lengths = cap_lengths(load_lengths(args.lengths), plugin.microbatching.max_seq_len, plugin.microbatching.truncate)
     ids = global_batches(lengths, plugin.microbatching.global_tokens, 1, args.seed)[0]
     plan = search_sharding(units, cost, plugin, world=world, lengths=[int(lengths[i]) for i in ids], host=host,
-                           model=name)
+                           model=name, longest=int(lengths.max()))
     plan.save(args.out)
     if args.json:
         print(json.dumps(plan.to_dict()))

@@ -184,7 +184,8 @@ class _Search:
     """One model, cluster and global batch: typical steps by model states, prices by shard size."""
 
     def __init__(self, units: Sequence[ShardUnit], cost: TableCostModel, config: DynPluginConfig, *, world: int,
-                 lengths: Sequence[int], host: str, model: str, native: bool, resolution: int) -> None:
+                 lengths: Sequence[int], host: str, model: str, native: bool, resolution: int,
+                 longest: int | None = None) -> None:
         if not units:
             raise ValueError("a sharding search needs the model's units (models.shard_units.shard_units)")
         self.units, self.cost, self.config, self.world = list(units), cost, config, world
@@ -196,8 +197,10 @@ class _Search:
         cluster = config.cluster
         budget_mb = config.sharding.memory_budget_mb
         self.budget = budget_mb * MB if budget_mb else cluster.device.memory_mb * MB * cluster.device.memory_fraction
+        # every step must fit the run's longest sequence alone, not only the typical batch's
+        self.longest = max(longest or 0, max(self.lengths))
         self.least_activation = smallest_activation(
-            self.lengths, planner_spec(cost, config, dp=world, zero_stage=3, state_bytes=0.0))
+            [self.longest], planner_spec(cost, config, dp=world, zero_stage=3, state_bytes=0.0))
         self._steps: dict[float, TypicalStep] = {}
         self._prices: dict[tuple[float, int, tuple[Choice, ...]], Prices] = {}
         optimizer = cost.update.optimizer
@@ -263,7 +266,7 @@ class _Search:
 
     def minimum_error(self, least_states: float) -> ValueError:
         need = (least_states + self.least_activation) / MB
-        longest = max(self.lengths)
+        longest = self.longest
         return ValueError(
             f"the memory budget, {self.budget / MB:.0f} MB per rank, is below the smallest possible sharding plan: "
             f"{need:.0f} MB ({least_states / MB:.0f} MB of model states with every module sharded as far as "
@@ -279,7 +282,8 @@ class _Search:
         for k in range(rounds):
             typ = self.step(state_bytes)
             prices = self.prices(typ, shard_size, cols)
-            found = self.select(prices, self.budget - typ.activation_bytes)
+            # room for the typical step's activations, and for the run's longest sequence alone
+            found = self.select(prices, self.budget - max(typ.activation_bytes, self.least_activation))
             plan = self.shard_plan(choice, cols, prices, typ, shard_size, found)
             out.append((plan, choice))
             logger.debug("sharding search, shard size %d, round %d: %d micro-batches, activations %.0f MB, model "
@@ -363,15 +367,17 @@ class _Search:
 
 def search_sharding(units: Sequence[ShardUnit], cost: TableCostModel, config: DynPluginConfig, *, world: int,
                     lengths: Sequence[int], host: str = "fsdp2", model: str = "", native: bool = True,
-                    resolution: int = RESOLUTION, rounds: int = ROUNDS, timings: dict | None = None) -> ShardPlan:
+                    resolution: int = RESOLUTION, rounds: int = ROUNDS, timings: dict | None = None,
+                    longest: int | None = None) -> ShardPlan:
     """The fastest sharding plan of ``units`` on ``world`` ranks within the memory budget
     (``sharding.memory_budget_mb``, else the device's memory times its fraction), for global
-    batches like ``lengths``; ``host``: fsdp2 | fsdp1 | zero3, whose semantics price the choices.
-    A budget below the smallest possible plan is a ValueError that says the minimum. ``timings``,
+    batches like ``lengths``; ``host``: fsdp2 | fsdp1 | zero3, whose semantics price the choices;
+    ``longest``: the longest sequence any step of the run may hold (default: ``lengths``'), which
+    every plan leaves room for. A budget below the smallest possible plan is a ValueError that says the minimum. ``timings``,
     if given, receives the milliseconds spent planning typical steps, pricing and in the knapsack,
     and how many knapsacks were solved."""
     search = _Search(units, cost, config, world=world, lengths=lengths, host=host, model=model, native=native,
-                     resolution=resolution)
+                     resolution=resolution, longest=longest)
     try:
         return search.run(rounds)
     finally:
@@ -381,12 +387,12 @@ def search_sharding(units: Sequence[ShardUnit], cost: TableCostModel, config: Dy
 
 def uniform_plan(units: Sequence[ShardUnit], cost: TableCostModel, config: DynPluginConfig, choice: Choice, *,
                  world: int, lengths: Sequence[int], host: str = "fsdp2", model: str = "",
-                 shard_size: int | None = None, native: bool = True) -> ShardPlan:
+                 shard_size: int | None = None, native: bool = True, longest: int | None = None) -> ShardPlan:
     """Every unit the same ``choice`` (``BASELINES``: FSDP's FULL_SHARD, SHARD_GRAD_OP, NO_SHARD),
     priced as the search prices its plans, on the step planned with its model states; sharded
     over ``shard_size`` ranks (default the world). A ValueError when it does not fit the budget."""
     search = _Search(units, cost, config, world=world, lengths=lengths, host=host, model=model, native=native,
-                     resolution=RESOLUTION)
+                     resolution=RESOLUTION, longest=longest)
     n = shard_size or world
     per_unit = uniform_choice_units(units, choice)
     cols = sorted(set(per_unit.values()), key=lambda c: c.label)

@@ -37,8 +37,9 @@ def resolve_shard_plan(units: Sequence[ShardUnit], plugin: DynPluginConfig, cost
         plan = ShardPlan.load(plan)
     if plan is None:
         ids = global_batches(lengths, plugin.microbatching.global_tokens, 1, seed)[0]
+        longest = min(int(max(lengths)), plugin.microbatching.max_seq_len)  # the loader truncates or refuses longer
         plan = search_sharding(units, cost, plugin, world=world, lengths=[int(lengths[i]) for i in ids], host=host,
-                               model=model)
+                               model=model, longest=longest)
     plan.check_units(u.name for u in units)
     if plan.world != world:
         raise ValueError(f"the sharding plan was searched for {plan.world} ranks but {world} are running; search it "
