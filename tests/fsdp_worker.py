@@ -48,14 +48,16 @@ def config(recompute: str, layout: str, plan: ShardPlan | None) -> dict:
 SEARCH_BUDGET_MB = 2.3  # the memory case's plan is searched for this budget per rank
 
 
-def unit_memory(params: int, choice: Choice, shard: int, prec: Precision) -> float:
-    """The contract's memory per unit and choice (H1's cost/sharding.py will price plans the same way)."""
+def unit_memory(params: int, choice: Choice, shard: int, prec: Precision, host: str) -> float:
+    """The contract's memory per unit and choice (cost/sharding.py prices plans the same way)."""
     states = params * (prec.param + prec.grad + prec.optimizer)
     if choice.kind == "split":
-        full = unit_memory(params, Choice("full"), shard, prec)
-        keep = unit_memory(params, Choice("keep"), shard, prec)
+        full = unit_memory(params, Choice("full"), shard, prec, host)
+        keep = unit_memory(params, Choice("keep"), shard, prec, host)
         return (choice.sharded * full + (choice.slices - choice.sharded) * keep) / choice.slices
-    return {"replicate": states, "keep": states / shard + params * (prec.param + prec.grad),
+    # FSDP2's replicate (a shard group of one) holds an unsharded copy of its parameters for the step
+    replicate = states + (params * prec.param if host == "fsdp2" else 0)
+    return {"replicate": replicate, "keep": states / shard + params * (prec.param + prec.grad),
             "grad_op": states / shard + params * prec.param, "full": states / shard,
             "reshard": states / shard + params * prec.param / max(choice.reshard_to, 1)}[choice.kind]
 
@@ -65,7 +67,7 @@ def hand_plan(model, world: int, shard: int, labels: list[str], host: str) -> Sh
     prec = Precision.of("fp32")
     units = shard_units(model)
     choices = [Choice.parse(label) for label in labels]
-    planned = tuple(UnitPlan(u.name, u.params, c, unit_memory(u.params, c, shard, prec), 0.0, 0.0)
+    planned = tuple(UnitPlan(u.name, u.params, c, unit_memory(u.params, c, shard, prec, host), 0.0, 0.0)
                     for u, c in zip(units, choices))
     gathered = [u.params for u, c in zip(units, choices) if c.kind in ("full", "reshard", "split")]
     reserve = max(gathered, default=0) * (2 * prec.param + prec.grad)

@@ -5,7 +5,7 @@ Per rank, with N = shard size, R = world / N replicas, M micro-batches in the st
 parameters and p, g, o the bytes per parameter of weights, gradients and optimizer state:
 
 memory (persistent, plus what the choice holds at the step's peak)
-    replicate   P(p+g+o)
+    replicate   P(p+g+o)                (fsdp2: + P p, the unsharded copy it holds for the step)
     keep        P(p+g+o)/N + P p + P g  (gathered for the whole step, gradients accumulate unsharded)
     grad_op     P(p+g+o)/N + P p        (gathered from its forward to its backward)
     full        P(p+g+o)/N
@@ -13,6 +13,11 @@ memory (persistent, plus what the choice holds at the step's peak)
     split(s/k)  s/k of full + (k-s)/k of keep
   and once per plan, if any unit gathers on use (full, reshard, split), the reserve: the largest
   such unit's P(2p+g) (the unit in use, the one prefetched, the gradient being reduce-scattered).
+  FSDP2 runs replicate as a shard group of one rank, and even there it gathers: it copies the
+  parameters into an unsharded buffer on first use and frees it only at the reshard after the
+  step's last backward (measured: tiny-llama all replicate on 2 ranks peaks exactly P p above
+  P(p+g+o) + activations; FSDP1's NO_SHARD at exactly P(p+g+o) + activations: it trains in place,
+  and ZeRO-3 keeps its persistent parameters whole, never gathered).
 
 communication (AG = all-gather of P p over N, RS = reduce-scatter of P g over N, each RS followed
 by an all-reduce of P g / N over the R replicas when R > 1, AR = all-reduce of P g over the world)
@@ -219,7 +224,8 @@ def price(units: Sequence[Unit], choices: Sequence[ChoiceLike], *, dtype: str, w
             allowed[:, j] = [u.linear_out > 0 and u.linear_out % k == 0 for u in units]
         else:
             a = amounts(c.kind, P, c.reshard_to)
-            memory[:, j] = {"replicate": states, "keep": states / N + P * (p + g), "grad_op": states / N + P * p,
+            memory[:, j] = {"replicate": states + (P * p if host == "fsdp2" else 0.0),
+                            "keep": states / N + P * (p + g), "grad_op": states / N + P * p,
                             "full": states / N, "reshard": states / N + P * p / max(c.reshard_to, 1)}[c.kind]
         # per micro-batch: every one, plus the first's and the last's (one and the same when M = 1)
         per_mb = np.repeat(a[:, _EVERY, :, None], M, axis=2)
