@@ -102,12 +102,8 @@ def zero3_memory_bytes(model: torch.nn.Module, mapping: Zero3Mapping, world: int
 def zero3_settings(model: torch.nn.Module, plan: ShardPlan) -> Zero3Mapping:
     """The ZeRO-3 settings closest to ``plan`` on ``model`` (see the module docstring)."""
     owner = parameter_units(model)
-    plan.check_units(set(owner.values()) | set(unit_modules(model)))
+    plan.check_units([*owner.values(), *unit_modules(model)])
     choices = plan.choices()
-    missing = [u for u in dict.fromkeys(owner.values()) if u not in choices]
-    if missing:
-        raise ValueError(f"sharding plan for model {plan.model!r} does not decide for units {missing} of this model; "
-                         "search a plan for this model (`dynplugin shard`)")
     b = Precision.of(plan.dtype)
     params = dict(model.named_parameters())
     names = list(owner)

@@ -73,9 +73,9 @@ def test_a_plan_for_another_model_is_refused_naming_the_modules():
     alien = UnitPlan("model.layers.7.mlp", 10, Choice("full"), 0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match=r"names modules this model does not have: 'model.layers.7.mlp'"):
         wrap_targets(model, ShardPlan(**{**plan.__dict__, "units": plan.units + (alien,)}), 2)
-    with pytest.raises(ValueError, match=r"no choice for unit\(s\) 'lm_head'"):
+    with pytest.raises(ValueError, match=r"does not decide for units \['lm_head'\] of this model"):
         wrap_targets(model, ShardPlan(**{**plan.__dict__, "units": tuple(u for u in plan.units if u.name != "lm_head")}), 2)
-    with pytest.raises(ValueError, match="searched for 2 ranks but this run has 4"):
+    with pytest.raises(ValueError, match="searched for 2 ranks but 4 are running"):
         wrap_targets(model, plan, 4)
     with pytest.raises(ValueError, match="priced in fp32 but the model's parameters are bf16"):
         wrap_targets(model.to(torch.bfloat16), plan, 2)

@@ -33,13 +33,7 @@ def wrap_targets(model: nn.Module, plan: ShardPlan, world: int) -> list[Target]:
     own), the root last. Splits the planned linears of ``model`` in place."""
     modules = unit_modules(model)
     plan.check_units([*modules, ""])
-    missing = [n for n in [*modules, ""] if n not in plan.choices()]
-    if missing:
-        raise ValueError(f"sharding plan for model {plan.model!r} has no choice for unit(s) "
-                         f"{', '.join(map(repr, missing))} of this model; search the plan for this model (`dynplugin shard`)")
-    if plan.world != world:
-        raise ValueError(f"sharding plan for model {plan.model!r} was searched for {plan.world} ranks but this run has "
-                         f"{world}; search a plan for {world} ranks (`dynplugin shard`)")
+    plan.check_world(world)
     dtypes = {DTYPES.get(p.dtype, str(p.dtype)) for p in model.parameters()}
     if dtypes != {plan.dtype}:
         raise ValueError(f"sharding plan was priced in {plan.dtype} but the model's parameters are "

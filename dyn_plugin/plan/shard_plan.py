@@ -161,13 +161,26 @@ class ShardPlan:
         return {u.name: u.choice for u in self.units}
 
     def check_units(self, names: Iterable[str]) -> None:
-        """Refuse a plan made for another model: every planned unit must exist in ``names``."""
+        """Refuse a plan made for another model: every planned unit must exist in ``names`` (the
+        model's units, in its order), and every one of them must have a choice."""
+        names = list(dict.fromkeys(names))
         have = set(names)
-        missing = [u.name for u in self.units if u.name not in have]
-        if missing:
-            shown = ", ".join(repr(n) for n in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        unknown = [u.name for u in self.units if u.name not in have]
+        if unknown:
+            shown = ", ".join(repr(n) for n in unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
             raise ValueError(f"sharding plan for model {self.model!r} names modules this model does not have: {shown}; "
                              "search a plan for this model (`dynplugin shard`)")
+        planned = {u.name for u in self.units}
+        undecided = [n for n in names if n not in planned]
+        if undecided:
+            raise ValueError(f"sharding plan for model {self.model!r} does not decide for units {undecided} of this "
+                             "model; search a plan for this model (`dynplugin shard`)")
+
+    def check_world(self, world: int) -> None:
+        """Refuse a plan searched for another number of ranks."""
+        if self.world != world:
+            raise ValueError(f"sharding plan for model {self.model!r} was searched for {self.world} ranks but {world} are "
+                             f"running; search it for {world} (`dynplugin shard --world {world}`)")
 
     def to_dict(self) -> dict:
         d = asdict(self)
