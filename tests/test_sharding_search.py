@@ -441,3 +441,16 @@ def test_the_plan_leaves_room_for_the_runs_longest_sequence():
     tight = search_sharding(gpt_units(2), cost, cfg, world=4, lengths=short)
     with pytest.raises(ValueError, match="length 1024.* does not fit"):
         plan_step([1024, 5, 5, 5], planner_spec(cost, cfg, dp=4, zero_stage=3, state_bytes=tight.planning_state_bytes))
+
+
+def test_a_run_searches_on_lengths_capped_as_the_loader_caps_them():
+    from dyn_plugin.runtime.sharding import resolve_shard_plan
+
+    cfg = config(130)
+    cost = build_cost_model(cfg.cost_model, cfg.cluster)
+    long = LENGTHS + [5000, 3000, 7000]  # beyond microbatching.max_seq_len = 1024
+    with pytest.raises(ValueError, match="exceeds microbatching.max_seq_len = 1024"):
+        resolve_shard_plan(gpt_units(2), cfg, cost, long, world=4, host="fsdp2")
+    cut = cfg.model_copy(update={"microbatching": cfg.microbatching.model_copy(update={"truncate": True})})
+    plan = resolve_shard_plan(gpt_units(2), cut, cost, long, world=4, host="fsdp2")
+    assert plan == resolve_shard_plan(gpt_units(2), cut, cost, np.minimum(long, 1024), world=4, host="fsdp2")

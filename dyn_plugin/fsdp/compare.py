@@ -103,10 +103,10 @@ def find_plan(method: str, units: list[ShardUnit], cost: TableCostModel, plugin:
     try:
         if method == "osdp":
             plan = search_sharding(units, cost, plugin, world=world, lengths=batch, host="fsdp2",
-                                   model=args.model, timings=timings)
+                                   model=args.model, timings=timings, longest=int(lengths.max()))
         else:
             plan = uniform_plan(units, cost, plugin, BASELINES[method], world=world, lengths=batch,
-                                host="fsdp2", model=args.model)
+                                host="fsdp2", model=args.model, longest=int(lengths.max()))
     except ValueError as exc:  # below the smallest plan, or a uniform strategy too big for the budget
         return None, 0.0, timings, str(exc)
     return plan, (time.perf_counter() - t0) * 1e3, timings, ""

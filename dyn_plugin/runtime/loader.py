@@ -101,7 +101,7 @@ class DynLoader:
     ) -> None:
         """``device``: where the loader's collectives run (run-id broadcast, plan check); by default
         ``cuda:$LOCAL_RANK`` under NCCL, else the CPU. ``state_bytes``: a sharding plan's model
-        states per rank (``ShardPlan.state_bytes``), planned with in place of ZeRO's (with
+        states per rank (``ShardPlan.planning_state_bytes``), planned with in place of ZeRO's (with
         ``zero_stage=3``: equal micro-batch counts, the same recompute per micro-batch index)."""
         if not isinstance(config, (DynPluginConfig, LoadedConfig)):
             config = load_config(config)

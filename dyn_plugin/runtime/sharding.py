@@ -14,10 +14,12 @@ import logging
 import os
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ..config import DynPluginConfig
 from ..cost.table import TableCostModel
+from ..lengths.io import cap_lengths
 from ..plan.shard_plan import ShardPlan, ShardUnit
 from ..plan.sharding import search_sharding
 from .sampler import global_batches
@@ -36,14 +38,13 @@ def resolve_shard_plan(units: Sequence[ShardUnit], plugin: DynPluginConfig, cost
     if isinstance(plan, (str, os.PathLike)):
         plan = ShardPlan.load(plan)
     if plan is None:
-        ids = global_batches(lengths, plugin.microbatching.global_tokens, 1, seed)[0]
-        longest = min(int(max(lengths)), plugin.microbatching.max_seq_len)  # the loader truncates or refuses longer
+        mb = plugin.microbatching
+        lengths = cap_lengths(np.asarray(lengths), mb.max_seq_len, mb.truncate)  # as the loader caps them
+        ids = global_batches(lengths, mb.global_tokens, 1, seed)[0]
         plan = search_sharding(units, cost, plugin, world=world, lengths=[int(lengths[i]) for i in ids], host=host,
-                               model=model, longest=longest)
+                               model=model, longest=int(lengths.max()))
     plan.check_units(u.name for u in units)
-    if plan.world != world:
-        raise ValueError(f"the sharding plan was searched for {plan.world} ranks but {world} are running; search it "
-                         f"for {world} (`dynplugin shard --world {world}`)")
+    plan.check_world(world)
     if plan.dtype != cost.dtype:
         raise ValueError(f"the sharding plan was searched in {plan.dtype} but the run trains in {cost.dtype}: search it "
                          "in the precision the model trains in")
