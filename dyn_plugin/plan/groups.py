@@ -32,10 +32,9 @@ from typing import Sequence
 import numpy as np
 
 from ..cost.model import Layout
-from .assign import split_for_replicas
-from .microbatch import InfeasibleError, partition
-from .planner import PlannerSpec, StepPlan, cheapest_feasible, make_micro_batch, schedule_replica, usable
-from .types import MicroBatch
+from .microbatch import InfeasibleError
+from .planner import PlannerSpec, StepPlan, make_micro_batch, usable
+from .two_stage import Pipeline, plan_members
 
 ESTIMATED = 8  # groupings dispatched after the fluid estimate
 PLANNED = 3  # groupings planned and simulated in full
@@ -222,41 +221,6 @@ def plan_groups(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = Tru
 def _plan_grouping(lens: np.ndarray, grouping: Sequence[int], members: list[list[int]], spec: PlannerSpec,
                    layout: Layout, native: bool) -> StepPlan | None:
     """DynaPipe's DP within each group at its size; equal counts enforced by splitting micro-batches."""
-    per_group: list[list[MicroBatch]] = []
-    for k, ids in zip(grouping, members):
-        sub = lens[ids]
-        try:
-            part = partition(sub, spec.cost, layout=layout, stages=spec.stages, memory=spec.memory, dp=1,
-                             recomputes=spec.recomputes, tp=spec.tp, native=native, sp=k,
-                             comm=[spec.layer_comm(k, rc) for rc in spec.recomputes])
-        except InfeasibleError:
-            return None
-        per_group.append([make_micro_batch([ids[j] for j in part.order[a:b]], lens, spec, layout, rc, sp=k)
-                          for a, b, rc in zip(part.bounds, part.bounds[1:], part.recompute)])
-    if spec.equal_counts:
-        per_group = _equal_counts(per_group, lens, spec)
-        if per_group is None:
-            return None
-    replicas = [schedule_replica(mbs, spec, first=first, size=k)
-                for mbs, first, k in zip(per_group, aligned_firsts(grouping), grouping)]
-    return StepPlan("dynamic_sp", layout, tuple(replicas), spec.update_ms)
-
-
-def _equal_counts(per_group: list[list[MicroBatch]], lens: np.ndarray, spec: PlannerSpec) -> list[list[MicroBatch]] | None:
-    """Split micro-batches (``split_for_replicas``: the most tokens first, alternate members) in
-    groups with fewer until every group runs as many as the most; None when a group runs out of
-    sequences to split."""
-    target = max(len(g) for g in per_group)
-    out = []
-    for mbs in per_group:
-        try:
-            ids = split_for_replicas([list(mb.sample_ids) for mb in mbs], lens, target, equal_counts=False)
-        except ValueError:
-            return None
-        kept = {mb.sample_ids: mb for mb in mbs}
-        halves = [g for g in ids if tuple(g) not in kept]
-        priced = cheapest_feasible(halves, lens, spec, mbs[0].layout, mbs[0].sp) if halves else []
-        if priced is None:
-            return None
-        out.append([kept[tuple(g)] for g in ids if tuple(g) in kept] + priced)
-    return out
+    pipelines = [Pipeline(spec, k, first) for k, first in zip(grouping, aligned_firsts(grouping))]
+    return plan_members(lens, members, pipelines, layout, method="dynamic_sp", native=native,
+                        equal_counts=spec.equal_counts)

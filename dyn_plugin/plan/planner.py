@@ -187,6 +187,11 @@ class ReplicaPlan:
     sim: SimResult
     first: int = 0
     size: int = 1
+    tp: int = 1  # tensor-parallel ranks per stage (pipelines of a simulated strategy may differ)
+
+    @property
+    def gpus(self) -> int:
+        return self.size * self.tp * len(self.schedule.stages)
 
     @property
     def columns(self) -> range:
@@ -248,6 +253,10 @@ def execution_plans(plan: StepPlan, hidden_size: int) -> dict[tuple[int, int], E
     sends to and receives from the same column on the neighbouring stages."""
     out = {}
     dp = plan.columns
+    if len({(r.tp, len(r.schedule.stages)) for r in plan.replicas}) > 1:
+        raise ValueError(f"{plan.method}: its pipelines mix tensor/pipeline degrees "
+                         f"{sorted({(r.tp, len(r.schedule.stages)) for r in plan.replicas})}; DeepSpeed and Megatron "
+                         "build uniform replicas, so such a strategy is simulated only (dynplugin bench strategy)")
     for rep in plan.replicas:
         if rep.first % rep.size:
             raise ValueError(f"a sequence-parallel group of {rep.size} columns starts at column {rep.first}: groups "
@@ -331,7 +340,7 @@ def schedule_replica(mbs: Sequence[MicroBatch], spec: PlannerSpec, *, first: int
     else:
         schedule = one_f_one_b(len(mbs), spec.pp)
         sim = simulate(mbs, schedule, spec.link)
-    return ReplicaPlan(mbs, schedule, sim, first=first, size=size)
+    return ReplicaPlan(mbs, schedule, sim, first=first, size=size, tp=spec.tp)
 
 
 def relax_recompute(

@@ -1,0 +1,133 @@
+"""``dynplugin bench strategy``: Hydraulis's heterogeneous strategies against the seed's stage 1,
+the best homogeneous strategy and DynaPipe, simulated at cluster scale.
+
+Per (distribution, model, GPUs): the proposal is made once from the distribution (its time is
+``propose_ms``); then global batches of ``tokens_per_gpu x GPUs`` tokens, sequences capped at
+``max_len``, are planned by each method and simulated in the same simulator:
+
+- ``hydraulis``: the proposal's strategies, stage 1 = ``plan/dispatch.py`` (greedy + local
+  improvement, C++), stage 2 = DynaPipe's DP per pipeline, the fastest simulated strategy;
+- ``seed_stage1``: the same strategies and stage 2, stage 1 = the seed's randomised greedy, best
+  of 50 orders (``seed_dispatch``);
+- ``homogeneous_best``: one scheme for every pipeline and step, the one whose steps simulate
+  fastest in hindsight over the schemes that hold the longest sequence (same stages 1 and 2);
+- ``dynapipe``: no sequence parallelism: DynaPipe's planner (``plan_step``) at the tp and pp
+  (sp = 1) whose steps simulate fastest; infeasible where no such scheme holds the longest.
+
+``plan_ms_p50``/``p99`` time planning one step (both stages for every pipeline plus the simulation;
+for homogeneous_best, its one scheme), ``sim_iter_ms`` the mean simulated step; hydraulis and
+seed_stage1 also record their stage-1 makespans on the same batches (``dispatch_ms``).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from dataclasses import replace
+from typing import Iterator
+
+import numpy as np
+
+from ..commands.strategy import plot_strategies, strategy_config
+from ..cost.calibrated import named_cost_model
+from ..lengths.io import load_lengths
+from ..plan.dispatch import dispatch, seed_dispatch
+from ..plan.microbatch import InfeasibleError
+from ..plan.planner import plan_step
+from ..plan.schemes import scheme_costs
+from ..plan.strategy import Strategy, plan_cluster_step, propose
+from ..runtime.sampler import global_batches
+
+logger = logging.getLogger(__name__)
+
+
+def bench_strategy(args: argparse.Namespace) -> Iterator[dict]:
+    for model in args.models.split(","):
+        cost = named_cost_model(model)
+        cfg = strategy_config(args.max_len)
+        for dist in args.distributions.split(","):
+            lengths = np.minimum(load_lengths(dist), args.max_len)
+            for gpus in (int(g) for g in args.gpus.split(",")):
+                yield from _bench_one(model, cost, cfg, dist, lengths, gpus, args)
+
+
+def _bench_one(model: str, cost, cfg, dist: str, lengths: np.ndarray, gpus: int,
+               args: argparse.Namespace) -> Iterator[dict]:
+    tokens = args.tokens_per_gpu * gpus
+    base = {"benchmark": "strategy", "distribution": dist, "model": model, "gpus": gpus, "tokens": tokens,
+            "max_len": args.max_len}
+    kinds = scheme_costs(cost, cfg, gpus=gpus)
+    by_scheme = {k.scheme: k for k in kinds}
+    t = time.perf_counter()
+    proposal = propose(lengths, kinds, gpus=gpus, tokens=tokens, max_strategies=args.max_strategies, model=model)
+    propose_ms = (time.perf_counter() - t) * 1e3
+    batches = [np.asarray([int(lengths[i]) for i in b]) for b in global_batches(lengths, tokens, args.batches,
+                                                                                  args.seed)]
+    logger.info("%s %s %d GPUs: %d schemes, proposal in %.0f ms: %s", model, dist, gpus, len(kinds), propose_ms,
+                " | ".join(s.describe() for s in proposal.strategies))
+
+    hydra = _run(batches, lambda lens: plan_cluster_step(lens, proposal.strategies, by_scheme))
+    seed = _run(batches, lambda lens: plan_cluster_step(lens, proposal.strategies, by_scheme, dispatcher=seed_dispatch))
+    # stage 1 alone, the same strategy and batch for both rules
+    d_ours, d_seed = [], []
+    for lens, s in zip(batches, hydra["strategies"]):
+        order = list(dict.fromkeys(s.pipelines))
+        times = np.stack([by_scheme[k].sequence_ms(lens) for k in order])
+        kind_of, fill = [order.index(p) for p in s.pipelines], [k.pp - 1 for k in order]
+        d_ours.append(dispatch(times, kind_of, fill, lens).makespan_ms)
+        d_seed.append(seed_dispatch(times, kind_of, fill, lens).makespan_ms)
+    homo = None
+    longest = int(lengths.max())
+    for k in kinds:
+        if k.longest < longest or gpus // k.scheme.gpus == 0:
+            continue
+        only = Strategy((k.scheme,) * (gpus // k.scheme.gpus), k.longest)
+        r = _run(batches, lambda lens: plan_cluster_step(lens, [only], by_scheme, method="homogeneous"))
+        if r["ok"] and (homo is None or r["sim"] < homo["sim"]):
+            homo, homo_scheme = r, k.scheme
+    dyn = None
+    for k in kinds:
+        if k.scheme.sp != 1 or k.longest < longest:
+            continue
+        spec = replace(k.spec, dp=gpus // k.scheme.gpus)
+        r = _run(batches, lambda lens: (plan_step(lens, spec), None))
+        if r["ok"] and (dyn is None or r["sim"] < dyn["sim"]):
+            dyn, dyn_scheme = r, k.scheme
+
+    ref = homo["sim"] if homo else None
+    rows = [("hydraulis", hydra, {"propose_ms": propose_ms, "dispatch_ms": float(np.mean(d_ours)),
+                                  "strategies": [s.describe() for s in proposal.strategies]}),
+            ("seed_stage1", seed, {"dispatch_ms": float(np.mean(d_seed))}),
+            ("homogeneous_best", homo, {"scheme": homo_scheme.name} if homo else {}),
+            ("dynapipe", dyn, {"scheme": dyn_scheme.name} if dyn else {})]
+    for method, r, extra in rows:
+        if r is None or not r["ok"]:
+            yield {**base, "method": method, "infeasible": True}
+            continue
+        yield {**base, "method": method, "plan_ms_p50": r["p50"], "plan_ms_p99": r["p99"], "sim_iter_ms": r["sim"],
+               "speedup_vs_homogeneous": ref / r["sim"] if ref else None, **extra}
+    if args.plot_dir:
+        os.makedirs(args.plot_dir, exist_ok=True)
+        path = os.path.join(args.plot_dir, f"strategy-{dist}-{model}-{gpus}.png")
+        plot_strategies(proposal, path, title=f"{dist}, {model}, {gpus} GPUs: hydraulis "
+                        f"{hydra['sim']:,.0f} ms vs homogeneous {homo_scheme.name if homo else '-'} "
+                        f"{ref or float('nan'):,.0f} ms per step (mean)", plan=hydra["plans"][0])
+        logger.info("plot -> %s", path)
+
+
+def _run(batches: list[np.ndarray], plan_one) -> dict:
+    """Plan every batch (``plan_one`` -> (plan, strategy)), timing each; ok=False if one is infeasible."""
+    times, plans, strategies = [], [], []
+    for lens in batches:
+        t = time.perf_counter()
+        try:
+            plan, strategy = plan_one(lens)
+        except (InfeasibleError, ValueError) as exc:
+            logger.debug("infeasible: %s", exc)
+            return {"ok": False}
+        times.append((time.perf_counter() - t) * 1e3)
+        plans.append(plan)
+        strategies.append(strategy)
+    return {"ok": True, "strategies": strategies, "p50": float(np.percentile(times, 50)), "p99": float(np.percentile(times, 99)),
+            "sim": float(np.mean([p.iteration_ms for p in plans])), "plans": plans}

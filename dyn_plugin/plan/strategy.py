@@ -1,0 +1,405 @@
+"""Hydraulis's heterogeneous strategies: proposed from the length distribution, one chosen per step.
+
+Long sequences want wide pipelines (more memory, less time per sequence), short ones many narrow
+pipelines (no tensor- or sequence-parallel collectives, no fill and drain); one scheme for every
+pipeline is a compromise. A **strategy** is a multiset of pipelines, each of some scheme
+(``plan/schemes.py``), using every GPU.
+
+**Proposal** (offline, from a length distribution). The design batch of a strategy is the
+distribution truncated at the longest sequence it must hold, scaled to a step's tokens. Sorted by
+length, its sequences fall into quantile buckets; a DP over bucket boundaries gives each run of
+buckets a scheme and a pipeline count, and a bisection on the step time T finds the smallest T for
+which the pipelines it needs fit in the GPUs: a run of work W whose longest sequence takes t on a
+scheme of pp stages needs ceil(W / (T - (pp - 1) t)) pipelines (the fluid form of stage 1's
+finish estimate, load + fill and drain). GPUs left over go to the runs that would finish last.
+The proposal keeps a strategy for each of a few quantiles of the batch's longest sequence (the
+median batch, the 90th percentile, every batch) and the best homogeneous strategy (one scheme
+everywhere, holding the longest sequence), deduplicated.
+
+**Per step.** The strategies that hold the batch's longest sequence are dispatched (stage 1,
+``plan/dispatch.py``); the best ``PLANNED`` by dispatch makespan get stage 2 and a simulation
+(``plan/two_stage.py``), and the fastest simulated plan wins, so a step is never planned slower
+than the homogeneous strategy would be where that one is among the finalists.
+
+Proposals are JSON (never pickle), keyed by a digest of their inputs (``proposal_key``), cached
+under that key by ``cached_proposal``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field, replace
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from .dispatch import Dispatch, dispatch
+from .groups import size_limits
+from .microbatch import InfeasibleError
+from .planner import PlannerSpec, StepPlan, same_recompute
+from .schemes import Scheme, SchemeCost
+from .two_stage import Pipeline, Stage2Options, plan_members
+
+PROPOSAL_SCHEMA = "dyn_plugin.strategy_proposal"
+PROPOSAL_VERSION = 1
+QUANTILES = (1.0, 0.9, 0.5, 0.25)  # of the batch's longest sequence: what the strategies are designed for
+BUCKETS = 48  # length buckets of the proposal's DP
+PLANNED = 2  # strategies given stage 2 and a simulation per step
+
+logger = logging.getLogger(__name__)
+
+
+class KindCost(Protocol):
+    """What the proposal and stage 1 need of a scheme (``schemes.SchemeCost``)."""
+
+    scheme: Scheme
+    spec: PlannerSpec
+
+    @property
+    def longest(self) -> int: ...
+
+    @property
+    def fixed_ms(self) -> float: ...
+
+    @property
+    def update_ms(self) -> float: ...
+
+    def sequence_ms(self, lengths: np.ndarray) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Pipelines using every GPU, widest first (so sequence-parallel groups start aligned)."""
+
+    pipelines: tuple[Scheme, ...]
+    longest: int  # the longest sequence some pipeline of it can hold
+    estimate_ms: float = 0.0  # the proposal's fluid step estimate on its design batch
+
+    @property
+    def gpus(self) -> int:
+        return sum(p.gpus for p in self.pipelines)
+
+    @property
+    def counts(self) -> dict[Scheme, int]:
+        out: dict[Scheme, int] = {}
+        for p in self.pipelines:
+            out[p] = out.get(p, 0) + 1
+        return out
+
+    @property
+    def grouping(self) -> tuple[int, ...]:
+        """Sequence-parallel sizes in column order (for strategies with one tp and pp)."""
+        return tuple(p.sp for p in self.pipelines)
+
+    def runnable(self, tp: int, pp: int) -> bool:
+        """Every pipeline has the host's tensor and pipeline degree: DeepSpeed and Megatron build
+        uniform replicas, so only the sequence-parallel size may differ."""
+        return all(p.tp == tp and p.pp == pp for p in self.pipelines)
+
+    def describe(self) -> str:
+        return " + ".join(f"{n} x {s.name}" for s, n in self.counts.items())
+
+    def to_json(self) -> dict:
+        return {"pipelines": [[s.to_json(), n] for s, n in self.counts.items()], "longest": self.longest,
+                "estimate_ms": self.estimate_ms}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Strategy":
+        pipes = [Scheme.from_json(s) for s, n in d["pipelines"] for _ in range(int(n))]
+        return cls(_ordered(pipes), int(d["longest"]), float(d.get("estimate_ms", 0.0)))
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """The strategies a run chooses from per step, and what they were proposed from."""
+
+    strategies: tuple[Strategy, ...]
+    key: str  # digest of the inputs (proposal_key)
+    inputs: dict = field(default_factory=dict, compare=False)
+
+    def to_json(self) -> str:
+        return json.dumps({"schema": PROPOSAL_SCHEMA, "version": PROPOSAL_VERSION, "key": self.key,
+                           "inputs": self.inputs, "strategies": [s.to_json() for s in self.strategies]}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Proposal":
+        d = json.loads(text)
+        if d.get("schema") != PROPOSAL_SCHEMA or d.get("version") != PROPOSAL_VERSION:
+            raise ValueError(f"not a strategy proposal of version {PROPOSAL_VERSION} (schema {d.get('schema')!r}, "
+                             f"version {d.get('version')!r}); write one with `dynplugin strategy`")
+        if not d["strategies"]:
+            raise ValueError("a strategy proposal needs at least one strategy")
+        return cls(tuple(Strategy.from_json(s) for s in d["strategies"]), d["key"], d.get("inputs", {}))
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Proposal":
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+
+def _ordered(pipes: Sequence[Scheme]) -> tuple[Scheme, ...]:
+    return tuple(sorted(pipes, key=lambda s: (-s.gpus, -s.sp, -s.tp, -s.pp)))
+
+
+def proposal_key(lengths: np.ndarray, kinds: Sequence[KindCost], *, gpus: int, tokens: int,
+                 max_strategies: int, model: str = "") -> str:
+    """A digest of everything a proposal depends on: the lengths, the schemes with their costs
+    (coefficients and memory limits, through their specs), the cluster size and the step's tokens."""
+    h = hashlib.sha256()
+    h.update(np.ascontiguousarray(np.sort(np.asarray(lengths, dtype=np.int64))).tobytes())
+    probe = np.array([1, 128, 1024, 8192, 32768], dtype=np.int64)
+    for k in kinds:
+        h.update(repr((k.scheme, k.longest, k.spec.update_ms, k.sequence_ms(probe).round(9).tolist())).encode())
+    h.update(repr((gpus, tokens, max_strategies, model, PROPOSAL_VERSION)).encode())
+    return h.hexdigest()[:16]
+
+
+def propose(lengths: Sequence[int], kinds: Sequence[KindCost], *, gpus: int, tokens: int, max_strategies: int = 3,
+            model: str = "") -> Proposal:
+    """Strategies for a length distribution (see the module docstring). Raises ValueError naming
+    the longest sequence when no scheme holds it."""
+    lens = np.sort(np.asarray(lengths, dtype=np.int64))
+    if len(lens) == 0:
+        raise ValueError("a strategy proposal needs at least one sequence length")
+    if not kinds:
+        raise ValueError("no scheme to propose strategies from: none fits the model in memory")
+    longest = int(lens[-1])
+    holding = [k for k in kinds if k.longest >= longest]
+    if not holding:
+        best = max(k.longest for k in kinds)
+        raise ValueError(f"the longest sequence ({longest} tokens) fits no scheme (the widest holds {best}); allow "
+                         "wider schemes (tensor, pipeline or sequence parallel), raise the memory, or cap "
+                         "microbatching.max_seq_len")
+    times = np.stack([k.sequence_ms(lens.astype(np.int64)) for k in kinds])
+    per_step = tokens / float(lens.mean())  # sequences in a step
+    found: list[Strategy] = []
+    for q in QUANTILES[:max_strategies]:
+        # the batch's longest sequence is at quantile q when every sequence is at quantile q**(1/n)
+        x = int(np.quantile(lens, q ** (1.0 / max(per_step, 1.0)), method="higher"))
+        cap = min((k.longest for k in kinds if k.longest >= x), default=longest)
+        upto = int(np.searchsorted(lens, cap, side="right"))
+        s = design(lens[:upto], times[:, :upto], kinds, gpus=gpus, tokens=tokens)
+        if s is not None and s.pipelines not in {f.pipelines for f in found}:
+            found.append(s)
+    homo = homogeneous(lens, kinds, gpus=gpus, tokens=tokens, times=times)
+    if homo.pipelines not in {f.pipelines for f in found}:
+        found.append(homo)
+    key = proposal_key(lens, kinds, gpus=gpus, tokens=tokens, max_strategies=max_strategies, model=model)
+    inputs = {"model": model, "gpus": gpus, "tokens": tokens, "sequences": int(len(lens)), "longest": longest,
+              "schemes": [k.scheme.name for k in kinds]}
+    return Proposal(tuple(sorted(found, key=lambda s: (s.longest, s.estimate_ms))), key, inputs)
+
+
+def design(lens: np.ndarray, times: np.ndarray, kinds: Sequence[KindCost], *, gpus: int,
+           tokens: int) -> Strategy | None:
+    """The proposal's DP for one design batch: ``lens`` sorted ascending, ``times[k, i]`` sequence
+    i's time on kind k (inf where it does not fit). None when no strategy runs the batch.
+
+    A step ends with every pipeline's update (the gradient synchronisation waits for the last
+    pipeline), so a strategy pays the largest update of its schemes: narrow schemes sync more
+    parameters per GPU. The DP runs once per update level, on the schemes within it."""
+    eff = effective_ms(lens, times, kinds)
+    update = np.array([k.update_ms for k in kinds])
+    best = None
+    for u in np.unique(update):
+        within = np.flatnonzero(update <= u)
+        s = _design_within(lens, eff[within], [kinds[i] for i in within], gpus=gpus, tokens=tokens)
+        if s is not None and (best is None or s.estimate_ms + u < best.estimate_ms):
+            best = replace(s, estimate_ms=s.estimate_ms + float(u))
+    return best
+
+
+def effective_ms(lens: np.ndarray, times: np.ndarray, kinds: Sequence[KindCost]) -> np.ndarray:
+    """Sequence times with their share of the per-micro-batch fixed cost: a micro-batch holds up
+    to about the longest sequence a scheme fits, so a sequence of s tokens pays s / longest of it."""
+    fixed = np.array([k.fixed_ms / max(k.longest, 1) for k in kinds])
+    return times + fixed[:, None] * lens[None, :].astype(float)
+
+
+def _design_within(lens: np.ndarray, times: np.ndarray, kinds: Sequence[KindCost], *, gpus: int,
+                   tokens: int) -> Strategy | None:
+    n = len(lens)
+    weight = tokens / float(lens.sum())  # expected copies of each sequence in a step
+    edges = np.unique(np.linspace(0, n, min(BUCKETS, n) + 1).round().astype(np.int64))
+    q = len(edges) - 1
+    finite = np.where(np.isfinite(times), times, 0.0) * weight
+    prefix = np.concatenate([np.zeros((len(kinds), 1)), np.cumsum(finite, axis=1)], axis=1)[:, edges]  # (K, q+1)
+    work = prefix[:, None, :] - prefix[:, :, None]  # work[k, a, b]: buckets a..b-1
+    tmax = times[:, edges[1:] - 1]  # (K, q): the longest (last) sequence of each end bucket b-1
+    size = np.array([k.scheme.gpus for k in kinds], dtype=float)
+    fill = np.array([k.scheme.pp - 1 for k in kinds], dtype=float)
+    fits = np.isfinite(tmax)
+    tfin = np.where(fits, tmax, 0.0)
+
+    def needed(T: float) -> tuple[float, list[tuple[int, int, int, int]]]:
+        """Fewest GPUs that finish the batch within T, and the runs (a, b, kind, pipelines)."""
+        room = T - fill[:, None] * tfin  # (K, q)
+        ok = fits & (tfin <= room)
+        best = np.full(q + 1, np.inf)
+        best[0] = 0.0
+        back: list[tuple[int, int, int]] = [(-1, -1, 0)] * (q + 1)
+        for b in range(1, q + 1):
+            r = np.where(ok[:, b - 1], room[:, b - 1], np.inf)[:, None]
+            pipes = np.maximum(1.0, np.ceil(work[:, :b, b] / r - 1e-9))
+            total = best[None, :b] + np.where(np.isfinite(r), pipes, np.inf) * size[:, None]
+            k, a = np.unravel_index(int(np.argmin(total)), total.shape)
+            best[b] = total[k, a]
+            back[b] = (int(a), int(k), int(pipes[k, a]))
+        runs, b = [], q
+        while b > 0 and np.isfinite(best[b]):
+            a, k, p = back[b]
+            runs.append((a, b, k, p))
+            b = a
+        return best[q], runs[::-1]
+
+    hi = float(tfin.max()) * (1 + fill.max()) + float(finite.sum(axis=1).min()) + 1.0
+    while needed(hi)[0] > gpus:
+        hi *= 2
+        if hi > 1e12:
+            return None
+    lo = 0.0
+    while hi - lo > 1e-3 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if needed(mid)[0] <= gpus else (mid, hi)
+    _, runs = needed(hi)
+    counts = [p for _, _, _, p in runs]
+    left = gpus - sum(p * size[k] for _, _, k, p in runs)
+
+    def finish(i: int) -> float:
+        a, b, k, _ = runs[i]
+        return max(work[k, a, b] / counts[i] + fill[k] * tfin[k, b - 1], (1 + fill[k]) * tfin[k, b - 1])
+
+    # the GPUs the bisection left over: one more pipeline where the step would finish last
+    while True:
+        fits_left = [i for i, (_, _, k, _) in enumerate(runs) if size[k] <= left]
+        if not fits_left:
+            break
+        i = max(fits_left, key=finish)
+        counts[i] += 1
+        left -= size[runs[i][2]]
+    pipes = [kinds[k].scheme for (_, _, k, _), c in zip(runs, counts) for _ in range(c)]
+    return Strategy(_ordered(pipes), max(int(kinds[k].longest) for _, _, k, _ in runs),
+                    float(max(finish(i) for i in range(len(runs)))))
+
+
+def homogeneous(lengths: Sequence[int], kinds: Sequence[KindCost], *, gpus: int, tokens: int,
+                times: np.ndarray | None = None) -> Strategy:
+    """The best single scheme for the whole distribution (as many of its pipelines as the GPUs
+    hold), by the same fluid estimate: the seed's and most systems' one strategy for every step."""
+    lens = np.sort(np.asarray(lengths, dtype=np.int64))
+    times = effective_ms(lens, np.stack([k.sequence_ms(lens) for k in kinds]) if times is None else times, kinds)
+    weight = tokens / float(lens.sum())
+    best = None
+    for i, k in enumerate(kinds):
+        n = gpus // k.scheme.gpus
+        if n == 0 or k.longest < lens[-1]:
+            continue
+        t = times[i]
+        est = float(t.sum()) * weight / n + (k.scheme.pp - 1) * float(t[-1])
+        est = max(est, k.scheme.pp * float(t[-1])) + k.update_ms
+        if best is None or est < best.estimate_ms:
+            best = Strategy((k.scheme,) * n, int(k.longest), est)
+    if best is None:
+        raise ValueError(f"no single scheme holds the longest sequence ({int(lens[-1])} tokens) on {gpus} GPUs")
+    return best
+
+
+def scheme_kinds(lengths: Sequence[int], spec: PlannerSpec) -> list[SchemeCost]:
+    """The run's own schemes: its tensor and pipeline degrees with each allowed sequence-parallel
+    size, priced on its spec, their limits found over the run's distinct lengths."""
+    lens = np.unique(np.asarray(lengths, dtype=np.int64))
+    limits = size_limits(lens, spec, "packed")
+    return [SchemeCost(Scheme(spec.tp, spec.pp, k), replace(spec, sp_sizes=(k,)),
+                       {rc: limits.by_mode[(k, rc)] for rc in spec.recomputes}) for k in spec.sp_sizes]
+
+
+def runnable_proposal(lengths: Sequence[int], spec: PlannerSpec, *, tokens: int, max_strategies: int = 3) -> Proposal:
+    """Strategies a DeepSpeed run can execute: its data-parallel columns grouped by sequence-parallel
+    size (one tensor and pipeline degree), proposed from the run's lengths."""
+    if "packed" not in spec.layouts:
+        raise ValueError("strategies cut packed micro-batches (Hydraulis packs each pipeline's sequences); "
+                         "set microbatching.layout to 'packed' or 'auto'")
+    kinds = [k for k in scheme_kinds(lengths, spec) if k.longest > 0]
+    return propose(lengths, kinds, gpus=spec.dp * spec.tp * spec.pp, tokens=tokens, max_strategies=max_strategies,
+                   model=spec.cost.name)
+
+
+def plan_strategy_step(lengths: Sequence[int], spec: PlannerSpec, proposal: Proposal, *,
+                       stage2: Stage2Options = Stage2Options(), native: bool = True) -> StepPlan:
+    """A step of a real run under the proposal: its strategies must be runnable (one tensor and
+    pipeline degree, ``spec.dp`` columns); every group must get work, with ZeRO-2/3's equal counts
+    and ZeRO-3's same recompute per micro-batch index when the spec asks for them."""
+    kinds = {k.scheme: k for k in scheme_kinds(lengths, spec)}
+    for s in proposal.strategies:
+        if not s.runnable(spec.tp, spec.pp) or sum(p.sp for p in s.pipelines) != spec.dp:
+            raise ValueError(f"strategy {s.describe()} does not run on {spec.dp} data-parallel columns of tp={spec.tp}, "
+                             f"pp={spec.pp}: heterogeneous tensor/pipeline degrees are simulated only "
+                             "(dynplugin bench strategy)")
+    plan, _ = plan_cluster_step(lengths, proposal.strategies, kinds, stage2=stage2, native=native,
+                                equal_counts=spec.equal_counts, every_pipeline=True)
+    return same_recompute(plan, spec)
+
+
+def plan_cluster_step(lengths: Sequence[int], strategies: Sequence[Strategy], kinds: dict[Scheme, KindCost], *,
+                      stage2: Stage2Options = Stage2Options(), dispatcher: Callable[..., Dispatch] = dispatch,
+                      native: bool = True, equal_counts: bool = False, every_pipeline: bool = False,
+                      method: str = "hydraulis", planned: int = PLANNED) -> tuple[StepPlan, Strategy]:
+    """The fastest simulated step, and the strategy it runs, over the strategies that hold the batch's longest sequence: each
+    dispatched (stage 1), the ``planned`` best by dispatch makespan cut (stage 2) and simulated.
+    ``every_pipeline``: a strategy leaving some pipeline without work is skipped (a real run's
+    group must join the step). Raises InfeasibleError when no strategy can run the batch."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    longest = int(lens.max())
+    fitting = [s for s in strategies if s.longest >= longest]
+    dispatched = []
+    for s in fitting:
+        order = list(dict.fromkeys(s.pipelines))
+        times = np.stack([kinds[k].sequence_ms(lens) for k in order])
+        kind_of = [order.index(p) for p in s.pipelines]
+        fill = [k.pp - 1 for k in order]
+        try:
+            d = dispatcher(times, kind_of, fill, lens, native=native) if dispatcher is dispatch else \
+                dispatcher(times, kind_of, fill, lens)
+        except InfeasibleError:
+            continue
+        if every_pipeline and not all(d.members):
+            continue
+        # the step waits for the slowest pipeline, then for the strategy's largest update
+        dispatched.append((d.makespan_ms + max(kinds[k].update_ms for k in order), s, d))
+    dispatched.sort(key=lambda x: x[0])
+    best = None
+    for _, s, d in dispatched[:planned]:
+        firsts = np.cumsum([0] + [p.sp for p in s.pipelines[:-1]]).tolist()
+        busy = [(Pipeline(kinds[p].spec, p.sp, first), ids) for p, first, ids in zip(s.pipelines, firsts, d.members)
+                if ids]
+        plan = plan_members(lens, [ids for _, ids in busy], [p for p, _ in busy], "packed", method=method,
+                            stage2=stage2, native=native, equal_counts=equal_counts)
+        if plan is not None and (best is None or plan.iteration_ms < best[0].iteration_ms):
+            best = plan, s
+    if best is None:
+        raise InfeasibleError(f"no strategy runs this batch (longest sequence {longest}): "
+                              f"{len(fitting)} of {len(strategies)} hold it, and none could give every pipeline "
+                              "sequences that fit its memory; propose strategies for longer sequences or more GPUs")
+    return best
+
+
+def cached_proposal(key: str, directory: str | os.PathLike, make: Callable[[], Proposal]) -> Proposal:
+    """The proposal stored under ``key`` in ``directory`` (JSON), else ``make()``'s, stored there."""
+    path = os.path.join(directory, f"strategy-{key}.json")
+    if os.path.exists(path):
+        found = Proposal.load(path)
+        if found.key == key:
+            logger.info("strategy proposal %s from the cache %s", key, path)
+            return found
+    made = make()
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    made.save(tmp)
+    os.replace(tmp, path)  # readers never see half a file
+    return made
