@@ -82,6 +82,34 @@ def test_more_pipelines_than_sequences_leaves_some_empty(native):
     assert d.finish_ms == (4.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0) and d.makespan_ms == 4.0
 
 
+def scan_greedy(times, kinds, fill, order):
+    """The greedy by a scan of every pipeline: the least (finish, index) for each sequence."""
+    load, longest, members = [0.0] * len(kinds), [0.0] * len(kinds), [[] for _ in kinds]
+    for i in order:
+        finish, p = min((load[p] + fill[kinds[p]] * max(longest[p], x) + x, p) for p in range(len(kinds))
+                        if np.isfinite(x := times[kinds[p], i]))
+        load[p] += times[kinds[p], i]
+        longest[p] = max(longest[p], times[kinds[p], i])
+        members[p].append(i)
+    return tuple(tuple(m) for m in members)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_the_heaps_choose_what_a_scan_of_every_pipeline_chooses(native):
+    """Integer times, so no rounding: longest first (the heap tops) and in random orders (the
+    seed's rule with one trial: the scans when a kind's used pipelines hold shorter ones)."""
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        times, kinds, fill, lens = random_input(rng, int(rng.integers(1, 50)), int(rng.integers(1, 10)),
+                                                int(rng.integers(1, 4)), ties=True)
+        want = scan_greedy(times, kinds, fill, np.argsort(-lens, kind="stable"))
+        assert dispatch(times, kinds, fill, lens, improve=False, native=native).members == want
+        seed = int(rng.integers(1000))
+        order = np.random.default_rng(seed).permutation(len(lens))
+        got = seed_dispatch(times, kinds, fill, lens, trials=1, seed=seed, native=native)
+        assert got.members == scan_greedy(times, kinds, fill, order)
+
+
 @pytest.mark.native  # tests/conftest.py: skipped without the extension, failed under `make test`
 @settings(max_examples=300, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 80), pipelines=st.integers(1, 20),

@@ -68,8 +68,9 @@ def seed_dispatch(times: np.ndarray, kinds: Sequence[int], fill: Sequence[float]
     here from ``np.random.default_rng(seed)`` (so every rank gets the same result); a pipeline's
     cost is this module's ``load + fill * longest`` with the plugin's per-sequence times instead
     of its fitted a*s^2 + b*s + c, so both rules are judged on one objective; the greedy is this
-    module's (the heap per kind), which picks what a scan of every pipeline picks. Pure Python
-    by default, as the seed runs; ``native`` runs the same trials in C++.
+    module's (the heap per kind), which picks what a scan of every pipeline picks except between
+    finishes equal only after rounding. Pure Python by default, as the seed runs; ``native``
+    runs the same trials in C++.
     """
     t, k, f, lens = _checked(times, kinds, fill, lengths)
     if trials < 1:
