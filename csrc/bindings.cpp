@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "cost_table.hpp"
+#include "dispatch.hpp"
 #include "knapsack.hpp"
 #include "microbatch.hpp"
 
@@ -157,4 +158,35 @@ PYBIND11_MODULE(_core, m) {
       py::arg("weights"), py::arg("times"), py::arg("opens"), py::arg("reserve"), py::arg("capacity"),
       "multiple-choice knapsack with a shared reserve (plan/knapsack.py): (ok, choice per item, units used, "
       "frontier[capacity + 1]); items in descending reserve order");
+
+  m.def(
+      "dispatch",
+      [](py::array_t<double, py::array::c_style | py::array::forcecast> times,
+         py::array_t<int64_t, py::array::c_style | py::array::forcecast> kinds,
+         py::array_t<double, py::array::c_style | py::array::forcecast> fill,
+         py::array_t<int64_t, py::array::c_style | py::array::forcecast> order, int64_t rounds) {
+        if (times.ndim() != 2 || kinds.ndim() != 1 || fill.ndim() != 1 || order.ndim() != 1)
+          throw std::invalid_argument("times must be [kinds, sequences], kinds [pipelines], fill [kinds], order [n]");
+        const int64_t K = times.shape(0), n = times.shape(1);
+        if (fill.shape(0) != K || order.shape(0) != n)
+          throw std::invalid_argument("fill needs one entry per row of times and order one per sequence");
+        const int64_t* k = kinds.data();
+        for (py::ssize_t p = 0; p < kinds.shape(0); ++p)
+          if (k[p] < 0 || k[p] >= K) throw std::invalid_argument("a pipeline's kind is not a row of times");
+        std::vector<int64_t> seen(n, 0);
+        const int64_t* o = order.data();
+        for (int64_t a = 0; a < n; ++a)
+          if (o[a] < 0 || o[a] >= n || seen[o[a]]++) throw std::invalid_argument("order must be a permutation");
+        std::vector<double> tv(times.data(), times.data() + K * n), fv(fill.data(), fill.data() + K);
+        std::vector<int64_t> kv(k, k + kinds.shape(0)), ov(o, o + n);
+        dyn::DispatchResult res;
+        {
+          py::gil_scoped_release release;
+          res = dyn::dispatch(tv, kv, fv, ov, n, rounds);
+        }
+        return py::make_tuple(res.bad, res.members, res.finish);
+      },
+      py::arg("times"), py::arg("kinds"), py::arg("fill"), py::arg("order"), py::arg("rounds"),
+      "stage-1 dispatch (plan/dispatch.py): the greedy in the given order, then up to rounds improvement rounds; "
+      "(sequence that fits nowhere or -1, members per pipeline, finish per pipeline)");
 }

@@ -29,7 +29,6 @@ from typing import Iterator
 
 import numpy as np
 
-from ..commands.strategy import plot_strategies, strategy_config
 from ..cost.calibrated import named_cost_model
 from ..lengths.io import load_lengths
 from ..plan.dispatch import dispatch, seed_dispatch
@@ -40,6 +39,20 @@ from ..plan.strategy import Strategy, plan_cluster_step, propose
 from ..runtime.sampler import global_batches
 
 logger = logging.getLogger(__name__)
+
+# The cluster of the measured A100 tables (their planner's 36000 MB limit, 8 GPUs per node), for --model
+A100_CLUSTER = {"devices_per_node": 8, "device": {"name": "A100-40GB", "memory_mb": 36000, "memory_fraction": 1.0}}
+
+
+def strategy_config(max_len: int):
+    """The plugin config strategies of a named model are priced under (A100 cluster, ZeRO-1, packed)."""
+    from ..config import DynPluginConfig
+
+    return DynPluginConfig.model_validate({
+        "microbatching": {"max_seq_len": max_len, "layout": "packed"},
+        "sequence_parallel": {"enabled": True, "sizes": [1, 2, 4, 8]},
+        "cluster": A100_CLUSTER,
+    })
 
 
 def bench_strategy(args: argparse.Namespace) -> Iterator[dict]:
@@ -131,3 +144,51 @@ def _run(batches: list[np.ndarray], plan_one) -> dict:
         strategies.append(strategy)
     return {"ok": True, "strategies": strategies, "p50": float(np.percentile(times, 50)), "p99": float(np.percentile(times, 99)),
             "sim": float(np.mean([p.iteration_ms for p in plans])), "plans": plans}
+
+
+def plot_strategies(proposal, path: str, *, title: str = "", plan=None) -> None:
+    """Left: each strategy's GPUs stacked by scheme. Right (with ``plan``): one step's simulated
+    time per pipeline, coloured by scheme, busiest first."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    schemes = sorted({p for s in proposal.strategies for p in s.pipelines}, key=lambda p: (p.gpus, p.tp, p.pp, p.sp))
+    colours = {p: plt.cm.tab20(i % 20) for i, p in enumerate(schemes)}
+    fig, axes = plt.subplots(1, 2 if plan is not None else 1, figsize=(13 if plan is not None else 7, 4.5),
+                             squeeze=False)
+    ax = axes[0][0]
+    for x, s in enumerate(proposal.strategies):
+        bottom = 0
+        for p, n in sorted(s.counts.items(), key=lambda kv: -kv[0].gpus):
+            ax.bar(x, n * p.gpus, bottom=bottom, color=colours[p], edgecolor="white",
+                   label=p.name if x == next(i for i, t in enumerate(proposal.strategies) if p in t.counts) else None)
+            if n * p.gpus >= 0.06 * s.gpus:
+                ax.text(x, bottom + n * p.gpus / 2, f"{n}x", ha="center", va="center", fontsize=8)
+            bottom += n * p.gpus
+    ax.set_xticks(range(len(proposal.strategies)), [f"<= {s.longest:,}" for s in proposal.strategies])
+    ax.set_xlabel("strategy (longest sequence it holds)")
+    ax.set_ylabel("GPUs")
+    ax.legend(fontsize=7, title="scheme", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title("proposed strategies")
+    if plan is not None:
+        ax = axes[0][1]
+        reps = sorted(plan.replicas, key=lambda r: -r.sim.makespan_ms)
+        keys = [_scheme_of(r) for r in reps]
+        ax.bar(range(len(reps)), [r.sim.makespan_ms for r in reps], width=1.0,
+               color=[colours.get(k, "grey") for k in keys])
+        ax.axhline(plan.iteration_ms - plan.update_ms, color="k", lw=0.8, ls="--")
+        ax.set_xlabel(f"pipeline (busiest first; {len(reps)} with work)")
+        ax.set_ylabel("simulated pipeline time (ms)")
+        ax.set_title(f"one step: {plan.iteration_ms:,.0f} ms incl. update")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _scheme_of(rep):
+    from ..plan.schemes import Scheme
+
+    return Scheme(rep.tp, len(rep.schedule.stages), rep.size)

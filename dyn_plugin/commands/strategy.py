@@ -10,10 +10,6 @@ HELP = ("propose heterogeneous parallel strategies (Hydraulis) for a length dist
 
 logger = logging.getLogger(__name__)
 
-# The cluster of the measured A100 tables (their planner's 36000 MB limit, 8 GPUs per node), for --model
-A100_CLUSTER = {"devices_per_node": 8, "device": {"name": "A100-40GB", "memory_mb": 36000, "memory_fraction": 1.0}}
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("lengths", help="lengths .npy/.json or a bundled distribution (code, prose, mixture)")
     parser.add_argument("--gpus", type=int, help="GPUs of the cluster (default: the config's cluster size)")
@@ -51,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     print_proposal(proposal)
     print(f"proposal -> {args.out}")
     if args.plot:
+        from ..bench.strategy import plot_strategies
+
         plot_strategies(proposal, args.plot, title=f"{args.lengths}: {proposal.inputs.get('model', '')}")
         print(f"plot -> {args.plot}")
     return 0
@@ -62,6 +60,7 @@ def model_proposal(lengths, args: argparse.Namespace):
 
     from ..cost.calibrated import named_cost_model
     from ..plan.schemes import scheme_costs
+    from ..bench.strategy import strategy_config
     from ..plan.strategy import proposal_key, propose
 
     gpus = args.gpus or 64
@@ -95,17 +94,6 @@ def config_proposal(lengths, args: argparse.Namespace):
     return (lambda: runnable_proposal(lens, spec, tokens=tokens, max_strategies=args.max_strategies)), key
 
 
-def strategy_config(max_len: int):
-    """The plugin config strategies of a named model are priced under (A100 cluster, ZeRO-1, packed)."""
-    from ..config import DynPluginConfig
-
-    return DynPluginConfig.model_validate({
-        "microbatching": {"max_seq_len": max_len, "layout": "packed"},
-        "sequence_parallel": {"enabled": True, "sizes": [1, 2, 4, 8]},
-        "cluster": A100_CLUSTER,
-    })
-
-
 def print_proposal(proposal) -> None:
     inp = proposal.inputs
     print(f"strategies for {inp.get('model', '?')} on {inp.get('gpus', '?')} GPUs, {inp.get('tokens', 0):,} tokens per "
@@ -113,51 +101,3 @@ def print_proposal(proposal) -> None:
     print(f"{'holds up to':>12}  {'estimate ms':>11}  pipelines")
     for s in proposal.strategies:
         print(f"{s.longest:>12,}  {s.estimate_ms:>11.1f}  {s.describe()}")
-
-
-def plot_strategies(proposal, path: str, *, title: str = "", plan=None) -> None:
-    """Left: each strategy's GPUs stacked by scheme. Right (with ``plan``): one step's simulated
-    time per pipeline, coloured by scheme, busiest first."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    schemes = sorted({p for s in proposal.strategies for p in s.pipelines}, key=lambda p: (p.gpus, p.tp, p.pp, p.sp))
-    colours = {p: plt.cm.tab20(i % 20) for i, p in enumerate(schemes)}
-    fig, axes = plt.subplots(1, 2 if plan is not None else 1, figsize=(13 if plan is not None else 7, 4.5),
-                             squeeze=False)
-    ax = axes[0][0]
-    for x, s in enumerate(proposal.strategies):
-        bottom = 0
-        for p, n in sorted(s.counts.items(), key=lambda kv: -kv[0].gpus):
-            ax.bar(x, n * p.gpus, bottom=bottom, color=colours[p], edgecolor="white",
-                   label=p.name if x == next(i for i, t in enumerate(proposal.strategies) if p in t.counts) else None)
-            if n * p.gpus >= 0.06 * s.gpus:
-                ax.text(x, bottom + n * p.gpus / 2, f"{n}x", ha="center", va="center", fontsize=8)
-            bottom += n * p.gpus
-    ax.set_xticks(range(len(proposal.strategies)), [f"<= {s.longest:,}" for s in proposal.strategies])
-    ax.set_xlabel("strategy (longest sequence it holds)")
-    ax.set_ylabel("GPUs")
-    ax.legend(fontsize=7, title="scheme", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.set_title("proposed strategies")
-    if plan is not None:
-        ax = axes[0][1]
-        reps = sorted(plan.replicas, key=lambda r: -r.sim.makespan_ms)
-        keys = [_scheme_of(r) for r in reps]
-        ax.bar(range(len(reps)), [r.sim.makespan_ms for r in reps], width=1.0,
-               color=[colours.get(k, "grey") for k in keys])
-        ax.axhline(plan.iteration_ms - plan.update_ms, color="k", lw=0.8, ls="--")
-        ax.set_xlabel(f"pipeline (busiest first; {len(reps)} with work)")
-        ax.set_ylabel("simulated pipeline time (ms)")
-        ax.set_title(f"one step: {plan.iteration_ms:,.0f} ms incl. update")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _scheme_of(rep):
-    from ..plan.schemes import Scheme
-
-    return Scheme(rep.tp, len(rep.schedule.stages), rep.size)
