@@ -5,16 +5,22 @@ pipelines (no tensor- or sequence-parallel collectives, no fill and drain); one 
 pipeline is a compromise. A **strategy** is a multiset of pipelines, each of some scheme
 (``plan/schemes.py``), using every GPU.
 
-**Proposal** (offline, from a length distribution). The design batch of a strategy is the
-distribution truncated at the longest sequence it must hold, scaled to a step's tokens. Sorted by
-length, its sequences fall into quantile buckets; a DP over bucket boundaries gives each run of
-buckets a scheme and a pipeline count, and a bisection on the step time T finds the smallest T for
-which the pipelines it needs fit in the GPUs: a run of work W whose longest sequence takes t on a
-scheme of pp stages needs ceil(W / (T - (pp - 1) t)) pipelines (the fluid form of stage 1's
-finish estimate, load + fill and drain). GPUs left over go to the runs that would finish last.
-The proposal keeps a strategy for each of a few quantiles of the batch's longest sequence (the
-median batch, the 90th percentile, every batch) and the best homogeneous strategy (one scheme
-everywhere, holding the longest sequence), deduplicated.
+**Proposal** (offline, from a length distribution). A strategy is designed for the batches whose
+longest sequence is at some quantile of the batch's longest (the median batch, the 90th
+percentile, every batch): its design batch is the distribution truncated there, scaled to a
+step's tokens. Sorted by length, its sequences fall into quantile buckets; a DP over bucket
+boundaries gives each run of buckets a scheme and a pipeline count, and a bisection on the step
+time T finds the smallest T for which the pipelines it needs fit in the GPUs: a run of work W
+whose longest sequence takes t on a scheme of pp stages needs ceil(W / (T - (pp - 1) t))
+pipelines (the fluid form of stage 1's finish estimate, load + fill and drain), each sequence
+also paying its share of the per-micro-batch fixed cost. GPUs left over go to the runs that
+would finish last. The DP runs once per update level (a step waits for its slowest scheme's
+gradient synchronisation), giving a few candidates. The fluid model misses recompute, schedules
+and memory, so the candidates are then simulated on sampled batches of the design point (each
+holding a sequence of its longest) and the best is improved by a local search over trades of
+GPUs between schemes, neighbours ranked by stage 1 and the best few simulated. The proposal also
+keeps the best homogeneous strategy (one scheme everywhere, holding the longest sequence),
+chosen the same way, deduplicated.
 
 **Per step.** The strategies that hold the batch's longest sequence are dispatched (stage 1,
 ``plan/dispatch.py``); the best ``PLANNED`` by dispatch makespan get stage 2 and a simulation
@@ -29,11 +35,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from .dispatch import Dispatch, dispatch
 from .groups import size_limits
@@ -47,6 +55,10 @@ PROPOSAL_VERSION = 1
 QUANTILES = (1.0, 0.9, 0.5, 0.25)  # of the batch's longest sequence: what the strategies are designed for
 BUCKETS = 48  # length buckets of the proposal's DP
 PLANNED = 2  # strategies given stage 2 and a simulation per step
+REFINE = 24  # simulated neighbours per design point in the proposal's local search
+NEIGHBOURS = 4  # neighbours simulated per round of it
+DESIGN_BATCHES = 2  # sampled batches every candidate is simulated on
+HOMOGENEOUS_TRIED = 3  # homogeneous strategies simulated (the fluid estimate's best)
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +160,8 @@ def _ordered(pipes: Sequence[Scheme]) -> tuple[Scheme, ...]:
 
 
 def proposal_key(lengths: np.ndarray, kinds: Sequence[KindCost], *, gpus: int, tokens: int,
-                 max_strategies: int, model: str = "") -> str:
+                 max_strategies: int, model: str = "", refine: int = REFINE, batches: int = DESIGN_BATCHES,
+                 seed: int = 0) -> str:
     """A digest of everything a proposal depends on: the lengths, the schemes with their costs
     (coefficients and memory limits, through their specs), the cluster size and the step's tokens."""
     h = hashlib.sha256()
@@ -156,63 +169,169 @@ def proposal_key(lengths: np.ndarray, kinds: Sequence[KindCost], *, gpus: int, t
     probe = np.array([1, 128, 1024, 8192, 32768], dtype=np.int64)
     for k in kinds:
         h.update(repr((k.scheme, k.longest, k.spec.update_ms, k.sequence_ms(probe).round(9).tolist())).encode())
-    h.update(repr((gpus, tokens, max_strategies, model, PROPOSAL_VERSION)).encode())
+    h.update(repr((gpus, tokens, max_strategies, model, refine, batches, seed, PROPOSAL_VERSION)).encode())
     return h.hexdigest()[:16]
 
 
 def propose(lengths: Sequence[int], kinds: Sequence[KindCost], *, gpus: int, tokens: int, max_strategies: int = 3,
-            model: str = "") -> Proposal:
+            model: str = "", refine: int = REFINE, batches: int = DESIGN_BATCHES, seed: int = 0,
+            progress: bool = False) -> Proposal:
     """Strategies for a length distribution (see the module docstring). Raises ValueError naming
-    the longest sequence when no scheme holds it."""
+    the longest sequence when no scheme holds it. ``refine``: simulated neighbours tried per
+    design point; ``batches``: design batches each candidate is simulated on."""
     lens = np.sort(np.asarray(lengths, dtype=np.int64))
     if len(lens) == 0:
         raise ValueError("a strategy proposal needs at least one sequence length")
     if not kinds:
         raise ValueError("no scheme to propose strategies from: none fits the model in memory")
     longest = int(lens[-1])
-    holding = [k for k in kinds if k.longest >= longest]
-    if not holding:
+    if not any(k.longest >= longest for k in kinds):
         best = max(k.longest for k in kinds)
         raise ValueError(f"the longest sequence ({longest} tokens) fits no scheme (the widest holds {best}); allow "
                          "wider schemes (tensor, pipeline or sequence parallel), raise the memory, or cap "
                          "microbatching.max_seq_len")
-    times = np.stack([k.sequence_ms(lens.astype(np.int64)) for k in kinds])
+    by_scheme = {k.scheme: k for k in kinds}
+    times = np.stack([k.sequence_ms(lens) for k in kinds])
     per_step = tokens / float(lens.mean())  # sequences in a step
-    found: list[Strategy] = []
-    for q in QUANTILES[:max_strategies]:
+    points = []
+    for j, q in enumerate(QUANTILES[:max_strategies]):
         # the batch's longest sequence is at quantile q when every sequence is at quantile q**(1/n)
         x = int(np.quantile(lens, q ** (1.0 / max(per_step, 1.0)), method="higher"))
-        cap = min((k.longest for k in kinds if k.longest >= x), default=longest)
-        upto = int(np.searchsorted(lens, cap, side="right"))
-        s = design(lens[:upto], times[:, :upto], kinds, gpus=gpus, tokens=tokens)
+        upto = int(np.searchsorted(lens, x, side="right"))
+        points.append((x, upto, design_batches(lens[:upto], x, tokens, batches, seed + j)))
+    found: list[Strategy] = []
+    bar = tqdm(total=len(points) + 1, desc="strategies", unit="design", disable=not progress)
+    for x, upto, sample in points:
+        cands = candidates(lens[:upto], times[:, :upto], kinds, gpus=gpus, tokens=tokens)
+        s = refined(cands, sample, kinds, by_scheme, budget=refine)
         if s is not None and s.pipelines not in {f.pipelines for f in found}:
             found.append(s)
-    homo = homogeneous(lens, kinds, gpus=gpus, tokens=tokens, times=times)
-    if homo.pipelines not in {f.pipelines for f in found}:
-        found.append(homo)
-    key = proposal_key(lens, kinds, gpus=gpus, tokens=tokens, max_strategies=max_strategies, model=model)
+        bar.update()
+    # the best homogeneous strategy for every step, by simulation among the fluid estimate's best few
+    x, _, sample = points[0]
+    homo = sorted(homogeneous_all(lens, kinds, gpus=gpus, tokens=tokens, times=times),
+                  key=lambda s: s.estimate_ms)[:HOMOGENEOUS_TRIED]
+    scored = [(simulated_ms(h, sample, by_scheme), h) for h in homo]
+    ms, h = min(scored, key=lambda t: t[0])
+    if h.pipelines not in {f.pipelines for f in found}:
+        found.append(replace(h, estimate_ms=ms))
+    bar.update()
+    bar.close()
+    key = proposal_key(lens, kinds, gpus=gpus, tokens=tokens, max_strategies=max_strategies, model=model,
+                       refine=refine, batches=batches, seed=seed)
     inputs = {"model": model, "gpus": gpus, "tokens": tokens, "sequences": int(len(lens)), "longest": longest,
-              "schemes": [k.scheme.name for k in kinds]}
+              "schemes": [k.scheme.name for k in kinds], "design_longest": [p[0] for p in points]}
     return Proposal(tuple(sorted(found, key=lambda s: (s.longest, s.estimate_ms))), key, inputs)
 
 
-def design(lens: np.ndarray, times: np.ndarray, kinds: Sequence[KindCost], *, gpus: int,
-           tokens: int) -> Strategy | None:
+def design_batches(lens: np.ndarray, longest: int, tokens: int, count: int, seed: int) -> list[np.ndarray]:
+    """``count`` batches of about ``tokens`` tokens drawn from ``lens`` (seeded), each holding one
+    sequence of ``longest``: the design point's batches, whose longest sequence sets the critical path."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        draw = rng.choice(lens, size=int(2 * tokens / max(float(lens.mean()), 1.0)) + 2)
+        keep = draw[np.cumsum(draw) <= tokens - longest]
+        out.append(np.concatenate([[longest], keep]).astype(np.int64))
+    return out
+
+
+def simulated_ms(strategy: Strategy, batches: Sequence[np.ndarray], kinds: dict[Scheme, KindCost]) -> float:
+    """A strategy's mean simulated step over the batches (inf where one cannot run)."""
+    total = 0.0
+    for b in batches:
+        try:
+            total += plan_cluster_step(b, [strategy], kinds, planned=1)[0].iteration_ms
+        except InfeasibleError:
+            return math.inf
+    return total / len(batches)
+
+
+def dispatched_ms(strategy: Strategy, batches: Sequence[np.ndarray], kinds: dict[Scheme, KindCost]) -> float:
+    """Stage 1's quick price of a strategy: its mean dispatch makespan plus its largest update."""
+    order = list(dict.fromkeys(strategy.pipelines))
+    update = max(kinds[k].update_ms for k in order)
+    total = 0.0
+    for b in batches:
+        times = np.stack([kinds[k].sequence_ms(b) for k in order])
+        try:
+            total += dispatch(times, [order.index(p) for p in strategy.pipelines], [k.pp - 1 for k in order],
+                              b).makespan_ms
+        except InfeasibleError:
+            return math.inf
+    return total / len(batches) + update
+
+
+def refined(cands: Sequence[Strategy], batches: Sequence[np.ndarray], kinds: Sequence[KindCost],
+            by_scheme: dict[Scheme, KindCost], *, budget: int) -> Strategy | None:
+    """The DP's candidates simulated on the design batches, then the best improved by local search:
+    a neighbour trades GPUs between schemes the candidates use and their sequence-parallel siblings
+    (one pipeline split into narrower ones, narrower ones merged into one, or one pipeline of
+    another scheme of its size). Neighbours are ranked by stage 1's dispatch makespan; the best
+    ``NEIGHBOURS`` are simulated per round, until none improves or ``budget`` simulations ran."""
+    scored = [(simulated_ms(c, batches, by_scheme), c) for c in cands]
+    scored = [t for t in scored if math.isfinite(t[0])]
+    if not scored:
+        return None
+    best_ms, best = min(scored, key=lambda t: t[0])
+    used = {p for c in cands for p in c.pipelines}
+    pool = sorted({k.scheme for k in kinds if any(k.scheme.tp == u.tp and k.scheme.pp == u.pp for u in used)},
+                  key=lambda s: (s.gpus, s.tp, s.pp, s.sp))
+    tried = {c.pipelines for c in cands}
+    while budget > 0:
+        fresh = [n for n in neighbours(best, pool) if n not in tried]
+        tried.update(fresh)
+        if not fresh:
+            break
+        ranked = sorted(fresh, key=lambda n: dispatched_ms(Strategy(n, 0), batches, by_scheme))[:NEIGHBOURS]
+        budget -= len(ranked)
+        trial = [(simulated_ms(Strategy(n, max(by_scheme[p].longest for p in n)), batches, by_scheme), n)
+                 for n in ranked]
+        ms, n = min(trial, key=lambda t: t[0])
+        if ms >= best_ms:
+            break
+        best_ms, best = ms, Strategy(n, max(by_scheme[p].longest for p in n))
+    return replace(best, estimate_ms=best_ms)
+
+
+def neighbours(strategy: Strategy, pool: Sequence[Scheme]) -> list[tuple[Scheme, ...]]:
+    """Strategies one trade of GPUs away (same GPUs in all), widest first."""
+    counts = strategy.counts
+    out = []
+    for x, n in counts.items():
+        for y in pool:
+            if y == x:
+                continue
+            if y.gpus <= x.gpus and x.gpus % y.gpus == 0:  # one x becomes x.gpus / y.gpus of y
+                new = dict(counts)
+                new[x] -= 1
+                new[y] = new.get(y, 0) + x.gpus // y.gpus
+                out.append(new)
+            if y.gpus > x.gpus and y.gpus % x.gpus == 0 and n >= y.gpus // x.gpus:  # that many x become one y
+                new = dict(counts)
+                new[x] -= y.gpus // x.gpus
+                new[y] = new.get(y, 0) + 1
+                out.append(new)
+    return list(dict.fromkeys(_ordered([s for s, c in d.items() for _ in range(c)]) for d in out))
+
+
+def candidates(lens: np.ndarray, times: np.ndarray, kinds: Sequence[KindCost], *, gpus: int,
+               tokens: int) -> list[Strategy]:
     """The proposal's DP for one design batch: ``lens`` sorted ascending, ``times[k, i]`` sequence
-    i's time on kind k (inf where it does not fit). None when no strategy runs the batch.
+    i's time on kind k (inf where it does not fit); one strategy per update level.
 
     A step ends with every pipeline's update (the gradient synchronisation waits for the last
     pipeline), so a strategy pays the largest update of its schemes: narrow schemes sync more
     parameters per GPU. The DP runs once per update level, on the schemes within it."""
     eff = effective_ms(lens, times, kinds)
     update = np.array([k.update_ms for k in kinds])
-    best = None
+    out = []
     for u in np.unique(update):
         within = np.flatnonzero(update <= u)
         s = _design_within(lens, eff[within], [kinds[i] for i in within], gpus=gpus, tokens=tokens)
-        if s is not None and (best is None or s.estimate_ms + u < best.estimate_ms):
-            best = replace(s, estimate_ms=s.estimate_ms + float(u))
-    return best
+        if s is not None and s.pipelines not in {o.pipelines for o in out}:
+            out.append(replace(s, estimate_ms=s.estimate_ms + float(u)))
+    return out
 
 
 def effective_ms(lens: np.ndarray, times: np.ndarray, kinds: Sequence[KindCost]) -> np.ndarray:
@@ -288,26 +407,25 @@ def _design_within(lens: np.ndarray, times: np.ndarray, kinds: Sequence[KindCost
                     float(max(finish(i) for i in range(len(runs)))))
 
 
-def homogeneous(lengths: Sequence[int], kinds: Sequence[KindCost], *, gpus: int, tokens: int,
-                times: np.ndarray | None = None) -> Strategy:
-    """The best single scheme for the whole distribution (as many of its pipelines as the GPUs
-    hold), by the same fluid estimate: the seed's and most systems' one strategy for every step."""
+def homogeneous_all(lengths: Sequence[int], kinds: Sequence[KindCost], *, gpus: int, tokens: int,
+                    times: np.ndarray | None = None) -> list[Strategy]:
+    """Every homogeneous strategy holding the longest sequence (one scheme, as many of its
+    pipelines as the GPUs hold; the seed's and most systems' one strategy for every step), with
+    the fluid estimate of its step."""
     lens = np.sort(np.asarray(lengths, dtype=np.int64))
     times = effective_ms(lens, np.stack([k.sequence_ms(lens) for k in kinds]) if times is None else times, kinds)
     weight = tokens / float(lens.sum())
-    best = None
+    out = []
     for i, k in enumerate(kinds):
         n = gpus // k.scheme.gpus
         if n == 0 or k.longest < lens[-1]:
             continue
         t = times[i]
         est = float(t.sum()) * weight / n + (k.scheme.pp - 1) * float(t[-1])
-        est = max(est, k.scheme.pp * float(t[-1])) + k.update_ms
-        if best is None or est < best.estimate_ms:
-            best = Strategy((k.scheme,) * n, int(k.longest), est)
-    if best is None:
+        out.append(Strategy((k.scheme,) * n, int(k.longest), max(est, k.scheme.pp * float(t[-1])) + k.update_ms))
+    if not out:
         raise ValueError(f"no single scheme holds the longest sequence ({int(lens[-1])} tokens) on {gpus} GPUs")
-    return best
+    return out
 
 
 def scheme_kinds(lengths: Sequence[int], spec: PlannerSpec) -> list[SchemeCost]:
