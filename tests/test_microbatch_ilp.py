@@ -123,6 +123,16 @@ def test_counts_are_respected():
         assert len(res.groups) in counts
 
 
+def test_a_spent_time_budget_keeps_the_start():
+    spec = spec_for(4, 1)
+    lens = draw(16, 11, 4, 1)
+    inc = dp_groups(lens, spec)
+    res = ilp_partition(lens, spec, incumbent=inc, time_limit_s=0.0)
+    check_valid(res, lens, spec)
+    assert res.status in ("incumbent", "time_limit", "optimal")
+    assert res.objective_ms <= pipeline_time_ms(inc, lens, spec) * (1 + 1e-12)
+
+
 def test_pipeline_time_of_an_oversized_group_is_infinite():
     spec = spec_for(1, 1)
     lens = [longest_alone(1, 1)] * 3
