@@ -150,7 +150,8 @@ class _Model:
                 # StageMemory.fits: in_flight * stored + max(0, max_c (peak_c - stored_c)) <= budget; every
                 # stored_c keeps a non-negative coefficient (in_flight * count >= 1), so bounding each fit from
                 # above (floor added, padding document included) keeps the rows safe
-                upper = {c: (self._upper(fits[c]["stored_bytes"]), self._upper(fits[c]["peak_bytes"])) for c in COMPONENTS}
+                upper = {c: (self._upper(fits[c]["stored_bytes"]), self._upper(fits[c]["peak_bytes"]))
+                         for c in COMPONENTS}
                 stored = mem.in_flight * sum(n[c] * upper[c][0] for c in COMPONENTS)
                 rows = [stored] + [stored + upper[c][1] - upper[c][0] for c in COMPONENTS if n[c]]
                 memory += [(float(r[0]) / mem.budget - 1.0, float(r[1]) / mem.budget, float(r[2]) / mem.budget)
@@ -304,14 +305,57 @@ def _runs(allowed: list[int]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in runs]
 
 
+@dataclass(frozen=True)
+class _Columns:
+    """The program's column indices: x[p, j], z[j, r], S[j, r], Q[j, r], W[j, r] (k > 1 only),
+    y[j, r, q], t[j] and M (pp > 1 only)."""
+
+    x: dict
+    z: dict
+    S: dict
+    Q: dict
+    W: dict
+    y: dict
+    t: list[int]
+    M: int | None
+
+
 def _solve(lens: np.ndarray, model: _Model, pp: int, lo: int, hi: int, start: list[list[int]] | None,
            node_limit: int, time_limit_s: float | None) -> tuple[list[list[int]] | None, str, int]:
-    """Build and solve the program for lo..hi non-empty micro-batches; (groups or None, status, nodes)."""
-    n, v, R, k = len(lens), hi, len(model.modes), model.k
+    """Solve the program for lo..hi non-empty micro-batches from ``start``; (groups or None, status, nodes)."""
     order = np.argsort(-lens, kind="stable")
-    s = [int(lens[i]) for i in order]  # lengths by position, longest first
+    lp, cols = _program([int(lens[i]) for i in order], model, pp, lo, hi)
+    h = highspy.Highs()
+    for name, val in (("output_flag", False), ("threads", 1), ("random_seed", SEED), ("mip_max_nodes", node_limit),
+                      ("mip_rel_gap", REL_GAP), *OPTIONS.items()):
+        h.setOptionValue(name, val)
+    if time_limit_s is not None:
+        h.setOptionValue("time_limit", max(float(time_limit_s), 0.0))
+    h.passModel(lp)
+    if start is not None:
+        values = _start_values(start, lens, order, model, lp.num_col_, cols)
+        if values is not None:
+            sol = highspy.HighsSolution()
+            sol.col_value = list(values)
+            h.setSolution(sol)
+    h.run()
+    nodes = int(h.getInfo().mip_node_count)
+    name = {highspy.HighsModelStatus.kOptimal: "optimal", highspy.HighsModelStatus.kTimeLimit: "time_limit",
+            highspy.HighsModelStatus.kSolutionLimit: "node_limit"}.get(h.getModelStatus(), "incumbent")
+    if h.getInfo().primal_solution_status != highspy.SolutionStatus.kSolutionStatusFeasible:
+        return None, name, nodes
+    values = np.asarray(h.getSolution().col_value)
+    groups: list[list[int]] = [[] for _ in range(hi)]
+    for (p, j), c in cols.x.items():
+        if values[c] > 0.5:
+            groups[j].append(int(order[p]))
+    return [g for g in groups if g], name, nodes
+
+
+def _program(s: list[int], model: _Model, pp: int, lo: int, hi: int) -> tuple[highspy.HighsLp, _Columns]:
+    """The program (module docstring) over lengths ``s``, longest first, for lo..hi non-empty micro-batches."""
+    n, v, R, k = len(s), hi, len(model.modes), model.k
     stages = len(model.linear[0])
-    # columns
     cost: list[float] = []
     lower: list[float] = []
     upper: list[float] = []
@@ -361,7 +405,7 @@ def _solve(lens: np.ndarray, model: _Model, pp: int, lo: int, hi: int, start: li
     for p in range(n):
         row([(x[p, j], 1.0) for j in range(min(p, v - 1) + 1)], 1.0, 1.0)
     for j in range(v):
-        members = [p for p in range(j, n)]
+        members = range(j, n)
         row([(S[j, r], 1.0) for r in range(R)] + [(x[p, j], -s[p] / TOKENS) for p in members], 0.0, 0.0)
         row([(Q[j, r], 1.0) for r in range(R)] + [(x[p, j], -s[p] ** 2 / SQUARES) for p in members], 0.0, 0.0)
         row([(z[j, r], 1.0) for r in range(R)], -inf, 1.0)
@@ -392,12 +436,6 @@ def _solve(lens: np.ndarray, model: _Model, pp: int, lo: int, hi: int, start: li
     if lo > 0:  # micro-batch lo - 1 non-empty, and with it every one before (symmetry)
         row([(x[p, lo - 1], 1.0) for p in range(lo - 1, n)], 1.0, inf)
 
-    h = highspy.Highs()
-    for name, val in (("output_flag", False), ("threads", 1), ("random_seed", SEED), ("mip_max_nodes", node_limit),
-                      ("mip_rel_gap", REL_GAP), *OPTIONS.items()):
-        h.setOptionValue(name, val)
-    if time_limit_s is not None:
-        h.setOptionValue("time_limit", max(float(time_limit_s), 0.0))
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = len(cost), len(rows_lo)
     lp.col_cost_, lp.col_lower_, lp.col_upper_ = np.array(cost), np.array(lower), np.array(upper)
@@ -406,41 +444,7 @@ def _solve(lens: np.ndarray, model: _Model, pp: int, lo: int, hi: int, start: li
     lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = (
         np.array(starts, dtype=np.int32), np.array(index, dtype=np.int32), np.array(value))
     lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in integer]
-    h.passModel(lp)
-    if start is not None:
-        values = _start_values(start, lens, order, model, len(cost), _Columns(x, z, S, Q, W, y, t, M))
-        if values is not None:
-            sol = highspy.HighsSolution()
-            sol.col_value = list(values)
-            h.setSolution(sol)
-    h.run()
-    status = h.getModelStatus()
-    nodes = int(h.getInfo().mip_node_count)
-    name = {highspy.HighsModelStatus.kOptimal: "optimal", highspy.HighsModelStatus.kTimeLimit: "time_limit",
-            highspy.HighsModelStatus.kSolutionLimit: "node_limit"}.get(status, "incumbent")
-    if h.getInfo().primal_solution_status != highspy.SolutionStatus.kSolutionStatusFeasible:
-        return None, name, nodes
-    values = np.asarray(h.getSolution().col_value)
-    groups: list[list[int]] = [[] for _ in range(v)]
-    for (p, j), c in x.items():
-        if values[c] > 0.5:
-            groups[j].append(int(order[p]))
-    return [g for g in groups if g], name, nodes
-
-
-@dataclass(frozen=True)
-class _Columns:
-    """The program's column indices: x[p, j], z[j, r], S[j, r], Q[j, r], W[j, r] (k > 1 only),
-    y[j, r, q], t[j] and M (pp > 1 only)."""
-
-    x: dict
-    z: dict
-    S: dict
-    Q: dict
-    W: dict
-    y: dict
-    t: list[int]
-    M: int | None
+    return lp, _Columns(x, z, S, Q, W, y, t, M)
 
 
 def _start_values(start: list[list[int]], lens: np.ndarray, order: np.ndarray, model: _Model, ncol: int,
