@@ -114,11 +114,13 @@ def scheduled(mbs: list[MicroBatch], pipe: Pipeline, lens: np.ndarray, stage2: S
     from .microbatch_ilp import ilp_partition  # HiGHS is loaded only where the ILP is asked for
 
     ids = [i for mb in mbs for i in mb.sample_ids]
-    local = [[ids.index(i) for i in mb.sample_ids] for mb in mbs]
+    at = {i: j for j, i in enumerate(ids)}
+    local = [[at[i] for i in mb.sample_ids] for mb in mbs]
     spec = pipe.spec
-    res = ilp_partition([int(lens[i]) for i in ids], spec, incumbent=local, sp=pipe.sp,
-                        node_limit=stage2.node_limit, time_limit_s=stage2.time_limit_s)
-    if [sorted(g) for g in res.groups] == [sorted(g) for g in local] or (keep_count and len(res.groups) != len(mbs)):
+    limits = {"node_limit": stage2.node_limit} if stage2.node_limit is not None else {}
+    res = ilp_partition([int(lens[i]) for i in ids], spec, incumbent=local, time_limit_s=stage2.time_limit_s,
+                        counts=[len(mbs)] if keep_count else None, **limits)
+    if sorted(map(sorted, res.groups)) == sorted(map(sorted, local)):
         return rep
     ilp = [make_micro_batch([ids[j] for j in g], lens, spec, mbs[0].layout, rc, sp=pipe.sp)
            for g, rc in zip(res.groups, res.recompute)]
