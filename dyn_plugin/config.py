@@ -188,6 +188,36 @@ class ShardingConfig(_Section):
         "1 on GPUs (separate streams); lower on CPUs, where gloo and the kernels share the cores")
 
 
+class StrategyConfig(_Section):
+    """Hydraulis: heterogeneous strategies (pipelines of different sequence-parallel sizes), one
+    chosen per step (dyn_plugin/plan/strategy.py); its pipelines are sequence_parallel's groups."""
+
+    enabled: bool = Field(default=False, description="plan every step under the proposal's strategies instead of the "
+                          "per-step groupings of sequence_parallel")
+    proposal: str | None = Field(
+        default=None, description="a proposal JSON written by `dynplugin strategy`; unset: proposed at start-up "
+        "from the run's dataset lengths (deterministic: every rank proposes the same)")
+    max_strategies: int = Field(default=3, ge=1,
+                                description="most strategies proposed at start-up (without 'proposal')")
+    stage2: Literal["dp", "ilp"] = Field(
+        default="dp", description="how each pipeline's sequences are cut into micro-batches: 'dp' (DynaPipe's "
+        "dynamic program) or 'ilp' (PuLP + HiGHS)")
+    ilp_node_limit: int | None = Field(
+        default=None, gt=0, description="stage2='ilp': branch-and-bound nodes per solve, a limit that ends every "
+        "solve alike in every process; unset: the ILP's own default")
+    ilp_time_budget_ms: float | None = Field(
+        default=None, gt=0, description="stage2='ilp': a wall-clock limit per solve as well; solves may then differ "
+        "between processes, so it needs a store (each step solved once by the planner processes, shared)")
+
+    @model_validator(mode="after")
+    def _ilp_fields_need_ilp(self) -> "StrategyConfig":
+        for name in sorted(self.model_fields_set & {"ilp_node_limit", "ilp_time_budget_ms"}):
+            if self.stage2 != "ilp":
+                raise ValueError(f"'{name}' is only used by stage2 'ilp' but stage2 is '{self.stage2}'; set "
+                                 f"stage2='ilp' or drop '{name}'")
+        return self
+
+
 class LoaderConfig(_Section):
     planners: int = Field(default=1, ge=1, description="background planner processes (with a store)")
     prefetch: int = Field(default=4, ge=1, description="global batches planned ahead of training (with a store)")
@@ -283,6 +313,7 @@ class DynPluginConfig(_Section):
     pipeline: PipelineConfig = PipelineConfig()
     sequence_parallel: SequenceParallelConfig = SequenceParallelConfig()
     sharding: ShardingConfig = ShardingConfig()
+    strategy: StrategyConfig = StrategyConfig()
     cluster: ClusterConfig = ClusterConfig()
     store: StoreConfig = StoreConfig()
     loader: LoaderConfig = LoaderConfig()
@@ -296,6 +327,21 @@ class DynPluginConfig(_Section):
             lps = self.pipeline.layers_per_stage
             if lps is not None and sum(lps) != shape.num_layers:
                 raise ValueError(f"pipeline.layers_per_stage sums to {sum(lps)} but the model has {shape.num_layers} layers")
+        return self
+
+    @model_validator(mode="after")
+    def _strategy_runs_here(self) -> "DynPluginConfig":
+        st = self.strategy
+        if st.enabled and not self.sequence_parallel.enabled:
+            raise ValueError("strategy.enabled needs sequence_parallel.enabled = true: a strategy's pipelines run as "
+                             "its sequence-parallel groups")
+        if st.enabled and self.microbatching.method != "dynapipe":
+            raise ValueError(f"strategy.enabled with microbatching.method = {self.microbatching.method!r}: strategies "
+                             "are planned by the plugin's planner; set method to 'dynapipe' or disable strategy")
+        if st.ilp_time_budget_ms is not None and self.store.backend == "none":
+            raise ValueError("strategy.ilp_time_budget_ms needs a store (store.backend 'tcp' or 'redis'): time-limited "
+                             "solves can differ between processes, so the planner processes solve each step once and "
+                             "share it; set store.backend, or drop ilp_time_budget_ms and use strategy.ilp_node_limit")
         return self
 
 

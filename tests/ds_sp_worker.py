@@ -1,14 +1,19 @@
 """One rank of the sequence-parallel DeepSpeed tests (run as a script): planned steps with forced
 groupings of the ranks into sequence-parallel groups, compared with the single-process token-mean
 reference; then, optionally, a run with dropout that records the random state each group draws,
-stopped by a kill after a checkpoint or resumed from it.
+stopped by a kill after a checkpoint or resumed from it. With "plugin" (extra dyn_plugin sections,
+e.g. a strategy proposal), the exact cases plan as that config says for "count" steps instead of
+forced ones, and may be stopped by a kill after a checkpoint or resumed from it too.
 
     ds_sp_worker.py OUT_DIR TAG JOB_JSON
     JOB_JSON: {"exact": [{"zero": z, "steps": [[grouping, layout], ...]}, ...],
                "dropout": null | "full" | "stop-after:K" | "resume"}
+          or: {"plugin": {section: {...}},
+               "exact": [{"zero": z, "count": n, "mode": "full" | "stop-after:K" | "resume"}, ...]}
 Rank 0 writes OUT_DIR/TAG.json.
 """
 import copy
+import hashlib
 import itertools
 import json
 import os
@@ -84,13 +89,14 @@ def force_groupings(loader, steps, planner=hand_plan) -> None:
     loader.context.plan = forced
 
 
-def engine_for(model, stage, data, lengths, optimizer, seed=3):
+def engine_for(model, stage, data, lengths, optimizer, seed=3, plugin=None):
     config = {
         "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
         "dyn_plugin": {
             "microbatching": {"global_tokens": 1000, "max_seq_len": 256},
             "cost_model": {"kind": "analytic", "dtype": "fp32"},
             "sequence_parallel": {"enabled": True, "sizes": [1, 2, 4], "attention": "auto"},
+            **(plugin or {}),
         },
     }
     return deepspeed_ext.initialize(model=model, config=config, dataset=data, lengths=lengths,
@@ -116,25 +122,43 @@ def _row_tokens(desc) -> int:
     return sum(desc["seq_lens"]) if desc["layout"] == "packed" else max(desc["seq_lens"])
 
 
-def exact_case(case, data, lengths) -> dict:
-    stage, planned = case["zero"], [(tuple(g), layout) for g, layout in case["steps"]]
+def exact_case(case, data, lengths, out, plugin=None) -> dict:
+    """The forced steps, or ``case["count"]`` steps planned as ``plugin`` says, against the
+    reference. Mode "stop-after:K" checkpoints after K steps and dies; "resume" goes on from that
+    checkpoint, the reference first replaying the steps the checkpoint holds."""
+    stage, planned = case["zero"], [(tuple(g), layout) for g, layout in case.get("steps", [])]
+    mode = case.get("mode", "full")
     torch.manual_seed(0)
     model = build_causal_lm(MODEL)
     ref = copy.deepcopy(model)
-    engine, _, loader, _ = engine_for(model, stage, data, lengths, lambda p: torch.optim.SGD(p, lr=LR))
-    force_groupings(loader, planned)
+    engine, _, loader, _ = engine_for(model, stage, data, lengths, lambda p: torch.optim.SGD(p, lr=LR), plugin=plugin)
+    if planned:
+        force_groupings(loader, planned)
+    ckpt = os.path.join(out, "ckpt")
+    if mode == "resume":
+        deepspeed_ext.load_checkpoint(engine, loader, ckpt)
+        for done in loader.context.batches(loader.epoch)[:loader.step]:
+            reference(ref, [data[int(i)]["input_ids"] for i in done], LR)
+    stop = int(mode.split(":")[1]) if mode.startswith("stop-after") else None
     steps = []
-    for n, step in zip(range(len(planned)), loader):
+    for n, step in zip(range((len(planned) or case["count"]) - loader.step), loader):
         deepspeed_ext.train_step(engine, step)
         batch = [int(i) for i in loader.context.batches(step.epoch)[step.index]]
         reference(ref, [data[i]["input_ids"] for i in batch], LR)
         records = gather_objects(step_record(step))
-        steps.append({"grouping": planned[n][0], "layout": planned[n][1], "batch": sorted(batch), "ranks": records})
+        grouping, layout = planned[step.index] if planned else (None, None)
+        steps.append({"index": step.index, "grouping": grouping, "layout": layout, "batch": sorted(batch),
+                      "ranks": records, "digest": step.digest})
+        if stop is not None and n + 1 == stop:
+            deepspeed_ext.save_checkpoint(engine, loader, ckpt, tag="crash")
+            os.kill(os.getpid(), signal.SIGKILL)
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
         diff = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(params, ref.parameters()))
+        weights = hashlib.sha256(torch.cat([p.detach().flatten() for p in params]).numpy().tobytes()).hexdigest()
     engine.destroy()
-    return {**case, "max_abs_diff": diff, "steps": steps, "kinds": engine._dyn_plugin_sequence.kinds}
+    return {**case, "max_abs_diff": diff, "steps": steps, "kinds": engine._dyn_plugin_sequence.kinds,
+            "weights": weights}
 
 
 def dropout_run(out, mode) -> list:
@@ -171,7 +195,7 @@ def main():
     out, tag, job = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     deepspeed.init_distributed(dist_backend="gloo")
     lengths, data = random_dataset(0)
-    results = {"exact": [exact_case(case, data, lengths) for case in job.get("exact", [])]}
+    results = {"exact": [exact_case(case, data, lengths, out, job.get("plugin")) for case in job.get("exact", [])]}
     if job.get("dropout"):
         results["dropout"] = dropout_run(out, job["dropout"])
     finish(results, os.path.join(out, f"{tag}.json"))

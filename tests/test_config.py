@@ -128,3 +128,20 @@ def test_deepspeed_keys_do_not_look_like_the_plugin_section(caplog):
     with caplog.at_level("WARNING", logger="dyn_plugin.config"):
         load_config({**{k: None for k in keys}, "dyn_plugin": {}})
     assert caplog.text == ""
+
+
+def test_strategy_section_refusals_name_the_fields_and_the_fix():
+    assert "strategy.enabled needs sequence_parallel.enabled = true" in errors_of({"strategy": {"enabled": True}})
+    on = {"sequence_parallel": {"enabled": True}, "strategy": {"enabled": True}}
+    msg = errors_of({**on, "microbatching": {"method": "token_budget"}})
+    assert "strategy.enabled with microbatching.method = 'token_budget'" in msg and "set method to 'dynapipe'" in msg
+    ilp = {"stage2": "ilp", "ilp_time_budget_ms": 50.0}
+    msg = errors_of({**on, "strategy": {"enabled": True, **ilp}})
+    assert "strategy.ilp_time_budget_ms needs a store (store.backend 'tcp' or 'redis')" in msg
+    assert "strategy.ilp_node_limit" in msg  # the deterministic alternative
+    msg = errors_of({"strategy": {"ilp_node_limit": 100}})
+    assert "dyn_plugin.strategy: 'ilp_node_limit' is only used by stage2 'ilp' but stage2 is 'dp'" in msg
+    assert "dyn_plugin.strategy.max_strategies = 0" in errors_of({"strategy": {"max_strategies": 0}})
+    cfg = load_config({"dyn_plugin": {**on, "strategy": {"enabled": True, **ilp},
+                                      "store": {"backend": "redis", "url": "redis://localhost:6379/0"}}})
+    assert cfg.plugin.strategy.ilp_time_budget_ms == 50.0 and cfg.plugin.strategy.proposal is None

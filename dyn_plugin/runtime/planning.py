@@ -1,8 +1,9 @@
 """From a global batch to what one rank runs: the bridge between planners and the loader.
 
 Everything a planner process needs travels as JSON (``PlanningContext.to_json``): the plugin
-config, the cost model's coefficients, the lengths. Every rank, or every planner process,
-derives the same plan for the same (epoch, step), so nothing but the result crosses a store.
+config, the cost model's coefficients, the lengths, the strategy proposal. Every rank, or every
+planner process, derives the same plan for the same (epoch, step), so nothing but the result
+crosses a store.
 """
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..config import DynPluginConfig
+from ..config import ConfigError, DynPluginConfig
 from ..cost.table import TableCostModel
 from ..plan.baselines import plan_baseline
 from ..plan.instructions import ExecutionPlan, check_plans, plan_from_json, plan_to_json
 from ..plan.planner import PlannerSpec, StepPlan, checkpointed_layers, execution_plans, plan_step, planner_spec
+from ..plan.strategy import Proposal, Strategy, plan_strategy_step, runnable_proposal
+from ..plan.two_stage import Stage2Options
 from .collate import scored_tokens
 from .sampler import epoch_batches
 
@@ -70,10 +73,16 @@ class PlanningContext:
     tp: int = 1
     seed: int = 0
     state_bytes: float | None = None  # a sharding plan's model states per rank, in place of ZeRO's (planner_spec)
+    proposal: Proposal | None = None  # with strategy.enabled: the strategies steps are planned under (else built)
 
     def __post_init__(self) -> None:
         self.spec: PlannerSpec = planner_spec(self.cost, self.config, dp=self.dp, zero_stage=self.zero_stage,
                                               tp=self.tp, seed=self.seed, state_bytes=self.state_bytes)
+        if self.config.strategy.enabled:
+            if self.proposal is None:
+                self.proposal = self._build_proposal()
+            check_runnable(self.proposal, columns=self.dp, tp=self.tp, pp=self.pp,
+                           sizes=self.config.sequence_parallel.sizes, source=self.config.strategy.proposal)
         self._epochs: dict[int, list[list[int]]] = {}
         self._offsets: dict[int, int] = {0: 0}  # run-wide position of each epoch's first batch
         self._extrapolated = 0  # steps planned with costs beyond the measured range so far
@@ -100,15 +109,39 @@ class PlanningContext:
             epoch += 1
         return epoch, position - self._offsets[epoch]
 
+    def _build_proposal(self) -> Proposal:
+        """The proposal ``strategy.proposal`` names, or one proposed from the run's lengths."""
+        st = self.config.strategy
+        if st.proposal is not None:
+            try:
+                return Proposal.load(st.proposal)
+            except FileNotFoundError:
+                raise ConfigError(f"strategy.proposal = {st.proposal!r} does not exist; write one with `dynplugin "
+                                  "strategy`, or unset it to propose at start-up") from None
+        proposal = runnable_proposal(self.lengths, self.spec, tokens=self.config.microbatching.global_tokens,
+                                     max_strategies=st.max_strategies)
+        logger.info("strategy proposal %s from the run's %d lengths: %s", proposal.key, len(self.lengths),
+                    "; ".join(_describe(s) for s in proposal.strategies))
+        return proposal
+
+    def plan_batch(self, lens: list[int]) -> StepPlan:
+        """The step plan of one global batch's lengths, as the config says to plan it."""
+        method = self.config.microbatching.method
+        st = self.config.strategy
+        if st.enabled:
+            budget = st.ilp_time_budget_ms
+            stage2 = Stage2Options(st.stage2, st.ilp_node_limit, budget / 1000 if budget is not None else None)
+            return plan_strategy_step(lens, self.spec, self.proposal, stage2=stage2)
+        if method == "dynapipe":
+            return plan_step(lens, self.spec)
+        return plan_baseline(method, lens, self.spec, self.config.microbatching.max_seq_len)
+
     def plan(self, epoch: int, step: int) -> dict[tuple[int, int], RankPlan]:
         """(dp_rank, pp_rank) -> that rank's plan, for global batch ``step`` of ``epoch``."""
         ids = self.batches(epoch)[step]
         lens = [int(self.lengths[i]) for i in ids]
         method = self.config.microbatching.method
-        if method == "dynapipe":
-            plan = plan_step(lens, self.spec)
-        else:
-            plan = plan_baseline(method, lens, self.spec, self.config.microbatching.max_seq_len)
+        plan = self.plan_batch(lens)
         counts = [len(r.micro_batches) for r in plan.replicas]
         # a sharding plan's modules gather in step on every rank, as ZeRO-3's do
         sharded = self.state_bytes is not None
@@ -151,6 +184,8 @@ class PlanningContext:
             "config": self.config.model_dump(mode="json", exclude_unset=True), "cost": self.cost.to_dict(),
             "lengths": self.lengths.tolist(), "dp": self.dp, "pp": self.pp, "zero_stage": self.zero_stage,
             "tp": self.tp, "seed": self.seed, "state_bytes": self.state_bytes,
+            # planner processes plan under the very proposal the ranks hold (one proposed at start-up included)
+            "proposal": self.proposal.to_json() if self.proposal is not None else None,
         })
 
     @classmethod
@@ -158,4 +193,31 @@ class PlanningContext:
         d = json.loads(text)
         return cls(DynPluginConfig.model_validate(d["config"]), TableCostModel.from_dict(d["cost"]),
                    np.asarray(d["lengths"], dtype=np.int64), d["dp"], d["pp"], d["zero_stage"], d["tp"], d["seed"],
-                   d.get("state_bytes"))
+                   d.get("state_bytes"), Proposal.from_json(d["proposal"]) if d.get("proposal") else None)
+
+
+def check_runnable(proposal: Proposal, *, columns: int, tp: int, pp: int, sizes: list[int],
+                   source: str | None = None) -> None:
+    """Refuse a proposal with a strategy this run cannot execute: DeepSpeed builds uniform replicas,
+    so every pipeline must have the run's tensor and pipeline degrees; its pipelines must tile the
+    run's data-parallel columns, in sequence-parallel groups of sizes the run builds. ``source``:
+    the file it came from (None: proposed at start-up)."""
+    origin = f"strategy.proposal {source!r}" if source else "the proposal made at start-up"
+    for n, strategy in enumerate(proposal.strategies):
+        where = f"{origin} (key {proposal.key}): strategy {n} ({_describe(strategy)})"
+        if not strategy.runnable(tp, pp):
+            degrees = sorted({(p.tp, p.pp) for p in strategy.pipelines})
+            raise ConfigError(f"{where} has pipelines of (tp, pp) {degrees}, but this run's replicas all have tp={tp}, "
+                              f"pp={pp}: heterogeneous tensor/pipeline degrees are simulation-only (`dynplugin bench "
+                              "strategy`); propose with the run's tp and pp")
+        if strategy.gpus != columns * tp * pp:
+            raise ConfigError(f"{where} uses {strategy.gpus} GPUs but the run has {columns} data-parallel columns x "
+                              f"tp {tp} x pp {pp} = {columns * tp * pp}; propose for this world size")
+        odd = sorted(set(strategy.grouping) - set(sizes))
+        if odd:
+            raise ConfigError(f"{where} has group size(s) {odd} outside sequence_parallel.sizes = {sizes}; add them "
+                              "to sizes or propose with these sizes")
+
+
+def _describe(strategy: Strategy) -> str:
+    return f"{strategy.describe()}, longest sequence {strategy.longest}"
