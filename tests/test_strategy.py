@@ -15,7 +15,7 @@ from dyn_plugin.plan.microbatch import InfeasibleError
 from dyn_plugin.plan.planner import execution_plans, planner_spec
 from dyn_plugin.plan.schemes import Scheme, scheme_costs
 from dyn_plugin.plan.strategy import (Proposal, Strategy, cached_proposal, neighbours, plan_cluster_step,
-                                      plan_strategy_step, propose, proposal_key, runnable_proposal)
+                                      plan_strategy_step, proposal_key, propose, runnable_proposal)
 from dyn_plugin.runtime.planning import step_digest
 from dyn_plugin.runtime.sampler import global_batches
 

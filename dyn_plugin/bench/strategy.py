@@ -167,8 +167,9 @@ def plot_strategies(proposal, path: str, *, title: str = "", plan=None) -> None:
             if n * p.gpus >= 0.06 * s.gpus:
                 ax.text(x, bottom + n * p.gpus / 2, f"{n}x", ha="center", va="center", fontsize=8)
             bottom += n * p.gpus
-    ax.set_xticks(range(len(proposal.strategies)), [f"<= {s.longest:,}" for s in proposal.strategies])
-    ax.set_xlabel("strategy (longest sequence it holds)")
+    ax.set_xticks(range(len(proposal.strategies)),
+                  [f"<= {s.longest:,}\n{s.estimate_ms:,.0f} ms" for s in proposal.strategies])
+    ax.set_xlabel("strategy (longest sequence it holds; simulated step on its design batches)")
     ax.set_ylabel("GPUs")
     ax.legend(fontsize=7, title="scheme", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title("proposed strategies")

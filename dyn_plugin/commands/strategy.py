@@ -58,9 +58,9 @@ def model_proposal(lengths, args: argparse.Namespace):
     """Every (tp, pp, sp) scheme of a named model on the A100 cluster: simulated strategies."""
     import numpy as np
 
+    from ..bench.strategy import strategy_config
     from ..cost.calibrated import named_cost_model
     from ..plan.schemes import scheme_costs
-    from ..bench.strategy import strategy_config
     from ..plan.strategy import proposal_key, propose
 
     gpus = args.gpus or 64

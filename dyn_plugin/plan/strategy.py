@@ -59,6 +59,7 @@ REFINE = 24  # simulated neighbours per design point in the proposal's local sea
 NEIGHBOURS = 4  # neighbours simulated per round of it
 DESIGN_BATCHES = 2  # sampled batches every candidate is simulated on
 HOMOGENEOUS_TRIED = 3  # homogeneous strategies simulated (the fluid estimate's best)
+DESIGN_GPUS = 128  # larger clusters get strategies designed for units of this many GPUs, repeated
 
 logger = logging.getLogger(__name__)
 
@@ -191,25 +192,31 @@ def propose(lengths: Sequence[int], kinds: Sequence[KindCost], *, gpus: int, tok
                          "wider schemes (tensor, pipeline or sequence parallel), raise the memory, or cap "
                          "microbatching.max_seq_len")
     by_scheme = {k.scheme: k for k in kinds}
-    times = np.stack([k.sequence_ms(lens) for k in kinds])
     per_step = tokens / float(lens.mean())  # sequences in a step
+    # Beyond DESIGN_GPUS the strategies are designed and simulated for one unit of that many GPUs
+    # and a unit's share of the step, then repeated: simulating a 1024-GPU step per candidate would
+    # take the proposal minutes; the design points (the step's longest) stay the whole step's.
+    copies = gpus // DESIGN_GPUS if gpus > DESIGN_GPUS and gpus % DESIGN_GPUS == 0 else 1
+    unit, unit_tokens = gpus // copies, tokens // copies
+    kinds = [k for k in kinds if k.scheme.gpus <= unit]
+    times = np.stack([k.sequence_ms(lens) for k in kinds])
     points = []
     for j, q in enumerate(QUANTILES[:max_strategies]):
         # the batch's longest sequence is at quantile q when every sequence is at quantile q**(1/n)
         x = int(np.quantile(lens, q ** (1.0 / max(per_step, 1.0)), method="higher"))
         upto = int(np.searchsorted(lens, x, side="right"))
-        points.append((x, upto, design_batches(lens[:upto], x, tokens, batches, seed + j)))
+        points.append((x, upto, design_batches(lens[:upto], x, unit_tokens, batches, seed + j)))
     found: list[Strategy] = []
     bar = tqdm(total=len(points) + 1, desc="strategies", unit="design", disable=not progress)
     for x, upto, sample in points:
-        cands = candidates(lens[:upto], times[:, :upto], kinds, gpus=gpus, tokens=tokens)
+        cands = candidates(lens[:upto], times[:, :upto], kinds, gpus=unit, tokens=unit_tokens)
         s = refined(cands, sample, kinds, by_scheme, budget=refine)
         if s is not None and s.pipelines not in {f.pipelines for f in found}:
             found.append(s)
         bar.update()
     # the best homogeneous strategy for every step, by simulation among the fluid estimate's best few
     x, _, sample = points[0]
-    homo = sorted(homogeneous_all(lens, kinds, gpus=gpus, tokens=tokens, times=times),
+    homo = sorted(homogeneous_all(lens, kinds, gpus=unit, tokens=unit_tokens, times=times),
                   key=lambda s: s.estimate_ms)[:HOMOGENEOUS_TRIED]
     scored = [(simulated_ms(h, sample, by_scheme), h) for h in homo]
     ms, h = min(scored, key=lambda t: t[0])
@@ -217,10 +224,12 @@ def propose(lengths: Sequence[int], kinds: Sequence[KindCost], *, gpus: int, tok
         found.append(replace(h, estimate_ms=ms))
     bar.update()
     bar.close()
+    found = [replace(f, pipelines=_ordered(f.pipelines * copies)) for f in found]
     key = proposal_key(lens, kinds, gpus=gpus, tokens=tokens, max_strategies=max_strategies, model=model,
                        refine=refine, batches=batches, seed=seed)
     inputs = {"model": model, "gpus": gpus, "tokens": tokens, "sequences": int(len(lens)), "longest": longest,
-              "schemes": [k.scheme.name for k in kinds], "design_longest": [p[0] for p in points]}
+              "schemes": [k.scheme.name for k in kinds], "design_longest": [p[0] for p in points],
+              "design_gpus": unit}
     return Proposal(tuple(sorted(found, key=lambda s: (s.longest, s.estimate_ms))), key, inputs)
 
 

@@ -16,9 +16,9 @@ from typing import Callable, Literal, Sequence
 import numpy as np
 
 from ..cost.model import Layout
+from .assign import split_for_replicas
 from .dispatch import Dispatch, dispatch
 from .microbatch import InfeasibleError, partition
-from .assign import split_for_replicas
 from .planner import PlannerSpec, ReplicaPlan, StepPlan, cheapest_feasible, make_micro_batch, schedule_replica
 from .types import MicroBatch
 
