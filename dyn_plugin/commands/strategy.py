@@ -15,8 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, help="GPUs of the cluster (default: the config's cluster size)")
     parser.add_argument("--model", help="a model for simulated strategies over every (tp, pp, sp): gpt-6.7b (measured "
                                         "A100 tables) or llama-7b, llama-13b, llama-32b (calibrated on them)")
-    parser.add_argument("--config", help="instead, a run's DeepSpeed JSON config (dyn_plugin section): strategies it can "
-                                         "run (its tp and pipeline stages; sequence_parallel.sizes), for "
+    parser.add_argument("--config", help="instead, a run's DeepSpeed JSON config (dyn_plugin section): strategies it "
+                                         "can run (its tp and pipeline stages; sequence_parallel.sizes), for "
                                          "dyn_plugin.strategy.proposal")
     parser.add_argument("--tokens", type=int, help="tokens per step (default: 4096 per GPU, or the config's "
                                                    "microbatching.global_tokens)")

@@ -257,15 +257,16 @@ def simulated_ms(strategy: Strategy, batches: Sequence[np.ndarray], kinds: dict[
 
 
 def dispatched_ms(strategy: Strategy, batches: Sequence[np.ndarray], kinds: dict[Scheme, KindCost]) -> float:
-    """Stage 1's quick price of a strategy: its mean dispatch makespan plus its largest update."""
+    """Stage 1's quick price of a strategy: its mean dispatch makespan (the greedy alone: this only
+    ranks neighbours) plus its largest update."""
     order = list(dict.fromkeys(strategy.pipelines))
     update = max(kinds[k].update_ms for k in order)
     total = 0.0
     for b in batches:
         times = np.stack([kinds[k].sequence_ms(b) for k in order])
         try:
-            total += dispatch(times, [order.index(p) for p in strategy.pipelines], [k.pp - 1 for k in order],
-                              b).makespan_ms
+            total += dispatch(times, [order.index(p) for p in strategy.pipelines], [k.pp - 1 for k in order], b,
+                              improve=False).makespan_ms
         except InfeasibleError:
             return math.inf
     return total / len(batches) + update
@@ -465,8 +466,8 @@ def plan_strategy_step(lengths: Sequence[int], spec: PlannerSpec, proposal: Prop
     kinds = {k.scheme: k for k in scheme_kinds(lengths, spec)}
     for s in proposal.strategies:
         if not s.runnable(spec.tp, spec.pp) or sum(p.sp for p in s.pipelines) != spec.dp:
-            raise ValueError(f"strategy {s.describe()} does not run on {spec.dp} data-parallel columns of tp={spec.tp}, "
-                             f"pp={spec.pp}: heterogeneous tensor/pipeline degrees are simulated only "
+            raise ValueError(f"strategy {s.describe()} does not run on {spec.dp} data-parallel columns of "
+                             f"tp={spec.tp}, pp={spec.pp}: heterogeneous tensor/pipeline degrees are simulated only "
                              "(dynplugin bench strategy)")
     plan, _ = plan_cluster_step(lengths, proposal.strategies, kinds, stage2=stage2, native=native,
                                 equal_counts=spec.equal_counts, every_pipeline=True)
@@ -477,8 +478,9 @@ def plan_cluster_step(lengths: Sequence[int], strategies: Sequence[Strategy], ki
                       stage2: Stage2Options = Stage2Options(), dispatcher: Callable[..., Dispatch] = dispatch,
                       native: bool = True, equal_counts: bool = False, every_pipeline: bool = False,
                       method: str = "hydraulis", planned: int = PLANNED) -> tuple[StepPlan, Strategy]:
-    """The fastest simulated step, and the strategy it runs, over the strategies that hold the batch's longest sequence: each
-    dispatched (stage 1), the ``planned`` best by dispatch makespan cut (stage 2) and simulated.
+    """The fastest simulated step, and the strategy it runs, over the strategies that hold the
+    batch's longest sequence: each dispatched (stage 1), the ``planned`` best by dispatch makespan
+    (plus the strategy's largest update) cut (stage 2) and simulated.
     ``every_pipeline``: a strategy leaving some pipeline without work is skipped (a real run's
     group must join the step). Raises InfeasibleError when no strategy can run the batch."""
     lens = np.asarray(lengths, dtype=np.int64)
