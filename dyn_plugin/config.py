@@ -201,7 +201,7 @@ class StrategyConfig(_Section):
                                 description="most strategies proposed at start-up (without 'proposal')")
     stage2: Literal["dp", "ilp"] = Field(
         default="dp", description="how each pipeline's sequences are cut into micro-batches: 'dp' (DynaPipe's "
-        "dynamic program) or 'ilp' (PuLP + HiGHS)")
+        "dynamic program) or 'ilp' (an integer program solved by HiGHS, kept where it simulates faster)")
     ilp_node_limit: int | None = Field(
         default=None, gt=0, description="stage2='ilp': branch-and-bound nodes per solve, a limit that ends every "
         "solve alike in every process; unset: the ILP's own default")

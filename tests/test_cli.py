@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from dyn_plugin.cli import main
 from dyn_plugin.cost.profile import load_profile
 
@@ -185,3 +187,32 @@ def test_shard_command_says_the_minimum_budget(tmp_path, capsys):
                  str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err
     assert "below the smallest possible sharding plan" in err and "sharding.memory_budget_mb" in err
+
+
+def test_strategy_command_prints_writes_and_caches(tmp_path, capsys):
+    from dyn_plugin.plan.strategy import Proposal
+
+    out, png, cache = tmp_path / "s.json", tmp_path / "s.png", tmp_path / "cache"
+    args = ["strategy", "code", "--gpus", "16", "--model", "gpt-6.7b", "--max-len", "16384", "--out", str(out),
+            "--cache", str(cache)]
+    assert main(args + ["--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "strategies for gpt-6.7b on 16 GPUs" in text and png.stat().st_size > 0
+    proposal = Proposal.load(out)
+    assert all(s.gpus <= 16 for s in proposal.strategies) and (cache / f"strategy-{proposal.key}.json").exists()
+    assert main(args) == 0 and Proposal.load(out) == proposal  # from the cache
+    # a run's config: strategies it can execute (its 4 stages; groups of its sequence-parallel sizes)
+    assert main(["strategy", "code", "--config", "examples/a100_gpt67b_sp.json", "--out", str(out)]) == 0
+    assert all(s.runnable(1, 4) and s.gpus == 32 for s in Proposal.load(out).strategies)
+    with pytest.raises(SystemExit, match="give --model NAME"):
+        main(["strategy", "code", "--out", str(out)])
+
+
+def test_bench_strategy_prints_every_method(capsys):
+    assert main(["bench", "strategy", "--distributions", "code", "--gpus", "16", "--max-len", "16384",
+                 "--tokens-per-gpu", "2048", "--batches", "2", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["method"] for r in rows] == ["hydraulis", "seed_stage1", "homogeneous_best", "dynapipe"]
+    hydra, seed, homo = rows[0], rows[1], rows[2]
+    assert hydra["dispatch_ms"] <= seed["dispatch_ms"] * (1 + 1e-9)
+    assert homo["speedup_vs_homogeneous"] == 1.0 and hydra["sim_iter_ms"] >= hydra["bound_ms"] * (1 - 1e-9)

@@ -493,8 +493,7 @@ def plan_cluster_step(lengths: Sequence[int], strategies: Sequence[Strategy], ki
         kind_of = [order.index(p) for p in s.pipelines]
         fill = [k.pp - 1 for k in order]
         try:
-            d = dispatcher(times, kind_of, fill, lens, native=native) if dispatcher is dispatch else \
-                dispatcher(times, kind_of, fill, lens)
+            d = dispatcher(times, kind_of, fill, lens, native=native)
         except InfeasibleError:
             continue
         if every_pipeline and not all(d.members):

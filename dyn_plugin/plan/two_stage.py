@@ -11,19 +11,17 @@ mixed tensor or pipeline degrees are simulated only (``execution_plans`` refuses
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 
 from ..cost.model import Layout
 from .assign import split_for_replicas
-from .dispatch import Dispatch, dispatch
 from .microbatch import InfeasibleError, partition
 from .planner import PlannerSpec, ReplicaPlan, StepPlan, cheapest_feasible, make_micro_batch, schedule_replica
 from .types import MicroBatch
 
 Stage2 = Literal["dp", "ilp"]
-Dispatcher = Callable[..., Dispatch]
 
 
 @dataclass(frozen=True)
@@ -44,28 +42,6 @@ class Stage2Options:
     method: Stage2 = "dp"
     node_limit: int | None = None
     time_limit_s: float | None = None
-
-
-def assign_step(lens: np.ndarray, pipelines: Sequence[Pipeline], times: np.ndarray, kinds: Sequence[int],
-                fill: Sequence[float], layout: Layout, *, method: str, stage2: Stage2Options = Stage2Options(),
-                dispatcher: Dispatcher = dispatch, native: bool = True, equal_counts: bool = False,
-                every_pipeline: bool = False) -> tuple[StepPlan | None, Dispatch]:
-    """Both stages for one step. ``times[t, i]``: sequence i's time on a pipeline of kind t (inf
-    where it does not fit); ``kinds[p]``: pipeline p's kind; ``fill[t]``: the kind's pp - 1.
-
-    Returns the plan (None when a pipeline's sequences cannot be cut within its memory, or, with
-    ``every_pipeline``, when some pipeline got nothing: a group of ranks that runs no micro-batch
-    cannot join the step's collectives) and stage 1's dispatch. Pipelines left idle otherwise
-    sit the step out (simulated strategies with more pipelines than a small batch has sequences).
-    """
-    d = dispatcher(times, kinds, fill, lens, native=native) if dispatcher is dispatch else \
-        dispatcher(times, kinds, fill, lens)
-    if every_pipeline and not all(d.members):
-        return None, d
-    busy = [(p, ids) for p, ids in zip(pipelines, d.members) if ids]
-    plan = plan_members(lens, [ids for _, ids in busy], [p for p, _ in busy], layout, method=method, stage2=stage2,
-                        native=native, equal_counts=equal_counts)
-    return plan, d
 
 
 def plan_members(lens: np.ndarray, members: Sequence[Sequence[int]], pipelines: Sequence[Pipeline], layout: Layout, *,
