@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -320,12 +322,26 @@ class _Columns:
     M: int | None
 
 
+def _quiet_highs() -> highspy.Highs:
+    """A solver, made without HiGHS's banner: from 1.16 the first solver of a process prints it on
+    the C stdout before any option can turn output off, and stdout carries the CLI's JSON."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            return highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _solve(lens: np.ndarray, model: _Model, pp: int, lo: int, hi: int, start: list[list[int]] | None,
            node_limit: int, time_limit_s: float | None) -> tuple[list[list[int]] | None, str, int]:
     """Solve the program for lo..hi non-empty micro-batches from ``start``; (groups or None, status, nodes)."""
     order = np.argsort(-lens, kind="stable")
     lp, cols = _program([int(lens[i]) for i in order], model, pp, lo, hi)
-    h = highspy.Highs()
+    h = _quiet_highs()
     for name, val in (("output_flag", False), ("threads", 1), ("random_seed", SEED), ("mip_max_nodes", node_limit),
                       ("mip_rel_gap", REL_GAP), *OPTIONS.items()):
         h.setOptionValue(name, val)

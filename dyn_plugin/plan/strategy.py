@@ -55,6 +55,7 @@ PROPOSAL_VERSION = 1
 QUANTILES = (1.0, 0.9, 0.5, 0.25)  # of the batch's longest sequence: what the strategies are designed for
 BUCKETS = 48  # length buckets of the proposal's DP
 PLANNED = 2  # strategies given stage 2 and a simulation per step
+REBALANCE = False  # each planned strategy dispatched again with times corrected by its simulation
 REFINE = 24  # simulated neighbours per design point in the proposal's local search
 NEIGHBOURS = 4  # neighbours simulated per round of it
 DESIGN_BATCHES = 2  # sampled batches every candidate is simulated on
@@ -477,10 +478,17 @@ def plan_strategy_step(lengths: Sequence[int], spec: PlannerSpec, proposal: Prop
 def plan_cluster_step(lengths: Sequence[int], strategies: Sequence[Strategy], kinds: dict[Scheme, KindCost], *,
                       stage2: Stage2Options = Stage2Options(), dispatcher: Callable[..., Dispatch] = dispatch,
                       native: bool = True, equal_counts: bool = False, every_pipeline: bool = False,
-                      method: str = "hydraulis", planned: int = PLANNED) -> tuple[StepPlan, Strategy]:
+                      method: str = "hydraulis", planned: int = PLANNED,
+                      rebalance: bool = REBALANCE) -> tuple[StepPlan, Strategy]:
     """The fastest simulated step, and the strategy it runs, over the strategies that hold the
     batch's longest sequence: each dispatched (stage 1), the ``planned`` best by dispatch makespan
     (plus the strategy's largest update) cut (stage 2) and simulated.
+
+    ``rebalance``: stage 1 balances estimates that leave out what the simulation knows
+    (recompute, per-micro-batch costs, fill and drain of the real schedule), so pipelines of one
+    scheme can finish well before another's. Each planned strategy of several schemes is
+    dispatched once more with every scheme's times scaled by its pipelines' simulated over
+    estimated time, and the faster of the two plans kept.
     ``every_pipeline``: a strategy leaving some pipeline without work is skipped (a real run's
     group must join the step). Raises InfeasibleError when no strategy can run the batch."""
     lens = np.asarray(lengths, dtype=np.int64)
@@ -489,25 +497,32 @@ def plan_cluster_step(lengths: Sequence[int], strategies: Sequence[Strategy], ki
     dispatched = []
     for s in fitting:
         order = list(dict.fromkeys(s.pipelines))
-        times = np.stack([kinds[k].sequence_ms(lens) for k in order])
-        kind_of = [order.index(p) for p in s.pipelines]
-        fill = [k.pp - 1 for k in order]
+        stage1 = (np.stack([kinds[k].sequence_ms(lens) for k in order]), [order.index(p) for p in s.pipelines],
+                  [k.pp - 1 for k in order])
         try:
-            d = dispatcher(times, kind_of, fill, lens, native=native)
+            d = dispatcher(*stage1, lens, native=native)
         except InfeasibleError:
             continue
         if every_pipeline and not all(d.members):
             continue
         # the step waits for the slowest pipeline, then for the strategy's largest update
-        dispatched.append((d.makespan_ms + max(kinds[k].update_ms for k in order), s, d))
+        dispatched.append((d.makespan_ms + max(kinds[k].update_ms for k in order), s, d, stage1))
     dispatched.sort(key=lambda x: x[0])
     best = None
-    for _, s, d in dispatched[:planned]:
-        firsts = np.cumsum([0] + [p.sp for p in s.pipelines[:-1]]).tolist()
-        busy = [(Pipeline(kinds[p].spec, p.sp, first), ids) for p, first, ids in zip(s.pipelines, firsts, d.members)
-                if ids]
-        plan = plan_members(lens, [ids for _, ids in busy], [p for p, _ in busy], "packed", method=method,
-                            stage2=stage2, native=native, equal_counts=equal_counts)
+    for _, s, d, (times, kind_of, fill) in dispatched[:planned]:
+        plan = _cut(lens, s, d, kinds, method=method, stage2=stage2, native=native, equal_counts=equal_counts)
+        if plan is not None and rebalance and len(times) > 1:
+            sim, est = np.zeros(len(times)), np.zeros(len(times))
+            for p, rep in zip((p for p, ids in enumerate(d.members) if ids), plan.replicas):
+                sim[kind_of[p]] += rep.sim.makespan_ms
+                est[kind_of[p]] += d.finish_ms[p]
+            ratio = np.where((est > 0) & (sim > 0), sim / np.where(est > 0, est, 1.0), 1.0)
+            again = dispatcher(times * ratio[:, None], kind_of, fill, lens, native=native)
+            if again.members != d.members and not (every_pipeline and not all(again.members)):
+                other = _cut(lens, s, again, kinds, method=method, stage2=stage2, native=native,
+                             equal_counts=equal_counts)
+                if other is not None and other.iteration_ms < plan.iteration_ms:
+                    plan = other
         if plan is not None and (best is None or plan.iteration_ms < best[0].iteration_ms):
             best = plan, s
     if best is None:
@@ -515,6 +530,16 @@ def plan_cluster_step(lengths: Sequence[int], strategies: Sequence[Strategy], ki
                               f"{len(fitting)} of {len(strategies)} hold it, and none could give every pipeline "
                               "sequences that fit its memory; propose strategies for longer sequences or more GPUs")
     return best
+
+
+def _cut(lens: np.ndarray, strategy: Strategy, d: Dispatch, kinds: dict[Scheme, KindCost], *, method: str,
+         stage2: Stage2Options, native: bool, equal_counts: bool) -> StepPlan | None:
+    """Stage 2 for a dispatch: its busy pipelines at their columns (idle ones sit the step out)."""
+    firsts = np.cumsum([0] + [p.sp for p in strategy.pipelines[:-1]]).tolist()
+    busy = [(Pipeline(kinds[p].spec, p.sp, first), ids) for p, first, ids in zip(strategy.pipelines, firsts, d.members)
+            if ids]
+    return plan_members(lens, [ids for _, ids in busy], [p for p, _ in busy], "packed", method=method, stage2=stage2,
+                        native=native, equal_counts=equal_counts)
 
 
 def cached_proposal(key: str, directory: str | os.PathLike, make: Callable[[], Proposal]) -> Proposal:
