@@ -172,3 +172,12 @@ def test_runnable_proposal_plans_real_steps(zero_stage):
     bad = Proposal((Strategy((Scheme(2, 1, 1),) * 2, 512),), "k")
     with pytest.raises(ValueError, match="simulated only"):
         plan_strategy_step(lengths[:10], spec, bad)
+
+
+def test_rebalancing_never_slows_a_step(setting):
+    _, by_scheme, _, proposal, batches = setting
+    for lens in batches:
+        plain, _ = plan_cluster_step(lens, proposal.strategies, by_scheme, rebalance=False)
+        again, _ = plan_cluster_step(lens, proposal.strategies, by_scheme, rebalance=True)
+        assert again.iteration_ms <= plain.iteration_ms
+        assert sorted(i for mb in again.micro_batches for i in mb.sample_ids) == list(range(len(lens)))
