@@ -1,0 +1,73 @@
+"""Megatron patches: the plugin's plans inside megatron-core, with the user's script unchanged.
+
+    dynplugin megatron --dyn-plugin-config cfg.json -- pretrain_gpt.py ARGS...
+    torchrun ... -m megatron_patches.launch --dyn-plugin-config cfg.json -- train.py ARGS...
+
+or, in a script, ``import megatron_patches; megatron_patches.apply("cfg.json")`` before training.
+Each patch replaces one megatron-core (or Megatron-LM) object, in one module named for its concern:
+
+- ``cpu``: the shims megatron-core needs without CUDA (only where CUDA is absent);
+- ``settings``: variable shapes and the per-token loss on every ``TransformerConfig``;
+- ``arguments``: ``--dyn-plugin-config`` in Megatron-LM's ``parse_args`` (where installed);
+- ``data``: the training split's documents, from megatron-core's dataset builder;
+- ``attention``: a core attention that takes packed (THD) rows where the local one refuses them;
+- ``schedule``: every training call of the forward-backward schedules runs the next planned step
+  (its micro-batches, shapes, order and recompute), with the exact token-mean loss;
+- ``train_state``: the learning-rate schedule counts the samples trained; the loader's position
+  is saved and restored beside Megatron's checkpoint.
+
+Every patch is registered with the megatron-core versions it was written against; applying is
+idempotent and ``revert`` restores every original.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from .registry import Patch, Registry, UnsupportedVersion
+
+__all__ = ["apply", "revert", "patches", "Patch", "Registry", "UnsupportedVersion"]
+
+_REGISTRY: Registry | None = None
+
+
+def patches() -> list[Patch]:
+    """Every patch of the plugin, in the order they are applied."""
+    from .arguments import arguments_patches
+    from .attention import attention_patches
+    from .cpu import cpu_patches
+    from .data import data_patches
+    from .schedule import schedule_patches
+    from .settings import settings_patches
+    from .train_state import train_state_patches
+
+    return [*cpu_patches(), *settings_patches(), *arguments_patches(), *data_patches(), *attention_patches(),
+            *schedule_patches(), *train_state_patches()]
+
+
+def registry() -> Registry:
+    global _REGISTRY
+    if _REGISTRY is None:
+        _REGISTRY = Registry()
+        for p in patches():
+            _REGISTRY.register(p)
+    return _REGISTRY
+
+
+def apply(config: str | os.PathLike | Mapping[str, Any] | None = None, *, seed: int = 0) -> list[str]:
+    """Apply every patch (again: a no-op) and, with ``config`` (or ``$DYN_PLUGIN_CONFIG``), make
+    it this process's run. Returns the patches applied by this call."""
+    from . import runtime
+
+    done = registry().apply()
+    if config is not None or os.environ.get(runtime.ENV):
+        runtime.configure(config, seed=seed)
+    return done
+
+
+def revert() -> list[str]:
+    """Restore every original megatron-core object and forget the run."""
+    from . import runtime
+
+    runtime.RUN = None
+    return registry().revert()

@@ -1,0 +1,59 @@
+"""A planned micro-batch as the batch dict Megatron's forward step reads.
+
+Keys follow megatron-core's ``GPTDataset``: ``tokens``, ``labels`` (the next token), ``loss_mask``
+(1 where a label is scored) and ``position_ids``; ``attention_mask`` is None (causal; right padding
+leaves real tokens untouched). Packed micro-batches are one THD row with the document boundaries
+as Megatron-LM's packed (SFT) batches carry them: ``cu_seqlens`` and ``max_seqlen``;
+:func:`packed_seq_params` turns them into the ``PackedSeqParams`` ``GPTModel`` takes.
+
+The plugin's collated micro-batches hold HF-style labels (unshifted, -100 where not scored, i.e.
+at each document's first token and on padding); shifting them left by one gives Megatron's: the
+label of position i is the token at i + 1, scored unless that token opens a document or pads. So
+the loss mask scores exactly the plan's ``scored_tokens``, the denominator of the exact token mean.
+
+Stages between the first and the last load no tokens, but still need the shapes' metadata: the
+position ids and, for packed rows, the boundaries (every stage's attention needs them), rebuilt
+from the plan alone.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dyn_plugin.runtime.collate import IGNORE, position_ids
+
+
+def megatron_batch(desc: dict, loaded: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+    """The batch dict of the micro-batch ``desc`` (a plan's description); ``loaded``: its tensors
+    from the plugin's loader, None on a stage that loads nothing."""
+    layout = desc["layout"]
+    batch: dict[str, Any] = {"attention_mask": None, "tokens": None, "labels": None, "loss_mask": None}
+    if loaded is not None:
+        tokens = loaded["input_ids"]
+        hf = loaded["labels"]
+        labels = torch.full_like(hf, IGNORE)
+        labels[:, :-1] = hf[:, 1:]
+        mask = labels != IGNORE
+        batch.update(tokens=tokens, labels=labels.masked_fill(~mask, 0), loss_mask=mask.float(),
+                     position_ids=loaded["position_ids"] if "position_ids" in loaded else None)
+    if batch.get("position_ids") is None:
+        batch["position_ids"] = position_ids(desc["seq_lens"], layout, desc["shape"])
+    if layout == "packed":
+        lens = list(desc["seq_lens"])
+        fill = int(desc["shape"][1]) - sum(lens)
+        if fill:  # a padding document (never scored) keeps the row at its planned width
+            lens.append(fill)
+        batch["cu_seqlens"] = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        batch["max_seqlen"] = max(lens)
+    return batch
+
+
+def packed_seq_params(batch: dict[str, Any]):
+    """``PackedSeqParams`` (THD) for a packed batch, None for a padded one."""
+    if batch.get("cu_seqlens") is None:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu, m = batch["cu_seqlens"], int(batch["max_seqlen"])
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m, max_seqlen_kv=m)

@@ -1,0 +1,176 @@
+"""The plugin's state in one Megatron run: its config, the training documents, the loader.
+
+``configure`` is called once per process (the launcher, or Megatron-LM's ``--dyn-plugin-config``);
+the data patch hands over the training split's documents when Megatron builds its datasets; the
+loader itself is built at the first planned step, when megatron-core's parallel state says which
+data-parallel and pipeline rank this process is and the model says its shape.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from dyn_plugin.config import ConfigError, LoadedConfig, load_config
+from dyn_plugin.runtime.loader import DynLoader, Step
+
+logger = logging.getLogger(__name__)
+
+ENV = "DYN_PLUGIN_CONFIG"  # set by the launcher so that spawned processes configure the same run
+
+
+@dataclass
+class Documents:
+    """Variable-length training samples: ``items[i]`` holds ``lengths[i]`` tokens."""
+
+    items: Sequence[Any]
+    lengths: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.items[i]
+
+
+@dataclass
+class PluginRun:
+    config: LoadedConfig
+    seed: int = 0
+    documents: Documents | None = None
+    loader: DynLoader | None = None
+    step: Step | None = None
+    samples: int = 0  # sequences of the last planned step not yet counted by the LR schedule
+    resume: dict | None = None  # a checkpoint's loader position, until the loader exists
+    _steps: Iterator[Step] | None = field(default=None, repr=False)
+
+    def set_documents(self, documents: Documents) -> None:
+        if self.loader is not None:
+            raise RuntimeError("the training documents were set again after training started; build the training "
+                               "datasets once per run")
+        self.documents = documents
+        logger.info("dyn_plugin plans the %d training documents (%d tokens)", len(documents), int(documents.lengths.sum()))
+
+    def restore(self, state: dict) -> None:
+        """Continue from a checkpoint's loader position (now, or when the loader is built)."""
+        if self.loader is None:
+            self.resume = state
+        else:
+            self.loader.load_state_dict(state)
+            self._steps = None
+
+    def next_step(self, model: Any) -> Step:
+        """The next planned step (the next epoch's first when one ends)."""
+        if self.loader is None:
+            self.loader = build_loader(self, model)
+            if self.resume is not None:
+                self.loader.load_state_dict(self.resume)
+                self.resume = None
+        for _ in range(2):
+            if self._steps is None:
+                self._steps = iter(self.loader)
+            step = next(self._steps, None)
+            if step is not None:
+                self.step = step
+                self.samples += len(self.loader.context.batches(step.epoch)[step.index])  # the whole global batch
+                return step
+            self._steps = None
+        raise RuntimeError("the loader yielded no step in a whole epoch: the dataset has fewer tokens than one global "
+                           "batch (microbatching.global_tokens)")
+
+
+RUN: PluginRun | None = None
+
+
+def configure(config: str | os.PathLike | Mapping[str, Any] | LoadedConfig | None = None, seed: int = 0) -> PluginRun:
+    """Read the plugin config (default: ``$DYN_PLUGIN_CONFIG``) and make it this process's run."""
+    global RUN
+    config = config if config is not None else os.environ.get(ENV)
+    if config is None:
+        raise ConfigError(f"no dyn_plugin config: pass --dyn-plugin-config FILE (or set {ENV})")
+    cfg = config if isinstance(config, LoadedConfig) else load_config(config)
+    check_config(cfg)
+    RUN = PluginRun(cfg, seed=seed)
+    return RUN
+
+
+def check_config(cfg: LoadedConfig) -> None:
+    plugin = cfg.plugin
+    if plugin.sequence_parallel.enabled:
+        raise ConfigError(
+            "dyn_plugin.sequence_parallel.enabled under Megatron: megatron-core 0.16's context parallelism runs only "
+            "with TransformerEngine's attention and fixes one group size at initialize_model_parallel, so a size per "
+            "micro-batch cannot map onto it; set sequence_parallel.enabled to false (or train with DeepSpeed, where "
+            "the plugin runs its own sequence-parallel groups)")
+    if plugin.strategy.enabled:
+        raise ConfigError("dyn_plugin.strategy.enabled under Megatron: heterogeneous strategies run with the DeepSpeed "
+                          "host only; set strategy.enabled to false")
+    if plugin.sharding.enabled:
+        raise ConfigError("dyn_plugin.sharding.enabled under Megatron: per-module sharding plans run with FSDP or "
+                          "DeepSpeed ZeRO-3; set sharding.enabled to false")
+
+
+def model_shape_view(model: Any) -> SimpleNamespace:
+    """A megatron-core ``GPTModel`` as the plugin's cost model reads a model (its ``config``)."""
+    c = model.config
+    return SimpleNamespace(config=SimpleNamespace(
+        hidden_size=c.hidden_size, num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_query_groups or c.num_attention_heads, intermediate_size=c.ffn_hidden_size,
+        vocab_size=model.vocab_size, model_type="llama" if c.gated_linear_unit else "gpt2"))
+
+
+def _dtype(model: Any) -> str:
+    import torch
+
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(model.config.params_dtype, "fp32")
+
+
+def unwrap(model: Any) -> Any:
+    """The first model chunk without its DDP/Float16 wrappers."""
+    chunk = model[0] if isinstance(model, (list, tuple)) else model
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def build_loader(run: PluginRun, model: Any) -> DynLoader:
+    from megatron.core import parallel_state as ps
+
+    from dyn_plugin.cost.from_config import live_cost_model
+
+    if run.documents is None:
+        raise RuntimeError("no training documents: the plugin takes them from megatron-core's dataset builder "
+                           "(BlendedMegatronDatasetBuilder(...).build()); build the training datasets with it, or call "
+                           "megatron_patches.runtime.RUN.set_documents(Documents(items, lengths)) before training")
+    if ps.get_virtual_pipeline_model_parallel_world_size() not in (None, 1):
+        raise ConfigError("virtual pipeline stages (--num-layers-per-virtual-pipeline-stage) are not planned by the "
+                          "plugin; leave them out")
+    if ps.get_context_parallel_world_size() > 1:
+        raise ConfigError("context_parallel_size > 1: the plugin plans data-parallel and pipeline ranks only; set it "
+                          "to 1")
+    pp, dp, tp = (ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_world_size(),
+                  ps.get_tensor_model_parallel_world_size())
+    plugin = run.config.plugin
+    if plugin.pipeline.stages != pp:
+        raise ConfigError(f"dyn_plugin.pipeline.stages = {plugin.pipeline.stages} but Megatron runs "
+                          f"{pp} pipeline stages (pipeline_model_parallel_size); set pipeline.stages to {pp}")
+    if pp > 1 and plugin.pipeline.schedule != "1f1b":
+        # Megatron's own schedule is 1F1B: plan (and price) what runs
+        logger.info("dyn_plugin.pipeline.schedule %r -> '1f1b': Megatron runs its own 1F1B schedule",
+                    plugin.pipeline.schedule)
+        plugin = plugin.model_copy(update={"pipeline": plugin.pipeline.model_copy(update={"schedule": "1f1b"})})
+    chunk = unwrap(model)
+    cm = plugin.cost_model
+    dtype = _dtype(chunk)
+    if "dtype" in cm.model_fields_set and cm.dtype != dtype:
+        raise ConfigError(f"dyn_plugin.cost_model.dtype is {cm.dtype!r} but the model's params_dtype is {dtype}: set "
+                          f"it to {dtype!r} or leave it out (it follows the model)")
+    cm = cm.model_copy(update={"dtype": dtype})
+    cost = live_cost_model(cm, plugin.cluster, model_shape_view(chunk))
+    return DynLoader(run.documents, lengths=run.documents.lengths, config=LoadedConfig(plugin, run.config.deepspeed),
+                     cost_model=cost, dp_rank=ps.get_data_parallel_rank(), dp_size=dp,
+                     pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp, seed=run.seed, tp=tp)

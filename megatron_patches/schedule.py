@@ -1,0 +1,156 @@
+"""Megatron's forward-backward schedules, fed one planned step per call.
+
+Megatron assumes every step runs ``num_microbatches`` micro-batches of one shape. The patched
+``get_forward_backward_func`` returns the schedule Megatron would pick, wrapped: on a training call
+(not ``forward_only``) of a run with planned documents it takes the next step of the plugin's
+loader, hands the schedule this rank's micro-batches in the plan's order (the order of the plan's
+forward passes: Megatron's 1F1B runs micro-batches in order on every stage), their count as
+``num_microbatches``, and switches activation recompute per micro-batch as the plan says. Shapes
+vary per micro-batch; with pipelines Megatron's own point-to-point communicator exchanges them
+(``variable_seq_lengths``, turned on by the config patch). Evaluation calls and runs without
+planned documents pass through untouched.
+
+Loss: the plan's micro-batches differ in tokens, so Megatron's default (each micro-batch's mean,
+averaged over micro-batches and ranks) would weight tokens unequally. With
+``calculate_per_token_loss`` (turned on by the config patch) the loss function returns the summed
+loss and its token count, and ``finalize_model_grads`` all-reduces the count over data-parallel
+ranks and scales the gradients by its inverse: the update of the token mean of the whole global
+batch. A loss function returning Megatron's legacy (mean, report) pair is refused: its average
+over micro-batches is not the token mean.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+from .batches import megatron_batch
+from .registry import Patch
+from .runtime import unwrap
+
+logger = logging.getLogger(__name__)
+
+SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+
+
+def run_order(step) -> list[int]:
+    """The plan's micro-batches in the order this rank runs their forward passes."""
+    from dyn_plugin.plan.instructions import ForwardPass
+
+    return [i.mb for i in step.plan.instructions if isinstance(i, ForwardPass)]
+
+
+def step_batches(step) -> list[tuple[dict, dict]]:
+    """(plan description, Megatron batch dict) of each of this rank's micro-batches, in run order."""
+    loaded = dict(zip(step.plan.loads, step.micro_batches))
+    out = []
+    for m in run_order(step):
+        desc = step.plan.micro_batches[m]
+        if desc["sp"] > 1:
+            raise ValueError(f"step {step.index} splits micro-batch {m} over {desc['sp']} ranks: sequence parallelism "
+                             "does not run under Megatron (see sequence_parallel in README)")
+        out.append((desc, megatron_batch(desc, loaded.get(m))))
+    return out
+
+
+class Recompute:
+    """Activation recompute of one model chunk, switched per micro-batch through megatron-core's own
+    settings: ``full`` recomputes the first ``checkpointed`` layers of the chunk (``block`` method:
+    pyramid checkpointing), ``selective`` the core attention of every layer, ``none`` nothing. The
+    transformer block reads these at forward time, and the checkpoint taken in forward is what its
+    backward replays, so 1F1B's interleaving of micro-batches is safe."""
+
+    def __init__(self, model: Any, stage: int) -> None:
+        self.chunk = unwrap(model)
+        self.config = self.chunk.config
+        self.stage = stage
+        self.attentions = [m for m in self.chunk.modules() if hasattr(m, "checkpoint_core_attention")]
+        self.layers = self.config.num_layers  # this chunk's layers (num_layers_per_stage below)
+        block = getattr(getattr(self.chunk, "decoder", None), "layers", None)
+        if block is not None:
+            self.layers = len(block)
+
+    def set(self, desc: dict) -> None:
+        from dyn_plugin.models.recompute import planned_layers
+
+        mode = desc["recompute"]
+        layers = planned_layers(desc, self.stage)
+        c = self.config
+        if mode == "full" and (layers is None or layers > 0):
+            c.recompute_granularity, c.recompute_method = "full", "block"
+            c.recompute_num_layers = self.layers if layers is None else layers
+        else:
+            c.recompute_granularity, c.recompute_method, c.recompute_num_layers = None, None, None
+        for a in self.attentions:
+            a.checkpoint_core_attention = mode == "selective"
+
+
+def _checked_loss(loss_func: Callable) -> Callable:
+    @functools.wraps(loss_func)
+    def loss(*args, **kwargs):
+        out = loss_func(*args, **kwargs)
+        if not kwargs.get("non_loss_data") and len(out) != 3:
+            raise ValueError("the forward step's loss function returned (loss, report); under dyn_plugin it must "
+                             "return (summed loss over the loss mask, number of scored tokens, report) as Megatron's "
+                             "pretrain_gpt.loss_func does with --calculate-per-token-loss: a per-micro-batch mean "
+                             "averaged over micro-batches is not the token mean of the global batch")
+        return out
+
+    return loss
+
+
+def planned(schedule: Callable) -> Callable:
+    """``schedule`` (a Megatron forward-backward function) run on the plugin's next step."""
+
+    @functools.wraps(schedule)
+    def forward_backward(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+                         micro_batch_size, forward_only: bool = False, **kwargs):
+        from . import runtime
+
+        run = runtime.RUN
+        if run is None or run.documents is None or forward_only:
+            return schedule(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                            num_microbatches=num_microbatches, seq_length=seq_length,
+                            micro_batch_size=micro_batch_size, forward_only=forward_only, **kwargs)
+        if isinstance(model, (list, tuple)) and len(model) > 1:
+            raise ValueError("virtual pipeline stages (several model chunks) are not planned by the plugin")
+        step = run.next_step(model)
+        items = step_batches(step)
+        if not items:
+            raise ValueError(f"step {step.index} gave this rank no micro-batch; every replica needs at least one")
+        recompute = _recompute(model, step.plan.stage)
+        descs = iter(d for d, _ in items)
+
+        def forward_step(iterator, chunk, *args):
+            recompute.set(next(descs))
+            output, loss_func = forward_step_func(iterator, chunk, *args)
+            return output, _checked_loss(loss_func)
+
+        # seq_length / micro_batch_size are read only for fixed shapes (variable_seq_lengths is on)
+        widths = [d["shape"] for d, _ in items]
+        return schedule(forward_step_func=forward_step, data_iterator=iter([b for _, b in items]), model=model,
+                        num_microbatches=len(items), seq_length=max(int(w[1]) for w in widths),
+                        micro_batch_size=max(int(w[0]) for w in widths), forward_only=False, **kwargs)
+
+    return forward_backward
+
+
+def _recompute(model: Any, stage: int) -> Recompute:
+    chunk = unwrap(model)
+    switch = getattr(chunk, "_dyn_plugin_recompute", None)
+    if switch is None:
+        switch = chunk._dyn_plugin_recompute = Recompute(model, stage)
+    return switch
+
+
+def _get_forward_backward_func(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def get_forward_backward_func(*args, **kwargs):
+        return planned(original(*args, **kwargs))
+
+    return get_forward_backward_func
+
+
+def schedule_patches() -> list[Patch]:
+    return [Patch("schedule.get_forward_backward_func", f"{SCHEDULES}.get_forward_backward_func",
+                  _get_forward_backward_func)]

@@ -1,0 +1,102 @@
+"""What a Megatron run counts and saves, made true of planned steps.
+
+- Learning rate: Megatron-LM advances its schedule by ``num_microbatches * micro_batch_size *
+  data_parallel_size`` samples per step, a constant; a planned global batch holds as many
+  documents as fit its token budget. ``OptimizerParamScheduler.step`` counts the documents the
+  planned steps since its last call actually trained instead.
+- Checkpoints: the loader's position (epoch, step and what identifies the plan) is saved as JSON
+  beside Megatron's distributed checkpoint, by each node's local rank 0 (no shared filesystem
+  assumed), and restored when that checkpoint is loaded: the run continues with exactly the
+  samples the interrupted epoch had left. The loader may not exist yet at load time (it is built
+  at the first step), so the position waits in the run until it does.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from typing import Callable
+
+from .registry import Patch
+
+logger = logging.getLogger(__name__)
+
+LOADER_STATE = "dyn_plugin_loader.json"
+CHECKPOINTING = "megatron.core.dist_checkpointing.serialization"
+
+
+def _lr_step(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def step(self, increment: int) -> None:
+        from . import runtime
+
+        run = runtime.RUN
+        if run is not None and run.samples:
+            increment, run.samples = run.samples, 0
+        return original(self, increment)
+
+    return step
+
+
+def _local_rank() -> int:
+    import torch.distributed as dist
+
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def save_loader_state(checkpoint_dir: str) -> None:
+    from . import runtime
+
+    run = runtime.RUN
+    if run is None or run.loader is None or _local_rank() != 0:
+        return
+    tmp = os.path.join(checkpoint_dir, f"{LOADER_STATE}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(run.loader.state_dict(), f)
+    os.replace(tmp, os.path.join(checkpoint_dir, LOADER_STATE))  # a crash mid-write leaves the old file whole
+
+
+def load_loader_state(checkpoint_dir: str) -> None:
+    from . import runtime
+
+    run = runtime.RUN
+    path = os.path.join(checkpoint_dir, LOADER_STATE)
+    if run is None:
+        return
+    if not os.path.exists(path):
+        logger.warning("%s has no %s: the loader starts from the beginning of the data", checkpoint_dir, LOADER_STATE)
+        return
+    with open(path) as f:
+        run.restore(json.load(f))
+
+
+def _save(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def save(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        out = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        save_loader_state(str(checkpoint_dir))
+        return out
+
+    return save
+
+
+def _load(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        out = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        load_loader_state(str(checkpoint_dir))
+        return out
+
+    return load
+
+
+def train_state_patches() -> list[Patch]:
+    return [
+        Patch("train_state.lr_increment", "megatron.core.optimizer_param_scheduler.OptimizerParamScheduler.step",
+              _lr_step),
+        Patch("train_state.save_checkpoint", f"{CHECKPOINTING}.save", _save),
+        Patch("train_state.load_checkpoint", f"{CHECKPOINTING}.load", _load),
+    ]
