@@ -2,11 +2,12 @@
 
 Applied only where CUDA is absent, so the same code runs on GPUs untouched: the current device
 is the CPU, the "CUDA" RNG state Megatron forks for tensor-parallel dropout and initialisation is
-the CPU generator's, the token counter the schedules allocate on "cuda" is allocated on the CPU,
+the CPU generator's, the buffers a few modules allocate on "cuda" by name are allocated on the CPU,
 and ``torch.cuda.synchronize`` (p2p shape exchange) is a no-op.
 """
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -40,15 +41,25 @@ def _causal_mask(sq: int) -> torch.Tensor:
 
 
 def _cpu_torch(module: types.ModuleType) -> types.ModuleType:
-    """``torch`` as one module sees it, with ``zeros(..., device="cuda")`` on the CPU."""
+    """``torch`` as one megatron-core module sees it: tensors it creates on "cuda" are made on the CPU."""
     shim = types.ModuleType("torch")
     shim.__dict__.update(module.__dict__)
 
-    def zeros(*args, device=None, **kwargs):
-        return module.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+    def on_cpu(make):
+        @functools.wraps(make)
+        def made(*args, device=None, **kwargs):
+            return make(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
-    shim.zeros = zeros
+        return made
+
+    for name in ("zeros", "ones", "empty", "tensor", "full"):
+        setattr(shim, name, on_cpu(getattr(module, name)))
     return shim
+
+
+# modules that allocate on device="cuda" by name: the schedules' token counter, the optimizer's
+# loss-scale and overflow buffers, the gradient norm (and its local fallback for apex's kernel)
+_CUDA_BY_NAME = ("pipeline_parallel.schedules", "optimizer.optimizer", "optimizer.clip_grads", "utils")
 
 
 def cpu_patches() -> list[Patch]:
@@ -65,6 +76,5 @@ def cpu_patches() -> list[Patch]:
               lambda _: _set_rng_state, when=_no_cuda),
         Patch("cpu.causal_mask", f"{core}.transformer.utils.get_default_causal_mask", lambda _: _causal_mask,
               when=_no_cuda),
-        Patch("cpu.schedules_torch", f"{core}.pipeline_parallel.schedules.torch", _cpu_torch, when=_no_cuda,
-              aliases=False),
-    ]
+    ] + [Patch(f"cpu.torch_in.{m}", f"{core}.{m}.torch", _cpu_torch, when=_no_cuda, aliases=False)
+         for m in _CUDA_BY_NAME]
