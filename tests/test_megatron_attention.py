@@ -1,0 +1,194 @@
+"""Packed THD rows through megatron-core's local attention (``megatron_patches.attention``).
+
+A packed row of documents must give what each document gives alone: the same logits, per-token
+losses and (summed) gradients. Otherwise packing would change training, not just its speed.
+"""
+from __future__ import annotations
+
+import copy
+import socket
+from typing import Iterator
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_patches.attention import PackedDotProductAttention, attention_patches
+from megatron_patches.cpu import cpu_patches
+from megatron_patches.registry import Registry
+
+LENGTHS = [5, 9, 3]
+VOCAB = 100
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def megatron() -> Iterator[None]:
+    # imported before the patch so that the patch rebinds, and its revert restores, their from-imported
+    # DotProductAttention (a module first imported while the patch is on keeps the subclass after the revert)
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.models.gpt.gpt_model  # noqa: F401
+
+    registry = Registry()
+    for patch in cpu_patches() + attention_patches():
+        registry.register(patch)
+    registry.apply()
+    initialized_here = not dist.is_initialized()
+    if initialized_here:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(0)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        if initialized_here:
+            dist.destroy_process_group()
+        registry.revert()
+
+
+def _config(**overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                  normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                  use_cpu_initialization=True, pipeline_dtype=torch.float32, variable_seq_lengths=True,
+                  moe_token_dispatcher_type="alltoall",
+                  hidden_dropout=0.0, attention_dropout=0.0)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _gpt(core_attention: type | None = None):
+    """The tiny GPT (RMSNorm, GQA 4 heads / 2 groups, SwiGLU, RoPE); its spec is built after the patch."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if core_attention is not None:
+        spec = copy.deepcopy(spec)
+        spec.submodules.self_attention.submodules.core_attention = core_attention
+    torch.manual_seed(0)
+    return GPTModel(config=_config(), transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=64,
+                    position_embedding_type="rope")
+
+
+def _packed(lengths: list[int], max_seqlen: int | None = None):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    m = max(lengths) if max_seqlen is None else max_seqlen
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m, max_seqlen_kv=m)
+
+
+def _documents(lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    docs = []
+    for n in lengths:
+        tokens = torch.randint(0, VOCAB, (n + 1,), generator=g)
+        docs.append((tokens[:-1], tokens[1:]))  # inputs, next-token labels
+    return docs
+
+
+def _positions(lengths: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+def _run_packed(model, docs, lengths):
+    tokens = torch.cat([t for t, _ in docs])[None]
+    labels = torch.cat([y for _, y in docs])[None]
+    params = _packed(lengths)
+    logits = model(tokens, _positions(lengths), None, packed_seq_params=params)
+    loss = model(tokens, _positions(lengths), None, labels=labels, packed_seq_params=params)
+    return logits[0], loss[0]
+
+
+def _run_alone(model, docs):
+    logits, losses = [], []
+    for tokens, labels in docs:
+        pos = torch.arange(tokens.numel())[None]
+        logits.append(model(tokens[None], pos, None)[0])
+        losses.append(model(tokens[None], pos, None, labels=labels[None])[0])
+    return torch.cat(logits), torch.cat(losses)
+
+
+def test_the_patch_reaches_the_local_layer_spec(megatron: None) -> None:
+    model = _gpt()
+    kinds = {type(layer.self_attention.core_attention) for layer in model.decoder.layers}
+    assert kinds == {PackedDotProductAttention}
+
+
+def test_packed_row_equals_each_document_alone(megatron: None) -> None:
+    model = _gpt().eval()
+    docs = _documents(LENGTHS)
+    with torch.no_grad():
+        packed_logits, packed_loss = _run_packed(model, docs, LENGTHS)
+        alone_logits, alone_loss = _run_alone(model, docs)
+    assert packed_logits.shape == (sum(LENGTHS), VOCAB)
+    assert (packed_logits - alone_logits).abs().max().item() < 1e-5
+    assert (packed_loss - alone_loss).abs().max().item() < 1e-5
+
+
+def test_packed_gradients_equal_the_sum_over_documents(megatron: None) -> None:
+    model = _gpt()
+    docs = _documents(LENGTHS)
+    tokens = torch.cat([t for t, _ in docs])[None]
+    labels = torch.cat([y for _, y in docs])[None]
+    model(tokens, _positions(LENGTHS), None, labels=labels, packed_seq_params=_packed(LENGTHS)).sum().backward()
+    packed = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    for t, y in docs:
+        model(t[None], torch.arange(t.numel())[None], None, labels=y[None]).sum().backward()
+    for name, p in model.named_parameters():
+        assert (packed[name] - p.grad).abs().max().item() < 1e-5, name
+
+
+def test_unpacked_input_is_the_original_class_exactly(megatron: None) -> None:
+    original = PackedDotProductAttention.__mro__[1]
+    patched, plain = _gpt(), _gpt(core_attention=original)
+    assert type(plain.decoder.layers[0].self_attention.core_attention) is original
+    plain.load_state_dict(patched.state_dict())
+    tokens = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(11).expand(2, 11)
+    with torch.no_grad():
+        assert torch.equal(patched(tokens, pos, None), plain(tokens, pos, None))
+
+
+def test_core_attention_matches_sdpa_per_document(megatron: None) -> None:
+    """Against an independent reference: GQA heads repeated, query-key layer scaling and a given
+    softmax scale (their product is the scale the scores get), padding between documents zero."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    cfg = _config(num_layers=4, apply_query_key_layer_scaling=True)
+    attn = PackedDotProductAttention(cfg, layer_number=3, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                                     softmax_scale=0.2)
+    lengths, pad = [4, 1, 6], [6, 2, 6]  # documents padded to even lengths, as for context parallelism
+    t = sum(pad)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(t, heads, 16, generator=g) for heads in (4, 2, 2))
+    cu = torch.tensor([0] + lengths).cumsum(0).int()
+    cu_pad = torch.tensor([0] + pad).cumsum(0).int()
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
+                             cu_seqlens_kv_padded=cu_pad, max_seqlen_q=max(pad), max_seqlen_kv=max(pad))
+    out = attn(q, k, v, None, packed_seq_params=params)
+    assert out.shape == (t, 4 * 16)
+    expected = torch.zeros(t, 4, 16)
+    for start, n in zip(cu_pad[:-1].tolist(), lengths):
+        qd, kd, vd = (x[start:start + n].transpose(0, 1) for x in (q, k, v))
+        kd, vd = kd.repeat_interleave(2, dim=0), vd.repeat_interleave(2, dim=0)
+        context = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=0.2)  # 0.2 = (0.2 / 3) * 3
+        expected[start:start + n] = context.transpose(0, 1)
+    assert (out - expected.reshape(t, -1)).abs().max().item() < 1e-5
