@@ -64,7 +64,7 @@ setup(
     long_description=open("README.md").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["dyn_plugin*", "deepspeed_ext*"]),
+    packages=find_packages(include=["dyn_plugin*", "deepspeed_ext*", "megatron_patches*"]),
     package_data={"dyn_plugin": ["lengths/bundled/*", "profiles/*.json"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": OptionalBuildExt},

@@ -7,7 +7,7 @@ import logging
 import sys
 
 # Each name is a module in dyn_plugin/commands with HELP, add_arguments() and run().
-COMMANDS = ("report", "lengths", "analyze", "profile", "plan", "shard", "strategy", "bench")
+COMMANDS = ("report", "lengths", "analyze", "profile", "plan", "shard", "strategy", "bench", "megatron")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -66,14 +66,20 @@ class _Applied:
 def _resolve(target: str) -> tuple[Any, str]:
     """The object holding the target's last name (a module or a class) and that name."""
     parts = target.split(".")
+    missing: ModuleNotFoundError | None = None  # the longest module on the path that is not installed
     for cut in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:cut])
         try:
-            owner = importlib.import_module(".".join(parts[:cut]))
+            owner = importlib.import_module(module)
         except ModuleNotFoundError as e:
-            if e.name is not None and not ".".join(parts[:cut]).startswith(e.name):
+            if e.name is not None and module != e.name and not module.startswith(e.name + "."):
                 raise  # the module exists but one of its own imports is missing
+            missing = missing or e
             continue
         for name in parts[cut:-1]:
+            if missing is not None and hasattr(owner, "__path__") and not hasattr(owner, name):
+                # the package ``megatron`` imports but ``megatron.training`` does not: the target's module is absent
+                raise ModuleNotFoundError(f"patch target {target}: {missing}", name=missing.name)
             owner = getattr(owner, name)
         if not hasattr(owner, parts[-1]):
             raise AttributeError(f"patch target {target}: {owner!r} has no attribute {parts[-1]!r}")

@@ -77,6 +77,10 @@ def test_imports_point_one_way(path):
             assert target == layer or target in ALLOWED[layer], (
                 f"{path.relative_to(ROOT)} imports {name}: layer {layer!r} may import only "
                 f"{sorted(ALLOWED[layer]) or 'nothing'} of dyn_plugin")
+        # megatron_patches (the Megatron adapter) imports dyn_plugin, never the other way round: the
+        # ``megatron`` command runs it by module name in a child process
+        assert top != "megatron_patches", (
+            f"{path.relative_to(ROOT)} imports {name}: dyn_plugin must not import megatron_patches")
         if layer in PURE:
             assert top not in FRAMEWORKS, f"{path.relative_to(ROOT)} imports {name}: {layer!r} must stay framework-free"
 
