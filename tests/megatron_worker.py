@@ -33,23 +33,24 @@ def documents():
 
 
 def plugin_config(pp: int, method: str, recompute: str) -> dict:
-    mb = {"global_tokens": 1200, "max_seq_len": 256, "method": method}
+    memory = float(os.environ.get("MEGATRON_TEST_MEMORY_MB", 8000))
+    mb = {"global_tokens": int(os.environ.get("MEGATRON_TEST_GLOBAL_TOKENS", 1200)), "max_seq_len": 256, "method": method}
     if recompute != "auto":
         mb["recompute"] = recompute
     return {"dyn_plugin": {"cost_model": {"kind": "analytic"}, "microbatching": mb,
-                           "pipeline": {"stages": pp}, "cluster": {"devices_per_node": 4, "device": {"memory_mb": 8000}}}}
+                           "pipeline": {"stages": pp}, "cluster": {"devices_per_node": 4, "device": {"memory_mb": memory}}}}
 
 
-def stage_weights(model, stage: int, pp: int) -> dict:
+def stage_weights(model) -> dict:
     """This stage's parameters under the full model's names (layer numbers global)."""
     from megatron_patches.runtime import unwrap
 
-    per = SHAPE.layers // pp
+    chunk = unwrap(model)
     out = {}
-    for name, p in unwrap(model).named_parameters():
+    for name, p in chunk.named_parameters():
         parts = name.split(".")
-        if parts[:2] == ["decoder", "layers"]:
-            parts[2] = str(int(parts[2]) + stage * per)
+        if parts[:2] == ["decoder", "layers"]:  # layer_number: global, from 1
+            parts[2] = str(chunk.decoder.layers[int(parts[2])].layer_number - 1)
         out[".".join(parts)] = p.detach().clone()
     return out
 
@@ -70,7 +71,7 @@ def train(out: str, pp: int, method: str, recompute: str, steps: int) -> None:
     model = ex["model_provider"](SHAPE)
     stage, first_column = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank() == 0
     if first_column:
-        torch.save(stage_weights(model, stage, pp), os.path.join(out, f"init-{stage}.pt"))
+        torch.save(stage_weights(model), os.path.join(out, f"init-{stage}.pt"))
     config = model.config
     model = DistributedDataParallel(config=config, module=model, ddp_config=DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False))
@@ -95,7 +96,7 @@ def train(out: str, pp: int, method: str, recompute: str, steps: int) -> None:
                         "recompute": sorted({d["recompute"] for d in step.plan.micro_batches}),
                         "shapes": [list(d["shape"]) for d in step.plan.micro_batches]})
     if first_column:
-        torch.save(stage_weights(model, stage, pp), os.path.join(out, f"final-{stage}.pt"))
+        torch.save(stage_weights(model), os.path.join(out, f"final-{stage}.pt"))
     if dist.get_rank() == 0:
         with open(os.path.join(out, "steps.json"), "w") as f:
             json.dump(records, f)

@@ -62,6 +62,8 @@ def initialize(tp: int, pp: int, seed: int) -> torch.device:
 
 def model_provider(args) -> GPTModel:
     config = TransformerConfig(
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         num_query_groups=args.kv_heads, ffn_hidden_size=args.ffn, normalization="RMSNorm", gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
