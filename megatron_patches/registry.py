@@ -157,10 +157,15 @@ class Registry:
                     delattr(owner, name)
                 else:
                     setattr(owner, name, record.original)
+            if record.patch.aliases and not isinstance(record.bindings[0][0], type):
+                # modules imported while the patch was on from-imported the replacement (not the module
+                # that defines the replacement: its own name for it stays)
+                _rebind_aliases(record.replacement, record.original,
+                                skip=sys.modules.get(getattr(record.replacement, "__module__", None) or ""))
         return names
 
 
-def _rebind_aliases(original: Any, replacement: Any, skip: Any) -> list[tuple[Any, str]]:
+def _rebind_aliases(original: Any, replacement: Any, skip: Any | None) -> list[tuple[Any, str]]:
     """Every module-level name bound to ``original`` (from-imports), now bound to ``replacement``."""
     found = []
     for module in list(sys.modules.values()):

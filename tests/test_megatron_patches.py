@@ -108,6 +108,17 @@ def test_revert_restores_every_binding(fake):
     registry.revert()
 
 
+def test_revert_reaches_modules_imported_while_patched(fake, monkeypatch):
+    registry = Registry()
+    registry.register(Patch("greet", "dp_fake_target.greet", _counting("patched")))
+    registry.apply(version=VERSION)
+    late = types.ModuleType("dp_fake_late")
+    late.greet = fake.target.greet  # ``from dp_fake_target import greet`` while the patch is on
+    monkeypatch.setitem(sys.modules, "dp_fake_late", late)
+    registry.revert()
+    assert late.greet is fake.greet
+
+
 def test_a_version_outside_the_range_is_refused(fake):
     registry = Registry()
     registry.register(Patch("greet", "dp_fake_target.greet", _counting("patched"), versions=">=0.16,<0.17"))
