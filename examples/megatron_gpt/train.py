@@ -171,8 +171,8 @@ def main() -> None:
     train = datasets(args)
     start = 0
     if args.load:
-        state = dist_checkpointing.load(model.sharded_state_dict(), args.load)
-        model.load_state_dict(state)
+        state = dist_checkpointing.load(model.module.sharded_state_dict(), args.load)
+        model.module.load_state_dict(state)
         with open(os.path.join(args.load, "train_state.json")) as f:
             saved = json.load(f)
         start, scheduler.num_steps = saved["iteration"], saved["scheduler_steps"]
@@ -200,7 +200,7 @@ def main() -> None:
             log.flush()
     if args.save:
         os.makedirs(args.save, exist_ok=True)
-        dist_checkpointing.save(model.sharded_state_dict(), args.save)
+        dist_checkpointing.save(model.module.sharded_state_dict(), args.save)
         torch.save(optimizer.state_dict(), os.path.join(args.save, f"optim-{dist.get_rank()}.pt"))
         if dist.get_rank() == 0:
             with open(os.path.join(args.save, "train_state.json"), "w") as f:
