@@ -40,10 +40,7 @@ def megatron_batch(desc: dict, loaded: dict[str, torch.Tensor] | None) -> dict[s
     if batch.get("position_ids") is None:
         batch["position_ids"] = position_ids(desc["seq_lens"], layout, desc["shape"])
     if layout == "packed":
-        lens = list(desc["seq_lens"])
-        fill = int(desc["shape"][1]) - sum(lens)
-        if fill:  # a padding document (never scored) keeps the row at its planned width
-            lens.append(fill)
+        lens = list(desc["seq_lens"])  # the row is exactly its documents (no padding document: sp is 1)
         batch["cu_seqlens"] = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         batch["max_seqlen"] = max(lens)
     return batch

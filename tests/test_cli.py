@@ -12,7 +12,7 @@ from dyn_plugin.cost.profile import load_profile
 def test_report_json(capsys):
     assert main(["report", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    for pkg in ("torch", "deepspeed", "transformers", "megatron-core", "pulp", "redis"):
+    for pkg in ("torch", "deepspeed", "transformers", "megatron-core", "highspy", "redis"):
         assert pkg in report["packages"]
     assert report["cpp_extension"].startswith(("active", "not built"))
     assert report["apex"].startswith(("present", "absent"))

@@ -9,7 +9,7 @@ import platform
 
 HELP = "versions of the host frameworks, the C++ extension, apex, and the devices seen"
 
-PACKAGES = ("torch", "deepspeed", "transformers", "megatron-core", "pulp", "redis", "pydantic", "numpy", "pybind11")
+PACKAGES = ("torch", "deepspeed", "transformers", "megatron-core", "highspy", "redis", "pydantic", "numpy", "pybind11")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +23,16 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def _apex() -> str:
+    """NVIDIA apex as Megatron uses it: its fused optimizers and multi-tensor kernels (``amp_C``). The
+    package named apex on the public index is unrelated and has neither."""
+    if importlib.util.find_spec("apex") is None:
+        return "absent (optional: Megatron falls back to its local kernels and torch optimizers)"
+    if importlib.util.find_spec("amp_C") is None or importlib.util.find_spec("apex.multi_tensor_apply") is None:
+        return "a package named apex that is not NVIDIA's (no amp_C / apex.multi_tensor_apply): not used"
+    return "NVIDIA apex with fused kernels (amp_C): Megatron uses its fused optimizers and kernels"
+
+
 def collect() -> dict:
     import dyn_plugin
 
@@ -32,7 +42,7 @@ def collect() -> dict:
         "platform": platform.platform(),
         "packages": {p: _version(p) for p in PACKAGES},
         "cpp_extension": "active" if dyn_plugin.native_available() else "not built (pure-Python path in use)",
-        "apex": "present" if importlib.util.find_spec("apex") is not None else "absent (optional, CUDA only)",
+        "apex": _apex(),
     }
     try:
         import torch

@@ -1,0 +1,67 @@
+"""The Megatron patches' pieces that need no process group: batches, settings, refusals."""
+import pytest
+
+pytest.importorskip("megatron.core")
+
+import megatron_patches  # noqa: E402
+from dyn_plugin.config import ConfigError  # noqa: E402
+from dyn_plugin.runtime.collate import collate, scored_tokens  # noqa: E402
+from megatron_patches import runtime  # noqa: E402
+from megatron_patches.batches import megatron_batch, packed_seq_params  # noqa: E402
+from megatron_patches.schedule import _checked_loss  # noqa: E402
+
+DOCS = {0: list(range(10, 15)), 1: list(range(20, 29)), 2: [7, 8, 9]}
+
+
+@pytest.mark.parametrize("layout,shape", [("packed", (1, 17)), ("padded", (3, 9)),
+                                          ("padded", (1, 17))])
+def test_the_loss_mask_scores_exactly_the_planned_tokens(layout, shape):
+    seq_lens = [5, 9, 3]
+    mb = collate([0, 1, 2], seq_lens, layout, shape, DOCS.__getitem__)
+    desc = {"layout": layout, "seq_lens": seq_lens, "shape": shape}
+    batch = megatron_batch(desc, mb)
+    assert int(batch["loss_mask"].sum()) == scored_tokens(seq_lens)
+    tokens, labels, mask = batch["tokens"], batch["labels"], batch["loss_mask"].bool()
+    # every scored label is the next token of the same document
+    assert (labels[:, :-1][mask[:, :-1]] == tokens[:, 1:][mask[:, :-1]]).all() and not mask[:, -1].any()
+    if layout == "packed":
+        bounds = batch["cu_seqlens"].tolist()
+        assert bounds[:4] == [0, 5, 14, 17] and bounds[-1] == shape[1]
+        assert packed_seq_params(batch).qkv_format == "thd"
+        # a stage that loads nothing rebuilds the same metadata from the plan alone
+        bare = megatron_batch(desc, None)
+        assert bare["tokens"] is None and bare["cu_seqlens"].tolist() == bounds
+        assert (bare["position_ids"] == batch["position_ids"]).all()
+    else:
+        assert packed_seq_params(batch) is None
+
+
+@pytest.fixture
+def patched():
+    megatron_patches.apply()
+    yield
+    megatron_patches.revert()
+
+
+def test_every_transformer_config_gets_variable_shapes_and_the_per_token_loss(patched):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    c = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
+    assert c.variable_seq_lengths and c.calculate_per_token_loss and c.moe_token_dispatcher_type == "alltoall"
+
+
+@pytest.mark.parametrize("section,field", [({"sequence_parallel": {"enabled": True}}, "sequence_parallel.enabled"),
+                                           ({"sharding": {"enabled": True}}, "sharding.enabled")])
+def test_what_megatron_cannot_run_is_refused_naming_the_field(section, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        runtime.configure({"dyn_plugin": section})
+
+
+def test_a_legacy_mean_loss_is_refused():
+    def legacy(output):
+        return output.mean(), {"lm loss": output.mean()}
+
+    import torch
+
+    with pytest.raises(ValueError, match="number of scored tokens"):
+        _checked_loss(legacy)(torch.ones(3))
