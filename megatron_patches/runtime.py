@@ -40,6 +40,7 @@ class Documents:
 @dataclass
 class PluginRun:
     config: LoadedConfig
+    source: str | None = None  # the config file it was read from
     seed: int = 0
     documents: Documents | None = None
     loader: DynLoader | None = None
@@ -92,9 +93,12 @@ def configure(config: str | os.PathLike | Mapping[str, Any] | LoadedConfig | Non
     config = config if config is not None else os.environ.get(ENV)
     if config is None:
         raise ConfigError(f"no dyn_plugin config: pass --dyn-plugin-config FILE (or set {ENV})")
+    source = os.path.abspath(config) if isinstance(config, (str, os.PathLike)) else None
+    if RUN is not None and source is not None and RUN.source == source:
+        return RUN  # the launcher and Megatron-LM's --dyn-plugin-config name the same file: one run
     cfg = config if isinstance(config, LoadedConfig) else load_config(config)
     check_config(cfg)
-    RUN = PluginRun(cfg, seed=seed)
+    RUN = PluginRun(cfg, source=source, seed=seed)
     return RUN
 
 

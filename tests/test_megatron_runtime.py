@@ -65,3 +65,13 @@ def test_a_legacy_mean_loss_is_refused():
 
     with pytest.raises(ValueError, match="number of scored tokens"):
         _checked_loss(legacy)(torch.ones(3))
+
+
+def test_configuring_the_same_file_twice_keeps_the_run(tmp_path):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text('{"dyn_plugin": {}}')
+    try:
+        first = runtime.configure(str(cfg))
+        assert runtime.configure(cfg) is first  # the launcher, then Megatron-LM's --dyn-plugin-config
+    finally:
+        runtime.RUN = None

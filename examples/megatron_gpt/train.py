@@ -8,7 +8,7 @@ It knows nothing of the plugin. Run as it is, it trains on Megatron's fixed-leng
 script trains on the plugin's planned micro-batches:
 
     torchrun --nproc_per_node=2 examples/megatron_gpt/train.py --data out/megatron-data --steps 4
-    dynplugin megatron --dyn-plugin-config cfg.json --nproc-per-node 2 -- \\
+    dynplugin megatron --dyn-plugin-config examples/megatron_gpt/cfg.json --nproc-per-node 2 -- \\
         examples/megatron_gpt/train.py --data out/megatron-data --steps 4
 
 (megatron-core's wheel has no ``megatron.training``, Megatron-LM's ``pretrain_gpt.py`` driver; where
