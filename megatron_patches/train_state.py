@@ -73,30 +73,25 @@ def load_loader_state(checkpoint_dir: str) -> None:
         run.restore(json.load(f))
 
 
-def _save(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def save(sharded_state_dict, checkpoint_dir, *args, **kwargs):
-        out = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-        save_loader_state(str(checkpoint_dir))
-        return out
+def _then(hook: Callable[[str], None]) -> Callable[[Callable], Callable]:
+    """A patch maker: ``dist_checkpointing.save``/``load``, then ``hook`` on the checkpoint folder."""
 
-    return save
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def run(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+            out = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+            hook(str(checkpoint_dir))
+            return out
 
+        return run
 
-def _load(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
-        out = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-        load_loader_state(str(checkpoint_dir))
-        return out
-
-    return load
+    return make
 
 
 def train_state_patches() -> list[Patch]:
     return [
         Patch("train_state.lr_increment", "megatron.core.optimizer_param_scheduler.OptimizerParamScheduler.step",
               _lr_step),
-        Patch("train_state.save_checkpoint", f"{CHECKPOINTING}.save", _save),
-        Patch("train_state.load_checkpoint", f"{CHECKPOINTING}.load", _load),
+        Patch("train_state.save_checkpoint", f"{CHECKPOINTING}.save", _then(save_loader_state)),
+        Patch("train_state.load_checkpoint", f"{CHECKPOINTING}.load", _then(load_loader_state)),
     ]

@@ -8,7 +8,6 @@ reference, so the bound is 1e-6 (the weights move by ~1e-3 per step).
 import json
 
 import pytest
-
 from ranks import run
 
 pytest.importorskip("megatron.core")
