@@ -26,13 +26,13 @@ import json
 import os
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 import deepspeed_ext
 from dyn_plugin.models.hf import build_causal_lm, load_model_config
+from dyn_plugin.runtime import train_bench
 from dyn_plugin.runtime.train_bench import cost_model_label, cost_model_section, tokenized_corpus
 
 # mode -> what it changes in the dyn_plugin section
@@ -183,67 +183,19 @@ def write_step_trace(step, timings: list, cost, out: str, device: torch.device) 
 
 
 def summarize(records: list[dict]) -> list[dict]:
-    rows = []
-    for mode in MODES:
-        rs = [r for r in records if r["mode"] == mode]
-        if not rs:
-            continue
-        secs = sum(r["measured_ms"] for r in rs) / 1e3
-        rows.append({
-            "mode": mode, "steps": len(rs),
-            "effective_tokens_per_s": sum(r["real_tokens"] for r in rs) / secs,
-            "padding_fraction": 1 - sum(r["real_tokens"] for r in rs) / sum(r["token_slots"] for r in rs),
-            "measured_step_ms": secs * 1e3 / len(rs),
-            "predicted_step_ms": float(np.mean([r["predicted_ms"] for r in rs])),
-            "prediction_mape": float(np.mean([abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rs])),
-            "final_loss": rs[-1]["loss"],
-        })
-    base = {r["mode"]: r["effective_tokens_per_s"] for r in rows}
-    for r in rows:
-        for mode in BASELINES:
-            if mode in base:
-                r[f"speedup_vs_{mode}"] = r["effective_tokens_per_s"] / base[mode]
-    return rows
+    return train_bench.summarize(records, MODES, BASELINES)
 
 
 def report(rows: list[dict], out: str, args) -> str:
-    shown = [m for m in BASELINES if any(r["mode"] == m for r in rows)]  # ratios against the modes that ran
-    head = ("| mode | effective tokens/s | " + "".join(f"vs {m} | " for m in shown) + "padding | step ms measured "
-            "| predicted | prediction error | final loss |\n" + "|---" * (7 + len(shown)) + "|\n")
-
-    def vs(r: dict, mode: str) -> str:
-        return f"{r[f'speedup_vs_{mode}']:.2f}x" if f"speedup_vs_{mode}" in r else "-"
-
-    body = "".join(
-        f"| {r['mode']} | {r['effective_tokens_per_s']:,.0f} | " + "".join(f"{vs(r, m)} | " for m in shown)
-        + f"{r['padding_fraction']:.1%} | {r['measured_step_ms']:,.0f} "
-        f"| {r['predicted_step_ms']:,.0f} | {r['prediction_mape']:.1%} | {r['final_loss']:.3f} |\n" for r in rows)
-    text = (f"# Training demo: {args.model}, DeepSpeed ZeRO-1, {dist.get_world_size()} {args.ranks_on}\n\n"
-            f"Python standard library source ({args.lengths}), sequences up to {args.max_len} tokens, "
-            f"{args.global_tokens:,} tokens per global batch, {args.steps} steps per mode after {args.warmup} warm-up.\n"
-            "Effective tokens/s counts non-padding tokens. packing: rows of the maximum length, documents attending "
-            "across each other (Megatron's packing; hence its slightly different loss); varlen packing: the same rows "
-            f"with per-document attention. Predicted step time: the plan's simulated time ({cost_model_label(args.profile)}), "
-            "the gradient all-reduce and optimizer step included; prediction error: mean absolute percentage error "
-            "per step.\n\n" + head + body)
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write(text)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    bars = ax.bar([r["mode"] for r in rows], [r["effective_tokens_per_s"] for r in rows],
-                  color=["#c44e52", "#dd8452", "#8c8c8c", "#55a868", "#4c72b0", "#8172b3", "#937860", "#da8bc3"][: len(rows)])
-    ax.bar_label(bars, labels=[f"{r['effective_tokens_per_s']:,.0f}\n({vs(r, shown[0]) if shown else '-'})" for r in rows],
-                 fontsize=8)
-    ax.set_ylabel("effective tokens/s (non-padding)")
-    ax.set_title(f"Same model, same data, {len(rows)} batchings")
-    ax.set_ylim(0, max(r["effective_tokens_per_s"] for r in rows) * 1.25)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "report.png"), dpi=120)
-    return text
+    preamble = (f"# Training demo: {args.model}, DeepSpeed ZeRO-1, {dist.get_world_size()} {args.ranks_on}\n\n"
+                f"Python standard library source ({args.lengths}), sequences up to {args.max_len} tokens, "
+                f"{args.global_tokens:,} tokens per global batch, {args.steps} steps per mode after {args.warmup} "
+                "warm-up.\nEffective tokens/s counts non-padding tokens. packing: rows of the maximum length, "
+                "documents attending across each other (Megatron's packing; hence its slightly different loss); "
+                "varlen packing: the same rows with per-document attention. Predicted step time: the plan's simulated "
+                f"time ({cost_model_label(args.profile)}), the gradient all-reduce and optimizer step included; "
+                "prediction error: mean absolute percentage error per step.\n\n")
+    return train_bench.report(rows, out, preamble, BASELINES)
 
 
 def main() -> None:

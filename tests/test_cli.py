@@ -163,6 +163,28 @@ def test_bench_train_runs_without_a_profile_on_the_analytic_model(tmp_path, caps
     assert launched[1][-2:] == ["--profile", "p.json"] and "cost model: profile p.json" in capsys.readouterr().out
 
 
+def test_bench_train_host_megatron_launches_megatrons_comparison(tmp_path, capsys, monkeypatch):
+    """--host megatron runs megatron_patches.compare (a subprocess: dyn_plugin imports no host); --sp is refused."""
+    import subprocess as sp
+
+    launched = []
+
+    def fake_run(cmd, **kw):
+        launched.append(cmd)
+        (tmp_path / "summary.json").write_text(json.dumps([{"mode": "dyn_plugin"}]))
+        return sp.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(sp, "run", fake_run)
+    assert main(["bench", "train", "--host", "megatron", "--out", str(tmp_path), "--steps", "1", "--json"]) == 0
+    (cmd,) = launched
+    assert cmd[cmd.index("-m", 3) + 1] == "megatron_patches.compare" and cmd[cmd.index("--max-len") + 1] == "4096"
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert row["benchmark"] == "train-megatron" and row["mode"] == "dyn_plugin"
+    with pytest.raises(SystemExit, match="--sp runs with --host deepspeed only"):
+        main(["bench", "train", "--host", "megatron", "--sp", "--out", str(tmp_path)])
+    assert len(launched) == 1
+
+
 def test_shard_command_prints_and_writes_the_plan(tmp_path, capsys):
     from dyn_plugin.plan.shard_plan import ShardPlan
 

@@ -10,7 +10,8 @@ HELP = ("benchmarks that print JSON: cost (cost-model evaluation), planner (plan
         "sp (dynamic sequence parallelism vs fixed and bucketed sizes, simulated), "
         "shard (the per-module sharding search vs FSDP's uniform strategies, simulated), "
         "strategy (Hydraulis's heterogeneous strategies vs the seed's stage 1, homogeneous and DynaPipe, simulated), "
-        "loader (planning ahead, plan wait, store latency), train (DeepSpeed on 2 CPU ranks, batchings side by side)")
+        "loader (planning ahead, plan wait, store latency), train (DeepSpeed or Megatron on 2 CPU ranks, batchings "
+        "side by side)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                             "than a throwaway local redis-server")
     train = sub.add_parser("train", help="tiny Llama with DeepSpeed on 2 CPU ranks: padded, token budget, fixed-length "
                                           "and varlen packing, and the plugin side by side (effective tokens/s, "
-                                          "predicted vs measured)")
+                                          "predicted vs measured); with --host megatron, megatron-core's GPT in the "
+                                          "same shape: padded, packing and the plugin")
+    train.add_argument("--host", choices=("deepspeed", "megatron"), default="deepspeed",
+                       help="training framework: deepspeed (deepspeed_ext/compare.py) or megatron "
+                            "(megatron_patches/compare.py, Megatron's schedules under the plugin's patches)")
     train.add_argument("--profile", help="tiny-llama profile of this machine (dynplugin profile); without it the "
                                          "analytic cost model prices the plans, and every row says so")
     train.add_argument("--out", default="out/bench-train")
@@ -197,7 +202,15 @@ def bench_cost(args: argparse.Namespace) -> dict:
 
 
 def bench_train(args: argparse.Namespace, host: dict) -> int:
-    """Launch DeepSpeed's batchings side by side on local ranks (torchrun), then print its summary rows."""
+    """Launch DeepSpeed's (or, with ``--host megatron``, Megatron's) batchings side by side on local ranks
+    (torchrun), then print its summary rows."""
+    if args.host == "megatron":
+        if args.sp:
+            raise SystemExit("bench train --sp runs with --host deepspeed only: under Megatron the plugin does not run "
+                             "sequence parallelism (megatron-core 0.16's context parallelism fixes one group size at "
+                             "initialize_model_parallel); drop --sp or --host megatron")
+        return launch_comparison("megatron_patches.compare", "train-megatron", args, host,
+                                 ["--max-len", str(args.max_len or 4096), "--global-tokens", str(args.global_tokens)])
     from deepspeed_ext.compare import SP_MODES
 
     extra = ["--modes", ",".join(SP_MODES)] if args.sp else []

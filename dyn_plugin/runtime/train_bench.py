@@ -1,6 +1,7 @@
-"""What the side-by-side training benchmarks share (deepspeed_ext/compare.py, DeepSpeed's
-batchings; fsdp/compare.py, the sharding plans): real token ids, and the cost model that prices
-their plans.
+"""What the side-by-side training benchmarks share (deepspeed_ext/compare.py and
+megatron_patches/compare.py, the batchings under DeepSpeed and Megatron; fsdp/compare.py, the
+sharding plans): real token ids, the cost model that prices their plans, and the batchings'
+summary rows and report (the same figures whichever host trained).
 
 Token ids: a bundled corpus tokenized with the plugin's offline BPE. Rank 0 tokenizes
 (documents truncated to ``max_len`` tokens) and writes an npz (no pickle); every rank then reads
@@ -9,6 +10,7 @@ the same file, so all ranks train on identical ids.
 from __future__ import annotations
 
 import os
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch.distributed as dist
@@ -43,3 +45,67 @@ def cost_model_section(profile: str | None, dtype: str) -> dict:
 def cost_model_label(profile: str | None) -> str:
     """Which cost model priced the plans, for the reports and the JSON rows."""
     return f"profile {profile}" if profile else "analytic (no --profile: predictions from nominal device figures)"
+
+
+def summarize(records: list[dict], modes: Iterable[str], baselines: Sequence[str]) -> list[dict]:
+    """One row per mode of ``modes`` that has records (in that order): effective (non-padding)
+    tokens/s, padding fraction, measured and predicted step time, the prediction's mean absolute
+    percentage error, the last loss, and ``speedup_vs_<mode>`` against each of ``baselines`` that ran."""
+    rows = []
+    for mode in modes:
+        rs = [r for r in records if r["mode"] == mode]
+        if not rs:
+            continue
+        secs = sum(r["measured_ms"] for r in rs) / 1e3
+        rows.append({
+            "mode": mode, "steps": len(rs),
+            "effective_tokens_per_s": sum(r["real_tokens"] for r in rs) / secs,
+            "padding_fraction": 1 - sum(r["real_tokens"] for r in rs) / sum(r["token_slots"] for r in rs),
+            "measured_step_ms": secs * 1e3 / len(rs),
+            "predicted_step_ms": float(np.mean([r["predicted_ms"] for r in rs])),
+            "prediction_mape": float(np.mean([abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
+                                              for r in rs])),
+            "final_loss": rs[-1]["loss"],
+        })
+    base = {r["mode"]: r["effective_tokens_per_s"] for r in rows}
+    for r in rows:
+        for mode in baselines:
+            if mode in base:
+                r[f"speedup_vs_{mode}"] = r["effective_tokens_per_s"] / base[mode]
+    return rows
+
+
+def report(rows: list[dict], out: str, preamble: str, baselines: Sequence[str]) -> str:
+    """Write ``out``/report.md (``preamble``, then one table row per mode with its ratios against the
+    ``baselines`` that ran) and ``out``/report.png (effective tokens/s per mode); returns the text."""
+    shown = [m for m in baselines if any(r["mode"] == m for r in rows)]  # ratios against the modes that ran
+    head = ("| mode | effective tokens/s | " + "".join(f"vs {m} | " for m in shown) + "padding | step ms measured "
+            "| predicted | prediction error | final loss |\n" + "|---" * (7 + len(shown)) + "|\n")
+
+    def vs(r: dict, mode: str) -> str:
+        return f"{r[f'speedup_vs_{mode}']:.2f}x" if f"speedup_vs_{mode}" in r else "-"
+
+    body = "".join(
+        f"| {r['mode']} | {r['effective_tokens_per_s']:,.0f} | " + "".join(f"{vs(r, m)} | " for m in shown)
+        + f"{r['padding_fraction']:.1%} | {r['measured_step_ms']:,.0f} "
+        f"| {r['predicted_step_ms']:,.0f} | {r['prediction_mape']:.1%} | {r['final_loss']:.3f} |\n" for r in rows)
+    text = preamble + head + body
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(text)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    colors = ["#c44e52", "#dd8452", "#8c8c8c", "#55a868", "#4c72b0", "#8172b3", "#937860", "#da8bc3"]
+    bars = ax.bar([r["mode"] for r in rows], [r["effective_tokens_per_s"] for r in rows], color=colors[: len(rows)])
+    ax.bar_label(bars, fontsize=8,
+                 labels=[f"{r['effective_tokens_per_s']:,.0f}\n({vs(r, shown[0]) if shown else '-'})" for r in rows])
+    ax.set_ylabel("effective tokens/s (non-padding)")
+    ax.set_title(f"Same model, same data, {len(rows)} batchings")
+    ax.set_ylim(0, max(r["effective_tokens_per_s"] for r in rows) * 1.25)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "report.png"), dpi=120)
+    plt.close(fig)
+    return text
