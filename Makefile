@@ -44,6 +44,7 @@ demo: install
 	$(DYN) shard --model examples/gpt-6.7b.json --config examples/a100_gpt67b_shard.json --out $(OUT)/shard-plan.json --plot $(OUT)/shard-frontier.png
 	$(DYN) strategy code --gpus 64 --model gpt-6.7b --out $(OUT)/strategy.json --plot $(OUT)/strategy.png
 	$(VENV)/bin/torchrun --nproc_per_node=2 examples/deepspeed_llama/train.py --profile $(OUT)/profile.json --out $(OUT)/train
+	$(DYN) megatron --dyn-plugin-config examples/megatron_gpt/cfg.json --nproc-per-node 2 -- examples/megatron_gpt/train.py --data $(OUT)/megatron-data --steps 3 --records $(OUT)/megatron-steps.jsonl
 	@echo
 	@echo "demo outputs in $(OUT)/:"
 	@echo "  code.npy, code-analysis.png   real code lengths; what padding and packing waste on them"
@@ -55,6 +56,7 @@ demo: install
 	@echo "  strategy.json, strategy.png   GPT-6.7B on 64 A100s: heterogeneous strategies proposed for code lengths (Hydraulis)"
 	@echo "  train/report.md, report.png   DeepSpeed on 2 CPU ranks: padded, token budget, fixed-length and varlen packing, dyn_plugin"
 	@echo "  train/step-trace.json         one executed plugin step, measured vs predicted per micro-batch"
+	@echo "  megatron-steps.jsonl          a megatron-core GPT loop, unchanged, trained on the plugin's plans via one launcher flag"
 
 clean:
 	rm -rf $(VENV) build *.egg-info dyn_plugin/_core*.so $(OUT)

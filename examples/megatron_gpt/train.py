@@ -194,6 +194,9 @@ def main() -> None:
             total += r["lm loss"].double()
         dist.all_reduce(total)
         ms = (time.perf_counter() - t0) * 1e3
+        if dist.get_rank() == 0:
+            print(f" iteration {it + 1:>4}/{args.steps} | lm loss {float(total[0] / total[1]):.4f} | scored tokens "
+                  f"{int(total[1]):>6} | samples consumed {scheduler.num_steps:>6} | step {ms:8.1f} ms", flush=True)
         if log:
             log.write(json.dumps({"step": it, "loss": float(total[0] / total[1]), "tokens": int(total[1]),
                                   "step_ms": ms, "samples_seen": scheduler.num_steps}) + "\n")
