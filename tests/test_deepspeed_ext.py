@@ -125,7 +125,7 @@ def test_cost_model_takes_the_heads_a_profile_lacks_from_the_live_model(tmp_path
     from deepspeed_ext import _cost_model
     from dyn_plugin.config import load_config
     from dyn_plugin.models.hf import PRESETS, build_causal_lm
-    from dyn_plugin.profiles import DIR
+    from dyn_plugin.cost.bundled import DIR
 
     raw = json.loads((DIR / "a100-gpt-6.7b.json").read_text())
     raw["version"], raw["model"]["num_heads"] = 2, None

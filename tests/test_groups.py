@@ -12,7 +12,7 @@ from dyn_plugin.plan.groups import aligned_firsts, groupings
 from dyn_plugin.plan.instructions import check_plans
 from dyn_plugin.plan.microbatch import InfeasibleError
 from dyn_plugin.plan.planner import execution_plans, ideal_ms, plan_step, planner_spec
-from dyn_plugin.profiles import load_bundled
+from dyn_plugin.cost.bundled import load_bundled
 from dyn_plugin.runtime.sampler import global_batches
 
 COST = replace(cost_model_from_profile(load_bundled("a100-gpt-6.7b")), num_heads=32, num_kv_heads=32)

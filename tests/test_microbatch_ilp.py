@@ -18,7 +18,7 @@ from dyn_plugin.lengths.io import load_lengths
 from dyn_plugin.plan.microbatch import InfeasibleError
 from dyn_plugin.plan.microbatch_ilp import dp_groups, ilp_partition, lpt_groups, pipeline_time_ms
 from dyn_plugin.plan.planner import make_micro_batch, planner_spec, usable
-from dyn_plugin.profiles import load_bundled
+from dyn_plugin.cost.bundled import load_bundled
 
 ROOT = Path(__file__).resolve().parent.parent
 

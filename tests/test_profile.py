@@ -152,19 +152,33 @@ def test_rejects_unknown_version_and_bad_files(tmp_path):
         fit_tables([s for s in synthetic_samples() if s.num_layers in (None, 1)])
 
 
-# shared/ sits beside the repository (the project's data, not part of the package)
-A100 = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "a100-measured", "gpt-6.7b.json")
+def _assert_tables_close(got, want, rel: float) -> None:
+    """Equal structure, numbers within ``rel``: a re-fit solves least squares through BLAS, whose
+    summation order (and so the last bits) differs between CPUs; the fit itself must not."""
+    if isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for k in want:
+            _assert_tables_close(got[k], want[k], rel)
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            _assert_tables_close(g, w, rel)
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, rel=rel, abs=1e-12)
+    else:
+        assert got == want
 
 
 def test_bundled_a100_profile_matches_the_measured_tables():
-    """The bundled profile is what `dynplugin profile import` makes of the A100 tables, and it
-    reproduces their measured points within the fit error."""
+    """The bundled profile is what `dynplugin profile import` makes of the shipped A100 tables, and
+    it reproduces their measured points within the fit error."""
+    from dyn_plugin.cost.bundled import MEASURED_DIR, load_bundled
     from dyn_plugin.cost.measured_tables import import_measured_tables
-    from dyn_plugin.profiles import load_bundled
 
     bundled = load_bundled("a100-gpt-6.7b")
-    if os.path.exists(A100):
-        assert import_measured_tables(A100, num_layers=32, hidden_size=4096).tables == bundled.tables
+    refit = import_measured_tables(MEASURED_DIR / "a100-gpt-6.7b.json", num_layers=32, hidden_size=4096)
+    # 1e-7: four orders above the 4e-10 seen between x86 machines, far below any change of the fit
+    _assert_tables_close([t.model_dump() for t in refit.tables], [t.model_dump() for t in bundled.tables], rel=1e-7)
     cm = cost_model_from_profile(bundled)
     assert (cm.num_heads, cm.num_kv_heads, cm.hidden_size) == (32, None, 4096)  # GPT 6.7B
     one_layer = StageSpec(1, first=False, last=False)

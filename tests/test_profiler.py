@@ -5,7 +5,8 @@ import torch
 
 from dyn_plugin.models.hf import PRESETS, build_causal_lm
 from dyn_plugin.profiling.memory import LiveMemory
-from dyn_plugin.profiling.profiler import ProfileGrid, make_inputs, run_profile
+from dyn_plugin.profiling.profiler import run_profile
+from dyn_plugin.profiling.workload import ProfileGrid, make_inputs
 
 GRID = ProfileGrid(seq_lens=(16, 64, 256), micro_batch_sizes=(1, 4), max_tokens=512, recomputes=("none",), repeats=4)
 

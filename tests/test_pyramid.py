@@ -17,8 +17,9 @@ from dyn_plugin.plan.microbatch import StageMemory
 from dyn_plugin.plan.planner import critical_path_ms, make_micro_batch, plan_step, planner_spec
 from dyn_plugin.plan.schedule import choose_schedule
 from dyn_plugin.plan.simulator import simulate, stage_peak_bytes
-from dyn_plugin.profiles import load_bundled
-from dyn_plugin.profiling.profiler import ProfileGrid, make_inputs, run_profile
+from dyn_plugin.cost.bundled import load_bundled
+from dyn_plugin.profiling.profiler import run_profile
+from dyn_plugin.profiling.workload import ProfileGrid, make_inputs
 from dyn_plugin.runtime.sampler import global_batches
 
 A100 = cost_model_from_profile(load_bundled("a100-gpt-6.7b"))

@@ -21,7 +21,7 @@ from ..cost.profile import cost_model_from_profile
 from ..lengths.io import load_lengths
 from ..plan.baselines import BASELINES, plan_baseline
 from ..plan.planner import critical_path_ms, ideal_ms, plan_step, planner_spec
-from ..profiles import load_bundled
+from ..cost.bundled import load_bundled
 from ..runtime.sampler import global_batches
 
 MAX_LEN = 8192

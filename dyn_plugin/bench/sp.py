@@ -24,7 +24,7 @@ from ..cost.profile import cost_model_from_profile
 from ..lengths.io import load_lengths
 from ..plan.baselines import SP_BASELINES, plan_baseline
 from ..plan.planner import ideal_ms, plan_step, planner_spec
-from ..profiles import load_bundled
+from ..cost.bundled import load_bundled
 from ..runtime.sampler import global_batches
 
 logger = logging.getLogger(__name__)

@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the fit's error on them (default 16; 0 to skip)")
     parser.add_argument("--system-allocator", action="store_true",
                         help="leave glibc malloc's dynamic mmap/trim thresholds alone (the default pins them, "
-                             "which makes CPU step times predictable; see dyn_plugin/cost/allocator.py)")
+                             "which makes CPU step times predictable; see dyn_plugin/profiling/allocator.py)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -70,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     from ..cost.profile import save_profile
     from ..models.hf import load_model_config
     from ..profiling.device import resolve_target
-    from ..profiling.profiler import ProfileGrid, run_profile
+    from ..profiling.profiler import run_profile
+    from ..profiling.workload import ProfileGrid
 
     target = resolve_target(args.device, args.dtype)
     model_cfg = load_model_config(args.model)

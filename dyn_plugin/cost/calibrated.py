@@ -42,7 +42,7 @@ import functools
 from dataclasses import replace
 
 from ..config import DeviceSpec, ModelShape
-from ..profiles import load_bundled
+from .bundled import load_bundled
 from .analytic import analytic_cost_model, param_counts
 from .profile import cost_model_from_profile
 from .table import CostTable, LinearFit, TableCostModel

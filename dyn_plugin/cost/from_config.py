@@ -18,7 +18,7 @@ def build_cost_model(cfg: CostModelConfig, cluster: ClusterConfig) -> TableCostM
         if cfg.model is None:
             raise ValueError("dyn_plugin.cost_model.model is required for kind='analytic' (hidden_size, num_layers, ...)")
         return analytic_cost_model(cfg.model, cluster.device, cfg.dtype)
-    from ..profiles import load_bundled, names
+    from .bundled import load_bundled, names
     from .profile import cost_model_from_profile, load_profile
 
     if os.path.exists(cfg.profile):

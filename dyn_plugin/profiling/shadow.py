@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..child import die_with_parent
     from ..models.hf import build_causal_lm
     from .allocator import stable_cpu_allocator
-    from .profiler import ProfileGrid, _step, make_inputs, micro_batch_lengths
+    from .workload import ProfileGrid, make_inputs, micro_batch_lengths, timed_step
 
     p = argparse.ArgumentParser()
     p.add_argument("--spec", required=True)
@@ -80,10 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab = model.config.vocab_size
     inputs = [make_inputs(micro_batch_lengths(layout, s, n, rng), layout, vocab, 8, rng)
               for layout in grid.layouts for s, n in grid.points()]
-    _step(model, *inputs[0])
+    timed_step(model, *inputs[0])
     print(READY, flush=True)
     while os.getppid() == args.parent:
-        _step(model, *inputs[rng.integers(len(inputs))])
+        timed_step(model, *inputs[rng.integers(len(inputs))])
         model.zero_grad(set_to_none=True)
     return 0
 

@@ -1,0 +1,79 @@
+"""The micro-batches a profile measures, and one timed step of them.
+
+The profiler (profiler.py) and the shadow ranks that load the host beside it (shadow.py) run
+the same workload, so it lives here, below both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cost.model import LAYOUTS, RECOMPUTES, Layout, round_up
+from .device import measures
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    seq_lens: tuple[int, ...] = (16, 64, 256, 1024)
+    micro_batch_sizes: tuple[int, ...] = (1, 4, 16)
+    max_tokens: int = 1024
+    layouts: tuple[str, ...] = LAYOUTS
+    recomputes: tuple[str, ...] = RECOMPUTES
+    depths: tuple[int, int] = (1, 3)
+    warmup: int = 1
+    repeats: int = 5
+    seed: int = 0
+
+    def points(self) -> list[tuple[int, int]]:
+        return [(s, n) for s in self.seq_lens for n in self.micro_batch_sizes if s * n <= self.max_tokens]
+
+
+def micro_batch_lengths(layout: Layout, seq_len: int, n: int, rng: np.random.Generator) -> list[int]:
+    """The sequences of one profiled micro-batch of n*seq_len tokens.
+
+    Padded: n rows of seq_len. Packed: one document of seq_len (so the measured range reaches
+    it), the other (n-1)*seq_len tokens cut into documents of random lengths up to seq_len, so
+    that tokens and attention pairs vary independently and the fit can tell them apart.
+    """
+    if layout == "padded":
+        return [seq_len] * n
+    lens, left = [seq_len], (n - 1) * seq_len
+    while left > 0:
+        lens.append(min(left, int(rng.integers(max(1, seq_len // 8), seq_len + 1))))
+        left -= lens[-1]
+    return lens
+
+
+def make_inputs(seq_lens: list[int], layout: Layout, vocab: int, pad_multiple: int, rng: np.random.Generator):
+    """input_ids, position_ids, labels of one micro-batch, as the plugin's collator lays them out."""
+    import torch
+
+    if layout == "padded":
+        width = round_up(max(seq_lens), pad_multiple)
+        ids = torch.from_numpy(rng.integers(0, vocab, size=(len(seq_lens), width)))
+        labels = ids.clone()
+        for i, s in enumerate(seq_lens):
+            labels[i, s:] = -100
+        return ids, None, labels
+    total = sum(seq_lens)
+    ids = torch.from_numpy(rng.integers(0, vocab, size=(1, total)))
+    pos = torch.cat([torch.arange(s) for s in seq_lens]).unsqueeze(0)
+    labels = ids.clone()
+    starts = np.cumsum([0] + seq_lens[:-1])
+    labels[0, starts] = -100  # no prediction across a document boundary
+    return ids, pos, labels
+
+
+def loss_closure(model, ids, pos, labels):
+    return lambda: model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
+
+
+def backward(loss) -> None:
+    loss.backward()
+
+
+def timed_step(model, ids, pos, labels) -> tuple[float, float]:
+    """(forward, backward) ms, timed as the inputs' device needs (device.py)."""
+    clock, _ = measures(ids.device.type)
+    return clock(loss_closure(model, ids, pos, labels), backward)
