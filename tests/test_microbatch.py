@@ -170,7 +170,7 @@ def test_native_features_per_rank_match_python(lens, layout, sp, rc):
 
 
 def planner_spec(pp, budget_gb, attention):
-    from dyn_plugin.plan.planner import PlannerSpec
+    from dyn_plugin.plan.spec import PlannerSpec
     from dyn_plugin.plan.types import LinkSpec
 
     return PlannerSpec(COST, tuple(split_layers(8, pp)), tuple(memory_for(pp, budget_gb)), dp=4, link=LinkSpec(25.0),
@@ -184,7 +184,7 @@ def planner_spec(pp, budget_gb, attention):
 def test_runs_cost_what_the_planner_prices_their_micro_batch(lens, layout, pp, sp, attention):
     """Every run the DP considers costs exactly what ``make_micro_batch`` charges the micro-batch it
     becomes, collectives included, in the mode the DP picked for it."""
-    from dyn_plugin.plan.planner import make_micro_batch
+    from dyn_plugin.plan.pricing import make_micro_batch
 
     spec = planner_spec(pp, 20, attention)
     order = sorted(lens, reverse=True)

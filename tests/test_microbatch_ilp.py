@@ -17,7 +17,8 @@ from dyn_plugin.cost.profile import cost_model_from_profile
 from dyn_plugin.lengths.io import load_lengths
 from dyn_plugin.plan.microbatch import InfeasibleError
 from dyn_plugin.plan.microbatch_ilp import dp_groups, ilp_partition, lpt_groups, pipeline_time_ms
-from dyn_plugin.plan.planner import make_micro_batch, planner_spec, usable
+from dyn_plugin.plan.pricing import make_micro_batch, usable
+from dyn_plugin.plan.spec import planner_spec
 from dyn_plugin.profiles import load_bundled
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,10 +12,12 @@ from dyn_plugin.lengths.io import load_lengths
 from dyn_plugin.lengths.packing import pack_rows
 from dyn_plugin.plan.assign import assign_to_replicas
 from dyn_plugin.plan.baselines import BASELINES, plan_baseline
+from dyn_plugin.plan.bounds import critical_path_ms, ideal_ms
 from dyn_plugin.plan.instructions import check_plans, plan_from_json, plan_to_json
 from dyn_plugin.plan.microbatch import InfeasibleError, StageMemory
-from dyn_plugin.plan.planner import (critical_path_ms, execution_plans, ideal_ms, make_micro_batch, plan_step,
-                                     planner_spec)
+from dyn_plugin.plan.planner import execution_plans, plan_step
+from dyn_plugin.plan.pricing import make_micro_batch
+from dyn_plugin.plan.spec import planner_spec
 from dyn_plugin.runtime.sampler import global_batches
 
 CONFIG = load_config("examples/a100_gpt67b.json")

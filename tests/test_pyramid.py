@@ -12,11 +12,14 @@ from dyn_plugin.cost.profile import cost_model_from_profile
 from dyn_plugin.lengths.io import load_lengths
 from dyn_plugin.models.hf import PRESETS, build_causal_lm
 from dyn_plugin.models.recompute import RecomputeSwitch, _attention, decoder_layers
-from dyn_plugin.plan import pyramid
+from dyn_plugin.plan import pyramid, replicas
+from dyn_plugin.plan.bounds import critical_path_ms
 from dyn_plugin.plan.microbatch import StageMemory
-from dyn_plugin.plan.planner import critical_path_ms, make_micro_batch, plan_step, planner_spec
+from dyn_plugin.plan.planner import plan_step
+from dyn_plugin.plan.pricing import make_micro_batch
 from dyn_plugin.plan.schedule import choose_schedule
 from dyn_plugin.plan.simulator import simulate, stage_peak_bytes
+from dyn_plugin.plan.spec import planner_spec
 from dyn_plugin.profiles import load_bundled
 from dyn_plugin.profiling.profiler import ProfileGrid, make_inputs, run_profile
 from dyn_plugin.runtime.sampler import global_batches
@@ -215,7 +218,7 @@ def test_pyramid_off_leaves_plans_as_they_were(monkeypatch):
     def never(*_):
         raise AssertionError("the pyramid pass ran with pyramid off")
 
-    monkeypatch.setattr(pyramid, "fewest_checkpointed", never)
+    monkeypatch.setattr(replicas, "fewest_checkpointed", never)  # where schedule_replica calls it
     plan = plan_step(batch, spec)
     assert all(not mb.checkpointed for mb in plan.micro_batches)
 

@@ -34,8 +34,10 @@ import numpy as np
 from ..cost.model import Layout
 from .dispatch import dispatch as stage1
 from .microbatch import InfeasibleError
-from .planner import PlannerSpec, StepPlan, make_micro_batch, usable
+from .pricing import make_micro_batch, usable
+from .spec import PlannerSpec
 from .two_stage import Pipeline, plan_members
+from .types import StepPlan
 
 ESTIMATED = 8  # groupings dispatched after the fluid estimate
 PLANNED = 3  # groupings planned and simulated in full

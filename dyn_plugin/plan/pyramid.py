@@ -24,9 +24,10 @@ import math
 
 import numpy as np
 
-from .planner import PlannerSpec, checkpointed_layers, in_range, make_micro_batch
+from .pricing import checkpointed_layers, in_range, make_micro_batch
 from .schedule import one_f_one_b
 from .simulator import memory_steps, simulate
+from .spec import PlannerSpec
 from .types import MicroBatch, Schedule, SimResult
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,8 @@ from ..cost.model import Layout
 from ..cost.sequence_parallel import attention_kind
 from ..cost.table import TableCostModel
 from .groups import SizeLimits, sequence_ms
-from .planner import PlannerSpec, make_micro_batch, planner_spec, usable
+from .pricing import make_micro_batch, usable
+from .spec import PlannerSpec, planner_spec
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,9 @@ from ..cost.model import COMPONENTS, features
 from ..cost.sharding import HOST_KINDS, Links, Prices, price, unit_compute
 from ..cost.table import TableCostModel
 from .knapsack import solve
-from .planner import PlannerSpec, in_range, make_micro_batch, plan_step, planner_spec
+from .planner import plan_step
+from .pricing import in_range, make_micro_batch
+from .spec import PlannerSpec, planner_spec
 from .shard_plan import MB, Choice, ShardPlan, ShardUnit, UnitPlan, uniform_choice_units
 
 logger = logging.getLogger(__name__)
