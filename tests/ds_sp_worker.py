@@ -63,7 +63,7 @@ def hand_plan(lens, spec, grouping, layout, step) -> StepPlan:
     for g, (k, first) in enumerate(zip(grouping, firsts.tolist())):
         chunks = [c.tolist() for c in np.array_split(members[g], PER_GROUP)]
         modes = [MODES[(j + step) % len(MODES)] for j in range(len(chunks))]
-        mbs = tuple(make_micro_batch(c, lens, spec, layout, rc, sp=k, checkpointed=layers)
+        mbs = tuple(make_micro_batch(c, lens, spec=spec, layout=layout, recompute=rc, sp=k, checkpointed=layers)
                     for c, (rc, layers) in zip(chunks, modes))
         schedule = one_f_one_b(len(mbs), spec.pp)
         replicas.append(ReplicaPlan(mbs, schedule, simulate(mbs, schedule, spec.link), first=first, size=k))

@@ -193,7 +193,7 @@ def test_runs_cost_what_the_planner_prices_their_micro_batch(lens, layout, pp, s
                                         comm=comm)
     for i, (ts, ms) in enumerate(zip(times, modes)):
         for w, (t, m) in enumerate(zip(ts, ms)):
-            mb = make_micro_batch(range(i, i + w + 1), order, spec, layout, RECOMPUTES[m], sp=sp)
+            mb = make_micro_batch(range(i, i + w + 1), order, spec=spec, layout=layout, recompute=RECOMPUTES[m], sp=sp)
             assert mb.time_ms == t
 
 

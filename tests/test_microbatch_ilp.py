@@ -79,7 +79,7 @@ def check_valid(res, lens, spec):
     assert sorted(i for g in res.groups for i in g) == list(range(len(lens)))
     assert len(res.recompute) == len(res.groups)
     for g, rc in zip(res.groups, res.recompute):
-        assert usable(make_micro_batch(g, lens, spec, "packed", rc, sp=sp), spec)
+        assert usable(make_micro_batch(g, lens, spec=spec, layout="packed", recompute=rc, sp=sp), spec)
     assert res.objective_ms == pytest.approx(pipeline_time_ms(res.groups, lens, spec, res.recompute), rel=1e-12)
 
 

@@ -156,8 +156,8 @@ def test_pass_keeps_micro_batches_and_schedules_and_never_slows(a100_replicas):
             if b.checkpointed:
                 whole = [s.num_layers for s in spec.stages]
                 assert all(0 <= c <= n for c, n in zip(b.checkpointed, whole)) and list(b.checkpointed) != whole
-                assert b == make_micro_batch(b.sample_ids, dict(zip(b.sample_ids, b.seq_lens)), spec, b.layout,
-                                             b.recompute, checkpointed=b.checkpointed)
+                assert b == make_micro_batch(b.sample_ids, dict(zip(b.sample_ids, b.seq_lens)), spec=spec,
+                                             layout=b.layout, recompute=b.recompute, checkpointed=b.checkpointed)
                 lowered += 1
         # priced afresh: every stage within its budget
         sim = simulate(on.micro_batches, on.schedule, spec.link)
@@ -177,8 +177,9 @@ def test_no_stage_could_keep_one_more_layer(a100_replicas):
             for s, c in enumerate(counts):
                 if c == 0:
                     continue
-                fewer = make_micro_batch(mb.sample_ids, dict(zip(mb.sample_ids, mb.seq_lens)), spec, mb.layout,
-                                         mb.recompute, checkpointed=counts[:s] + [c - 1] + counts[s + 1:])
+                fewer = make_micro_batch(mb.sample_ids, dict(zip(mb.sample_ids, mb.seq_lens)), spec=spec,
+                                         layout=mb.layout, recompute=mb.recompute,
+                                         checkpointed=counts[:s] + [c - 1] + counts[s + 1:])
                 trial = list(rep.micro_batches)
                 trial[i] = fewer
                 slower = fewer.forward_ms[s] + fewer.backward_ms[s] >= mb.forward_ms[s] + mb.backward_ms[s]
@@ -191,11 +192,12 @@ def test_fewest_layers_that_fit_one_micro_batch():
     spec = replace(spec, stages=(StageSpec(32),))
     lengths = {0: 4096, 1: 2048}
     for want in (0, 5, 17, 31):
-        fits = make_micro_batch([0, 1], lengths, spec, "packed", "full", checkpointed=[want])
-        fewer = make_micro_batch([0, 1], lengths, spec, "packed", "full", checkpointed=[max(want - 1, 0)])
+        fits = make_micro_batch([0, 1], lengths, spec=spec, layout="packed", recompute="full", checkpointed=[want])
+        fewer = make_micro_batch([0, 1], lengths, spec=spec, layout="packed", recompute="full",
+                                 checkpointed=[max(want - 1, 0)])
         budget = (fits.peak_bytes[0] + fewer.peak_bytes[0]) / 2 if want else fits.peak_bytes[0] * 2
         tight = replace(spec, memory=(StageMemory(budget, 1),))
-        mb = make_micro_batch([0, 1], lengths, tight, "packed", "full")
+        mb = make_micro_batch([0, 1], lengths, spec=tight, layout="packed", recompute="full")
         schedule, sim = choose_schedule([mb], tight.link, memory_budget=[budget])
         (got,), result = pyramid.fewest_checkpointed((mb,), schedule, sim, tight)
         assert (list(got.checkpointed) or [32]) == [want] and result.peak_bytes[0] <= budget
@@ -205,7 +207,7 @@ def test_fewest_layers_that_fit_one_micro_batch():
 def test_stage_already_over_budget_is_not_pushed_further():
     spec = a100_spec(1, 8, memory_mb=80000)
     spec = replace(spec, stages=(StageSpec(32),))
-    mb = make_micro_batch([0], {0: 8192}, spec, "packed", "full")
+    mb = make_micro_batch([0], {0: 8192}, spec=spec, layout="packed", recompute="full")
     schedule, sim = choose_schedule([mb], spec.link)
     over = replace(spec, memory=(StageMemory(mb.peak_bytes[0] / 2, 1),))
     assert pyramid.fewest_checkpointed((mb,), schedule, sim, over) == ((mb,), sim)

@@ -51,7 +51,8 @@ def _uniform(groups: list[list[int]], lengths: Sequence[int], spec: PlannerSpec,
     sp = sp or [1] * len(groups)
     for rc in spec.recomputes:
         try:
-            mbs = [make_micro_batch(g, lengths, spec, layout, rc, sp=k) for g, k in zip(groups, sp)]
+            mbs = [make_micro_batch(g, lengths, spec=spec, layout=layout, recompute=rc, sp=k)
+                   for g, k in zip(groups, sp)]
         except ValueError:
             continue
         if all(usable(mb, spec) for mb in mbs):
@@ -72,7 +73,7 @@ def _largest(feasible: Callable[[int], bool], lower: int, upper: int) -> int:
 
 def _fits_somehow(spec: PlannerSpec, lens: list[int], layout: Layout, sp: int = 1) -> bool:
     for rc in spec.recomputes:
-        if usable(make_micro_batch(range(len(lens)), lens, spec, layout, rc, sp=sp), spec):
+        if usable(make_micro_batch(range(len(lens)), lens, spec=spec, layout=layout, recompute=rc, sp=sp), spec):
             return True
     return False
 

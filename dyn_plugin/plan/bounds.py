@@ -34,7 +34,7 @@ def critical_path_ms(lengths: Sequence[int], spec: PlannerSpec) -> float:
     longest = int(max(lengths))
     best = float("inf")
     for layout, rc, sp in ((l, r, k) for l in spec.layouts for r in spec.recomputes for k in spec.sp_sizes):
-        mb = make_micro_batch([0], [longest], spec, layout, rc, sp=sp)
+        mb = make_micro_batch([0], [longest], spec=spec, layout=layout, recompute=rc, sp=sp)
         if all(p <= m.budget for p, m in zip(mb.peak_bytes, spec.memory)):
             if spec.pyramid:  # alone, it may keep some layers' activations
                 mb = fewest_checkpointed_alone(mb, spec)

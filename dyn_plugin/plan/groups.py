@@ -114,7 +114,7 @@ def _longest_alone(lengths: np.ndarray, k: int, rc: str, spec: PlannerSpec, layo
     lo, hi = -1, len(distinct) - 1  # distinct[lo] fits (or lo = -1); nothing beyond hi does
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if usable(make_micro_batch([0], [int(distinct[mid])], spec, layout, rc, sp=k), spec):
+        if usable(make_micro_batch([0], [int(distinct[mid])], spec=spec, layout=layout, recompute=rc, sp=k), spec):
             lo = mid
         else:
             hi = mid - 1

@@ -104,7 +104,7 @@ def pipeline_time_ms(groups: Sequence[Sequence[int]], lengths: Sequence[int], sp
     else:
         times = []
         for g, rc in zip(groups, recompute, strict=True):
-            mb = make_micro_batch(g, lengths, spec, "packed", rc, sp=k)
+            mb = make_micro_batch(g, lengths, spec=spec, layout="packed", recompute=rc, sp=k)
             if not usable(mb, spec):
                 return math.inf
             times.append(mb.time_ms)

@@ -80,7 +80,7 @@ def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True,
         except InfeasibleError as exc:  # padding holds more than packing: the longest sequence may fit one layout only
             infeasible = infeasible or exc
             continue
-        candidates.append([make_micro_batch(part.order[a:b], lengths, spec, layout, rc)
+        candidates.append([make_micro_batch(part.order[a:b], lengths, spec=spec, layout=layout, recompute=rc)
                            for a, b, rc in zip(part.bounds, part.bounds[1:], part.recompute)])
     if "packed" in spec.layouts and spec.row_len and max(lengths) <= spec.row_len:
         try:

@@ -18,7 +18,7 @@ from .types import MicroBatch, Schedule, SimResult, StepPlan
 
 
 def make_micro_batch(
-    sample_ids: Sequence[int], lengths: Sequence[int], spec: PlannerSpec, layout: Layout, recompute: Recompute,
+    sample_ids: Sequence[int], lengths: Sequence[int], *, spec: PlannerSpec, layout: Layout, recompute: Recompute,
     sp: int = 1, checkpointed: Sequence[int] | None = None,
 ) -> MicroBatch:
     """Price one micro-batch on every stage, per rank of a group of ``sp``, on exactly the tensors
@@ -75,7 +75,8 @@ def relax_recompute(
     for i in sorted(range(len(current)), key=lambda i: -current[i].time_ms):
         for rc in cheaper[current[i].recompute]:
             old = current[i]
-            candidate = make_micro_batch(old.sample_ids, _lengths_of(old), spec, old.layout, rc, sp=old.sp)
+            candidate = make_micro_batch(old.sample_ids, _lengths_of(old), spec=spec, layout=old.layout, recompute=rc,
+                                         sp=old.sp)
             if not in_range(candidate, spec):
                 continue
             trial = current[:i] + [candidate] + current[i + 1:]
@@ -142,8 +143,8 @@ def same_recompute(plan: StepPlan, *, spec: PlannerSpec) -> StepPlan:
         if all(mb.recompute == mode for mb in mbs):
             counts = [max(c) for c in zip(*(checkpointed_layers(mb, spec) for mb in mbs))]
         for r, (mb, o) in enumerate(zip(mbs, orders)):
-            new[r][o[pos]] = make_micro_batch(mb.sample_ids, _lengths_of(mb), spec, mb.layout, mode, sp=mb.sp,
-                                              checkpointed=counts)
+            new[r][o[pos]] = make_micro_batch(mb.sample_ids, _lengths_of(mb), spec=spec, layout=mb.layout,
+                                              recompute=mode, sp=mb.sp, checkpointed=counts)
     replicas = tuple(replace(r, micro_batches=tuple(m), sim=simulate(m, r.schedule, spec.link))
                      for r, m in zip(plan.replicas, new))
     return replace(plan, replicas=replicas)
@@ -156,7 +157,7 @@ def cheapest_feasible(groups: Sequence[Sequence[int]], lengths: Sequence[int], *
     for g in groups:
         best = None
         for rc in spec.recomputes:
-            mb = make_micro_batch(g, lengths, spec, layout, rc, sp=sp)
+            mb = make_micro_batch(g, lengths, spec=spec, layout=layout, recompute=rc, sp=sp)
             if usable(mb, spec) and (best is None or mb.time_ms < best.time_ms):
                 best = mb
         if best is None:

@@ -154,7 +154,7 @@ def longest_alone(spec: PlannerSpec, layout: Layout, recompute: str, sp: int, ma
     lo, hi = 0, max_len  # lo fits (or is 0); nothing beyond hi does
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if usable(make_micro_batch([0], [mid], spec, layout, recompute, sp=sp), spec):
+        if usable(make_micro_batch([0], [mid], spec=spec, layout=layout, recompute=recompute, sp=sp), spec):
             lo = mid
         else:
             hi = mid - 1

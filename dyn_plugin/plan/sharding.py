@@ -132,7 +132,7 @@ def smallest_activation(lengths: Sequence[int], spec: PlannerSpec) -> float:
     """The least activation peak any plan of ``lengths`` has: its longest sequence alone, in the
     layout and recompute mode that keep the least."""
     longest = int(np.argmax(lengths))
-    peaks = [mb.peak_bytes[0] for mb in (make_micro_batch([longest], lengths, spec, layout, rc)
+    peaks = [mb.peak_bytes[0] for mb in (make_micro_batch([longest], lengths, spec=spec, layout=layout, recompute=rc)
                                          for layout in spec.layouts for rc in spec.recomputes) if in_range(mb, spec)]
     if not peaks:
         raise ValueError(f"the longest sequence ({lengths[longest]} tokens) is beyond what cost model "

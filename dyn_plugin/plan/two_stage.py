@@ -78,7 +78,7 @@ def cut(lens: np.ndarray, ids: Sequence[int], pipe: Pipeline, layout: Layout, *,
                          comm=[spec.layer_comm(k, rc) for rc in spec.recomputes])
     except InfeasibleError:
         return None
-    return [make_micro_batch([ids[j] for j in part.order[a:b]], lens, spec, layout, rc, sp=k)
+    return [make_micro_batch([ids[j] for j in part.order[a:b]], lens, spec=spec, layout=layout, recompute=rc, sp=k)
             for a, b, rc in zip(part.bounds, part.bounds[1:], part.recompute)]
 
 
@@ -100,7 +100,7 @@ def scheduled(mbs: list[MicroBatch], pipe: Pipeline, lens: np.ndarray, stage2: S
                         counts=[len(mbs)] if keep_count else None, **limits)
     if sorted(map(sorted, res.groups)) == sorted(map(sorted, local)):
         return rep
-    ilp = [make_micro_batch([ids[j] for j in g], lens, spec, mbs[0].layout, rc, sp=pipe.sp)
+    ilp = [make_micro_batch([ids[j] for j in g], lens, spec=spec, layout=mbs[0].layout, recompute=rc, sp=pipe.sp)
            for g, rc in zip(res.groups, res.recompute)]
     alt = schedule_replica(ilp, spec=spec, first=pipe.first, size=pipe.sp)
     return alt if alt.sim.makespan_ms < rep.sim.makespan_ms else rep
