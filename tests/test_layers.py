@@ -204,3 +204,21 @@ def test_the_cycle_check_sees_function_level_imports():
     assert "plan.groups" in module_graph()["plan.planner"]
     # a function-level import (two_stage.py loads the ILP, and HiGHS, only where it is asked for)
     assert "plan.microbatch_ilp" in module_graph()["plan.two_stage"]
+
+
+def test_names_are_imported_from_the_module_that_defines_them():
+    """planner.py was split (spec.py, pricing.py, replicas.py, bounds.py, types.py) without re-exports:
+    what it imports for its own use is not to be imported from it."""
+    planner = PKG / "plan" / "planner.py"
+    own = {n.name for n in ast.parse(planner.read_text()).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    wrong = []
+    for folder in ("dyn_plugin", "tests", "deepspeed_ext", "megatron_patches", "examples", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            package = path.relative_to(ROOT).parts[:-1]
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ImportFrom):
+                    continue
+                base = package[: len(package) - node.level + 1] if node.level else ()
+                if ".".join(base + tuple((node.module or "").split("."))) == "dyn_plugin.plan.planner":
+                    wrong += [f"{path.relative_to(ROOT)}: {a.name}" for a in node.names if a.name not in own]
+    assert not wrong, f"imported from plan/planner.py, which does not define them: {wrong}"
