@@ -109,6 +109,7 @@ class CostModelConfig(_Section):
 
 
 class MicrobatchingConfig(_Section):
+    # the names of plan/methods.py's METHODS (tests/test_config.py checks: this layer imports no planner)
     method: Literal["dynapipe", "fixed_padding", "token_budget", "packing_full", "packing_varlen"] = Field(
         default="dynapipe",
         description="the plugin's plan, or a baseline's batching (for side-by-side comparisons)",
@@ -127,6 +128,7 @@ class MicrobatchingConfig(_Section):
 
 class PipelineConfig(_Section):
     stages: int = Field(default=1, gt=0, description="pipeline-parallel stages")
+    # the names of plan/schedule.py's SCHEDULES (tests/test_config.py checks)
     schedule: Literal["1f1b", "adaptive", "auto"] = Field(
         default="auto", description="'auto' picks the schedule with the shortest simulated step"
     )
@@ -244,6 +246,7 @@ class StoreConfig(BaseModel):
     # hide_input_in_errors: a rejected url may carry a password; keep it out of error text.
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, hide_input_in_errors=True)
 
+    # the names of store/factory.py's BACKENDS (tests/test_config.py checks)
     backend: Literal["none", "tcp", "redis"] = Field(
         default="none",
         description="'none' (plan on every rank, share nothing), 'tcp' (torch TCPStore hosted by rank 0) or 'redis' (a Redis server at url)",

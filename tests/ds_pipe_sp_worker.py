@@ -19,6 +19,7 @@ from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
 from ranks import finish  # noqa: E402
 
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
+from dyn_plugin.plan import methods  # noqa: E402
 from dyn_plugin.runtime import planning  # noqa: E402
 
 GROUPINGS = ((2,), (1, 1), (2,))  # step s of the epoch groups the 2 columns as GROUPINGS[s]
@@ -31,14 +32,14 @@ CASES = (  # layout, recompute (full: backward re-runs attention in its group), 
 def force_groupings(context: planning.PlanningContext) -> None:
     """Plan global batch s with the columns grouped as GROUPINGS[s], where the planner would choose
     its own; PlanningContext.plan still checks every rank's plan (check_plans(rendezvous=True))."""
-    plan, plan_step = context.plan, planning.plan_step
+    plan, plan_step = context.plan, methods.plan_step
 
     def forced(epoch: int, step: int):
-        planning.plan_step = functools.partial(plan_step, grouping=GROUPINGS[step])
+        methods.plan_step = functools.partial(plan_step, grouping=GROUPINGS[step])
         try:
             return plan(epoch, step)
         finally:
-            planning.plan_step = plan_step
+            methods.plan_step = plan_step
 
     context.plan = forced
 

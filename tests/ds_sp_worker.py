@@ -33,10 +33,12 @@ from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
 from ranks import finish  # noqa: E402
 
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
-from dyn_plugin.plan.planner import ReplicaPlan, StepPlan, make_micro_batch, plan_step  # noqa: E402
+from dyn_plugin.plan import methods  # noqa: E402
+from dyn_plugin.plan.planner import plan_step  # noqa: E402
+from dyn_plugin.plan.pricing import make_micro_batch  # noqa: E402
 from dyn_plugin.plan.schedule import one_f_one_b  # noqa: E402
 from dyn_plugin.plan.simulator import simulate  # noqa: E402
-from dyn_plugin.runtime import planning  # noqa: E402
+from dyn_plugin.plan.types import ReplicaPlan, StepPlan  # noqa: E402
 
 PER_GROUP = 2  # micro-batches per group: equal counts, as ZeRO-2/3 need
 # (recompute, checkpointed layers of the one stage) by micro-batch index: whole-stage modes and a
@@ -61,7 +63,7 @@ def hand_plan(lens, spec, grouping, layout, step) -> StepPlan:
     for g, (k, first) in enumerate(zip(grouping, firsts.tolist())):
         chunks = [c.tolist() for c in np.array_split(members[g], PER_GROUP)]
         modes = [MODES[(j + step) % len(MODES)] for j in range(len(chunks))]
-        mbs = tuple(make_micro_batch(c, lens, spec, layout, rc, sp=k, checkpointed=layers)
+        mbs = tuple(make_micro_batch(c, lens, spec=spec, layout=layout, recompute=rc, sp=k, checkpointed=layers)
                     for c, (rc, layers) in zip(chunks, modes))
         schedule = one_f_one_b(len(mbs), spec.pp)
         replicas.append(ReplicaPlan(mbs, schedule, simulate(mbs, schedule, spec.link), first=first, size=k))
@@ -79,12 +81,12 @@ def force_groupings(loader, steps, planner=hand_plan) -> None:
     plan = loader.context.plan
 
     def forced(epoch, step):
-        saved = planning.plan_step
-        planning.plan_step = lambda lens, spec: planner(lens, spec, *steps[step % len(steps)], step)
+        saved = methods.plan_step
+        methods.plan_step = lambda lens, spec: planner(lens, spec, *steps[step % len(steps)], step)
         try:
             return plan(epoch, step)
         finally:
-            planning.plan_step = saved
+            methods.plan_step = saved
 
     loader.context.plan = forced
 

@@ -145,3 +145,21 @@ def test_strategy_section_refusals_name_the_fields_and_the_fix():
     cfg = load_config({"dyn_plugin": {**on, "strategy": {"enabled": True, **ilp},
                                       "store": {"backend": "redis", "url": "redis://localhost:6379/0"}}})
     assert cfg.plugin.strategy.ilp_time_budget_ms == 50.0 and cfg.plugin.strategy.proposal is None
+
+
+@pytest.mark.parametrize("section, key, registry", [
+    ("microbatching", "method", "dyn_plugin.plan.methods:METHODS"),
+    ("pipeline", "schedule", "dyn_plugin.plan.schedule:SCHEDULES"),
+    ("store", "backend", "dyn_plugin.store.factory:BACKENDS"),
+])
+def test_config_names_are_the_registries(section, key, registry):
+    """The config (which imports no other layer) lists each registry's names in a Literal: adding an
+    entry to a registry means adding its name there too, and this says so."""
+    import importlib
+    import typing
+
+    module, _, name = registry.partition(":")
+    names = getattr(importlib.import_module(module), name)
+    field = type(getattr(DynPluginConfig(), section)).model_fields[key]
+    assert set(typing.get_args(field.annotation)) == set(names), (
+        f"dyn_plugin.config: {section}.{key} allows {typing.get_args(field.annotation)}, {registry} has {tuple(names)}")

@@ -5,14 +5,16 @@ import numpy as np
 import pytest
 
 from dyn_plugin.config import DynPluginConfig
+from dyn_plugin.cost.bundled import load_bundled
 from dyn_plugin.cost.profile import cost_model_from_profile
 from dyn_plugin.lengths.io import load_lengths
 from dyn_plugin.plan.baselines import SP_BASELINES, plan_baseline
+from dyn_plugin.plan.bounds import ideal_ms
 from dyn_plugin.plan.groups import aligned_firsts, groupings
 from dyn_plugin.plan.instructions import check_plans
 from dyn_plugin.plan.microbatch import InfeasibleError
-from dyn_plugin.plan.planner import execution_plans, ideal_ms, plan_step, planner_spec
-from dyn_plugin.cost.bundled import load_bundled
+from dyn_plugin.plan.planner import execution_plans, plan_step
+from dyn_plugin.plan.spec import planner_spec
 from dyn_plugin.runtime.sampler import global_batches
 
 COST = replace(cost_model_from_profile(load_bundled("a100-gpt-6.7b")), num_heads=32, num_kv_heads=32)
@@ -45,7 +47,7 @@ def test_groupings_are_aligned_and_complete():
 def check_plan(plan, batch, spec):
     ids = sorted(i for mb in plan.micro_batches for i in mb.sample_ids)
     assert ids == list(range(len(batch))), "every sample exactly once"
-    assert plan.columns == spec.dp
+    assert plan.num_columns == spec.dp
     for rep in plan.replicas:
         assert rep.first % rep.size == 0
         assert all(mb.sp == rep.size for mb in rep.micro_batches)
@@ -122,7 +124,7 @@ def test_sp_baselines_are_complete_and_slower(method):
 def test_zero3_recomputes_alike_at_each_run_position():
     """ZeRO-3 gathers parameters in module order and recompute re-runs modules: every rank's i-th
     micro-batch must recompute alike (the runtime refuses plans that do not)."""
-    from dyn_plugin.plan.planner import checkpointed_layers
+    from dyn_plugin.plan.pricing import checkpointed_layers
 
     differed = 0
     for sp in (False, True):

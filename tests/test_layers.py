@@ -19,21 +19,20 @@ ALLOWED = {
     "config": set(),
     "child": set(),
     "lengths": set(),
-    "cost": {"config", "profiles"},
-    "profiles": {"cost"},
+    "cost": {"config"},
     "plan": {"config", "lengths", "cost"},
     "store": {"config", "child"},
     "models": {"cost", "plan"},
     "profiling": {"config", "cost", "models", "child"},
     "runtime": {"config", "lengths", "cost", "plan", "store", "child"},
-    "bench": {"config", "lengths", "cost", "profiles", "plan", "store", "runtime"},
+    "bench": {"config", "lengths", "cost", "plan", "store", "runtime"},
     "fsdp": {"config", "lengths", "cost", "plan", "runtime", "models", "profiling", "store", "child"},
-    "commands": {"config", "lengths", "cost", "profiles", "plan", "store", "runtime", "profiling", "models", "bench"},
+    "commands": {"config", "lengths", "cost", "plan", "store", "runtime", "profiling", "models", "bench"},
     "cli": {"commands"},
     "__main__": {"cli"},
     "__init__": {"cost"},
 }
-PURE = ("config", "lengths", "cost", "profiles", "plan")
+PURE = ("config", "lengths", "cost", "plan")
 FRAMEWORKS = ("torch", "deepspeed", "transformers", "megatron", "deepspeed_ext")
 
 
@@ -88,3 +87,129 @@ def test_imports_point_one_way(path):
 def test_the_check_sees_relative_imports():
     names = _imports(PKG / "plan" / "baselines.py")
     assert "dyn_plugin.cost.model" in names and "dyn_plugin.plan.assign" in names
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Every dyn_plugin module -> the dyn_plugin modules it imports (also inside functions), by
+    name relative to dyn_plugin: ``from .x import name`` counts as importing module ``x.name``
+    where that is a module, else ``x``."""
+    paths = {_module_name(p, root): p for p in (root / "dyn_plugin").rglob("*.py")}
+    known = set(paths) | {"dyn_plugin._core"}  # the native extension, built or not
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = path.relative_to(root).with_suffix("").parts[:-1]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+                mod = ".".join(x for x in (base, node.module) if x)
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in known:  # `import a.b.c`: the deepest module that exists
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    found.add(target)
+        graph[name] = found
+    short = {n: n.removeprefix("dyn_plugin.") if n != "dyn_plugin" else "__init__" for n in known}
+    return {short[n]: {short[t] for t in ts} for n, ts in graph.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[tuple[set[str], list[str]]]:
+    """Each strongly connected set of two or more nodes, with one cycle through it (a path back to
+    its start)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[set[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while not component or w != v:
+                w = stack.pop()
+                component.add(w)
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    out = []
+    for component in components:
+        start = min(component)
+        path, seen = [start], {start}
+        while True:  # walk inside the component until a step closes the cycle
+            nxt = sorted(graph.get(path[-1], set()) & component)
+            if start in nxt and len(path) > 1:
+                break
+            step = next((n for n in nxt if n not in seen), start)
+            if step == start:
+                break
+            path.append(step)
+            seen.add(step)
+        out.append((component, path + [start]))
+    return out
+
+
+def import_cycles(root: Path = ROOT) -> list[tuple[set[str], list[str]]]:
+    """Cycles among the modules of each dyn_plugin package, then among the packages."""
+    graph = module_graph(root)
+    def layer(m: str) -> str:
+        return m.split(".")[0]
+
+    inside = {m: {t for t in ts if layer(t) == layer(m)} for m, ts in graph.items()}
+    between: dict[str, set[str]] = {}
+    for m, ts in graph.items():
+        between.setdefault(layer(m), set()).update(layer(t) for t in ts if layer(t) != layer(m))
+    return _cycles(inside) + _cycles(between)
+
+
+def test_no_import_cycles():
+    cycles = import_cycles()
+    assert not cycles, "import cycles (every import counts, also those inside functions): " + "; ".join(
+        " -> ".join(path) + (f" (and more among {', '.join(sorted(members))})" if len(members) > len(path) - 1 else "")
+        for members, path in cycles)
+
+
+def test_the_cycle_check_sees_function_level_imports():
+    graph = {"plan.a": {"plan.b"}, "plan.b": {"plan.c"}, "plan.c": {"plan.a"}, "plan.d": {"plan.a"}}
+    assert _cycles(graph) == [({"plan.a", "plan.b", "plan.c"}, ["plan.a", "plan.b", "plan.c", "plan.a"])]
+    # planner.py runs groups.py's plan_groups, imported at the top; groups.py must never import it back
+    assert "plan.groups" in module_graph()["plan.planner"]
+    # a function-level import (two_stage.py loads the ILP, and HiGHS, only where it is asked for)
+    assert "plan.microbatch_ilp" in module_graph()["plan.two_stage"]
+
+
+def test_names_are_imported_from_the_module_that_defines_them():
+    """planner.py was split (spec.py, pricing.py, replicas.py, bounds.py, types.py) without re-exports:
+    what it imports for its own use is not to be imported from it."""
+    planner = PKG / "plan" / "planner.py"
+    own = {n.name for n in ast.parse(planner.read_text()).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    wrong = []
+    for folder in ("dyn_plugin", "tests", "deepspeed_ext", "megatron_patches", "examples", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            package = path.relative_to(ROOT).parts[:-1]
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ImportFrom):
+                    continue
+                base = package[: len(package) - node.level + 1] if node.level else ()
+                if ".".join(base + tuple((node.module or "").split("."))) == "dyn_plugin.plan.planner":
+                    wrong += [f"{path.relative_to(ROOT)}: {a.name}" for a in node.names if a.name not in own]
+    assert not wrong, f"imported from plan/planner.py, which does not define them: {wrong}"

@@ -234,10 +234,10 @@ def test_recompute_differing_between_replicas_refused_under_zero_3(monkeypatch):
     recomputes where another does not runs them in another order (gloo: a size mismatch; NCCL: a hang)."""
     from dataclasses import replace
 
-    from dyn_plugin.runtime import planning
+    from dyn_plugin.plan import methods
 
     cfg, cm, lens, data = make()
-    plan_step = planning.plan_step
+    plan_step = methods.plan_step
 
     def mixed(lengths, spec):
         plan = plan_step(lengths, spec)
@@ -245,7 +245,7 @@ def test_recompute_differing_between_replicas_refused_under_zero_3(monkeypatch):
         redone = tuple(replace(mb, recompute="full") for mb in first.micro_batches)
         return replace(plan, replicas=(replace(first, micro_batches=redone),) + plan.replicas[1:])
 
-    monkeypatch.setattr(planning, "plan_step", mixed)
+    monkeypatch.setattr(methods, "plan_step", mixed)
     loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=0, dp_size=2, seed=1, zero_stage=3)
     with pytest.raises(ValueError, match="ZeRO-3 needs the same recompute at each micro-batch index"):
         list(loader)

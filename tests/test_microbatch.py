@@ -170,7 +170,7 @@ def test_native_features_per_rank_match_python(lens, layout, sp, rc):
 
 
 def planner_spec(pp, budget_gb, attention):
-    from dyn_plugin.plan.planner import PlannerSpec
+    from dyn_plugin.plan.spec import PlannerSpec
     from dyn_plugin.plan.types import LinkSpec
 
     return PlannerSpec(COST, tuple(split_layers(8, pp)), tuple(memory_for(pp, budget_gb)), dp=4, link=LinkSpec(25.0),
@@ -184,7 +184,7 @@ def planner_spec(pp, budget_gb, attention):
 def test_runs_cost_what_the_planner_prices_their_micro_batch(lens, layout, pp, sp, attention):
     """Every run the DP considers costs exactly what ``make_micro_batch`` charges the micro-batch it
     becomes, collectives included, in the mode the DP picked for it."""
-    from dyn_plugin.plan.planner import make_micro_batch
+    from dyn_plugin.plan.pricing import make_micro_batch
 
     spec = planner_spec(pp, 20, attention)
     order = sorted(lens, reverse=True)
@@ -193,7 +193,7 @@ def test_runs_cost_what_the_planner_prices_their_micro_batch(lens, layout, pp, s
                                         comm=comm)
     for i, (ts, ms) in enumerate(zip(times, modes)):
         for w, (t, m) in enumerate(zip(ts, ms)):
-            mb = make_micro_batch(range(i, i + w + 1), order, spec, layout, RECOMPUTES[m], sp=sp)
+            mb = make_micro_batch(range(i, i + w + 1), order, spec=spec, layout=layout, recompute=RECOMPUTES[m], sp=sp)
             assert mb.time_ms == t
 
 

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 from dyn_plugin.config import DynPluginConfig
+from dyn_plugin.cost.bundled import load_bundled
 from dyn_plugin.cost.profile import cost_model_from_profile
 from dyn_plugin.lengths.io import load_lengths
 from dyn_plugin.plan.microbatch import InfeasibleError
 from dyn_plugin.plan.microbatch_ilp import dp_groups, ilp_partition, lpt_groups, pipeline_time_ms
-from dyn_plugin.plan.planner import make_micro_batch, planner_spec, usable
-from dyn_plugin.cost.bundled import load_bundled
+from dyn_plugin.plan.pricing import make_micro_batch, usable
+from dyn_plugin.plan.spec import planner_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,7 +79,7 @@ def check_valid(res, lens, spec):
     assert sorted(i for g in res.groups for i in g) == list(range(len(lens)))
     assert len(res.recompute) == len(res.groups)
     for g, rc in zip(res.groups, res.recompute):
-        assert usable(make_micro_batch(g, lens, spec, "packed", rc, sp=sp), spec)
+        assert usable(make_micro_batch(g, lens, spec=spec, layout="packed", recompute=rc, sp=sp), spec)
     assert res.objective_ms == pytest.approx(pipeline_time_ms(res.groups, lens, spec, res.recompute), rel=1e-12)
 
 

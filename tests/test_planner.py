@@ -12,10 +12,12 @@ from dyn_plugin.lengths.io import load_lengths
 from dyn_plugin.lengths.packing import pack_rows
 from dyn_plugin.plan.assign import assign_to_replicas
 from dyn_plugin.plan.baselines import BASELINES, plan_baseline
+from dyn_plugin.plan.bounds import critical_path_ms, ideal_ms
 from dyn_plugin.plan.instructions import check_plans, plan_from_json, plan_to_json
 from dyn_plugin.plan.microbatch import InfeasibleError, StageMemory
-from dyn_plugin.plan.planner import (critical_path_ms, execution_plans, ideal_ms, make_micro_batch, plan_step,
-                                     planner_spec)
+from dyn_plugin.plan.planner import execution_plans, plan_step
+from dyn_plugin.plan.pricing import make_micro_batch
+from dyn_plugin.plan.spec import planner_spec
 from dyn_plugin.runtime.sampler import global_batches
 
 CONFIG = load_config("examples/a100_gpt67b.json")
@@ -90,13 +92,13 @@ def test_packing_varlen_is_priced_and_shaped_on_its_real_tokens():
     assert plan.layout == "packed" and plan.padding_fraction == 0
     for mb in plan.micro_batches:
         assert mb.shape == (1, sum(mb.seq_lens))
-        assert mb == make_micro_batch(mb.sample_ids, BATCHES[0], SPEC, "packed", mb.recompute)
+        assert mb == make_micro_batch(mb.sample_ids, BATCHES[0], spec=SPEC, layout="packed", recompute=mb.recompute)
 
 
 def test_pad_multiple_sets_padded_shapes_and_prices():
     mbc = CONFIG.plugin.microbatching.model_copy(update={"pad_multiple": 1024})
     spec = planner_spec(COST, CONFIG.plugin.model_copy(update={"microbatching": mbc}), dp=2, zero_stage=1)
-    at8, wide = (make_micro_batch([0], [1100], s, "padded", "none") for s in (SPEC, spec))
+    at8, wide = (make_micro_batch([0], [1100], spec=s, layout="padded", recompute="none") for s in (SPEC, spec))
     assert (at8.shape, wide.shape) == ((1, 1104), (1, 2048))
     assert sum(wide.forward_ms) > sum(at8.forward_ms) and sum(wide.backward_ms) > sum(at8.backward_ms)
     plan = plan_step(BATCHES[0], replace(spec, layouts=("padded",)))
@@ -187,7 +189,8 @@ def test_a_sequence_only_the_packed_layout_fits_is_planned_packed():
     spec = planner_spec(COST, CONFIG.plugin.model_copy(update={"microbatching": mbc, "pipeline": one_stage}), dp=4,
                         zero_stage=3)
     lengths = [5000, 700, 300, 200, 150, 100, 90, 80]
-    least = {layout: min(make_micro_batch([0], lengths, spec, layout, rc).peak_bytes[0] for rc in spec.recomputes)
+    least = {layout: min(make_micro_batch([0], lengths, spec=spec, layout=layout, recompute=rc).peak_bytes[0]
+                         for rc in spec.recomputes)
              for layout in ("padded", "packed")}
     assert least["padded"] > least["packed"]  # 5000 tokens padded to 5120
     spec = replace(spec, memory=(StageMemory((least["padded"] + least["packed"]) / 2, 1),))

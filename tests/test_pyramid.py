@@ -7,17 +7,20 @@ import pytest
 import torch
 
 from dyn_plugin.config import DynPluginConfig
+from dyn_plugin.cost.bundled import load_bundled
 from dyn_plugin.cost.model import StageSpec
 from dyn_plugin.cost.profile import cost_model_from_profile
 from dyn_plugin.lengths.io import load_lengths
 from dyn_plugin.models.hf import PRESETS, build_causal_lm
 from dyn_plugin.models.recompute import RecomputeSwitch, _attention, decoder_layers
-from dyn_plugin.plan import pyramid
+from dyn_plugin.plan import pyramid, replicas
+from dyn_plugin.plan.bounds import critical_path_ms
 from dyn_plugin.plan.microbatch import StageMemory
-from dyn_plugin.plan.planner import critical_path_ms, make_micro_batch, plan_step, planner_spec
+from dyn_plugin.plan.planner import plan_step
+from dyn_plugin.plan.pricing import make_micro_batch
 from dyn_plugin.plan.schedule import choose_schedule
 from dyn_plugin.plan.simulator import simulate, stage_peak_bytes
-from dyn_plugin.cost.bundled import load_bundled
+from dyn_plugin.plan.spec import planner_spec
 from dyn_plugin.profiling.profiler import run_profile
 from dyn_plugin.profiling.workload import ProfileGrid, make_inputs
 from dyn_plugin.runtime.sampler import global_batches
@@ -154,8 +157,8 @@ def test_pass_keeps_micro_batches_and_schedules_and_never_slows(a100_replicas):
             if b.checkpointed:
                 whole = [s.num_layers for s in spec.stages]
                 assert all(0 <= c <= n for c, n in zip(b.checkpointed, whole)) and list(b.checkpointed) != whole
-                assert b == make_micro_batch(b.sample_ids, dict(zip(b.sample_ids, b.seq_lens)), spec, b.layout,
-                                             b.recompute, checkpointed=b.checkpointed)
+                assert b == make_micro_batch(b.sample_ids, dict(zip(b.sample_ids, b.seq_lens)), spec=spec,
+                                             layout=b.layout, recompute=b.recompute, checkpointed=b.checkpointed)
                 lowered += 1
         # priced afresh: every stage within its budget
         sim = simulate(on.micro_batches, on.schedule, spec.link)
@@ -175,8 +178,9 @@ def test_no_stage_could_keep_one_more_layer(a100_replicas):
             for s, c in enumerate(counts):
                 if c == 0:
                     continue
-                fewer = make_micro_batch(mb.sample_ids, dict(zip(mb.sample_ids, mb.seq_lens)), spec, mb.layout,
-                                         mb.recompute, checkpointed=counts[:s] + [c - 1] + counts[s + 1:])
+                fewer = make_micro_batch(mb.sample_ids, dict(zip(mb.sample_ids, mb.seq_lens)), spec=spec,
+                                         layout=mb.layout, recompute=mb.recompute,
+                                         checkpointed=counts[:s] + [c - 1] + counts[s + 1:])
                 trial = list(rep.micro_batches)
                 trial[i] = fewer
                 slower = fewer.forward_ms[s] + fewer.backward_ms[s] >= mb.forward_ms[s] + mb.backward_ms[s]
@@ -189,11 +193,12 @@ def test_fewest_layers_that_fit_one_micro_batch():
     spec = replace(spec, stages=(StageSpec(32),))
     lengths = {0: 4096, 1: 2048}
     for want in (0, 5, 17, 31):
-        fits = make_micro_batch([0, 1], lengths, spec, "packed", "full", checkpointed=[want])
-        fewer = make_micro_batch([0, 1], lengths, spec, "packed", "full", checkpointed=[max(want - 1, 0)])
+        fits = make_micro_batch([0, 1], lengths, spec=spec, layout="packed", recompute="full", checkpointed=[want])
+        fewer = make_micro_batch([0, 1], lengths, spec=spec, layout="packed", recompute="full",
+                                 checkpointed=[max(want - 1, 0)])
         budget = (fits.peak_bytes[0] + fewer.peak_bytes[0]) / 2 if want else fits.peak_bytes[0] * 2
         tight = replace(spec, memory=(StageMemory(budget, 1),))
-        mb = make_micro_batch([0, 1], lengths, tight, "packed", "full")
+        mb = make_micro_batch([0, 1], lengths, spec=tight, layout="packed", recompute="full")
         schedule, sim = choose_schedule([mb], tight.link, memory_budget=[budget])
         (got,), result = pyramid.fewest_checkpointed((mb,), schedule, sim, tight)
         assert (list(got.checkpointed) or [32]) == [want] and result.peak_bytes[0] <= budget
@@ -203,7 +208,7 @@ def test_fewest_layers_that_fit_one_micro_batch():
 def test_stage_already_over_budget_is_not_pushed_further():
     spec = a100_spec(1, 8, memory_mb=80000)
     spec = replace(spec, stages=(StageSpec(32),))
-    mb = make_micro_batch([0], {0: 8192}, spec, "packed", "full")
+    mb = make_micro_batch([0], {0: 8192}, spec=spec, layout="packed", recompute="full")
     schedule, sim = choose_schedule([mb], spec.link)
     over = replace(spec, memory=(StageMemory(mb.peak_bytes[0] / 2, 1),))
     assert pyramid.fewest_checkpointed((mb,), schedule, sim, over) == ((mb,), sim)
@@ -216,7 +221,7 @@ def test_pyramid_off_leaves_plans_as_they_were(monkeypatch):
     def never(*_):
         raise AssertionError("the pyramid pass ran with pyramid off")
 
-    monkeypatch.setattr(pyramid, "fewest_checkpointed", never)
+    monkeypatch.setattr(replicas, "fewest_checkpointed", never)  # where schedule_replica calls it
     plan = plan_step(batch, spec)
     assert all(not mb.checkpointed for mb in plan.micro_batches)
 

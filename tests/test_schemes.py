@@ -7,7 +7,7 @@ import pytest
 
 from dyn_plugin.config import DynPluginConfig
 from dyn_plugin.cost.calibrated import MODELS, calibrated_cost_model, named_cost_model
-from dyn_plugin.plan.planner import make_micro_batch, usable
+from dyn_plugin.plan.pricing import make_micro_batch, usable
 from dyn_plugin.plan.schemes import Scheme, scheme_costs, scheme_spec
 
 MAX_LEN = 32768
@@ -58,16 +58,18 @@ def test_longest_is_exact_and_grows_with_every_degree(costs_1024):
     for scheme in (Scheme(1, 1, 1), Scheme(2, 2, 2), Scheme(8, 1, 4), Scheme(1, 4, 8)):
         sc = costs_1024[scheme]
         for rc, n in sc.by_mode.items():
-            assert usable(make_micro_batch([0], [n], sc.spec, sc.layout, rc, sp=scheme.sp), sc.spec)
+            assert usable(make_micro_batch([0], [n], spec=sc.spec, layout=sc.layout, recompute=rc, sp=scheme.sp),
+                          sc.spec)
             if n < MAX_LEN:
-                assert not usable(make_micro_batch([0], [n + 1], sc.spec, sc.layout, rc, sp=scheme.sp), sc.spec)
+                assert not usable(make_micro_batch([0], [n + 1], spec=sc.spec, layout=sc.layout, recompute=rc,
+                                                   sp=scheme.sp), sc.spec)
     assert costs_1024[Scheme(8, 8, 8)].longest == MAX_LEN > costs_1024[Scheme(1, 1, 1)].longest
 
 
 def alone(sc, n: int):
     """A micro-batch of one sequence in the first recompute mode it fits in, as sequence_ms prices it."""
     rc = next(rc for rc in sc.spec.recomputes if n <= sc.by_mode[rc])
-    return make_micro_batch([0], [n], sc.spec, sc.layout, rc, sp=sc.scheme.sp), rc
+    return make_micro_batch([0], [n], spec=sc.spec, layout=sc.layout, recompute=rc, sp=sc.scheme.sp), rc
 
 
 def test_sequence_ms_is_the_marginal_cost(costs_1024):

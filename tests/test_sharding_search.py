@@ -17,10 +17,10 @@ from dyn_plugin.cost.native import core
 from dyn_plugin.cost.sharding import HOST_KINDS, Links, price, unit_compute
 from dyn_plugin.cost.update import UpdateCost
 from dyn_plugin.plan.knapsack import solve
-from dyn_plugin.plan.planner import planner_spec
 from dyn_plugin.plan.shard_plan import MB, Choice, ShardPlan, ShardUnit
 from dyn_plugin.plan.sharding import (BASELINES, choice_columns, search_sharding, select, shard_sizes, smallest,
                                       typical_step, uniform_plan)
+from dyn_plugin.plan.spec import planner_spec
 from dyn_plugin.runtime.planning import PlanningContext
 
 H, VOCAB = 256, 4096

@@ -12,8 +12,9 @@ from dyn_plugin.config import DynPluginConfig
 from dyn_plugin.cost.calibrated import named_cost_model
 from dyn_plugin.lengths.io import load_lengths
 from dyn_plugin.plan.microbatch import InfeasibleError
-from dyn_plugin.plan.planner import execution_plans, planner_spec
+from dyn_plugin.plan.planner import execution_plans
 from dyn_plugin.plan.schemes import Scheme, scheme_costs
+from dyn_plugin.plan.spec import planner_spec
 from dyn_plugin.plan.strategy import (Proposal, Strategy, cached_proposal, neighbours, plan_cluster_step,
                                       plan_strategy_step, proposal_key, propose, runnable_proposal)
 from dyn_plugin.runtime.planning import step_digest

@@ -17,11 +17,13 @@ from typing import Iterator
 import numpy as np
 
 from ..config import DynPluginConfig
+from ..cost.bundled import load_bundled
 from ..cost.profile import cost_model_from_profile
 from ..lengths.io import load_lengths
 from ..plan.baselines import BASELINES, plan_baseline
-from ..plan.planner import critical_path_ms, ideal_ms, plan_step, planner_spec
-from ..cost.bundled import load_bundled
+from ..plan.bounds import critical_path_ms, ideal_ms
+from ..plan.planner import plan_step
+from ..plan.spec import planner_spec
 from ..runtime.sampler import global_batches
 
 MAX_LEN = 8192

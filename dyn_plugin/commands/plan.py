@@ -30,7 +30,9 @@ def run(args: argparse.Namespace) -> int:
     from ..cost.from_config import build_cost_model
     from ..lengths.io import cap_lengths, load_lengths
     from ..plan.baselines import BASELINES, SP_BASELINES, plan_baseline
-    from ..plan.planner import critical_path_ms, ideal_ms, plan_step, planner_spec
+    from ..plan.bounds import critical_path_ms, ideal_ms
+    from ..plan.planner import plan_step
+    from ..plan.spec import planner_spec
     from ..runtime.sampler import global_batches
 
     cfg = load_config(args.config)

@@ -78,7 +78,7 @@ def config_proposal(lengths, args: argparse.Namespace):
     from ..config import load_config
     from ..cost.from_config import build_cost_model
     from ..lengths.io import cap_lengths
-    from ..plan.planner import planner_spec
+    from ..plan.spec import planner_spec
     from ..plan.strategy import proposal_key, runnable_proposal, scheme_kinds
 
     plugin = load_config(args.config).plugin

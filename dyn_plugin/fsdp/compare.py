@@ -43,9 +43,9 @@ from ..cost.from_config import live_cost_model
 from ..cost.table import TableCostModel
 from ..models.hf import build_causal_lm, load_model_config
 from ..models.shard_units import shard_units
-from ..plan.planner import planner_spec
 from ..plan.shard_plan import MB, ShardPlan, ShardUnit
 from ..plan.sharding import BASELINES, search_sharding, smallest_activation, uniform_plan
+from ..plan.spec import planner_spec
 from ..profiling.device import DTYPES
 from ..runtime.sampler import global_batches
 from ..runtime.train_bench import cost_model_label, cost_model_section, tokenized_corpus

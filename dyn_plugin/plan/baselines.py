@@ -29,7 +29,7 @@ budget, rows per micro-batch) are the largest that fit memory: the baselines at 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -39,8 +39,10 @@ from ..lengths.packing import pack_rows
 from .assign import split_for_replicas
 from .groups import aligned_firsts, plan_groups, sequence_ms, size_limits
 from .microbatch import InfeasibleError
-from .planner import PlannerSpec, StepPlan, make_micro_batch, schedule_replica, schedule_replicas, usable
-from .types import MicroBatch
+from .pricing import make_micro_batch, usable
+from .replicas import schedule_replica, schedule_replicas
+from .spec import PlannerSpec
+from .types import MicroBatch, StepPlan
 
 
 def _uniform(groups: list[list[int]], lengths: Sequence[int], spec: PlannerSpec, layout: Layout,
@@ -49,7 +51,8 @@ def _uniform(groups: list[list[int]], lengths: Sequence[int], spec: PlannerSpec,
     sp = sp or [1] * len(groups)
     for rc in spec.recomputes:
         try:
-            mbs = [make_micro_batch(g, lengths, spec, layout, rc, sp=k) for g, k in zip(groups, sp)]
+            mbs = [make_micro_batch(g, lengths, spec=spec, layout=layout, recompute=rc, sp=k)
+                   for g, k in zip(groups, sp)]
         except ValueError:
             continue
         if all(usable(mb, spec) for mb in mbs):
@@ -70,7 +73,7 @@ def _largest(feasible: Callable[[int], bool], lower: int, upper: int) -> int:
 
 def _fits_somehow(spec: PlannerSpec, lens: list[int], layout: Layout, sp: int = 1) -> bool:
     for rc in spec.recomputes:
-        if usable(make_micro_batch(range(len(lens)), lens, spec, layout, rc, sp=sp), spec):
+        if usable(make_micro_batch(range(len(lens)), lens, spec=spec, layout=layout, recompute=rc, sp=sp), spec):
             return True
     return False
 
@@ -83,7 +86,7 @@ def fixed_padding(lengths: Sequence[int], spec: PlannerSpec, max_len: int) -> St
                                 lengths, spec.dp, equal_counts=False)
     padded = [max_len] * len(lengths)  # every sequence padded to max_len, not to its micro-batch's longest
     mbs = _uniform(groups, padded, spec, "padded", "fixed_padding")
-    return schedule_replicas([_relabel(mb, g, lengths) for mb, g in zip(mbs, groups)], spec,
+    return schedule_replicas([_relabel(mb, g, lengths) for mb, g in zip(mbs, groups)], spec=spec,
                              method="fixed_padding", balance=False, adaptive=False)
 
 
@@ -120,7 +123,7 @@ def token_budget(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
         budget = _largest(lambda b: fits(b, cap), max(lengths), sum(lengths))
         if budget:
             mbs = _uniform(groups_for(budget, cap), lengths, spec, "padded", "token_budget")
-            return schedule_replicas(mbs, spec, method="token_budget", balance=False, adaptive=False)
+            return schedule_replicas(mbs, spec=spec, method="token_budget", balance=False, adaptive=False)
     raise InfeasibleError("token_budget: the longest sequence alone does not fit")
 
 
@@ -135,7 +138,7 @@ def packing(lengths: Sequence[int], spec: PlannerSpec, row_len: int, *, varlen: 
         # collated as that row (the documents concatenated, padded to its width)
         priced = _uniform([[r] for r in range(len(rows))], [row_len] * len(rows), spec, "padded", method)
         mbs = [_relabel(mb, r, lengths) for mb, r in zip(priced, rows)]
-    return schedule_replicas(mbs, spec, method=method, balance=False, adaptive=False)
+    return schedule_replicas(mbs, spec=spec, method=method, balance=False, adaptive=False)
 
 
 def _relabel(mb: MicroBatch, sample_ids: Sequence[int], lengths: Sequence[int]) -> MicroBatch:
@@ -242,26 +245,38 @@ def _sized_plan(lens: np.ndarray, size: Sequence[int], work: np.ndarray, cut: Ca
     cuts = [(k, cut(k, ids)) for k, ids in zip(grouping, members)]
     flat = [row for _, rows in cuts for row in rows]
     priced = iter(_uniform(flat, lens, spec, "packed", method, sp=[k for k, rows in cuts for _ in rows]))
-    replicas = [schedule_replica([next(priced) for _ in rows], spec, first=first, size=k, adaptive=False)
+    replicas = [schedule_replica([next(priced) for _ in rows], spec=spec, first=first, size=k, adaptive=False)
                 for (k, rows), first in zip(cuts, aligned_firsts(grouping))]
     return StepPlan(method, "packed", tuple(replicas), spec.update_ms)
 
 
-BASELINES = ("fixed_padding", "token_budget", "packing_full", "packing_varlen")
-SP_BASELINES = ("fixed_sp", "megatron_hybrid_cp", "dcp_bucket")
+@dataclass(frozen=True)
+class Baseline:
+    """A baseline: ``plan(lengths, *, spec, max_len)`` plans one global batch as that system would;
+    ``sequence_parallel``: it splits sequences over groups of data-parallel columns."""
+
+    plan: Callable[..., StepPlan]
+    sequence_parallel: bool = False
+
+
+# Every baseline, by name: adding one is one entry. The names the config's microbatching.method
+# accepts are the plugin's own "dynapipe" and the others here (methods.py; tests/test_config.py checks).
+REGISTRY: dict[str, Baseline] = {
+    "fixed_padding": Baseline(lambda lengths, *, spec, max_len: fixed_padding(lengths, spec, max_len)),
+    "token_budget": Baseline(lambda lengths, *, spec, max_len: token_budget(lengths, spec)),
+    "packing_full": Baseline(lambda lengths, *, spec, max_len: packing(lengths, spec, max_len, varlen=False)),
+    "packing_varlen": Baseline(lambda lengths, *, spec, max_len: packing(lengths, spec, max_len, varlen=True)),
+    "fixed_sp": Baseline(lambda lengths, *, spec, max_len: fixed_sp(lengths, spec), sequence_parallel=True),
+    "megatron_hybrid_cp": Baseline(lambda lengths, *, spec, max_len: megatron_hybrid_cp(lengths, spec),
+                                   sequence_parallel=True),
+    "dcp_bucket": Baseline(lambda lengths, *, spec, max_len: dcp_bucket(lengths, spec), sequence_parallel=True),
+}
+BASELINES = tuple(name for name, b in REGISTRY.items() if not b.sequence_parallel)
+SP_BASELINES = tuple(name for name, b in REGISTRY.items() if b.sequence_parallel)
 
 
 def plan_baseline(name: str, lengths: Sequence[int], spec: PlannerSpec, max_len: int) -> StepPlan:
-    if name == "fixed_sp":
-        return fixed_sp(lengths, spec)
-    if name == "megatron_hybrid_cp":
-        return megatron_hybrid_cp(lengths, spec)
-    if name == "dcp_bucket":
-        return dcp_bucket(lengths, spec)
-    if name == "fixed_padding":
-        return fixed_padding(lengths, spec, max_len)
-    if name == "token_budget":
-        return token_budget(lengths, spec)
-    if name in ("packing_full", "packing_varlen"):
-        return packing(lengths, spec, max_len, varlen=name == "packing_varlen")
-    raise ValueError(f"unknown baseline {name!r}; known: {', '.join(BASELINES + SP_BASELINES)}")
+    """Baseline ``name``'s plan of one global batch (``max_len``: the longest sequence accepted)."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown baseline {name!r}; known: {', '.join(REGISTRY)}")
+    return REGISTRY[name].plan(lengths, spec=spec, max_len=max_len)

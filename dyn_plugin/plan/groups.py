@@ -34,8 +34,10 @@ import numpy as np
 from ..cost.model import Layout
 from .dispatch import dispatch as stage1
 from .microbatch import InfeasibleError
-from .planner import PlannerSpec, StepPlan, make_micro_batch, usable
+from .pricing import make_micro_batch, usable
+from .spec import PlannerSpec
 from .two_stage import Pipeline, plan_members
+from .types import StepPlan
 
 ESTIMATED = 8  # groupings dispatched after the fluid estimate
 PLANNED = 3  # groupings planned and simulated in full
@@ -112,7 +114,7 @@ def _longest_alone(lengths: np.ndarray, k: int, rc: str, spec: PlannerSpec, layo
     lo, hi = -1, len(distinct) - 1  # distinct[lo] fits (or lo = -1); nothing beyond hi does
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if usable(make_micro_batch([0], [int(distinct[mid])], spec, layout, rc, sp=k), spec):
+        if usable(make_micro_batch([0], [int(distinct[mid])], spec=spec, layout=layout, recompute=rc, sp=k), spec):
             lo = mid
         else:
             hi = mid - 1

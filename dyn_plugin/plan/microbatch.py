@@ -20,7 +20,7 @@ thinned geometrically and pruned once no larger bound can win.
 With sequence parallelism every micro-batch of the partition is split over the ``sp`` ranks of
 its group: a run is priced per rank (``features(..., sp)``) plus, per transformer layer of each
 stage, its attention collectives (``LayerComm``: a + b * token slots per rank), as
-``planner.make_micro_batch`` prices the micro-batch it becomes.
+``pricing.make_micro_batch`` prices the micro-batch it becomes.
 """
 from __future__ import annotations
 

@@ -55,7 +55,8 @@ import numpy as np
 
 from ..cost.model import COMPONENTS
 from .microbatch import InfeasibleError, partition
-from .planner import PlannerSpec, cheapest_feasible, make_micro_batch, usable
+from .pricing import cheapest_feasible, make_micro_batch, usable
+from .spec import PlannerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -96,14 +97,14 @@ def pipeline_time_ms(groups: Sequence[Sequence[int]], lengths: Sequence[int], sp
     (``cheapest_feasible``). inf where a micro-batch fits no stage's memory."""
     k = _group_size(spec)
     if recompute is None:
-        mbs = cheapest_feasible(groups, lengths, spec, "packed", k)
+        mbs = cheapest_feasible(groups, lengths, spec=spec, layout="packed", sp=k)
         if mbs is None:
             return math.inf
         times = [mb.time_ms for mb in mbs]
     else:
         times = []
         for g, rc in zip(groups, recompute, strict=True):
-            mb = make_micro_batch(g, lengths, spec, "packed", rc, sp=k)
+            mb = make_micro_batch(g, lengths, spec=spec, layout="packed", recompute=rc, sp=k)
             if not usable(mb, spec):
                 return math.inf
             times.append(mb.time_ms)
@@ -238,7 +239,7 @@ def ilp_partition(lengths: Sequence[int], spec: PlannerSpec, *, incumbent: Seque
         raise ValueError(f"the micro-batch ILP prices the packed layout; the spec allows {spec.layouts}")
     k = _group_size(spec)
     longest = int(np.argmax(lens))
-    if cheapest_feasible([[longest]], lens, spec, "packed", k) is None:
+    if cheapest_feasible([[longest]], lens, spec=spec, layout="packed", sp=k) is None:
         budget = min(m.budget for m in spec.memory)
         raise InfeasibleError(
             f"sequence {longest} (length {int(lens[longest])}) does not fit in a packed micro-batch on its own at "
@@ -291,7 +292,7 @@ def ilp_partition(lengths: Sequence[int], spec: PlannerSpec, *, incumbent: Seque
     pos = np.empty(n, dtype=np.int64)
     pos[order] = np.arange(n)
     groups = sorted((sorted(g, key=lambda i: pos[i]) for g in best), key=lambda g: pos[g[0]])
-    mbs = cheapest_feasible(groups, lens, spec, "packed", k)
+    mbs = cheapest_feasible(groups, lens, spec=spec, layout="packed", sp=k)
     return IlpResult(tuple(tuple(int(i) for i in g) for g in groups), tuple(mb.recompute for mb in mbs), best_ms,
                      start_ms, status, nodes)
 

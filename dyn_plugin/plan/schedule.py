@@ -7,7 +7,7 @@ that fits memory. Everything here is deterministic so that every rank derives th
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -66,19 +66,20 @@ def choose_schedule(
 
     Tries 1F1B in the given order, then reorderings (named "adaptive"); an order that overflows a
     stage's budget is retried with fewer micro-batches in flight there. A tie keeps the earlier
-    candidate, so plain 1F1B wins unless something is strictly faster. ``policy`` "1f1b" keeps
-    the given order (memory caps still apply), as the config's ``pipeline.schedule`` may ask.
+    candidate, so plain 1F1B wins unless something is strictly faster. ``policy`` names the
+    orders tried (``SCHEDULES``, the config's ``pipeline.schedule``): "1f1b" keeps the given
+    order (memory caps still apply).
     """
-    if policy not in ("auto", "adaptive", "1f1b"):
-        raise ValueError(f"schedule policy must be auto, adaptive or 1f1b; got {policy!r}")
+    if policy not in SCHEDULES:
+        raise ValueError(f"schedule policy must be one of {', '.join(SCHEDULES)}; got {policy!r}")
     if not micro_batches:
         raise ValueError("no micro-batches to schedule")
     num_stages = len(micro_batches[0].forward_ms)
     if memory_budget is not None and len(memory_budget) != num_stages:
         raise ValueError(f"memory_budget needs {num_stages} entries (one per stage), got {len(memory_budget)}")
     best: tuple[Schedule, SimResult] | None = None
-    orders = _candidate_orders([mb.time_ms for mb in micro_batches], seed, candidates)
-    for n, order in enumerate(orders[:1] if policy == "1f1b" else orders):
+    orders = SCHEDULES[policy]([mb.time_ms for mb in micro_batches], seed, candidates)
+    for n, order in enumerate(orders):
         schedule, result = _fit(micro_batches, link, order, num_stages, memory_budget)
         if best is None or result.makespan_ms < best[1].makespan_ms * (1 - 1e-12):
             name = "1f1b" if n == 0 else "adaptive"
@@ -98,6 +99,21 @@ def _candidate_orders(times: Sequence[float], seed: int, candidates: int) -> lis
     orders = [tuple(range(m)), longest_first, longest_first[::-1], interleaved]
     orders += [tuple(int(i) for i in rng.permutation(m)) for _ in range(candidates)]
     return list(dict.fromkeys(orders))
+
+
+def _given_order(times: Sequence[float], seed: int, candidates: int) -> list[tuple[int, ...]]:
+    """The given order alone: plain 1F1B (memory caps still apply)."""
+    return [tuple(range(len(times)))]
+
+
+# The config's pipeline.schedule names -> the micro-batch orders ``choose_schedule`` tries, given
+# order first, from (micro-batch times, seed, random candidates). Adding a policy is one entry;
+# tests/test_config.py checks the config's names against these.
+SCHEDULES: dict[str, Callable[[Sequence[float], int, int], list[tuple[int, ...]]]] = {
+    "1f1b": _given_order,
+    "adaptive": _candidate_orders,
+    "auto": _candidate_orders,
+}
 
 
 def _stage_ops(forwards: list[Op], backwards: list[Op], warmup: int) -> tuple[Op, ...]:

@@ -21,7 +21,8 @@ from ..cost.model import Layout
 from ..cost.sequence_parallel import attention_kind
 from ..cost.table import TableCostModel
 from .groups import SizeLimits, sequence_ms
-from .planner import PlannerSpec, make_micro_batch, planner_spec, usable
+from .pricing import make_micro_batch, usable
+from .spec import PlannerSpec, planner_spec
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ def longest_alone(spec: PlannerSpec, layout: Layout, recompute: str, sp: int, ma
     lo, hi = 0, max_len  # lo fits (or is 0); nothing beyond hi does
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if usable(make_micro_batch([0], [mid], spec, layout, recompute, sp=sp), spec):
+        if usable(make_micro_batch([0], [mid], spec=spec, layout=layout, recompute=recompute, sp=sp), spec):
             lo = mid
         else:
             hi = mid - 1

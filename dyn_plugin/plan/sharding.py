@@ -38,7 +38,9 @@ from ..cost.model import COMPONENTS, features
 from ..cost.sharding import HOST_KINDS, Links, Prices, price, unit_compute
 from ..cost.table import TableCostModel
 from .knapsack import solve
-from .planner import PlannerSpec, in_range, make_micro_batch, plan_step, planner_spec
+from .planner import plan_step
+from .pricing import in_range, make_micro_batch
+from .spec import PlannerSpec, planner_spec
 from .shard_plan import MB, Choice, ShardPlan, ShardUnit, UnitPlan, uniform_choice_units
 
 logger = logging.getLogger(__name__)
@@ -130,7 +132,7 @@ def smallest_activation(lengths: Sequence[int], spec: PlannerSpec) -> float:
     """The least activation peak any plan of ``lengths`` has: its longest sequence alone, in the
     layout and recompute mode that keep the least."""
     longest = int(np.argmax(lengths))
-    peaks = [mb.peak_bytes[0] for mb in (make_micro_batch([longest], lengths, spec, layout, rc)
+    peaks = [mb.peak_bytes[0] for mb in (make_micro_batch([longest], lengths, spec=spec, layout=layout, recompute=rc)
                                          for layout in spec.layouts for rc in spec.recomputes) if in_range(mb, spec)]
     if not peaks:
         raise ValueError(f"the longest sequence ({lengths[longest]} tokens) is beyond what cost model "

@@ -46,9 +46,11 @@ from tqdm import tqdm
 from .dispatch import Dispatch, dispatch
 from .groups import size_limits
 from .microbatch import InfeasibleError
-from .planner import PlannerSpec, StepPlan, same_recompute
+from .pricing import same_recompute
 from .schemes import Scheme, SchemeCost
+from .spec import PlannerSpec
 from .two_stage import Pipeline, Stage2Options, plan_members
+from .types import StepPlan
 
 PROPOSAL_SCHEMA = "dyn_plugin.strategy_proposal"
 PROPOSAL_VERSION = 1
@@ -475,7 +477,7 @@ def plan_strategy_step(lengths: Sequence[int], spec: PlannerSpec, proposal: Prop
                              "(dynplugin bench strategy)")
     plan, _ = plan_cluster_step(lengths, proposal.strategies, kinds, stage2=stage2, native=native,
                                 equal_counts=spec.equal_counts, every_pipeline=True)
-    return same_recompute(plan, spec)
+    return same_recompute(plan, spec=spec)
 
 
 def plan_cluster_step(lengths: Sequence[int], strategies: Sequence[Strategy], kinds: dict[Scheme, KindCost], *,

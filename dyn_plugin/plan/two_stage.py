@@ -4,7 +4,7 @@ Stage 1 (``plan/dispatch.py``) sends every sequence to one pipeline, balancing t
 finish times; stage 2 cuts each pipeline's sequences into micro-batches: DynaPipe's DP
 (``plan/microbatch.py``) by default, or the ILP (``plan/microbatch_ilp.py``), kept for a
 pipeline only where it simulates faster than the DP's cut. Each pipeline is then scheduled and
-simulated as any replica is (``planner.schedule_replica``), so a step under a strategy is an
+simulated as any replica is (``replicas.schedule_replica``), so a step under a strategy is an
 ordinary ``StepPlan``: where the pipelines differ in sequence-parallel size only, it runs for real;
 mixed tensor or pipeline degrees are simulated only (``execution_plans`` refuses them).
 """
@@ -18,8 +18,10 @@ import numpy as np
 from ..cost.model import Layout
 from .assign import split_for_replicas
 from .microbatch import InfeasibleError, partition
-from .planner import PlannerSpec, ReplicaPlan, StepPlan, cheapest_feasible, make_micro_batch, schedule_replica
-from .types import MicroBatch
+from .pricing import cheapest_feasible, make_micro_batch
+from .replicas import schedule_replica
+from .spec import PlannerSpec
+from .types import MicroBatch, ReplicaPlan, StepPlan
 
 Stage2 = Literal["dp", "ilp"]
 
@@ -76,7 +78,7 @@ def cut(lens: np.ndarray, ids: Sequence[int], pipe: Pipeline, layout: Layout, *,
                          comm=[spec.layer_comm(k, rc) for rc in spec.recomputes])
     except InfeasibleError:
         return None
-    return [make_micro_batch([ids[j] for j in part.order[a:b]], lens, spec, layout, rc, sp=k)
+    return [make_micro_batch([ids[j] for j in part.order[a:b]], lens, spec=spec, layout=layout, recompute=rc, sp=k)
             for a, b, rc in zip(part.bounds, part.bounds[1:], part.recompute)]
 
 
@@ -84,7 +86,7 @@ def scheduled(mbs: list[MicroBatch], pipe: Pipeline, lens: np.ndarray, stage2: S
               keep_count: bool = False) -> ReplicaPlan:
     """The pipeline's schedule for the DP's cut, or for the ILP's where that simulates faster
     (``keep_count``: and runs as many micro-batches, as equal counts across pipelines need)."""
-    rep = schedule_replica(mbs, pipe.spec, first=pipe.first, size=pipe.sp)
+    rep = schedule_replica(mbs, spec=pipe.spec, first=pipe.first, size=pipe.sp)
     if stage2.method != "ilp":
         return rep
     from .microbatch_ilp import ilp_partition  # HiGHS is loaded only where the ILP is asked for
@@ -98,9 +100,9 @@ def scheduled(mbs: list[MicroBatch], pipe: Pipeline, lens: np.ndarray, stage2: S
                         counts=[len(mbs)] if keep_count else None, **limits)
     if sorted(map(sorted, res.groups)) == sorted(map(sorted, local)):
         return rep
-    ilp = [make_micro_batch([ids[j] for j in g], lens, spec, mbs[0].layout, rc, sp=pipe.sp)
+    ilp = [make_micro_batch([ids[j] for j in g], lens, spec=spec, layout=mbs[0].layout, recompute=rc, sp=pipe.sp)
            for g, rc in zip(res.groups, res.recompute)]
-    alt = schedule_replica(ilp, spec, first=pipe.first, size=pipe.sp)
+    alt = schedule_replica(ilp, spec=spec, first=pipe.first, size=pipe.sp)
     return alt if alt.sim.makespan_ms < rep.sim.makespan_ms else rep
 
 
@@ -118,7 +120,7 @@ def equalize_counts(per_pipeline: list[list[MicroBatch]], lens: np.ndarray,
             return None
         kept = {mb.sample_ids: mb for mb in mbs}
         halves = [g for g in ids if tuple(g) not in kept]
-        priced = cheapest_feasible(halves, lens, spec, mbs[0].layout, mbs[0].sp) if halves else []
+        priced = cheapest_feasible(halves, lens, spec=spec, layout=mbs[0].layout, sp=mbs[0].sp) if halves else []
         if priced is None:
             return None
         out.append([kept[tuple(g)] for g in ids if tuple(g) in kept] + priced)

@@ -1,4 +1,5 @@
-"""The plan dataclasses every planner produces and every runtime piece consumes."""
+"""The plan dataclasses every planner produces and every runtime piece consumes: micro-batches,
+schedules, and the replica and step plans built from them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -91,3 +92,72 @@ class SimResult:
     bubble_fraction: float  # idle share of stage-time: 1 - busy / (stages * makespan)
     peak_bytes: tuple[float, ...]  # per stage: model states excluded, activations only
     events: tuple = field(default=(), repr=False)  # (stage, stream, name, start_ms, end_ms) for traces
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """One pipeline replica: ``size`` neighbouring data-parallel columns from column ``first``
+    (a sequence-parallel group; DynaPipe's replicas are one column wide) running its ordered
+    micro-batches through every stage, each row split over the group's ranks."""
+
+    micro_batches: tuple[MicroBatch, ...]
+    schedule: Schedule
+    sim: SimResult
+    first: int = 0
+    size: int = 1
+    tp: int = 1  # tensor-parallel ranks per stage (pipelines of a simulated strategy may differ)
+
+    @property
+    def gpus(self) -> int:
+        return self.size * self.tp * len(self.schedule.stages)
+
+    @property
+    def columns(self) -> range:
+        return range(self.first, self.first + self.size)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One optimizer step of the whole cluster: a pipeline plan per replica; the replicas' columns
+    tile the data-parallel columns in order (aligned power-of-two groups)."""
+
+    method: str
+    layout: Layout
+    replicas: tuple[ReplicaPlan, ...]
+    update_ms: float = 0.0  # after every replica's pipeline drains: all-reduce + optimizer step
+
+    @property
+    def iteration_ms(self) -> float:
+        return max(r.sim.makespan_ms for r in self.replicas) + self.update_ms
+
+    @property
+    def micro_batches(self) -> list[MicroBatch]:
+        return [mb for r in self.replicas for mb in r.micro_batches]
+
+    @property
+    def num_columns(self) -> int:
+        """The data-parallel columns the replicas tile (a replica's own are ``ReplicaPlan.columns``)."""
+        return sum(r.size for r in self.replicas)
+
+    @property
+    def group_sizes(self) -> tuple[int, ...]:
+        return tuple(r.size for r in self.replicas)
+
+    @property
+    def extrapolated(self) -> int:
+        """Micro-batches priced beyond what the cost model measured."""
+        return sum(mb.extrapolated for mb in self.micro_batches)
+
+    @property
+    def padding_fraction(self) -> float:
+        """Token slots holding padding (packed rows hold none)."""
+        slots = sum(mb.token_slots for mb in self.micro_batches)
+        return 1.0 - sum(mb.real_tokens for mb in self.micro_batches) / slots
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(max(r.sim.peak_bytes) for r in self.replicas)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return max(r.sim.bubble_fraction for r in self.replicas)

@@ -16,11 +16,14 @@ import numpy as np
 
 from ..config import ConfigError, DynPluginConfig
 from ..cost.table import TableCostModel
-from ..plan.baselines import plan_baseline
 from ..plan.instructions import ExecutionPlan, check_plans, plan_from_json, plan_to_json
-from ..plan.planner import PlannerSpec, StepPlan, checkpointed_layers, execution_plans, plan_step, planner_spec
+from ..plan.methods import plan_method
+from ..plan.planner import execution_plans
+from ..plan.pricing import checkpointed_layers
+from ..plan.spec import PlannerSpec, planner_spec
 from ..plan.strategy import Proposal, Strategy, plan_strategy_step, runnable_proposal
 from ..plan.two_stage import Stage2Options
+from ..plan.types import StepPlan
 from .collate import scored_tokens
 from .sampler import epoch_batches
 
@@ -132,9 +135,7 @@ class PlanningContext:
             budget = st.ilp_time_budget_ms
             stage2 = Stage2Options(st.stage2, st.ilp_node_limit, budget / 1000 if budget is not None else None)
             return plan_strategy_step(lens, self.spec, self.proposal, stage2=stage2)
-        if method == "dynapipe":
-            return plan_step(lens, self.spec)
-        return plan_baseline(method, lens, self.spec, self.config.microbatching.max_seq_len)
+        return plan_method(method, lens, spec=self.spec, max_len=self.config.microbatching.max_seq_len)
 
     def plan(self, epoch: int, step: int) -> dict[tuple[int, int], RankPlan]:
         """(dp_rank, pp_rank) -> that rank's plan, for global batch ``step`` of ``epoch``."""
@@ -153,7 +154,7 @@ class PlanningContext:
         modes = [tuple((r.micro_batches[i].recompute, checkpointed_layers(r.micro_batches[i], self.spec))
                        for i in r.schedule.order) for r in plan.replicas]  # in the order each replica runs them
         if (self.zero_stage == 3 or sharded) and len(set(modes)) > 1:
-            # the planner makes them alike (planner.same_recompute); a baseline or a hand-made plan may
+            # the planner makes them alike (pricing.same_recompute); a baseline or a hand-made plan may
             # not, and ranks that recompute differently desynchronise ZeRO-3's gathers (a hang under NCCL)
             raise ValueError(f"global batch {step} of epoch {epoch}: the replicas recompute differently at the same "
                              f"micro-batch ({[[m for m, _ in r] for r in modes]}), but {who} needs the same "

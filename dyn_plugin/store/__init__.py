@@ -13,11 +13,12 @@ from .base import (
     StoreError,
     StoreTimeout,
     StoreUnavailable,
-    open_store,
 )
+from .factory import BACKENDS, open_store
 from .payload import decode, encode
 
 __all__ = [
+    "BACKENDS",
     "PayloadError",
     "PlanStore",
     "StoreAuthError",

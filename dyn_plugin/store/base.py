@@ -1,4 +1,4 @@
-"""The plan store interface, its configuration, its errors, and ``open_store``.
+"""The plan store interface, its configuration and its errors (``open_store`` is in factory.py).
 
 Planner processes ``put`` encoded plans; training ranks ``wait`` for them. Every key is
 prefixed ``dynplugin/{namespace}/`` so runs sharing a server never see each other's plans.
@@ -151,25 +151,3 @@ def read_secret(config: StoreConfig) -> bytes | None:
             "e.g. python -c 'import secrets; print(secrets.token_hex(32))'"
         )
     return value.encode()
-
-
-def open_store(config: StoreConfig, *, rank: int, world_size: int) -> PlanStore | None:
-    """Open the configured store for this process, or None for backend 'none'.
-
-    With backend 'tcp', rank 0 hosts the server (and must outlive the others' use of it);
-    every other rank, and every planner process, connects as a client.
-    """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
-    if config.backend == "none":
-        return None
-    if config.namespace is None:
-        raise StoreError("store.namespace is not set: give each training run its own id (e.g. the job id) so runs sharing a server never mix plans")
-    secret = read_secret(config)
-    if config.backend == "tcp":
-        from .tcp import TCPPlanStore
-
-        return TCPPlanStore.open(config, rank=rank, world_size=world_size, secret=secret)
-    from .redis_store import RedisPlanStore
-
-    return RedisPlanStore.open(config, secret=secret)

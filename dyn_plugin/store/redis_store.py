@@ -45,8 +45,11 @@ class RedisPlanStore(PlanStore):
         )
 
     @classmethod
-    def open(cls, config: StoreConfig, *, secret: bytes | None, password: str | None = None) -> "RedisPlanStore":
-        """Connect and check the server answers; the password is ``password``, else ``$password_env``, else the URL's."""
+    def open(cls, config: StoreConfig, *, secret: bytes | None, password: str | None = None,
+             rank: int | None = None, world_size: int | None = None) -> "RedisPlanStore":
+        """Connect and check the server answers; the password is ``password``, else ``$password_env``, else the URL's.
+        ``rank`` and ``world_size`` (what ``open_store`` passes every backend) play no part: every process
+        is a client."""
         assert config.url is not None
         password = password or os.environ.get(config.password_env) or None
         if urlsplit(config.url).password is not None:

@@ -1,0 +1,166 @@
+"""Pricing: micro-batches priced on every stage, and recompute chosen or relaxed within memory.
+
+``make_micro_batch`` prices one micro-batch on exactly the tensors the collate builds;
+``usable``/``in_range`` say whether it fits and is measured; ``cheapest_feasible`` picks each
+group's cheapest recompute mode; ``relax_recompute`` and ``same_recompute`` change recompute
+modes on a fixed schedule (less where memory is spare; alike on every replica for ZeRO-3).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+from ..cost.model import RECOMPUTES, Layout, Recompute, features, tensor_shape
+from ..cost.table import evaluate_checkpointed, evaluate_stage
+from .simulator import simulate, stage_peak_bytes
+from .spec import ACT_BYTES, PlannerSpec
+from .types import MicroBatch, Schedule, SimResult, StepPlan
+
+
+def make_micro_batch(
+    sample_ids: Sequence[int], lengths: Sequence[int], *, spec: PlannerSpec, layout: Layout, recompute: Recompute,
+    sp: int = 1, checkpointed: Sequence[int] | None = None,
+) -> MicroBatch:
+    """Price one micro-batch on every stage, per rank of a group of ``sp``, on exactly the tensors
+    the collate will build. ``checkpointed``: per stage, the layers run under ``recompute``
+    (pyramid checkpointing); default all of them (none under ``recompute="none"``)."""
+    lens = tuple(int(lengths[i]) for i in sample_ids)
+    table = spec.cost.table(layout, recompute, spec.tp)
+    f = features(lens, layout, spec.cost.pad_multiple, sp)
+    extrapolated = not table.covers(f.slots, f.max_len)
+    whole_stage = _whole_stage_counts(recompute, spec)
+    counts = whole_stage if checkpointed is None else tuple(int(c) for c in checkpointed)
+    whole = counts == whole_stage
+    if whole:
+        costs = [evaluate_stage(table, f, s) for s in spec.stages]
+    else:
+        plain = spec.cost.table(layout, "none", spec.tp)
+        extrapolated = extrapolated or not plain.covers(f.slots, f.max_len)
+        costs = [evaluate_checkpointed(table, plain, f, s, c) for s, c in zip(spec.stages, counts)]
+    fwd, bwd = [c.forward_ms for c in costs], [c.backward_ms for c in costs]
+    if sp > 1:
+        comm, rerun = spec.layer_comm(sp, "none"), spec.layer_comm(sp, recompute)
+        for i, (s, c) in enumerate(zip(spec.stages, counts)):
+            fwd[i] += s.num_layers * comm.forward_ms(f.slots)
+            bwd[i] += (s.num_layers - c) * comm.backward_ms(f.slots) + c * rerun.backward_ms(f.slots)
+    shape = tensor_shape(lens, layout, spec.cost.pad_multiple, sp)
+    act = shape[0] * shape[1] // sp * spec.hidden_size * ACT_BYTES.get(spec.cost.dtype, 2) / spec.tp
+    return MicroBatch(
+        sample_ids=tuple(int(i) for i in sample_ids), seq_lens=lens, layout=layout, recompute=recompute,
+        forward_ms=tuple(fwd), backward_ms=tuple(bwd),
+        stored_bytes=tuple(c.stored_bytes for c in costs), peak_bytes=tuple(c.peak_bytes for c in costs),
+        activation_bytes=act, shape=shape, sp=sp, checkpointed=() if whole else counts, extrapolated=extrapolated,
+    )
+
+
+def relax_recompute(
+    mbs: tuple[MicroBatch, ...], schedule: Schedule, sim: SimResult, *, spec: PlannerSpec
+) -> tuple[tuple[MicroBatch, ...], SimResult]:
+    """Recompute less where the schedule leaves memory to spare.
+
+    The partition prices each micro-batch as if every micro-batch in flight with it were as big,
+    which forces recompute on long ones that in fact share the pipeline with short ones. With
+    the schedule fixed, the simulator knows each stage's true peak: try each micro-batch in a
+    cheaper mode (most time saved first) and keep the change if every stage still fits and the
+    step got no slower, as DCP's pyramid checkpointing spends spare memory on less recompute.
+
+    A stage's peak depends on its op order only (``stage_peak_bytes``), and with the order fixed
+    no op getting shorter can lengthen the step: a change that shortens every op needs no
+    simulation, only the others do (fitted tables may price one op of a cheaper mode slower).
+    """
+    budget = [m.budget for m in spec.memory]
+    cheaper = {rc: spec.recomputes[: spec.recomputes.index(rc)] for rc in spec.recomputes}
+    current = list(mbs)
+    stale = False  # sim no longer describes current (changes accepted without simulating)
+    for i in sorted(range(len(current)), key=lambda i: -current[i].time_ms):
+        for rc in cheaper[current[i].recompute]:
+            old = current[i]
+            candidate = make_micro_batch(old.sample_ids, _lengths_of(old), spec=spec, layout=old.layout, recompute=rc,
+                                         sp=old.sp)
+            if not in_range(candidate, spec):
+                continue
+            trial = current[:i] + [candidate] + current[i + 1:]
+            if any(stage_peak_bytes(trial, ops, s) > budget[s] for s, ops in enumerate(schedule.stages)):
+                continue
+            if all(nf <= f and nb <= b for nf, f, nb, b in zip(candidate.forward_ms, old.forward_ms,
+                                                               candidate.backward_ms, old.backward_ms)):
+                current, stale = trial, True
+                break
+            if stale:
+                sim, stale = simulate(current, schedule, spec.link), False
+            result = simulate(trial, schedule, spec.link)
+            if result.makespan_ms <= sim.makespan_ms:
+                current, sim = trial, result
+                break
+    return tuple(current), simulate(current, schedule, spec.link) if stale else sim
+
+
+def in_range(mb: MicroBatch, spec: PlannerSpec) -> bool:
+    """Inside what the cost model measured for the micro-batch's layout and recompute mode, or
+    beyond it where the cost model allows extrapolation (the micro-batch then says so)."""
+    return spec.cost.allow_extrapolation or not mb.extrapolated
+
+
+def usable(mb: MicroBatch, spec: PlannerSpec) -> bool:
+    """In range, and within every stage's activation budget with the 1F1B in-flight count."""
+    return in_range(mb, spec) and all(
+        m.fits(st, pk) for m, st, pk in zip(spec.memory, mb.stored_bytes, mb.peak_bytes)
+    )
+
+
+def _lengths_of(mb: MicroBatch) -> dict[int, int]:
+    return dict(zip(mb.sample_ids, mb.seq_lens))
+
+
+def checkpointed_layers(mb: MicroBatch, spec: PlannerSpec) -> tuple[int, ...]:
+    """Checkpointed layers per stage (a whole-stage mode: all of them, none under no recompute)."""
+    return tuple(mb.checkpointed) if mb.checkpointed else _whole_stage_counts(mb.recompute, spec)
+
+
+def _whole_stage_counts(recompute: Recompute, spec: PlannerSpec) -> tuple[int, ...]:
+    return tuple(s.num_layers if recompute != "none" else 0 for s in spec.stages)
+
+
+def same_recompute(plan: StepPlan, *, spec: PlannerSpec) -> StepPlan:
+    """With ``spec.same_recompute`` (ZeRO-3), every replica's i-th micro-batch (in run order)
+    recomputes alike: ZeRO-3 gathers each module's parameters over every rank in the order the
+    modules run, and recompute re-runs modules in backward, so ranks that recompute differently
+    desynchronise the gathers (a hang under NCCL). Where they differ, each takes the most
+    recompute among them (the strongest mode; its most checkpointed layers, or all of them where
+    modes differ): memory only falls, the schedules stay, the replicas are simulated again."""
+    if not spec.same_recompute or len(plan.replicas) < 2:
+        return plan
+    orders = [r.schedule.order for r in plan.replicas]
+    if len({len(o) for o in orders}) > 1:
+        raise ValueError("the same recompute per micro-batch needs equal micro-batch counts on every replica")
+    new = [list(r.micro_batches) for r in plan.replicas]
+    for pos in range(len(orders[0])):
+        mbs = [r.micro_batches[o[pos]] for r, o in zip(plan.replicas, orders)]
+        if len({(mb.recompute, checkpointed_layers(mb, spec)) for mb in mbs}) == 1:
+            continue
+        mode = max((mb.recompute for mb in mbs), key=RECOMPUTES.index)
+        counts = None  # every layer, where the modes differ
+        if all(mb.recompute == mode for mb in mbs):
+            counts = [max(c) for c in zip(*(checkpointed_layers(mb, spec) for mb in mbs))]
+        for r, (mb, o) in enumerate(zip(mbs, orders)):
+            new[r][o[pos]] = make_micro_batch(mb.sample_ids, _lengths_of(mb), spec=spec, layout=mb.layout,
+                                              recompute=mode, sp=mb.sp, checkpointed=counts)
+    replicas = tuple(replace(r, micro_batches=tuple(m), sim=simulate(m, r.schedule, spec.link))
+                     for r, m in zip(plan.replicas, new))
+    return replace(plan, replicas=replicas)
+
+
+def cheapest_feasible(groups: Sequence[Sequence[int]], lengths: Sequence[int], *, spec: PlannerSpec,
+                      layout: Layout = "packed", sp: int = 1) -> list[MicroBatch] | None:
+    """Each group in its cheapest recompute mode that fits; None if one fits in none."""
+    out = []
+    for g in groups:
+        best = None
+        for rc in spec.recomputes:
+            mb = make_micro_batch(g, lengths, spec=spec, layout=layout, recompute=rc, sp=sp)
+            if usable(mb, spec) and (best is None or mb.time_ms < best.time_ms):
+                best = mb
+        if best is None:
+            return None
+        out.append(best)
+    return out

@@ -1,0 +1,49 @@
+"""Scheduling replicas: micro-batches spread over the data-parallel replicas, and each replica's
+pipeline schedule searched by simulation within memory, recompute then relaxed where it can be."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .assign import assign_to_replicas
+from .pricing import relax_recompute
+from .pyramid import fewest_checkpointed
+from .schedule import choose_schedule, one_f_one_b
+from .simulator import simulate
+from .spec import PlannerSpec
+from .types import MicroBatch, ReplicaPlan, StepPlan
+
+
+def schedule_replicas(
+    micro_batches: Sequence[MicroBatch], *, spec: PlannerSpec, method: str, balance: bool = True, adaptive: bool = True,
+) -> StepPlan:
+    """Spread micro-batches over replicas (balanced, or round-robin as host frameworks do) and
+    schedule each replica's pipeline (searched, or plain 1F1B in the given order)."""
+    if balance:
+        groups = assign_to_replicas([mb.time_ms for mb in micro_batches], spec.dp)
+    else:
+        groups = [list(range(r, len(micro_batches), spec.dp)) for r in range(spec.dp)]
+    replicas = []
+    for r, g in enumerate(groups):
+        mbs = tuple(micro_batches[i] for i in g)
+        if not mbs:
+            raise ValueError(f"{method}: a data-parallel replica got no micro-batch ({len(micro_batches)} for dp={spec.dp})")
+        replicas.append(schedule_replica(mbs, spec=spec, first=r, adaptive=adaptive))
+    return StepPlan(method, micro_batches[0].layout, tuple(replicas), spec.update_ms)
+
+
+def schedule_replica(mbs: Sequence[MicroBatch], *, spec: PlannerSpec, first: int, size: int = 1,
+                     adaptive: bool = True) -> ReplicaPlan:
+    """One replica's pipeline: the schedule searched by simulation within the memory budget,
+    then recompute relaxed where it leaves memory spare, by whole micro-batches and then (pyramid
+    checkpointing) by layers; or plain 1F1B in the given order."""
+    mbs = tuple(mbs)
+    if adaptive:
+        schedule, sim = choose_schedule(mbs, spec.link, memory_budget=[m.budget for m in spec.memory], seed=spec.seed,
+                                        candidates=4, policy=spec.schedule)
+        mbs, sim = relax_recompute(mbs, schedule, sim, spec=spec)
+        if spec.pyramid:
+            mbs, sim = fewest_checkpointed(mbs, schedule, sim, spec)
+    else:
+        schedule = one_f_one_b(len(mbs), spec.pp)
+        sim = simulate(mbs, schedule, spec.link)
+    return ReplicaPlan(mbs, schedule, sim, first=first, size=size, tp=spec.tp)
