@@ -58,7 +58,8 @@ demo: install
 	$(DYN) plan --config examples/a100_gpt67b_sp.json --lengths code --global-tokens 65536 --dp 4 --steps 1
 	$(DYN) shard --model examples/gpt-6.7b.json --config examples/a100_gpt67b_shard.json --out $(OUT)/shard-plan.json --plot $(OUT)/shard-frontier.png
 	$(DYN) strategy code --gpus 64 --model gpt-6.7b --out $(OUT)/strategy.json --plot $(OUT)/strategy.png
-	$(VENV)/bin/torchrun --nproc_per_node=2 examples/deepspeed_llama/train.py --profile $(OUT)/profile.json --out $(OUT)/train
+	$(DYN) bench train --profile $(OUT)/profile.json --out $(OUT)/train
+	$(VENV)/bin/torchrun --nproc_per_node=2 examples/deepspeed_llama/train.py --profile $(OUT)/profile.json --data $(OUT)/train --steps 2
 	$(DYN) megatron --dyn-plugin-config examples/megatron_gpt/cfg.json --nproc-per-node 2 -- examples/megatron_gpt/train.py --data $(OUT)/megatron-data --steps 3 --records $(OUT)/megatron-steps.jsonl
 	@echo
 	@echo "demo outputs in $(OUT)/:"

@@ -142,7 +142,7 @@ def test_bench_train_runs_without_a_profile_on_the_analytic_model(tmp_path, caps
     """What a newcomer types: no --profile. The launch goes ahead on the analytic model and says so."""
     import subprocess as sp
 
-    from dyn_plugin.runtime.train_bench import cost_model_section
+    from dyn_plugin.bench.train_common import cost_model_section
 
     launched = []
 
@@ -154,7 +154,7 @@ def test_bench_train_runs_without_a_profile_on_the_analytic_model(tmp_path, caps
     monkeypatch.setattr(sp, "run", fake_run)
     assert main(["bench", "train", "--out", str(tmp_path), "--steps", "1", "--json"]) == 0
     (cmd,) = launched
-    assert "deepspeed_ext.compare" in cmd and "--profile" not in cmd
+    assert "dyn_plugin.bench.train_deepspeed" in cmd and "--profile" not in cmd
     (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert row["mode"] == "dyn_plugin" and row["cost_model"].startswith("analytic")
     assert cost_model_section(None, "fp32") == {"kind": "analytic", "dtype": "fp32"}
@@ -164,7 +164,8 @@ def test_bench_train_runs_without_a_profile_on_the_analytic_model(tmp_path, caps
 
 
 def test_bench_train_host_megatron_launches_megatrons_comparison(tmp_path, capsys, monkeypatch):
-    """--host megatron runs megatron_patches.compare (a subprocess: dyn_plugin imports no host); --sp is refused."""
+    """--host megatron runs dyn_plugin.bench.train_megatron (a subprocess: the CLI never imports it); --sp is
+    refused."""
     import subprocess as sp
 
     launched = []
@@ -177,7 +178,8 @@ def test_bench_train_host_megatron_launches_megatrons_comparison(tmp_path, capsy
     monkeypatch.setattr(sp, "run", fake_run)
     assert main(["bench", "train", "--host", "megatron", "--out", str(tmp_path), "--steps", "1", "--json"]) == 0
     (cmd,) = launched
-    assert cmd[cmd.index("-m", 3) + 1] == "megatron_patches.compare" and cmd[cmd.index("--max-len") + 1] == "4096"
+    assert cmd[cmd.index("-m", 3) + 1] == "dyn_plugin.bench.train_megatron"
+    assert cmd[cmd.index("--max-len") + 1] == "4096"
     (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert row["benchmark"] == "train-megatron" and row["mode"] == "dyn_plugin"
     with pytest.raises(SystemExit, match="--sp runs with --host deepspeed only"):

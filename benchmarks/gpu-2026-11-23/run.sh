@@ -16,6 +16,6 @@ if [ ! -f "$PROFILE" ]; then
 fi
 # variable shapes fragment the caching allocator; expandable segments keep the freed memory usable
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m torch.distributed.run --nproc_per_node=1 \
-  -m deepspeed_ext.compare --profile "$PROFILE" --model llama-350m --out /tmp/train --max-len 8192 \
+  -m dyn_plugin.bench.train_deepspeed --profile "$PROFILE" --model llama-350m --out /tmp/train --max-len 8192 \
   --global-tokens 65536 --steps 5 --warmup 1 2>&1 | tee "$OUT/train-log.txt" || exit 1
 cp /tmp/train/report.md /tmp/train/records.jsonl /tmp/train/summary.json /tmp/train/step-trace.json "$OUT/"

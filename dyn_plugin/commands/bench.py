@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shard.add_argument("--train", action="store_true",
                        help="instead, train tiny Llama with FSDP2 on local CPU ranks (a GPU each where there are GPUs) "
                             "under --budget-mb, every method's plan side by side: measured effective tokens/s and peak "
-                            "memory (dyn_plugin/fsdp/compare.py)")
+                            "memory (dyn_plugin/bench/train_fsdp.py)")
     shard.add_argument("--budget-mb", type=float, help="with --train: memory per rank (model states + activations) "
                                                        "the plans are searched for and trained under (default: the "
                                                        "largest whole MB at which no_shard does not fit)")
@@ -94,8 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                           "predicted vs measured); with --host megatron, megatron-core's GPT in the "
                                           "same shape: padded, packing and the plugin")
     train.add_argument("--host", choices=("deepspeed", "megatron"), default="deepspeed",
-                       help="training framework: deepspeed (deepspeed_ext/compare.py) or megatron "
-                            "(megatron_patches/compare.py, Megatron's schedules under the plugin's patches)")
+                       help="training framework: deepspeed (dyn_plugin/bench/train_deepspeed.py) or megatron "
+                            "(dyn_plugin/bench/train_megatron.py, Megatron's schedules under the plugin's patches)")
     train.add_argument("--profile", help="tiny-llama profile of this machine (dynplugin profile); without it the "
                                          "analytic cost model prices the plans, and every row says so")
     train.add_argument("--out", default="out/bench-train")
@@ -203,19 +203,20 @@ def bench_cost(args: argparse.Namespace) -> dict:
 
 def bench_train(args: argparse.Namespace, host: dict) -> int:
     """Launch DeepSpeed's (or, with ``--host megatron``, Megatron's) batchings side by side on local ranks
-    (torchrun), then print its summary rows."""
+    (torchrun), then print its summary rows. Each runs by module name in the ranks' processes: this
+    process never imports train_megatron (the one module of dyn_plugin that imports megatron_patches)."""
     if args.host == "megatron":
         if args.sp:
             raise SystemExit("bench train --sp runs with --host deepspeed only: under Megatron the plugin does not run "
                              "sequence parallelism (megatron-core 0.16's context parallelism fixes one group size at "
                              "initialize_model_parallel); drop --sp or --host megatron")
-        return launch_comparison("megatron_patches.compare", "train-megatron", args, host,
+        return launch_comparison("dyn_plugin.bench.train_megatron", "train-megatron", args, host,
                                  ["--max-len", str(args.max_len or 4096), "--global-tokens", str(args.global_tokens)])
-    from deepspeed_ext.compare import SP_MODES
+    from ..bench.train_deepspeed import SP_MODES
 
     extra = ["--modes", ",".join(SP_MODES)] if args.sp else []
     max_len = args.max_len or (16384 if args.sp else 4096)
-    return launch_comparison("deepspeed_ext.compare", "train", args, host,
+    return launch_comparison("dyn_plugin.bench.train_deepspeed", "train", args, host,
                              ["--max-len", str(max_len), "--global-tokens", str(args.global_tokens)] + extra)
 
 
@@ -225,7 +226,7 @@ def bench_shard_train(args: argparse.Namespace, host: dict) -> int:
              args.lengths, "--seed", str(args.seed)]
     for flag, value in (("--budget-mb", args.budget_mb), ("--overlap", args.overlap)):
         extra += [flag, str(value)] if value is not None else []
-    return launch_comparison("dyn_plugin.fsdp.compare", "shard-train", args, host, extra)
+    return launch_comparison("dyn_plugin.bench.train_fsdp", "shard-train", args, host, extra)
 
 
 def launch_comparison(module: str, benchmark: str, args: argparse.Namespace, host: dict, extra: list[str]) -> int:
@@ -235,7 +236,7 @@ def launch_comparison(module: str, benchmark: str, args: argparse.Namespace, hos
     import subprocess
     import sys
 
-    from ..runtime.train_bench import cost_model_label
+    from ..bench.train_common import cost_model_label
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", "-m", module,
            "--out", args.out, "--steps", str(args.steps)] + extra + (["--profile", args.profile] if args.profile else [])

@@ -1,6 +1,6 @@
 """Train a tiny Llama with FSDP2 under a memory budget, one sharding plan per method, side by side.
 
-    python -m torch.distributed.run --nproc_per_node=2 -m dyn_plugin.fsdp.compare \\
+    python -m torch.distributed.run --nproc_per_node=2 -m dyn_plugin.bench.train_fsdp \\
         --profile out/profile.json --budget-mb 120 --out out/shard-train
 
 Methods: ``osdp`` (the plan ``search_sharding`` finds for the budget) and FSDP's uniform
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import time
@@ -41,6 +40,8 @@ from tqdm import tqdm
 from ..config import DynPluginConfig, load_config
 from ..cost.from_config import live_cost_model
 from ..cost.table import TableCostModel
+from ..fsdp.memory import measure, predicted_peak_bytes
+from ..fsdp.train import initialize, train_step
 from ..models.hf import build_causal_lm, load_model_config
 from ..models.shard_units import shard_units
 from ..plan.shard_plan import MB, ShardPlan, ShardUnit
@@ -48,9 +49,18 @@ from ..plan.sharding import BASELINES, search_sharding, smallest_activation, uni
 from ..plan.spec import planner_spec
 from ..profiling.device import DTYPES
 from ..runtime.sampler import global_batches
-from ..runtime.train_bench import cost_model_label, cost_model_section, tokenized_corpus
-from .memory import measure, predicted_peak_bytes
-from .train import initialize, train_step
+from .train_common import (
+    add_model_argument,
+    common_parser,
+    cost_model_label,
+    cost_model_section,
+    rank_device,
+    ranks_on,
+    synchronize,
+    tokenized_corpus,
+    training_dtype,
+    write_results,
+)
 
 METHODS = ("osdp",) + tuple(BASELINES)
 ROOMY_MB = 1e9  # a budget nothing exceeds, to price before the budget is known
@@ -181,11 +191,6 @@ def memory_run(plan: ShardPlan, cost: TableCostModel, section: dict, args: argpa
             "predicted_peak_mb": [float(g[1]) / MB for g in gathered]}
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def release(device: torch.device) -> None:
     """Free what a finished run left (its FSDP hooks hold reference cycles) before the next one is measured."""
     gc.collect()
@@ -251,41 +256,25 @@ def report(rows: list[dict], args: argparse.Namespace, ranks_on: str, load: tupl
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--profile", help="profile JSON of the model on this machine (dynplugin profile --ranks 2); "
-                                     "without it the analytic cost model prices the plans")
-    p.add_argument("--model", default="tiny-llama",
-                   help="preset (see dyn_plugin.models.hf.PRESETS) or HF config.json; the one the profile measured")
-    p.add_argument("--out", default="out/shard-train")
+    p = common_parser(__doc__, "out/shard-train", "profile JSON of the model on this machine (dynplugin profile "
+                                                  "--ranks 2); without it the analytic cost model prices the plans",
+                      steps_help="timed steps per method")
+    add_model_argument(p)
     p.add_argument("--budget-mb", type=float,
                    help="memory per rank the plans may use, model states and activations (default: the largest whole "
                         "MB at which no_shard does not fit, its model states plus the longest sequence alone)")
-    p.add_argument("--lengths", default="code", help="corpus: code, prose or mixture")
-    p.add_argument("--max-len", type=int, default=4096, help="sequences are truncated to this many tokens")
-    p.add_argument("--global-tokens", type=int, default=16384, help="tokens per global batch")
-    p.add_argument("--steps", type=int, default=4, help="timed steps per method")
-    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--overlap", type=float, help="sharding.overlap: share of the neighbouring module's compute that "
                                                  "hides a collective (default: the config's)")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     methods = args.methods.split(",")
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise SystemExit(f"--methods: unknown {sorted(unknown)}; choose from {', '.join(METHODS)}")
     load_start = [round(x, 2) for x in os.getloadavg()]
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
+    device = rank_device()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    from ..cost.profile import load_profile
-
-    # train in the precision the profile measured; without one, bf16 on GPUs and fp32 on CPU
-    dtype = load_profile(args.profile).device.dtype if args.profile else ("bf16" if device.type == "cuda" else "fp32")
-    ranks_on = f"GPU ranks ({torch.cuda.get_device_name(device)}, NCCL, {dtype})" if device.type == "cuda" \
-        else f"CPU ranks (gloo, {dtype})"
+    dtype = training_dtype(args.profile, device)
     os.makedirs(args.out, exist_ok=True)
     docs, lengths = tokenized_corpus(args.lengths, args.max_len, args.out)
     world = dist.get_world_size()
@@ -310,11 +299,8 @@ def main() -> None:
                                 [r for r in records if r["method"] == method], memory, cost, args))
     if dist.get_rank() == 0:
         add_speedups(rows)
-        text = report(rows, args, ranks_on, (load_start, [round(x, 2) for x in os.getloadavg()]))
-        with open(os.path.join(args.out, "records.jsonl"), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
-        with open(os.path.join(args.out, "summary.json"), "w") as f:
-            json.dump(rows, f)
+        text = report(rows, args, ranks_on(device, dtype), (load_start, [round(x, 2) for x in os.getloadavg()]))
+        write_results(args.out, records, rows)
         print("\n" + text)
         print(f"report: {args.out}/report.md, per-step records: {args.out}/records.jsonl")
     dist.barrier()

@@ -1,13 +1,12 @@
 """Train a Llama with DeepSpeed, five ways side by side, on real code.
 
-    torchrun --nproc_per_node=2 -m deepspeed_ext.compare --profile out/profile.json --out out/train
+    torchrun --nproc_per_node=2 -m dyn_plugin.bench.train_deepspeed --profile out/profile.json --out out/train
 
 Ranks run on CPU (gloo, fp32) or, where CUDA is available, one GPU each (NCCL) in the profile's
 precision (bf16 or fp16 through DeepSpeed's mixed-precision section, a torch AdamW stepping the
 fp32 master weights, so that no DeepSpeed op is compiled).
 
-(examples/deepspeed_llama/train.py runs the same; ``dynplugin bench train`` launches it and
-prints the summary as JSON.)
+(``dynplugin bench train`` launches it and prints the summary as JSON; ``make demo`` runs it.)
 
 Modes: padded (every sequence padded to the maximum length, a fixed number per micro-batch:
 Megatron's default), token_budget (DeepSpeed's batch_by_seqlens), packing (fixed-length rows of
@@ -31,9 +30,20 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import deepspeed_ext
-from dyn_plugin.models.hf import build_causal_lm, load_model_config
-from dyn_plugin.runtime import train_bench
-from dyn_plugin.runtime.train_bench import cost_model_label, cost_model_section, tokenized_corpus
+
+from ..models.hf import build_causal_lm, load_model_config
+from .train_common import (
+    add_model_argument,
+    batchings_preamble,
+    common_parser,
+    cost_model_section,
+    finish_batchings,
+    rank_device,
+    ranks_on,
+    synchronize,
+    tokenized_corpus,
+    training_dtype,
+)
 
 # mode -> what it changes in the dyn_plugin section
 MODES = {
@@ -67,8 +77,8 @@ def split_memory_mb(profile: str, max_len: int, ranks: int) -> float:
     """Device memory at which a ``max_len`` sequence fits one rank only with full recompute (10%
     above its peak there), so the SP modes face the choice the comparison is about: split the
     longest sequences over ranks, or recompute them."""
-    from dyn_plugin.config import DeviceSpec
-    from dyn_plugin.cost.profile import cost_model_from_profile, load_profile
+    from ..config import DeviceSpec
+    from ..cost.profile import cost_model_from_profile, load_profile
 
     cost = cost_model_from_profile(load_profile(profile))
     peak = cost.micro_batch_cost([max_len], layout="packed", recompute="full").peak_bytes
@@ -138,11 +148,6 @@ def release_device_memory(device: torch.device, mode: str) -> None:
         print(f"after {mode}: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB still allocated", flush=True)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def write_step_trace(step, timings: list, cost, out: str, device: torch.device) -> None:
     """Chrome trace of one executed step: per rank, measured forward/backward of each
     micro-batch next to the cost model's prediction for it (open in https://ui.perfetto.dev)."""
@@ -182,53 +187,28 @@ def write_step_trace(step, timings: list, cost, out: str, device: torch.device) 
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
-def summarize(records: list[dict]) -> list[dict]:
-    return train_bench.summarize(records, MODES, BASELINES)
-
-
-def report(rows: list[dict], out: str, args) -> str:
-    preamble = (f"# Training demo: {args.model}, DeepSpeed ZeRO-1, {dist.get_world_size()} {args.ranks_on}\n\n"
-                f"Python standard library source ({args.lengths}), sequences up to {args.max_len} tokens, "
-                f"{args.global_tokens:,} tokens per global batch, {args.steps} steps per mode after {args.warmup} "
-                "warm-up.\nEffective tokens/s counts non-padding tokens. packing: rows of the maximum length, "
-                "documents attending across each other (Megatron's packing; hence its slightly different loss); "
-                "varlen packing: the same rows with per-document attention. Predicted step time: the plan's simulated "
-                f"time ({cost_model_label(args.profile)}), the gradient all-reduce and optimizer step included; "
-                "prediction error: mean absolute percentage error per step.\n\n")
-    return train_bench.report(rows, out, preamble, BASELINES)
+def preamble(args) -> str:
+    return batchings_preamble(
+        f"# Training demo: {args.model}, DeepSpeed ZeRO-1, {dist.get_world_size()} {args.ranks_on}", args,
+        "packing: rows of the maximum length, documents attending across each other (Megatron's packing; hence its "
+        "slightly different loss); varlen packing: the same rows with per-document attention.")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--profile", help="profile JSON of the model on this machine (dynplugin profile); without it "
-                                     "the analytic cost model prices the plans")
-    p.add_argument("--model", default="tiny-llama",
-                   help="preset (see dyn_plugin.models.hf.PRESETS) or HF config.json; the one the profile measured")
-    p.add_argument("--out", default="out/train")
-    p.add_argument("--lengths", default="code", help="corpus: code, prose or mixture")
-    p.add_argument("--max-len", type=int, default=4096, help="sequences are truncated to this many tokens")
-    p.add_argument("--global-tokens", type=int, default=16384, help="tokens per global batch")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=1)
+    p = common_parser(__doc__, "out/train", "profile JSON of the model on this machine (dynplugin profile); "
+                                            "without it the analytic cost model prices the plans")
+    add_model_argument(p)
     p.add_argument("--modes", default=",".join(m for m in MODES if m not in SP_MODES))
     p.add_argument("--memory-mb", type=float, help="device memory the plans may fill (default: the GPU's, 8000 on CPU)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # from the deepspeed launcher
     args = p.parse_args()
     deepspeed_ext.skip_cpu_shm_build()
     import deepspeed
 
-    from dyn_plugin.cost.profile import load_profile
-
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
+    device = rank_device()
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    # train in the precision the profile measured; without one, bf16 on GPUs and fp32 on CPU
-    dtype = load_profile(args.profile).device.dtype if args.profile else ("bf16" if device.type == "cuda" else "fp32")
-    args.ranks_on = f"GPU ranks ({torch.cuda.get_device_name(device)}, NCCL, {dtype})" if device.type == "cuda" \
-        else f"CPU ranks (gloo, {dtype})"
+    dtype = training_dtype(args.profile, device)
+    args.ranks_on = ranks_on(device, dtype)
     os.makedirs(args.out, exist_ok=True)
     if args.memory_mb is None and any(m in SP_MODES for m in args.modes.split(",")):
         if not args.profile:
@@ -241,14 +221,8 @@ def main() -> None:
         records += run_mode(mode, args, docs, lengths, device, dtype)
         release_device_memory(device, mode)
     if dist.get_rank() == 0:
-        with open(os.path.join(args.out, "records.jsonl"), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
-        rows = summarize(records)
-        with open(os.path.join(args.out, "summary.json"), "w") as f:
-            json.dump(rows, f)
-        print("\n" + report(rows, args.out, args))
-        print(f"report: {args.out}/report.md, {args.out}/report.png, per-step records: {args.out}/records.jsonl, "
-              f"one executed step measured vs predicted: {args.out}/step-trace.json")
+        finish_batchings(records, MODES, BASELINES, args.out, preamble(args),
+                         f", one executed step measured vs predicted: {args.out}/step-trace.json")
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # DeepSpeed sometimes aborts in its exit handlers on CPU

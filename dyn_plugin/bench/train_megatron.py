@@ -1,9 +1,9 @@
 """Train a megatron-core GPT three ways side by side on real code: Megatron's batchings against the plugin's.
 
-    python -m torch.distributed.run --nproc_per_node=2 -m megatron_patches.compare --profile out/profile.json \\
-        --out out/train-megatron
+    python -m torch.distributed.run --nproc_per_node=2 -m dyn_plugin.bench.train_megatron \\
+        --profile out/profile.json --out out/train-megatron
 
-The Megatron counterpart of deepspeed_ext/compare.py (``dynplugin bench train --host megatron``
+The Megatron counterpart of train_deepspeed.py (``dynplugin bench train --host megatron``
 launches it and prints the summary as JSON): the same corpus (the Python standard library's
 source, tokenized with the plugin's offline BPE), the same cost model and the same rows, so the
 two hosts' figures compare. The model is examples/megatron_gpt/train.py's GPT (its model provider,
@@ -17,12 +17,16 @@ maximum length: Megatron's default), packing (fixed-length rows of the maximum l
 attending across each other: Megatron's packing) and dyn_plugin (the plugin's plan). Each mode
 trains a fresh model from the same seed on the same global batches. Rank 0 writes records.jsonl,
 summary.json, report.md and report.png.
+
+The one module of ``dyn_plugin`` that imports the Megatron adapter (``megatron_patches``) and
+megatron-core: it runs only as the ranks' main module, launched by name in child processes (never
+imported by the CLI or the core), so ``dyn_plugin`` itself still runs without Megatron installed
+(tests/test_layers.py).
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import runpy
 import time
@@ -33,14 +37,20 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import megatron_patches
-from dyn_plugin.runtime import train_bench
-from dyn_plugin.runtime.train_bench import cost_model_label, cost_model_section, tokenized_corpus
+
+from .train_common import (
+    batchings_preamble,
+    common_parser,
+    cost_model_section,
+    finish_batchings,
+    tokenized_corpus,
+)
 
 # mode -> the plugin's microbatching.method
 MODES = {"padded": "fixed_padding", "packing": "packing_full", "dyn_plugin": "dynapipe"}
 BASELINES = ("padded", "packing")  # the ratios the report shows
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "megatron_gpt",
-                       "train.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(ROOT, "examples", "megatron_gpt", "train.py")
 # the tiny-llama preset (dyn_plugin.models.hf.PRESETS) as the example's model provider reads it
 TINY_LLAMA = dict(layers=4, hidden=128, heads=4, kv_heads=2, ffn=512, vocab=8192, recompute=False)
 
@@ -53,7 +63,7 @@ def load_example() -> dict:
 
 
 def plugin_config(mode: str, args: argparse.Namespace) -> dict:
-    """The run's config: the same sections as deepspeed_ext.compare.run_mode builds (fp32 on CPU)."""
+    """The run's config: the same sections as train_deepspeed.run_mode builds (fp32 on CPU)."""
     return {"dyn_plugin": {
         "cost_model": cost_model_section(args.profile, "fp32"),
         "microbatching": {"global_tokens": args.global_tokens, "max_seq_len": args.max_len, "method": MODES[mode]},
@@ -63,11 +73,15 @@ def plugin_config(mode: str, args: argparse.Namespace) -> dict:
 
 def run_mode(mode: str, args: argparse.Namespace, ex: dict, docs: list, lengths, device: torch.device) -> list[dict]:
     """Train a fresh model ``args.warmup + args.steps`` steps under ``mode``'s plans; one record per timed step."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from . import runtime
+    from megatron_patches import runtime
 
     run = runtime.configure(plugin_config(mode, args), seed=args.seed)
     run.set_documents(runtime.Documents(docs, lengths))
@@ -125,32 +139,20 @@ def run_mode(mode: str, args: argparse.Namespace, ex: dict, docs: list, lengths,
     return records
 
 
-def report(rows: list[dict], out: str, args: argparse.Namespace) -> str:
-    preamble = (f"# Training demo: megatron-core GPT (tiny-llama shape), Megatron DDP + Adam, {dist.get_world_size()} "
-                f"CPU ranks (gloo, fp32)\n\nPython standard library source ({args.lengths}), sequences up to "
-                f"{args.max_len} tokens, {args.global_tokens:,} tokens per global batch, {args.steps} steps per mode "
-                f"after {args.warmup} warm-up, each through Megatron's get_forward_backward_func under the plugin's "
-                "patches.\nEffective tokens/s counts non-padding tokens. padded: every sequence padded to the maximum "
-                "length (Megatron's default); packing: rows of the maximum length, documents attending across each "
-                "other (Megatron's packing; hence its slightly different loss). Predicted step time: the plan's "
-                f"simulated time ({cost_model_label(args.profile)}), the gradient all-reduce and optimizer step "
-                "included; prediction error: mean absolute percentage error per step.\n\n")
-    return train_bench.report(rows, out, preamble, BASELINES)
+def preamble(args: argparse.Namespace) -> str:
+    return batchings_preamble(
+        f"# Training demo: megatron-core GPT (tiny-llama shape), Megatron DDP + Adam, {dist.get_world_size()} "
+        "CPU ranks (gloo, fp32)", args,
+        "padded: every sequence padded to the maximum length (Megatron's default); packing: rows of the maximum "
+        "length, documents attending across each other (Megatron's packing; hence its slightly different loss).",
+        how=", each through Megatron's get_forward_backward_func under the plugin's patches")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--profile", help="tiny-llama profile of this machine (dynplugin profile); without it the analytic "
-                                     "cost model prices the plans")
-    p.add_argument("--out", default="out/train-megatron")
-    p.add_argument("--lengths", default="code", help="corpus: code, prose or mixture")
-    p.add_argument("--max-len", type=int, default=4096, help="sequences are truncated to this many tokens")
-    p.add_argument("--global-tokens", type=int, default=16384, help="tokens per global batch")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=1)
+    p = common_parser(__doc__, "out/train-megatron", "tiny-llama profile of this machine (dynplugin profile); "
+                                                     "without it the analytic cost model prices the plans")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--memory-mb", type=float, default=8000, help="device memory the plans may fill")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
@@ -160,20 +162,14 @@ def main() -> None:
     ex = load_example()
     device = ex["initialize"](1, 1, args.seed)
     if device.type != "cpu":
-        raise SystemExit("megatron_patches.compare runs on CPU ranks (gloo, fp32), as the profile it is priced by")
+        raise SystemExit("dyn_plugin.bench.train_megatron runs on CPU ranks (gloo, fp32), as the profile it is priced by")
     os.makedirs(args.out, exist_ok=True)
     docs, lengths = tokenized_corpus(args.lengths, args.max_len, args.out)
     records = []
     for mode in modes:
         records += run_mode(mode, args, ex, docs, lengths, device)
     if dist.get_rank() == 0:
-        with open(os.path.join(args.out, "records.jsonl"), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
-        rows = train_bench.summarize(records, MODES, BASELINES)
-        with open(os.path.join(args.out, "summary.json"), "w") as f:
-            json.dump(rows, f)
-        print("\n" + report(rows, args.out, args))
-        print(f"report: {args.out}/report.md, {args.out}/report.png, per-step records: {args.out}/records.jsonl")
+        finish_batchings(records, MODES, BASELINES, args.out, preamble(args))
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # as the test workers: megatron-core's exit handlers are not needed

@@ -1,4 +1,4 @@
-"""The sharding plans trained side by side (dyn_plugin/fsdp/compare.py), small: 2 CPU ranks, real
+"""The sharding plans trained side by side (dyn_plugin/bench/train_fsdp.py), small: 2 CPU ranks, real
 code token ids, the analytic cost model, one timed step per method."""
 import json
 
@@ -44,7 +44,7 @@ def test_bench_shard_train_reports_every_method_and_osdp_stays_under_its_budget(
 
 
 def test_the_default_budget_is_the_largest_at_which_no_shard_does_not_fit():
-    from dyn_plugin.fsdp.compare import tightest_budget_mb
+    from dyn_plugin.bench.train_fsdp import tightest_budget_mb
 
     model = build_causal_lm(load_model_config("tiny-llama"))
     units = shard_units(model)

@@ -1,7 +1,8 @@
-"""What the side-by-side training benchmarks share (deepspeed_ext/compare.py and
-megatron_patches/compare.py, the batchings under DeepSpeed and Megatron; fsdp/compare.py, the
-sharding plans): real token ids, the cost model that prices their plans, and the batchings'
-summary rows and report (the same figures whichever host trained).
+"""What the side-by-side training benchmarks share (train_deepspeed.py and train_megatron.py, the
+batchings under DeepSpeed and Megatron; train_fsdp.py, the sharding plans under FSDP2): their
+common flags, the rank's device and training precision, real token ids, the cost model that
+prices their plans, the batchings' summary rows and report (the same figures whichever host
+trained), and the files rank 0 writes (records.jsonl, summary.json).
 
 Token ids: a bundled corpus tokenized with the plugin's offline BPE. Rank 0 tokenizes
 (documents truncated to ``max_len`` tokens) and writes an npz (no pickle); every rank then reads
@@ -9,11 +10,91 @@ the same file, so all ranks train on identical ids.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
 from typing import Iterable, Sequence
 
 import numpy as np
+import torch
 import torch.distributed as dist
+
+
+def common_parser(doc: str, out: str, profile_help: str, steps_help: str | None = None) -> argparse.ArgumentParser:
+    """The flags every training benchmark takes (its description: ``doc``'s first paragraph);
+    each host adds its own (``--model``, ``--modes``, ``--memory-mb``, ...)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--profile", help=profile_help)
+    p.add_argument("--out", default=out)
+    p.add_argument("--lengths", default="code", help="corpus: code, prose or mixture")
+    p.add_argument("--max-len", type=int, default=4096, help="sequences are truncated to this many tokens")
+    p.add_argument("--global-tokens", type=int, default=16384, help="tokens per global batch")
+    p.add_argument("--steps", type=int, default=4, help=steps_help)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def add_model_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-llama",
+                   help="preset (see dyn_plugin.models.hf.PRESETS) or HF config.json; the one the profile measured")
+
+
+def rank_device() -> torch.device:
+    """One GPU per rank (``LOCAL_RANK``) where CUDA is available, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
+def training_dtype(profile: str | None, device: torch.device) -> str:
+    """Train in the precision the profile measured; without one, bf16 on GPUs and fp32 on CPU."""
+    from ..cost.profile import load_profile
+
+    return load_profile(profile).device.dtype if profile else ("bf16" if device.type == "cuda" else "fp32")
+
+
+def ranks_on(device: torch.device, dtype: str) -> str:
+    """What the ranks run on, for the reports' titles."""
+    if device.type == "cuda":
+        return f"GPU ranks ({torch.cuda.get_device_name(device)}, NCCL, {dtype})"
+    return f"CPU ranks (gloo, {dtype})"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def write_results(out: str, records: list[dict], rows: list[dict]) -> None:
+    """Rank 0's files: ``out``/records.jsonl (one line per timed step) and summary.json (the rows
+    ``dynplugin bench`` prints)."""
+    with open(os.path.join(out, "records.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(rows, f)
+
+
+def batchings_preamble(title: str, args: argparse.Namespace, legend: str, how: str = "") -> str:
+    """The batching reports' text above the table: ``title``, the run (``how``: how each step ran),
+    what the modes mean (``legend``) and how the prediction is scored."""
+    return (f"{title}\n\nPython standard library source ({args.lengths}), sequences up to {args.max_len} tokens, "
+            f"{args.global_tokens:,} tokens per global batch, {args.steps} steps per mode after {args.warmup} "
+            f"warm-up{how}.\nEffective tokens/s counts non-padding tokens. {legend} Predicted step time: the plan's "
+            f"simulated time ({cost_model_label(args.profile)}), the gradient all-reduce and optimizer step included; "
+            "prediction error: mean absolute percentage error per step.\n\n")
+
+
+def finish_batchings(records: list[dict], modes: Iterable[str], baselines: Sequence[str], out: str, preamble: str,
+                     also: str = "") -> None:
+    """The batching benchmarks' end on rank 0: summary rows, records.jsonl, summary.json, report.md
+    and report.png written, the report printed (``also``: more files to name after it)."""
+    rows = summarize(records, modes, baselines)
+    write_results(out, records, rows)
+    print("\n" + report(rows, out, preamble, baselines))
+    print(f"report: {out}/report.md, {out}/report.png, per-step records: {out}/records.jsonl" + also)
 
 
 def tokenized_corpus(name: str, max_len: int, out: str) -> tuple[list[np.ndarray], np.ndarray]:

@@ -1,0 +1,30 @@
+"""The user scripts in examples/ run as a user would launch them: 2 CPU ranks, a couple of steps,
+the loss logged per step (slow: rank 0 tokenizes the standard library's source first)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+
+def launch(cmd: list[str]) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_the_examples_train_and_log_the_loss(tmp_path):
+    data = str(tmp_path / "data")  # tokenized once, read by both
+    # DeepSpeed's own launcher (it adds --local_rank), and a checkpoint of the engine and the loader's position
+    out = launch([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "examples/deepspeed_llama/train.py",
+                  "--steps", "2", "--data", data, "--save", str(tmp_path / "ckpt")])
+    assert "step 0:" in out and "step 1:" in out and "loss" in out
+    assert (tmp_path / "ckpt" / "step2" / "dyn_plugin_loader.json").exists()
+    out = launch([os.path.join(BIN, "torchrun"), "--nproc_per_node=2", "examples/fsdp_llama/train.py", "--steps", "2",
+                  "--data", data])
+    assert "plan:" in out and "step 1:" in out
