@@ -166,7 +166,7 @@ def test_config_never_shows_the_urls_password():
     assert "hunter2" not in str(err.value)
 
 
-def test_server_killed_mid_run(fresh_redis_server, monkeypatch):
+def test_server_killed_mid_run(fresh_redis_server, monkeypatch):  # noqa: F811 (the fixture)
     monkeypatch.setenv(PASSWORD_ENV, fresh_redis_server.password)
     url = f"redis://:{fresh_redis_server.password}@127.0.0.1:{fresh_redis_server.port}/0"
     config = _config(fresh_redis_server, url=url, timeout_s=1.0)

@@ -2,7 +2,6 @@
 import json
 import subprocess
 import sys
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -161,7 +160,7 @@ def test_runnable_proposal_plans_real_steps(zero_stage):
     lengths = np.concatenate([rng.integers(8, 64, 400), [500, 480, 300]])
     proposal = runnable_proposal(lengths, spec, tokens=2048)
     assert all(s.runnable(spec.tp, spec.pp) and sum(s.grouping) == 4 for s in proposal.strategies)
-    for seed in range(3):
+    for _ in range(3):
         lens = np.concatenate([rng.integers(8, 64, 30), [int(rng.choice([500, 300, 60]))]])
         plan = plan_strategy_step(lens, spec, proposal)
         assert plan.method == "hydraulis" and sum(plan.group_sizes) == 4

@@ -104,7 +104,7 @@ def test_every_step_is_planned_by_hydraulis_on_the_proposal(tmp_path, caplog):
     # whether the proposer mixes sizes depends on the costs; a heterogeneous proposal is planned as it says
     mixed = Proposal((Strategy((Scheme(sp=2), Scheme(), Scheme()), longest=2000),), key="mixed")
     hand = context(proposal=mixed)
-    for step, ids in enumerate(hand.batches(0)):
+    for ids in hand.batches(0):
         assert hand.plan_batch([int(LENGTHS[i]) for i in ids]).group_sizes == (2, 1, 1)
     # a planner process plans from the JSON context alone, with the same proposal and the same plans
     copy = PlanningContext.from_json(ctx.to_json())

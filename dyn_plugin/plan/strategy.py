@@ -214,7 +214,7 @@ def propose(lengths: Sequence[int], kinds: Sequence[KindCost], *, gpus: int, tok
         points.append((x, upto, design_batches(lens[:upto], x, unit_tokens, batches, seed + j)))
     found: list[Strategy] = []
     bar = tqdm(total=len(points) + 1, desc="strategies", unit="design", disable=not progress)
-    for x, upto, sample in points:
+    for _x, upto, sample in points:
         cands = candidates(lens[:upto], times[:, :upto], kinds, gpus=unit, tokens=unit_tokens)
         s = refined(cands, sample, kinds, by_scheme, budget=refine)
         if s is not None and s.pipelines not in {f.pipelines for f in found}:

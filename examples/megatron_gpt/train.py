@@ -96,7 +96,10 @@ def datasets(args):
                               reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
                               path_to_cache=os.path.join(args.data, "cache"))
     samples = args.steps * args.micro_batches * dist.get_world_size()
-    build = lambda: BlendedMegatronDatasetBuilder(GPTDataset, [samples, 0, 0], lambda: True, config).build()
+
+    def build():
+        return BlendedMegatronDatasetBuilder(GPTDataset, [samples, 0, 0], lambda: True, config).build()
+
     if dist.get_rank() == 0:  # rank 0 writes the documents and the index caches, the others read them
         os.makedirs(args.data, exist_ok=True)
         if not os.path.exists(prefix + ".idx"):
