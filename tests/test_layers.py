@@ -19,21 +19,24 @@ ALLOWED = {
     "config": set(),
     "child": set(),
     "lengths": set(),
+    "layout": set(),
     "cost": {"config", "profiles"},
     "profiles": {"cost"},
-    "plan": {"config", "lengths", "cost"},
+    "plan": {"config", "lengths", "cost", "layout"},
     "store": {"config", "child"},
     "models": {"cost", "plan"},
-    "profiling": {"config", "cost", "models", "child"},
-    "runtime": {"config", "lengths", "cost", "plan", "store", "child"},
-    "bench": {"config", "lengths", "cost", "profiles", "plan", "store", "runtime"},
-    "fsdp": {"config", "lengths", "cost", "plan", "runtime", "models", "profiling", "store", "child"},
+    "profiling": {"config", "cost", "models", "child", "host"},
+    "runtime": {"config", "lengths", "cost", "plan", "store", "child", "layout"},
+    "bench": {"config", "lengths", "cost", "profiles", "plan", "store", "runtime", "layout"},
+    "host": {"config", "cost", "plan", "runtime", "models", "layout"},
+    "fsdp": {"config", "lengths", "cost", "plan", "runtime", "models", "profiling", "store", "child", "host",
+             "layout"},
     "commands": {"config", "lengths", "cost", "profiles", "plan", "store", "runtime", "profiling", "models", "bench"},
     "cli": {"commands"},
     "__main__": {"cli"},
     "__init__": {"cost"},
 }
-PURE = ("config", "lengths", "cost", "profiles", "plan")
+PURE = ("config", "lengths", "cost", "profiles", "plan", "layout")
 FRAMEWORKS = ("torch", "deepspeed", "transformers", "megatron", "deepspeed_ext")
 
 

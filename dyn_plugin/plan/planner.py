@@ -16,6 +16,7 @@ from ..config import DynPluginConfig
 from ..cost.model import LAYOUTS, RECOMPUTES, Layout, Recompute, StageSpec, features, split_layers, tensor_shape
 from ..cost.sequence_parallel import LayerComm, attention_kind, group_sizes
 from ..cost.table import TableCostModel, evaluate_checkpointed, evaluate_stage
+from ..layout import RankLayout
 from ..lengths.packing import pack_rows
 from .assign import assign_to_replicas, split_for_replicas
 from .instructions import ExecutionPlan, build_execution_plans
@@ -263,8 +264,8 @@ def execution_plans(plan: StepPlan, hidden_size: int) -> dict[tuple[int, int], E
                              "must be aligned (start at a multiple of their size) to match the process groups")
         pp = len(rep.schedule.stages)
         for c in rep.columns:
-            ranks = [s * dp + c for s in range(pp)]
-            for s, ep in enumerate(build_execution_plans(rep.micro_batches, rep.schedule, replica=c, stage_ranks=ranks,
+            ranks = RankLayout.of(dp, pp).column_ranks(c)
+            for s, ep in enumerate(build_execution_plans(rep.micro_batches, rep.schedule, column=c, stage_ranks=ranks,
                                                          hidden_size=hidden_size, group=rep.first)):
                 out[(c, s)] = ep
     return out
