@@ -67,7 +67,7 @@ def test_two_ranks_mix_group_sizes_for_every_zero_stage(two_ranks):
              for record in step["ranks"] for rc, layers in record["modes"]}
     assert {("full", ()), ("none", ()), ("selective", (1,))} <= modes, modes
     # packed rows of an odd token count carry a padding document to split evenly
-    assert any(whole > real for case in result["exact"] for step in case["steps"] if step.layout == "packed"
+    assert any(whole > real for case in result["exact"] for step in case["steps"] if step["layout"] == "packed"
                and step["grouping"] == TWO for record in step["ranks"] for _, whole, real in record["widths"])
 
 
