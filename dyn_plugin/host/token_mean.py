@@ -26,6 +26,7 @@ from ..runtime.loader import Step
 
 
 def _no_context(index: int, tensors: dict[str, torch.Tensor]) -> ContextManager[None]:
+    """No context around a micro-batch: hosts without sequence-parallel groups (FSDP)."""
     return contextlib.nullcontext()
 
 
