@@ -33,9 +33,11 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from deepspeed_ext import _sequence_runtime
 from deepspeed_ext.pipe_module import summed_token_loss
-from dyn_plugin.models.recompute import RecomputeSwitch, planned_layers
+from deepspeed_ext.step import sequence_runtime
+from dyn_plugin.host.recompute import recompute_switch
+from dyn_plugin.layout import RankLayout
+from dyn_plugin.models.recompute import planned_layers
 from dyn_plugin.models.sequence_parallel import SequenceShard
 from dyn_plugin.plan.instructions import (EXCHANGES, BackwardPass, ExecutionPlan, ForwardPass, Instruction,
                                           LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads,
@@ -51,17 +53,16 @@ class PlanPipelineEngine(PipelineEngine):
         super().__init__(*args, **kwargs)
         self._check_topology()
         self._losses: dict[int, torch.Tensor] = {}  # buffer -> scaled loss awaiting its backward
-        self._recompute = RecomputeSwitch(self.module)  # the plan's recompute mode, per micro-batch
 
     def _check_topology(self) -> None:
         """Plans, their peers and the sequence-parallel groups number ranks stage-major, global rank
         = stage * columns + column (plan.planner.execution_plans, runtime.sequence_groups), as
         DeepSpeed's PipeDataParallelTopology does; another order, or more axes (model parallelism),
         would pair ranks the plans did not."""
-        topo, columns = self.grid.topology(), self.dp_world_size
+        topo, layout = self.grid.topology(), RankLayout.of(self.dp_world_size, self.num_stages)
         axes = topo.get_axis_names()
-        if axes != ["pipe", "data"] or any(topo.get_rank(pipe=s, data=c) != s * columns + c
-                                           for s in range(self.num_stages) for c in range(columns)):
+        if axes != ["pipe", "data"] or any(topo.get_rank(pipe=s, data=c) != layout.rank_of(s, c)
+                                           for s in range(layout.stages) for c in range(layout.columns)):
             raise ValueError(f"the pipeline's topology (axes {axes}) does not number ranks stage * columns + column, "
                              "as the plugin's plans and sequence-parallel groups do: build the PipelineModule with "
                              "num_stages (DeepSpeed then uses PipeDataParallelTopology), not a custom topology")
@@ -114,7 +115,7 @@ class PlanPipelineEngine(PipelineEngine):
         self._step = step
         self._training = training
         self._tensors = dict(zip(plan.loads, step.micro_batches))
-        self._sequence = _sequence_runtime(self, step)
+        self._sequence = sequence_runtime(self, step)
         self._shards: dict[int, SequenceShard] = {}  # micro-batch -> its group's shard, built at first use
         self._loss_scale = self.dp_world_size / step.scored_tokens
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -162,12 +163,12 @@ class PlanPipelineEngine(PipelineEngine):
         It carries the whole rows' position ids, on the device: attention finds the documents that
         cross shard boundaries from them."""
         desc = self._step.plan.micro_batches[mb]
-        if desc["sp"] == 1:
+        if desc.sp == 1:
             return None
         if mb not in self._shards:
-            whole = position_ids(desc["seq_lens"], desc["layout"], desc["shape"]).to(self.device)
-            self._shards[mb] = self._sequence.shard(self.stage_id, desc["sp"], desc["group"],
-                                                    self._step.plan.replica - desc["group"], whole)
+            whole = position_ids(desc.seq_lens, desc.layout, desc.shape).to(self.device)
+            self._shards[mb] = self._sequence.shard(self.stage_id, desc.sp, desc.group,
+                                                    self._step.plan.column - desc.group, whole)
         return self._shards[mb]
 
     @staticmethod
@@ -181,10 +182,10 @@ class PlanPipelineEngine(PipelineEngine):
 
     def _check_plan(self, plan: ExecutionPlan) -> None:
         want = (self.global_rank, self.stage_id, self.num_stages, self.grid.data_parallel_id)
-        got = (plan.rank, plan.stage, plan.num_stages, plan.replica)
+        got = (plan.rank, plan.stage, plan.num_stages, plan.column)
         if got != want:
-            raise ValueError(f"execution plan for rank {got[0]} (stage {got[1]} of {got[2]}, replica {got[3]}) handed "
-                             f"to rank {want[0]} (stage {want[1]} of {want[2]}, replica {want[3]}); build the loader "
+            raise ValueError(f"execution plan for rank {got[0]} (stage {got[1]} of {got[2]}, column {got[3]}) handed "
+                             f"to rank {want[0]} (stage {want[1]} of {want[2]}, column {want[3]}); build the loader "
                              "with this engine's stage and data-parallel ranks")
 
     def _peer(self, ins: Instruction, offset: int) -> int:
@@ -207,7 +208,7 @@ class PlanPipelineEngine(PipelineEngine):
         shard = self._shard(mb)
         if shard is None:
             desc = self._step.plan.micro_batches[mb]
-            return position_ids(desc["seq_lens"], desc["layout"], desc["shape"]).to(self.device)
+            return position_ids(desc.seq_lens, desc.layout, desc.shape).to(self.device)
         width = shard.position_ids.shape[1] // shard.size
         return shard.position_ids[:, shard.index * width:(shard.index + 1) * width]
 
@@ -216,7 +217,7 @@ class PlanPipelineEngine(PipelineEngine):
         if self.is_first_stage():
             self.pipe_buffers["inputs"][ins.buffer] = (tensors["input_ids"].to(self.device), self._positions(ins.mb))
         if self.is_last_stage():  # a shard's labels were shifted before the split
-            key = "shift_labels" if self._step.plan.micro_batches[ins.mb]["sp"] > 1 else "labels"
+            key = "shift_labels" if self._step.plan.micro_batches[ins.mb].sp > 1 else "labels"
             self.pipe_buffers["labels"][ins.buffer] = tensors[key].to(self.device)
 
     def _exec_recv_activation(self, ins: RecvActivation) -> tuple[dist.P2POp, Callable[[], None]]:
@@ -232,7 +233,7 @@ class PlanPipelineEngine(PipelineEngine):
         backward: a recompute calls the layers' blocks as they are wrapped at that moment, which
         other micro-batches' forwards in between may have changed."""
         desc = self._step.plan.micro_batches[mb]
-        self._recompute.set(desc["recompute"], planned_layers(desc, self.stage_id))
+        recompute_switch(self.module).set(desc.recompute, planned_layers(desc, self.stage_id))
 
     def _exec_forward(self, ins: ForwardPass) -> None:
         self._set_recompute(ins.mb)
@@ -252,7 +253,7 @@ class PlanPipelineEngine(PipelineEngine):
 
     def _token_loss(self, mb: int, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The module's summed token loss; a shard's with its pre-shifted labels."""
-        if self._step.plan.micro_batches[mb]["sp"] == 1:
+        if self._step.plan.micro_batches[mb].sp == 1:
             return self.module.loss_fn(logits, labels)
         if self.module.loss_fn is not summed_token_loss:
             raise ValueError(f"micro-batch {mb} runs sequence-parallel, so the last stage holds a shard of each row "

@@ -72,7 +72,7 @@ class SequenceRuntime:
         """Around the forward and the backward of ``step``'s micro-batch ``mb`` (an index into its
         plan's micro-batches) at pipeline ``stage``: attention over ``shard``'s group, random
         numbers from the group's stream."""
-        seed = group_seed(self.seed, step.epoch, step.index, mb, step.plan.micro_batches[mb]["group"], stage)
+        seed = group_seed(self.seed, step.epoch, step.index, mb, step.plan.micro_batches[mb].group, stage)
         with group_rng(seed, self.device), sharded(shard):
             yield
 

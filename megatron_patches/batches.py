@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 
+from dyn_plugin.plan.instructions import PlannedMicroBatch
 from dyn_plugin.runtime.collate import IGNORE, position_ids
 
 
-def megatron_batch(desc: dict, loaded: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+def megatron_batch(desc: PlannedMicroBatch, loaded: dict[str, torch.Tensor] | None) -> dict[str, Any]:
     """The batch dict of the micro-batch ``desc`` (a plan's description); ``loaded``: its tensors
     from the plugin's loader, None on a stage that loads nothing."""
-    layout = desc["layout"]
+    layout = desc.layout
     batch: dict[str, Any] = {"attention_mask": None, "tokens": None, "labels": None, "loss_mask": None}
     if loaded is not None:
         tokens = loaded["input_ids"]
@@ -38,9 +39,9 @@ def megatron_batch(desc: dict, loaded: dict[str, torch.Tensor] | None) -> dict[s
         batch.update(tokens=tokens, labels=labels.masked_fill(~mask, 0), loss_mask=mask.float(),
                      position_ids=loaded["position_ids"] if "position_ids" in loaded else None)
     if batch.get("position_ids") is None:
-        batch["position_ids"] = position_ids(desc["seq_lens"], layout, desc["shape"])
+        batch["position_ids"] = position_ids(desc.seq_lens, layout, desc.shape)
     if layout == "packed":
-        lens = list(desc["seq_lens"])  # the row is exactly its documents (no padding document: sp is 1)
+        lens = list(desc.seq_lens)  # the row is exactly its documents (no padding document: sp is 1)
         batch["cu_seqlens"] = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         batch["max_seqlen"] = max(lens)
     return batch

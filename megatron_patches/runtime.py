@@ -16,6 +16,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from dyn_plugin.config import ConfigError, LoadedConfig, load_config
+from dyn_plugin.layout import RankLayout
 from dyn_plugin.runtime.loader import DynLoader, Step
 
 logger = logging.getLogger(__name__)
@@ -128,9 +129,10 @@ def model_shape_view(model: Any) -> SimpleNamespace:
 
 
 def _dtype(model: Any) -> str:
-    import torch
+    """The precision a megatron-core model trains in (its ``params_dtype``)."""
+    from dyn_plugin.host.device import dtype_name
 
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(model.config.params_dtype, "fp32")
+    return dtype_name(model.config.params_dtype) or "fp32"
 
 
 def unwrap(model: Any) -> Any:
@@ -175,9 +177,10 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
                           f"it to {dtype!r} or leave it out (it follows the model)")
     cm = cm.model_copy(update={"dtype": dtype})
     cost = live_cost_model(cm, plugin.cluster, model_shape_view(chunk))
+    # the plans address (stage, data-parallel column) cells; the tp ranks of a cell share its plan
     loader = DynLoader(run.documents, lengths=run.documents.lengths, config=LoadedConfig(plugin, run.config.deepspeed),
-                     cost_model=cost, dp_rank=ps.get_data_parallel_rank(), dp_size=dp,
-                     pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp, seed=run.seed, tp=tp)
+                       cost_model=cost, layout=RankLayout.of(dp, pp), stage=ps.get_pipeline_model_parallel_rank(),
+                       column=ps.get_data_parallel_rank(), seed=run.seed, tp=tp)
     block = getattr(getattr(chunk, "decoder", None), "layers", None)
     planned = loader.context.spec.stages[ps.get_pipeline_model_parallel_rank()].num_layers
     if block is not None and len(block) != planned:

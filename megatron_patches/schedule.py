@@ -24,6 +24,8 @@ import functools
 import logging
 from typing import Any, Callable
 
+from dyn_plugin.plan.instructions import PlannedMicroBatch
+
 from .batches import megatron_batch
 from .registry import Patch
 from .runtime import unwrap
@@ -40,13 +42,13 @@ def run_order(step) -> list[int]:
     return [i.mb for i in step.plan.instructions if isinstance(i, ForwardPass)]
 
 
-def step_batches(step) -> list[tuple[dict, dict]]:
+def step_batches(step) -> list[tuple[PlannedMicroBatch, dict]]:
     """(plan description, Megatron batch dict) of each of this rank's micro-batches, in run order."""
     loaded = dict(zip(step.plan.loads, step.micro_batches))
     out = []
     for m in run_order(step):
         desc = step.plan.micro_batches[m]
-        if desc["sp"] > 1:
+        if desc.sp > 1:
             raise ValueError(f"step {step.index} splits micro-batch {m} over {desc['sp']} ranks: sequence parallelism "
                              "does not run under Megatron (see sequence_parallel in README)")
         out.append((desc, megatron_batch(desc, loaded.get(m))))
@@ -61,19 +63,19 @@ class Recompute:
     backward replays, so 1F1B's interleaving of micro-batches is safe."""
 
     def __init__(self, model: Any, stage: int) -> None:
-        self.chunk = unwrap(model)
-        self.config = self.chunk.config
+        chunk = unwrap(model)  # not kept: the switch is cached under the chunk (host.recompute)
+        self.config = chunk.config
         self.stage = stage
-        self.attentions = [m for m in self.chunk.modules() if hasattr(m, "checkpoint_core_attention")]
+        self.attentions = [m for m in chunk.modules() if hasattr(m, "checkpoint_core_attention")]
         self.layers = self.config.num_layers  # this chunk's layers (num_layers_per_stage below)
-        block = getattr(getattr(self.chunk, "decoder", None), "layers", None)
+        block = getattr(getattr(chunk, "decoder", None), "layers", None)
         if block is not None:
             self.layers = len(block)
 
-    def set(self, desc: dict) -> None:
+    def set(self, desc: PlannedMicroBatch) -> None:
         from dyn_plugin.models.recompute import planned_layers
 
-        mode = desc["recompute"]
+        mode = desc.recompute
         layers = planned_layers(desc, self.stage)
         c = self.config
         if mode == "full" and (layers is None or layers > 0):
@@ -127,7 +129,7 @@ def planned(schedule: Callable) -> Callable:
             return output, _checked_loss(loss_func)
 
         # seq_length / micro_batch_size are read only for fixed shapes (variable_seq_lengths is on)
-        widths = [d["shape"] for d, _ in items]
+        widths = [d.shape for d, _ in items]
         return schedule(forward_step_func=forward_step, data_iterator=iter([b for _, b in items]), model=model,
                         num_microbatches=len(items), seq_length=max(int(w[1]) for w in widths),
                         micro_batch_size=max(int(w[0]) for w in widths), forward_only=False, **kwargs)
@@ -136,11 +138,10 @@ def planned(schedule: Callable) -> Callable:
 
 
 def _recompute(model: Any, stage: int) -> Recompute:
-    chunk = unwrap(model)
-    switch = getattr(chunk, "_dyn_plugin_recompute", None)
-    if switch is None:
-        switch = chunk._dyn_plugin_recompute = Recompute(model, stage)
-    return switch
+    """The chunk's one ``Recompute``, made at its first planned step."""
+    from dyn_plugin.host.recompute import cached_switch
+
+    return cached_switch(unwrap(model), Recompute, model, stage)
 
 
 def _get_forward_backward_func(original: Callable) -> Callable:

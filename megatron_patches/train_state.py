@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 from typing import Callable
@@ -22,7 +21,6 @@ from .registry import Patch
 
 logger = logging.getLogger(__name__)
 
-LOADER_STATE = "dyn_plugin_loader.json"
 CHECKPOINTING = "megatron.core.dist_checkpointing.serialization"
 
 
@@ -39,38 +37,30 @@ def _lr_step(original: Callable) -> Callable:
     return step
 
 
-def _local_rank() -> int:
-    import torch.distributed as dist
-
-    if "LOCAL_RANK" in os.environ:
-        return int(os.environ["LOCAL_RANK"])
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def save_loader_state(checkpoint_dir: str) -> None:
+    from dyn_plugin.host.checkpoint import write_loader_state
+    from dyn_plugin.host.device import local_rank
+
     from . import runtime
 
     run = runtime.RUN
-    if run is None or run.loader is None or _local_rank() != 0:
+    if run is None or run.loader is None or local_rank() != 0:
         return
-    tmp = os.path.join(checkpoint_dir, f"{LOADER_STATE}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(run.loader.state_dict(), f)
-    os.replace(tmp, os.path.join(checkpoint_dir, LOADER_STATE))  # a crash mid-write leaves the old file whole
+    write_loader_state(checkpoint_dir, run.loader.state_dict())
 
 
 def load_loader_state(checkpoint_dir: str) -> None:
+    from dyn_plugin.host.checkpoint import LOADER_STATE, loader_state_path, read_loader_state
+
     from . import runtime
 
     run = runtime.RUN
-    path = os.path.join(checkpoint_dir, LOADER_STATE)
     if run is None:
         return
-    if not os.path.exists(path):
+    if not os.path.exists(loader_state_path(checkpoint_dir)):
         logger.warning("%s has no %s: the loader starts from the beginning of the data", checkpoint_dir, LOADER_STATE)
         return
-    with open(path) as f:
-        run.restore(json.load(f))
+    run.restore(read_loader_state(checkpoint_dir))
 
 
 def _then(hook: Callable[[str], None]) -> Callable[[Callable], Callable]:

@@ -11,6 +11,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_loader import make  # noqa: E402
 
 import deepspeed_ext  # noqa: E402
+from dyn_plugin.host.checkpoint import LOADER_STATE  # noqa: E402
+from dyn_plugin.layout import RankLayout  # noqa: E402
 from dyn_plugin.runtime.loader import DynLoader  # noqa: E402
 
 
@@ -35,7 +37,7 @@ def main() -> None:
     node_dir = os.path.join(out, f"node{rank}")
 
     def loader() -> DynLoader:
-        return DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=rank, dp_size=world, seed=11)
+        return DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(world), column=rank, seed=11)
 
     first = loader()
     it = iter(first)
@@ -43,7 +45,7 @@ def main() -> None:
         next(it)
     deepspeed_ext.save_checkpoint(NodeLocalEngine(), first, node_dir, tag="t")
     resumed = loader()
-    result = {"written": os.path.exists(os.path.join(node_dir, "t", deepspeed_ext.LOADER_STATE))}
+    result = {"written": os.path.exists(os.path.join(node_dir, "t", LOADER_STATE))}
     try:
         deepspeed_ext.load_checkpoint(NodeLocalEngine(), resumed, node_dir, tag="t")
         result["resumed_step"] = resumed.step

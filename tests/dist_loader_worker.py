@@ -14,6 +14,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from test_loader import make  # noqa: E402
 
+from dyn_plugin.layout import RankLayout  # noqa: E402
 from dyn_plugin.runtime.loader import DynLoader  # noqa: E402
 
 
@@ -28,7 +29,7 @@ def main() -> None:
     if skew == "lengths":
         lens = lens.copy()
         lens[5] += 1
-    loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=rank, dp_size=world, seed=11)
+    loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(world), column=rank, seed=11)
     if loader._store is not None:
         with open(os.path.join(out, f"namespace{rank}.txt"), "w") as f:
             f.write(loader._store.namespace)

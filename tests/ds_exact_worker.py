@@ -1,6 +1,7 @@
 """One rank of the DeepSpeed exactness test: one planned step per ZeRO stage and layout,
 compared with a single-process reference on the whole global batch (run as a script)."""
 import copy
+import dataclasses
 import sys
 
 import torch
@@ -15,6 +16,7 @@ from ranks import finish  # noqa: E402
 from token_mean import (LR, MODEL, global_samples, random_dataset,  # noqa: E402, F401 (also imported from here)
                         reference)
 
+from dyn_plugin.host.recompute import recompute_switch  # noqa: E402
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
 from dyn_plugin.models.recompute import _attention, decoder_layers  # noqa: E402
 
@@ -38,7 +40,7 @@ def count_attention_calls(model) -> list[int]:
 
 def record_modes(engine, calls: list[int]) -> list[tuple[str, int | None, int]]:
     """(mode, layer count, attention calls so far) each time train_step switches to a micro-batch's mode."""
-    switch = deepspeed_ext._recompute_switch(engine)
+    switch = recompute_switch(engine.module)
     seen, set_mode = [], switch.set
 
     def recording(mode: str, layers: int | None = None) -> None:
@@ -72,16 +74,18 @@ def run_case(stage: int, layout: str, recompute: str, data, lengths, world: int,
     step = next(iter(loader))
     result = {}
     if modes:
-        for i, desc in enumerate(step.loaded):
-            desc["recompute"] = modes[i % len(modes)]
-            desc["checkpointed"] = (PYRAMID[i % len(PYRAMID)],)  # one stage
+        planned = list(step.plan.micro_batches)  # frozen: the step gets a plan with these modes
+        for i, m in enumerate(step.plan.loads):
+            planned[m] = dataclasses.replace(planned[m], recompute=modes[i % len(modes)],
+                                             checkpointed=(PYRAMID[i % len(PYRAMID)],))  # one stage
+        step.plan = dataclasses.replace(step.plan, micro_batches=tuple(planned))
         seen = record_modes(engine, calls)
     deepspeed_ext.train_step(engine, step)
     if modes:
         # attention forwards per micro-batch: once per layer, twice where backward recomputes it
         marks = [c for _, _, c in seen] + [calls[0]]
-        result = {"planned_modes": [d["recompute"] for d in step.loaded], "modes_ran": [m for m, _, _ in seen],
-                  "planned_counts": [d["checkpointed"][0] for d in step.loaded], "counts_ran": [n for _, n, _ in seen],
+        result = {"planned_modes": [d.recompute for d in step.loaded], "modes_ran": [m for m, _, _ in seen],
+                  "planned_counts": [d.checkpointed[0] for d in step.loaded], "counts_ran": [n for _, n, _ in seen],
                   "attention_calls": [b - a for a, b in zip(marks, marks[1:])], "layers": MODEL["num_hidden_layers"]}
     ids = global_samples(step, world)
     reference(ref, [data[i]["input_ids"] for i in ids], LR)
@@ -91,7 +95,7 @@ def run_case(stage: int, layout: str, recompute: str, data, lengths, world: int,
     sizes = [len(s) for s in step.sample_ids]
     engine.destroy() if hasattr(engine, "destroy") else None
     return {"stage": stage, "layout": layout, "max_abs_diff": diff, "micro_batch_sizes": sizes,
-            "recompute": recompute, "recompute_ran": engine._dyn_plugin_recompute.mode, "samples": len(ids), **result}
+            "recompute": recompute, "recompute_ran": recompute_switch(engine.module).mode, "samples": len(ids), **result}
 
 
 def main():

@@ -18,6 +18,7 @@ import deepspeed  # noqa: E402
 from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
 from ranks import finish  # noqa: E402
 
+from dyn_plugin.host.recompute import recompute_switch  # noqa: E402
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
 from dyn_plugin.plan import methods  # noqa: E402
 from dyn_plugin.runtime import planning  # noqa: E402
@@ -85,8 +86,8 @@ def main():
             # every sample of the step once: from each group's first column (its other columns hold
             # shards of the same rows), on the first stage (the last loads the same samples)
             descs = step.plan.micro_batches
-            mine = [i for d in descs for i in d["sample_ids"]
-                    if engine.is_first_stage() and step.plan.replica == d["group"]]
+            mine = [i for d in descs for i in d.sample_ids
+                    if engine.is_first_stage() and step.plan.column == d.group]
             gathered = [None] * world
             dist.all_gather_object(gathered, mine)
             step_ids = sorted(i for g in gathered for i in g)
@@ -100,9 +101,9 @@ def main():
             reference(ref, samples, LR)
             ids += step_ids
             steps.append({
-                "sp": sorted({d["sp"] for d in descs}), "micro_batches": len(descs), "seconds": seconds,
+                "sp": sorted({d.sp for d in descs}), "micro_batches": len(descs), "seconds": seconds,
                 "loss_diff": abs(loss - want), "eval_diff": eval_diff,
-                "padding_documents": sum(d["layout"] == "packed" and d["shape"][1] > sum(d["seq_lens"]) for d in descs),
+                "padding_documents": sum(d.layout == "packed" and d.shape[1] > sum(d.seq_lens) for d in descs),
             })
         local = {id(p) for p in engine.module.parameters()}
         diffs = [float((p.detach() - q.detach()).abs().max())
@@ -115,7 +116,7 @@ def main():
             "max_abs_diff": max(float(s[0]) for s in every), "params_compared": sum(int(s[1]) for s in every),
             "params": len(list(model.parameters())), "dp": columns, "samples": len(ids), "distinct": len(set(ids)),
             "global_batch": sum(len(b) for b in loader.context.batches(0)[:len(GROUPINGS)]), "steps": steps,
-            "recompute_ran": engine._recompute.mode,
+            "recompute_ran": recompute_switch(engine.module).mode,
         })
     finish(results, out)
 

@@ -1,6 +1,7 @@
 """One rank of the pipeline exactness test: the plugin's PipelineEngine runs two planned steps
 (pp=2, with dp = world / 2), compared with a single-process reference (run as a script)."""
 import copy
+import dataclasses
 import itertools
 import os
 import sys
@@ -16,14 +17,16 @@ import deepspeed  # noqa: E402
 from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
 from ranks import finish  # noqa: E402
 
+from dyn_plugin.host.recompute import recompute_switch  # noqa: E402
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
 
 
 def pyramid(step, stage_layers: list[int]) -> None:
     """Give the step's micro-batches their own checkpointed layer counts, different on each stage
     (as a pyramid plan would): the engine must apply its own stage's entry."""
-    for i, desc in enumerate(step.plan.micro_batches):
-        desc["checkpointed"] = tuple((i + s) % (n + 1) for s, n in enumerate(stage_layers))
+    step.plan = dataclasses.replace(step.plan, micro_batches=tuple(
+        dataclasses.replace(desc, checkpointed=tuple((i + s) % (n + 1) for s, n in enumerate(stage_layers)))
+        for i, desc in enumerate(step.plan.micro_batches)))
 
 
 def record_pyramid(engine) -> list[tuple[int | None, int, int]]:
@@ -33,8 +36,8 @@ def record_pyramid(engine) -> list[tuple[int | None, int, int]]:
 
     def recording(mb: int) -> None:
         set_recompute(mb)
-        counts = engine._step.plan.micro_batches[mb]["checkpointed"]
-        modes = engine._recompute._modes
+        counts = engine._step.plan.micro_batches[mb].checkpointed
+        modes = recompute_switch(engine.module)._modes
         ran = len(modes) - modes.count("none")
         applied.append((counts[engine.stage_id] if counts else None, ran, len(modes)))
 
@@ -71,7 +74,7 @@ def main():
             if recompute != "none":
                 pyramid(step, [s.num_layers for s in loader.context.spec.stages])
             loss = deepspeed_ext.train_step(engine, step)
-            shapes.append([mb["shape"] for mb in step.plan.micro_batches])
+            shapes.append([mb.shape for mb in step.plan.micro_batches])
             batch_sizes.append(len(loader.context.batches(0)[step.index]))
             # every replica's samples, from its first stage (the last stage loads the same ones)
             mine = [i for mb in step.sample_ids for i in mb] if engine.is_first_stage() else []
@@ -105,11 +108,11 @@ def main():
             "zero": zero, "layout": layout, "max_abs_diff": max(float(s[0]) for s in both),
             "params_compared": sum(int(s[1]) for s in both), "params": len(list(model.parameters())),
             "samples": len(ids), "distinct": len(set(ids)), "global_batch": sum(batch_sizes),
-            "micro_batches": len(first.plan.micro_batches), "sizes": [len(mb["sample_ids"]) for mb in first.plan.micro_batches],
+            "micro_batches": len(first.plan.micro_batches), "sizes": [len(mb.sample_ids) for mb in first.plan.micro_batches],
             "shapes_changed": shapes[0] != shapes[1],
             # per forward and backward on every rank: (planned count, layers that recomputed, layers of the stage)
             "pyramid": applied,
-            "loss": loss, "dp": engine.dp_world_size, "restored_diff": restored, "resume_step": loader.step, "recompute": recompute, "recompute_ran": engine._recompute.mode,
+            "loss": loss, "dp": engine.dp_world_size, "restored_diff": restored, "resume_step": loader.step, "recompute": recompute, "recompute_ran": recompute_switch(engine.module).mode,
         })
     finish(results, out)
 

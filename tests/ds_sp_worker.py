@@ -114,14 +114,14 @@ def gather_objects(obj):
 def step_record(step) -> dict:
     """What this rank ran: its groups, (shard width, whole width, tokens of the fullest row) per
     micro-batch, the samples it holds shard 0 of, and (recompute, checkpointed layers) per micro-batch."""
-    return {"shards": step.shards, "widths": [(mb["input_ids"].shape[1], d["shape"][1], _row_tokens(d))
+    return {"shards": step.shards, "widths": [(mb["input_ids"].shape[1], d.shape[1], _row_tokens(d))
                                              for mb, d in zip(step.micro_batches, step.loaded)],
             "samples": [i for (_, _, index), ids in zip(step.shards, step.sample_ids) if index == 0 for i in ids],
-            "modes": [(d["recompute"], d["checkpointed"]) for d in step.loaded]}
+            "modes": [(d.recompute, d.checkpointed) for d in step.loaded]}
 
 
 def _row_tokens(desc) -> int:
-    return sum(desc["seq_lens"]) if desc["layout"] == "packed" else max(desc["seq_lens"])
+    return sum(desc.seq_lens) if desc.layout == "packed" else max(desc.seq_lens)
 
 
 def exact_case(case, data, lengths, out, plugin=None) -> dict:

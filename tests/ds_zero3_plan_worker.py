@@ -16,6 +16,7 @@ import deepspeed  # noqa: E402
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # noqa: E402
 from ranks import finish  # noqa: E402
 
+from dyn_plugin.host.recompute import recompute_switch  # noqa: E402
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
 from dyn_plugin.models.shard_units import parameter_units, shard_units  # noqa: E402
 from dyn_plugin.plan.shard_plan import Choice, ShardPlan, UnitPlan  # noqa: E402
@@ -96,7 +97,7 @@ def run_case(name: str, data, lengths, world: int, plan_dir: str, recompute: str
               "numel": {n: p.ds_numel for n, p in engine.module.named_parameters()},
               "thresholds": [zero.param_persistence_threshold, zero.model_persistence_threshold],
               "reuse_distance": zero.max_reuse_distance, "recompute": recompute,
-              "recompute_ran": engine._dyn_plugin_recompute.mode, "host": plan.host,
+              "recompute_ran": recompute_switch(engine.module).mode, "host": plan.host,
               "planned_state_bytes": loader.context.state_bytes,
               # ref: whole weights; the mapping's states plus the room the plan keeps clear beside its own
               "mapped_state_bytes": zero3_memory_bytes(ref, zero3_settings(ref, plan), world, "fp32")

@@ -18,6 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from test_loader import make  # noqa: E402
 
+from dyn_plugin.layout import RankLayout  # noqa: E402
 from dyn_plugin.runtime.loader import DynLoader  # noqa: E402
 
 DIM = 8
@@ -51,7 +52,7 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     store = json.loads(os.environ["TEST_STORE"])
     cfg, cm, lens, data = setup(store)
-    loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=rank, dp_size=world, seed=SEED)
+    loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(world), column=rank, seed=SEED)
     ckpt = os.path.join(out, f"ckpt{rank}.json")
     params, consumed = initial_params(), []
     if os.path.exists(ckpt):

@@ -92,9 +92,9 @@ def train(out: str, pp: int, method: str, recompute: str, steps: int) -> None:
         dist.all_gather(gathered, counts)
         records.append({"samples": [int(i) for i in runtime.RUN.loader.context.batches(step.epoch)[step.index]],
                         "counts": [int(c) for c in gathered],
-                        "layouts": sorted({d["layout"] for d in step.plan.micro_batches}),
-                        "recompute": sorted({d["recompute"] for d in step.plan.micro_batches}),
-                        "shapes": [list(d["shape"]) for d in step.plan.micro_batches]})
+                        "layouts": sorted({d.layout for d in step.plan.micro_batches}),
+                        "recompute": sorted({d.recompute for d in step.plan.micro_batches}),
+                        "shapes": [list(d.shape) for d in step.plan.micro_batches]})
     if first_column:
         torch.save(stage_weights(model), os.path.join(out, f"final-{stage}.pt"))
     if dist.get_rank() == 0:

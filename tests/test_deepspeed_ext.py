@@ -88,7 +88,7 @@ def test_pipeline_with_zero_2_is_refused_before_training():
 
 def test_cost_model_takes_the_heads_a_profile_lacks_from_the_live_model(tmp_path):
     """A version 2 profile of imported tables records no heads: the model being trained says."""
-    from deepspeed_ext import _cost_model
+    from deepspeed_ext.engine import _cost_model
     from dyn_plugin.config import load_config
     from dyn_plugin.models.hf import PRESETS, build_causal_lm
     from dyn_plugin.cost.bundled import DIR

@@ -58,9 +58,9 @@ def check_plan(plan, batch, spec):
     assert sorted(plans) == [(c, s) for c in range(spec.dp) for s in range(spec.pp)]
     check_plans(list(plans.values()), rendezvous=True)
     for (c, s), ep in plans.items():
-        assert ep.rank == s * spec.dp + c and ep.replica == c
+        assert ep.rank == s * spec.dp + c and ep.column == c
         for desc in ep.micro_batches:
-            assert desc["group"] <= c < desc["group"] + desc["sp"]
+            assert desc.group <= c < desc.group + desc.sp
 
 
 def test_sp_plans_are_complete_and_never_slower_than_dynapipe():

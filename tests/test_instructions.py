@@ -11,6 +11,7 @@ from dyn_plugin.plan.instructions import (
     ForwardPass,
     LoadMicroBatch,
     OptimizerStep,
+    PlannedMicroBatch,
     RecvActivation,
     RecvGrad,
     ReduceGrads,
@@ -38,7 +39,7 @@ def mb(seq_lens, stages, layout="padded"):
 
 def two_stage_plans():
     mbs = [mb([4, 6], 2), mb([3], 2, layout="packed")]
-    return build_execution_plans(mbs, one_f_one_b(2, 2), replica=1, stage_ranks=[5, 9], hidden_size=HIDDEN)
+    return build_execution_plans(mbs, one_f_one_b(2, 2), column=1, stage_ranks=[5, 9], hidden_size=HIDDEN)
 
 
 def test_two_stage_plans_spell_out_every_step():
@@ -72,18 +73,17 @@ def test_two_stage_plans_spell_out_every_step():
         ReduceGrads(1),
         OptimizerStep(1),
     )
-    assert (first.rank, first.replica, first.stage, first.num_stages, first.num_buffers) == (5, 1, 0, 2, 2)
+    assert (first.rank, first.column, first.stage, first.num_stages, first.num_buffers) == (5, 1, 0, 2, 2)
     assert (last.rank, last.num_buffers) == (9, 1)
-    assert first.micro_batches[1] == {
-        "sample_ids": (0,), "seq_lens": (3,), "layout": "packed", "recompute": "selective", "shape": (1, 3),
-        "checkpointed": (), "sp": 1, "group": 1,
-    }
+    assert first.micro_batches[1] == PlannedMicroBatch(
+        sample_ids=(0,), seq_lens=(3,), layout="packed", recompute="selective", shape=(1, 3), checkpointed=(), sp=1,
+        group=1)
     check_plans([first, last], rendezvous=True)
 
 
 def test_buffers_reuse_the_lowest_free_slot():
     m, k = 6, 4
-    plans = build_execution_plans([mb([8], k)] * m, one_f_one_b(m, k), replica=0, stage_ranks=range(k), hidden_size=HIDDEN)
+    plans = build_execution_plans([mb([8], k)] * m, one_f_one_b(m, k), column=0, stage_ranks=range(k), hidden_size=HIDDEN)
     assert [p.num_buffers for p in plans] == [4, 3, 2, 1]
     forwards = [i.buffer for i in plans[1].instructions if isinstance(i, ForwardPass)]
     assert forwards == [0, 1, 2, 0, 1, 2]  # stage 1 runs F0 F1 F2 B0 F3 B1 F4 B2 F5 ...
@@ -105,7 +105,7 @@ def test_instructions_are_frozen_and_typed():
 def test_json_is_plain_and_versioned():
     plan = two_stage_plans()[1]
     doc = json.loads(plan_to_json(plan))
-    assert (doc["schema"], doc["version"]) == ("dyn_plugin.execution_plan", 3)
+    assert (doc["schema"], doc["version"]) == ("dyn_plugin.execution_plan", 4)
     assert doc["instructions"][0] == {"op": "RecvActivation", "stage": 1, "mb": 0, "buffer": 0, "shapes": [[2, 6, HIDDEN]],
                                       "peer": 5, "batch_next": False}
     assert doc["instructions"][4]["batch_next"] is True
@@ -115,8 +115,8 @@ def test_json_is_plain_and_versioned():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"version": 2}, "expected schema 'dyn_plugin.execution_plan' version 3"),
-        ({"schema": "other"}, "version 3"),
+        ({"version": 3}, "expected schema 'dyn_plugin.execution_plan' version 4"),
+        ({"schema": "other"}, "version 4"),
     ],
 )
 def test_json_rejects_other_versions(change, message):
@@ -143,7 +143,7 @@ def test_built_plans_round_trip_and_check(k, lens, layout, data):
     order = data.draw(st.permutations(range(len(lens))))
     ranks = data.draw(st.lists(st.integers(0, 99), min_size=k, max_size=k, unique=True))
     plans = build_execution_plans(
-        [mb(x, k, layout) for x in lens], one_f_one_b(len(lens), k, order=order), replica=3, stage_ranks=ranks, hidden_size=HIDDEN
+        [mb(x, k, layout) for x in lens], one_f_one_b(len(lens), k, order=order), column=3, stage_ranks=ranks, hidden_size=HIDDEN
     )
     check_plans(plans)
     for plan in plans:
@@ -204,8 +204,8 @@ def test_rendezvous_finds_the_deadlock_that_buffered_sends_hide():
 
 
 def test_rendezvous_waits_for_every_replica_in_the_gradient_reduction():
-    one = build_execution_plans([mb([5], 1)], one_f_one_b(1, 1), replica=0, stage_ranks=[0], hidden_size=HIDDEN)[0]
-    other = dataclasses.replace(one, rank=1, replica=1)
+    one = build_execution_plans([mb([5], 1)], one_f_one_b(1, 1), column=0, stage_ranks=[0], hidden_size=HIDDEN)[0]
+    other = dataclasses.replace(one, rank=1, column=1)
     check_plans([one, other], rendezvous=True)
     # rank 1 receives before its reduction a message that rank 0 only sends after its own
     early = (SendActivation(0, 0, 0, ((1, 5, HIDDEN),), peer=1),)
@@ -240,7 +240,7 @@ def test_every_schedule_the_planner_builds_runs_without_buffering(k, dp, policy,
         budget = [data.draw(st.floats(max(m.stored_bytes[s] for m in mbs) * 2, 2000.0)) for s in range(k)]
         schedule, _ = choose_schedule(mbs, LinkSpec(10.0), memory_budget=budget, policy=policy, candidates=2,
                                       seed=data.draw(st.integers(0, 5)))
-        plans += build_execution_plans(mbs, schedule, replica=replica, stage_ranks=[s * dp + replica for s in range(k)],
+        plans += build_execution_plans(mbs, schedule, column=replica, stage_ranks=[s * dp + replica for s in range(k)],
                                        hidden_size=HIDDEN)
     check_plans(plans, rendezvous=True)
 
@@ -250,7 +250,7 @@ def test_a_stage_warms_up_at_most_one_more_than_its_successor():
     # back, so stage 0 may not send a third first (it would wait for a receive that never comes)
     schedule = one_f_one_b(5, 4, max_in_flight=(4, 1, 1, 1))
     assert [sum(1 for op in ops[:ops.index(next(o for o in ops if o.kind == "B"))]) - 1 for ops in schedule.stages] == [1, 0, 0, 0]
-    plans = build_execution_plans([mb([4], 4)] * 5, schedule, replica=0, stage_ranks=range(4), hidden_size=HIDDEN)
+    plans = build_execution_plans([mb([4], 4)] * 5, schedule, column=0, stage_ranks=range(4), hidden_size=HIDDEN)
     check_plans(plans, rendezvous=True)
 
 
@@ -260,7 +260,7 @@ def test_rendezvous_replays_a_sequence_parallel_group_as_collectives():
     mbs = [dataclasses.replace(mb([4, 6], 2), sp=2), dataclasses.replace(mb([8], 2), sp=2)]
 
     def column(c, order):
-        return build_execution_plans(mbs, one_f_one_b(2, 2, order=order), replica=c, stage_ranks=[c, 2 + c],
+        return build_execution_plans(mbs, one_f_one_b(2, 2, order=order), column=c, stage_ranks=[c, 2 + c],
                                      hidden_size=HIDDEN, group=0)
 
     assert column(0, [0, 1])[0].instructions[1].shapes == ((2, 3, HIDDEN),)  # each rank's half of the rows

@@ -19,22 +19,25 @@ ALLOWED = {
     "config": set(),
     "child": set(),
     "lengths": set(),
+    "layout": set(),
     "cost": {"config"},
-    "plan": {"config", "lengths", "cost"},
+    "plan": {"config", "lengths", "cost", "layout"},
     "store": {"config", "child"},
     "models": {"cost", "plan"},
-    "profiling": {"config", "cost", "models", "child"},
-    "runtime": {"config", "lengths", "cost", "plan", "store", "child"},
+    "profiling": {"config", "cost", "models", "child", "host"},
+    "runtime": {"config", "lengths", "cost", "plan", "store", "child", "layout"},
+    "host": {"config", "cost", "plan", "runtime", "models", "layout"},
     # bench sits above the hosts: its training benchmarks (train_*.py) train through the FSDP entry,
     # DeepSpeed's and (in child processes only) Megatron's adapters, so it may import them
-    "bench": {"config", "lengths", "cost", "plan", "store", "runtime", "models", "profiling", "fsdp"},
-    "fsdp": {"config", "lengths", "cost", "plan", "runtime", "models", "profiling", "store", "child"},
-    "commands": {"config", "lengths", "cost", "plan", "store", "runtime", "profiling", "models", "bench"},
+    "bench": {"config", "lengths", "cost", "plan", "store", "runtime", "models", "profiling", "fsdp", "host", "layout"},
+    "fsdp": {"config", "lengths", "cost", "plan", "runtime", "models", "profiling", "store", "child", "host",
+             "layout"},
+    "commands": {"config", "lengths", "cost", "plan", "store", "runtime", "profiling", "models", "bench", "layout"},
     "cli": {"commands"},
     "__main__": {"cli"},
     "__init__": {"cost"},
 }
-PURE = ("config", "lengths", "cost", "plan")
+PURE = ("config", "lengths", "cost", "plan", "layout")
 # the one module that may import megatron_patches: the Megatron training benchmark, which runs only as the
 # ranks' main module, launched by name (``dynplugin bench train --host megatron``) in child processes
 MEGATRON_BENCH = PKG / "bench" / "train_megatron.py"

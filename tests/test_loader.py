@@ -4,6 +4,7 @@ import pytest
 
 from dyn_plugin.config import DynPluginConfig
 from dyn_plugin.cost.from_config import build_cost_model
+from dyn_plugin.layout import RankLayout
 from dyn_plugin.runtime.collate import collate, scored_tokens
 from dyn_plugin.runtime.loader import DynLoader
 from dyn_plugin.runtime.sampler import epoch_batches
@@ -25,8 +26,8 @@ def make(pp=1, n=120, seed=0, **over):
 
 
 def loaders(cfg, cm, lens, data, dp, pp, **kw):
-    return {(r, s): DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=r, dp_size=dp, pp_rank=s,
-                              pp_size=pp, seed=7, **kw) for r in range(dp) for s in range(pp)}
+    return {(r, s): DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout.of(dp, pp), stage=s,
+                              column=r, seed=7, **kw) for r in range(dp) for s in range(pp)}
 
 
 @pytest.mark.parametrize("dp,pp", [(1, 1), (2, 1), (2, 2), (3, 1)])
@@ -60,13 +61,13 @@ def test_tokens_count_every_replicas_scored_tokens():
 
 def test_resume_gives_exactly_the_rest_with_the_same_plans():
     cfg, cm, lens, data = make()
-    full = list(DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=0, dp_size=2, seed=3))
-    first = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=0, dp_size=2, seed=3)
+    full = list(DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(2), column=0, seed=3))
+    first = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(2), column=0, seed=3)
     it = iter(first)
     for _ in range(3):
         next(it)
     state = first.state_dict()
-    resumed = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=0, dp_size=2, seed=3)
+    resumed = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(2), column=0, seed=3)
     resumed.load_state_dict(state)
     rest = list(resumed)
     assert [s.digest for s in rest] == [s.digest for s in full[3:]]
@@ -96,8 +97,8 @@ def test_bad_input_names_the_index():
     bad[9] = 5000
     with pytest.raises(ValueError, match=r"lengths\[9\] = 5000 exceeds microbatching.max_seq_len = 600"):
         DynLoader(data, lengths=bad, config=cfg, cost_model=cm)
-    with pytest.raises(ValueError, match="pp_size = 2 but dyn_plugin.pipeline.stages = 1"):
-        DynLoader(data, lengths=lens, config=cfg, cost_model=cm, pp_size=2)
+    with pytest.raises(ValueError, match="the layout has 2 stages but dyn_plugin.pipeline.stages = 1"):
+        DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(2, stages=2))
 
 
 def test_truncation_only_when_asked():
@@ -202,7 +203,7 @@ def test_baseline_batching_through_the_same_loader(method):
     cfg, cm, lens, data = make(microbatching={"global_tokens": 3000, "max_seq_len": 600, "method": method})
     seen = []
     for r in range(2):
-        for step in DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=r, dp_size=2, seed=1):
+        for step in DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(2), column=r, seed=1):
             seen += [i for mb in step.sample_ids for i in mb]
             assert step.predicted_ms > 0
     assert sorted(seen) == list(range(len(lens)))
@@ -221,11 +222,12 @@ def test_run_wide_positions_round_trip_across_epochs():
 def test_uneven_micro_batch_counts_refused_under_zero_2():
     """Round-robin batchings can leave one replica a micro-batch short; ZeRO-2/3 would hang."""
     cfg, cm, lens, data = make(microbatching={"global_tokens": 3000, "max_seq_len": 600, "method": "packing_varlen"})
-    loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=0, dp_size=2, seed=1, zero_stage=2)
+    loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm,
+        layout=RankLayout(2), column=0, seed=1, zero_stage=2)
     with pytest.raises(ValueError, match=r"gave the replicas \[.*\] micro-batches, but ZeRO-2 needs the same number"):
         list(loader)
     plugin = make(microbatching={"global_tokens": 3000, "max_seq_len": 600})[0]
-    assert list(DynLoader(data, lengths=lens, config=plugin, cost_model=cm, dp_size=2, seed=1, zero_stage=2))
+    assert list(DynLoader(data, lengths=lens, config=plugin, cost_model=cm, layout=RankLayout(2), seed=1, zero_stage=2))
 
 
 
@@ -246,10 +248,11 @@ def test_recompute_differing_between_replicas_refused_under_zero_3(monkeypatch):
         return replace(plan, replicas=(replace(first, micro_batches=redone),) + plan.replicas[1:])
 
     monkeypatch.setattr(methods, "plan_step", mixed)
-    loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=0, dp_size=2, seed=1, zero_stage=3)
+    loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm,
+        layout=RankLayout(2), column=0, seed=1, zero_stage=3)
     with pytest.raises(ValueError, match="ZeRO-3 needs the same recompute at each micro-batch index"):
         list(loader)
-    assert list(DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_size=2, seed=1, zero_stage=2))
+    assert list(DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(2), seed=1, zero_stage=2))
 
 
 METHODS = ["dynapipe", "fixed_padding", "token_budget", "packing_full", "packing_varlen"]
@@ -264,17 +267,17 @@ def test_loaded_tensors_have_exactly_the_plans_shapes(method, layout):
                                                     "layout": layout})
     layouts = set()
     for s in (0, 1):  # the first stage loads inputs, the last labels
-        loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=0, dp_size=2, pp_rank=s, pp_size=2,
+        loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout.of(2, 2), stage=s, column=0,
                            seed=1)
         for step, _ in zip(loader, range(3)):
             assert step.micro_batches
             for tensors, desc in zip(step.micro_batches, step.loaded):
-                layouts.add(desc["layout"])
+                layouts.add(desc.layout)
                 for name in ("input_ids", "labels", "attention_mask", "position_ids"):
                     if name in tensors:
-                        assert tuple(tensors[name].shape) == tuple(desc["shape"]), (name, desc)
-                if desc["layout"] == "packed":  # priced and run on the real tokens, no fill
-                    assert tuple(desc["shape"]) == (1, sum(desc["seq_lens"]))
+                        assert tuple(tensors[name].shape) == tuple(desc.shape), (name, desc)
+                if desc.layout == "packed":  # priced and run on the real tokens, no fill
+                    assert tuple(desc.shape) == (1, sum(desc.seq_lens))
     if method == "dynapipe" and layout != "auto":
         assert layouts == {layout}
     if method == "packing_varlen":
@@ -315,14 +318,15 @@ def test_a_killed_planner_fails_every_waiting_rank_at_once(rank):
 
     store = {"backend": "tcp", "port": free_port(), "namespace": "killed-planner"}
     cfg, cm, lens, data = make(store=store, loader={"planners": 1, "plan_timeout_s": 120})
-    host, other = (DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=r, dp_size=2, seed=7) for r in (0, 1))
+    host, other = (DynLoader(data, lengths=lens, config=cfg, cost_model=cm,
+        layout=RankLayout(2), column=r, seed=7) for r in (0, 1))
     try:
         _kill_first_planner(host)
         t0 = time.monotonic()
         with pytest.raises(PlannerError, match=r"planner process 0 \(pid \d+\) was killed by signal SIGKILL") as err:
             next(iter(host if rank == "host" else other))
         assert time.monotonic() - t0 < 3.0
-        assert f"dp {0 if rank == 'host' else 1}, pp 0" in str(err.value)
+        assert f"column {0 if rank == 'host' else 1}, stage 0" in str(err.value)
     finally:
         other.close()
         host.close()
@@ -360,4 +364,4 @@ def test_each_run_gets_its_own_namespace():
 def test_ranks_without_a_process_group_need_a_namespace():
     cfg, cm, lens, data = make(store={"backend": "tcp", "port": 0})
     with pytest.raises(ValueError, match="store.namespace is unset.*init_process_group"):
-        DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=0, dp_size=2, seed=7)
+        DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(2), column=0, seed=7)

@@ -66,6 +66,7 @@ def test_ranks_holding_different_plans_fail_naming_the_rank_and_the_cause(tmp_pa
 def test_a_stale_stop_key_does_not_stop_a_new_runs_planners(redis_server, monkeypatch):
     """An earlier run with the same namespace left its stop key behind; the new run still gets plans."""
     from dyn_plugin.config import StoreConfig
+    from dyn_plugin.layout import RankLayout
     from dyn_plugin.runtime.loader import DynLoader
     from dyn_plugin.store import open_store
 
@@ -75,7 +76,8 @@ def test_a_stale_stop_key_does_not_stop_a_new_runs_planners(redis_server, monkey
         old.put("stop", b"1")  # what every run wrote before stop keys carried the pool's token
     cfg, cm, lens, data = make(store=store, loader={"plan_timeout_s": 15})
     # two ranks without a process group keep the configured namespace as it is
-    loaders = [DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=r, dp_size=2, seed=3) for r in range(2)]
+    loaders = [DynLoader(data, lengths=lens, config=cfg, cost_model=cm,
+        layout=RankLayout(2), column=r, seed=3) for r in range(2)]
     try:
         assert loaders[0]._store.namespace == store["namespace"]
         steps = [list(l) for l in loaders]

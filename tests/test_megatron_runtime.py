@@ -5,6 +5,7 @@ pytest.importorskip("megatron.core")
 
 import megatron_patches  # noqa: E402
 from dyn_plugin.config import ConfigError  # noqa: E402
+from dyn_plugin.plan.instructions import PlannedMicroBatch  # noqa: E402
 from dyn_plugin.runtime.collate import collate, scored_tokens  # noqa: E402
 from megatron_patches import runtime  # noqa: E402
 from megatron_patches.batches import megatron_batch, packed_seq_params  # noqa: E402
@@ -18,7 +19,8 @@ DOCS = {0: list(range(10, 15)), 1: list(range(20, 29)), 2: [7, 8, 9]}
 def test_the_loss_mask_scores_exactly_the_planned_tokens(layout, shape):
     seq_lens = [5, 9, 3]
     mb = collate([0, 1, 2], seq_lens, layout, shape, DOCS.__getitem__)
-    desc = {"layout": layout, "seq_lens": seq_lens, "shape": shape}
+    desc = PlannedMicroBatch(sample_ids=(0, 1, 2), seq_lens=tuple(seq_lens), layout=layout, recompute="none",
+                             shape=tuple(shape), checkpointed=(), sp=1, group=0)
     batch = megatron_batch(desc, mb)
     assert int(batch["loss_mask"].sum()) == scored_tokens(seq_lens)
     tokens, labels, mask = batch["tokens"], batch["labels"], batch["loss_mask"].bool()

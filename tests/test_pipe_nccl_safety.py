@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 import deepspeed_ext
-from dyn_plugin.plan.instructions import ExecutionPlan, LoadMicroBatch, OptimizerStep, ReduceGrads
+from dyn_plugin.plan.instructions import (ExecutionPlan, LoadMicroBatch, OptimizerStep, PlannedMicroBatch,
+                                          ReduceGrads)
 from dyn_plugin.runtime.collate import collate
 from dyn_plugin.runtime.loader import Step
 
@@ -22,7 +23,9 @@ class FakeEngine:
 
     def __init__(self):
         self.backwards = []
-        self._dyn_plugin_recompute = SimpleNamespace(set=lambda mode, layers=None: None)
+        self.module = torch.nn.Module()  # one decoder layer, for the recompute switch (no mode is set)
+        self.module.layer = torch.nn.Module()
+        self.module.layer.self_attn = torch.nn.Identity()
 
     def set_gradient_accumulation_boundary(self, last: bool) -> None:
         pass
@@ -39,14 +42,14 @@ class FakeEngine:
 
 
 def _step(seq_lens_per_mb):
-    descs = tuple({"sample_ids": tuple(range(len(lens))), "seq_lens": tuple(lens), "layout": "padded",
-                   "recompute": "none", "shape": (len(lens), max(lens)), "checkpointed": (), "sp": 1, "group": 0}
+    descs = tuple(PlannedMicroBatch(sample_ids=tuple(range(len(lens))), seq_lens=tuple(lens), layout="padded",
+                                    recompute="none", shape=(len(lens), max(lens)), checkpointed=(), sp=1, group=0)
                   for lens in seq_lens_per_mb)
-    plan = ExecutionPlan(rank=0, replica=0, stage=0, num_stages=1, num_buffers=1, micro_batches=descs,
+    plan = ExecutionPlan(rank=0, column=0, stage=0, num_stages=1, num_buffers=1, micro_batches=descs,
                          instructions=tuple(LoadMicroBatch(0, m, 0) for m in range(len(descs))) + (ReduceGrads(0), OptimizerStep(0)))
     data = [torch.arange(1, 40)] * 8
-    mbs = [collate(d["sample_ids"], d["seq_lens"], "padded", d["shape"], data.__getitem__) for d in descs]
-    return Step(0, 0, plan, mbs, [list(d["sample_ids"]) for d in descs], scored_tokens=50, digest="x", predicted_ms=0.0)
+    mbs = [collate(d.sample_ids, d.seq_lens, "padded", d.shape, data.__getitem__) for d in descs]
+    return Step(0, 0, plan, mbs, [list(d.sample_ids) for d in descs], scored_tokens=50, digest="x", predicted_ms=0.0)
 
 
 def test_train_step_keeps_collectives_on_the_device_and_reads_the_host_once(monkeypatch):
@@ -103,9 +106,9 @@ def _loaded(ds: dict, cost_model: dict):
 @pytest.mark.parametrize("ds, dtype", [({}, "fp32"), ({"bf16": {"enabled": True}}, "bf16"),
                                        ({"fp16": {"enabled": True}}, "fp16")])
 def test_the_cost_model_prices_the_precision_deepspeed_trains_in(ds, dtype):
-    cost = deepspeed_ext._cost_model(_loaded(ds, {"kind": "analytic"}), LLAMA)
+    cost = deepspeed_ext.engine._cost_model(_loaded(ds, {"kind": "analytic"}), LLAMA)
     assert cost.dtype == dtype
-    fp32 = deepspeed_ext._cost_model(_loaded({}, {"kind": "analytic"}), LLAMA)
+    fp32 = deepspeed_ext.engine._cost_model(_loaded({}, {"kind": "analytic"}), LLAMA)
     stored = [c.table("padded", "none", 1).fits["layer"]["stored_bytes"].coef for c in (cost, fp32)]
     assert (stored[0] == stored[1]) == (dtype == "fp32")  # activation bytes per element follow the dtype
 
@@ -117,19 +120,19 @@ def test_the_cost_model_prices_the_precision_deepspeed_trains_in(ds, dtype):
 def test_a_cost_model_dtype_other_than_deepspeeds_is_refused(ds, dtype, field):
     with pytest.raises(ValueError, match=rf"dyn_plugin.cost_model.dtype is '{dtype}' but the DeepSpeed config .*"
                                          rf"\({field}\).*set it to"):
-        deepspeed_ext._cost_model(_loaded(ds, {"kind": "analytic", "dtype": dtype}), LLAMA)
+        deepspeed_ext.engine._cost_model(_loaded(ds, {"kind": "analytic", "dtype": dtype}), LLAMA)
 
 
 def test_a_profile_measured_in_another_precision_is_refused():
     profile = {"kind": "profile", "profile": "a100-gpt-6.7b"}  # measured in fp16
-    assert deepspeed_ext._cost_model(_loaded({"fp16": {"enabled": True}}, profile), LLAMA).dtype == "fp16"
+    assert deepspeed_ext.engine._cost_model(_loaded({"fp16": {"enabled": True}}, profile), LLAMA).dtype == "fp16"
     with pytest.raises(ValueError, match=r"'a100-gpt-6.7b' was measured in fp16 \(its model.dtype\), but "
                                          r"dyn_plugin.cost_model.dtype is 'bf16'"):
-        deepspeed_ext._cost_model(_loaded({"bf16": {"enabled": True}}, profile), LLAMA)
+        deepspeed_ext.engine._cost_model(_loaded({"bf16": {"enabled": True}}, profile), LLAMA)
 
 
 def test_a_cost_model_argument_in_another_precision_is_refused_before_training():
-    cost = deepspeed_ext._cost_model(_loaded({"bf16": {"enabled": True}}, {"kind": "analytic"}), LLAMA)
+    cost = deepspeed_ext.engine._cost_model(_loaded({"bf16": {"enabled": True}}, {"kind": "analytic"}), LLAMA)
     with pytest.raises(ValueError, match=r"cost_model argument's dtype is 'bf16' .* trains in fp32"):
         deepspeed_ext.initialize(model=LLAMA, config={"dyn_plugin": {}}, dataset=[], lengths=[], cost_model=cost)
 

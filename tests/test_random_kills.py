@@ -12,13 +12,15 @@ from redis_server import redis_server  # noqa: F401  (fixture)
 
 from kill_worker import SEED, initial_params, local_gradient, setup, update
 from ranks import free_port, run
+from dyn_plugin.layout import RankLayout
 from dyn_plugin.runtime.loader import DynLoader
 
 
 def uninterrupted(epochs: int) -> torch.Tensor:
     """The same training on both ranks' loaders in this process, never killed."""
     cfg, cm, lens, data = setup({"backend": "none"})
-    loaders = [DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=r, dp_size=2, seed=SEED) for r in range(2)]
+    loaders = [DynLoader(data, lengths=lens, config=cfg, cost_model=cm,
+        layout=RankLayout(2), column=r, seed=SEED) for r in range(2)]
     params = initial_params()
     for _ in range(epochs):
         for steps in zip(*[list(loader) for loader in loaders]):  # whole epochs: zip would stop one loader early

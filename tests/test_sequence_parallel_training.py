@@ -141,6 +141,7 @@ def test_loader_shards_every_sample_once_and_resumes_with_the_same_plans():
 
     from dyn_plugin.config import DynPluginConfig
     from dyn_plugin.cost.from_config import build_cost_model
+    from dyn_plugin.layout import RankLayout
     from dyn_plugin.runtime.loader import DynLoader
 
     cfg = DynPluginConfig.model_validate({
@@ -155,7 +156,7 @@ def test_loader_shards_every_sample_once_and_resumes_with_the_same_plans():
     cm = build_cost_model(cfg.cost_model, cfg.cluster)
 
     def loaders():
-        return [DynLoader(data, lengths=lens, config=cfg, cost_model=cm, dp_rank=r, dp_size=4, seed=2)
+        return [DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(4), column=r, seed=2)
                 for r in range(4)]
 
     epoch = [list(loader) for loader in loaders()]
@@ -171,10 +172,10 @@ def test_loader_shards_every_sample_once_and_resumes_with_the_same_plans():
                 everything += ids if index == 0 else []
         for (first, m), shards in groups.items():  # the group's shards, side by side, are the whole micro-batch
             desc = steps[first].plan.micro_batches[m]
-            whole = collate(desc["sample_ids"], desc["seq_lens"], desc["layout"], desc["shape"], data.__getitem__,
-                            sp=desc["sp"])
-            assert sorted(shards) == list(range(desc["sp"]))
-            assert torch.equal(torch.cat([shards[i] for i in range(desc["sp"])], dim=1), whole["input_ids"])
+            whole = collate(desc.sample_ids, desc.seq_lens, desc.layout, desc.shape, data.__getitem__,
+                            sp=desc.sp)
+            assert sorted(shards) == list(range(desc.sp))
+            assert torch.equal(torch.cat([shards[i] for i in range(desc.sp)], dim=1), whole["input_ids"])
     assert sorted(everything) == list(range(len(lens)))  # every sample of the epoch in exactly one group
     assert sizes == {1, 2, 4}, sizes  # the capped memory made the planner split the long sequences
     resumed = loaders()

@@ -13,6 +13,8 @@ from typing import Iterator
 
 import numpy as np
 
+from ..layout import RankLayout
+
 MAX_LEN = 8192
 
 
@@ -47,8 +49,8 @@ def _loader(store: dict, planners: int, prefetch: int, samples: int | None = Non
     if samples is not None:  # the same distribution, as many samples as asked for
         lengths = np.random.default_rng(0).choice(lengths, size=samples)
     cost = build_cost_model(cfg.plugin.cost_model, cfg.plugin.cluster)
-    return DynLoader(_Tokens(lengths), lengths=lengths, config=cfg, cost_model=cost, dp_rank=0, dp_size=2,
-                     pp_rank=0, pp_size=4, seed=0)
+    return DynLoader(_Tokens(lengths), lengths=lengths, config=cfg, cost_model=cost, layout=RankLayout.of(2, 4),
+                     seed=0)
 
 
 def bench_loader_scale(samples: int, steps: int = 20) -> dict:
@@ -79,7 +81,7 @@ def bench_loader_scale(samples: int, steps: int = 20) -> dict:
     state = loader.state_dict()
     t0 = time.perf_counter()
     fresh = DynLoader(loader.dataset, lengths=loader.lengths, config=loader.config, cost_model=loader.context.cost,
-                      dp_size=2, pp_size=4, seed=0)
+                      layout=RankLayout.of(2, 4), seed=0)
     fresh.load_state_dict(state)
     resume = time.perf_counter() - t0
     return {"benchmark": "loader-scale", "samples": samples, "batches_per_epoch": batches,

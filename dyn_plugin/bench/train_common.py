@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..host.device import rank_device
+
 
 def common_parser(doc: str, out: str, profile_help: str, steps_help: str | None = None) -> argparse.ArgumentParser:
     """The flags every training benchmark takes (its description: ``doc``'s first paragraph);
@@ -40,16 +42,15 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
                    help="preset (see dyn_plugin.models.hf.PRESETS) or HF config.json; the one the profile measured")
 
 
-def rank_device() -> torch.device:
-    """One GPU per rank (``LOCAL_RANK``) where CUDA is available, else the CPU."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    torch.cuda.set_device(device)
+def use_rank_device() -> torch.device:
+    """This rank's device (the host core's answer), made the current CUDA device where it is a GPU."""
+    device = rank_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     return device
 
 
-def training_dtype(profile: str | None, device: torch.device) -> str:
+def profile_dtype(profile: str | None, device: torch.device) -> str:
     """Train in the precision the profile measured; without one, bf16 on GPUs and fp32 on CPU."""
     from ..cost.profile import load_profile
 

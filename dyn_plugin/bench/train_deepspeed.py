@@ -38,11 +38,11 @@ from .train_common import (
     common_parser,
     cost_model_section,
     finish_batchings,
-    rank_device,
+    profile_dtype,
     ranks_on,
     synchronize,
     tokenized_corpus,
-    training_dtype,
+    use_rank_device,
 )
 
 # mode -> what it changes in the dyn_plugin section
@@ -154,7 +154,7 @@ def write_step_trace(step, timings: list, cost, out: str, device: torch.device) 
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = []
     for k, desc in enumerate(step.loaded):  # in run order
-        c = cost.micro_batch_cost(desc["seq_lens"], layout=desc["layout"], recompute=desc["recompute"])
+        c = cost.micro_batch_cost(desc.seq_lens, layout=desc.layout, recompute=desc.recompute)
         fwd, bwd = timings[k]
         mine += [fwd, bwd, c.forward_ms, c.backward_ms]
     mine.append(timings[-1][1])  # optimizer step
@@ -205,9 +205,9 @@ def main() -> None:
     deepspeed_ext.skip_cpu_shm_build()
     import deepspeed
 
-    device = rank_device()
+    device = use_rank_device()
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    dtype = training_dtype(args.profile, device)
+    dtype = profile_dtype(args.profile, device)
     args.ranks_on = ranks_on(device, dtype)
     os.makedirs(args.out, exist_ok=True)
     if args.memory_mb is None and any(m in SP_MODES for m in args.modes.split(",")):

@@ -54,11 +54,11 @@ from .train_common import (
     common_parser,
     cost_model_label,
     cost_model_section,
-    rank_device,
+    profile_dtype,
     ranks_on,
     synchronize,
     tokenized_corpus,
-    training_dtype,
+    use_rank_device,
     write_results,
 )
 
@@ -143,7 +143,7 @@ def timed_runs(plans: dict[str, ShardPlan], cost: TableCostModel, section: dict,
             model, optimizer, _, steps, plan = runs[method]
             step = next(steps)  # planned and collated outside the timed region
             # on the rank's device: NCCL reduces device tensors only
-            counts = torch.tensor([sum(sum(d["seq_lens"]) for d in step.loaded), len(step.micro_batches)],
+            counts = torch.tensor([sum(sum(d.seq_lens) for d in step.loaded), len(step.micro_batches)],
                                   dtype=torch.float64, device=device)
             synchronize(device)
             dist.barrier()
@@ -272,9 +272,9 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--methods: unknown {sorted(unknown)}; choose from {', '.join(METHODS)}")
     load_start = [round(x, 2) for x in os.getloadavg()]
-    device = rank_device()
+    device = use_rank_device()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    dtype = training_dtype(args.profile, device)
+    dtype = profile_dtype(args.profile, device)
     os.makedirs(args.out, exist_ok=True)
     docs, lengths = tokenized_corpus(args.lengths, args.max_len, args.out)
     world = dist.get_world_size()

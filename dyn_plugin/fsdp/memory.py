@@ -53,6 +53,6 @@ def measure(device: torch.device | str = "cpu") -> Iterator[PeakMemory]:
 
 def predicted_peak_bytes(plan: ShardPlan, cost: TableCostModel, steps: list[Step]) -> float:
     """The plan's model states plus the largest activation peak of the steps' micro-batches on this rank."""
-    activations = max(cost.micro_batch_cost(d["seq_lens"], layout=d["layout"], recompute=d["recompute"]).peak_bytes
+    activations = max(cost.micro_batch_cost(d.seq_lens, layout=d.layout, recompute=d.recompute).peak_bytes
                       for step in steps for d in step.loaded)
     return plan.state_bytes + activations

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
+from ..host.device import DTYPE_NAMES
 from ..models.shard_units import unit_modules
 from ..models.split_linear import split_linear
 from ..plan.shard_plan import Choice, ShardPlan
-
-DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
 
 @dataclass(frozen=True)
 class Target:
@@ -34,7 +31,7 @@ def wrap_targets(model: nn.Module, plan: ShardPlan, world: int) -> list[Target]:
     modules = unit_modules(model)
     plan.check_units([*modules, ""])
     plan.check_world(world)
-    dtypes = {DTYPES.get(p.dtype, str(p.dtype)) for p in model.parameters()}
+    dtypes = {DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in model.parameters()}
     if dtypes != {plan.dtype}:
         raise ValueError(f"sharding plan was priced in {plan.dtype} but the model's parameters are "
                          f"{', '.join(sorted(dtypes))}: cast the model to {plan.dtype} or search the plan in its precision")

@@ -24,11 +24,13 @@ from torch.distributed.fsdp import FSDPModule
 from ..config import LoadedConfig, load_config
 from ..cost.from_config import live_cost_model
 from ..cost.table import TableCostModel
-from ..models.recompute import RecomputeSwitch, planned_layers
+from ..host.device import rank_device
+from ..host.recompute import recompute_switch
+from ..host.token_mean import HostHooks, token_mean_step
+from ..layout import RankLayout
 from ..models.shard_units import shard_units
 from ..plan.shard_plan import ShardPlan
 from ..profiling.allocator import stable_cpu_allocator
-from ..runtime.collate import MODEL_KEYS, scored_tokens
 from ..runtime.loader import DynLoader, Step
 from ..runtime.sharding import shard_plan_for_run
 from .fully_shard import apply_fully_shard, held_units
@@ -72,7 +74,7 @@ def initialize(
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = rank_device()
         torch.cuda.set_device(device)
         model.to(device)
     else:
@@ -93,7 +95,7 @@ def initialize(
         apply_fully_shard(model, plan)
     optimizer = optimizer_fn(model.parameters())
     # micro-batches are cut for the memory the plan's model states leave
-    loader = DynLoader(dataset, lengths=lengths, config=plugin, cost_model=cost, dp_rank=rank, dp_size=world,
+    loader = DynLoader(dataset, lengths=lengths, config=plugin, cost_model=cost, layout=RankLayout(world), column=rank,
                        zero_stage=3, seed=seed, state_bytes=plan.planning_state_bytes)
     return model, optimizer, loader, plan
 
@@ -104,34 +106,20 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step, p
     Returns the token-mean loss of the whole global batch (over every rank). Per micro-batch:
     the plan's recompute mode; keep and replicate units (FSDP2) stay gathered and accumulate
     unsharded gradients until the last micro-batch, whose backward reduces them once."""
-    world = dist.get_world_size()
-    n = len(step.micro_batches)
-    if n == 0:
-        raise ValueError(f"step {step.index} gave this rank no micro-batch; every rank needs at least one")
-    device = next(model.parameters()).device
-    # on the device: NCCL reduces device tensors only, and a host read per micro-batch would
-    # stall the device queue; the one host read is the return value
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    recompute = _recompute_switch(model)
     held = _held_units(model, plan)
-    for i, (desc, mb) in enumerate(zip(step.loaded, step.micro_batches)):
-        recompute.set(desc["recompute"], planned_layers(desc, stage=0))
-        last = i == n - 1
+
+    def boundary(last: bool) -> None:
         for unit in held:
             unit.set_requires_gradient_sync(last, recurse=False)
             unit.set_reshard_after_backward(last, recurse=False)
-        inputs = {k: v.to(device) for k, v in mb.items() if k in MODEL_KEYS}
-        # only the loss is kept: the output's logits (tokens x vocabulary) alive through backward
-        # are memory the profile's peak does not include (it measured forward().loss)
-        loss = model(**inputs, use_cache=False).loss
-        loss_sum = loss * scored_tokens(desc["seq_lens"])  # HF returns the mean; the plan knows the count
-        (loss_sum * (world / step.scored_tokens)).backward()
-        total += loss_sum.detach().double()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if world > 1:
-        dist.all_reduce(total)
-    return float(total) / step.scored_tokens
+
+    def optimizer_step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    host = HostHooks(forward=model, device=next(model.parameters()).device, recompute=recompute_switch(model),
+                     boundary=boundary, backward=lambda loss: loss.backward(), optimizer_step=optimizer_step)
+    return token_mean_step(step, host, dist.get_world_size())
 
 
 def _held_units(model: nn.Module, plan: ShardPlan) -> list[FSDPModule]:
@@ -142,10 +130,3 @@ def _held_units(model: nn.Module, plan: ShardPlan) -> list[FSDPModule]:
         cached = model._dyn_plugin_held = (plan, held_units(model, plan) if isinstance(model, FSDPModule) else [])
     return cached[1]
 
-
-def _recompute_switch(model: nn.Module) -> RecomputeSwitch:
-    """One switch per model: it flips the decoder layers between recompute modes."""
-    switch = getattr(model, "_dyn_plugin_recompute", None)
-    if switch is None:
-        switch = model._dyn_plugin_recompute = RecomputeSwitch(model)
-    return switch

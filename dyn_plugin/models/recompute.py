@@ -16,6 +16,7 @@ import torch.utils.checkpoint as cp
 from torch import nn
 
 from ..cost.model import RECOMPUTES
+from ..plan.instructions import PlannedMicroBatch
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -63,7 +64,7 @@ class RecomputeSwitch:
         self.mode, self.count = mode, count
 
 
-def planned_layers(desc: dict, stage: int) -> int | None:
+def planned_layers(desc: PlannedMicroBatch, stage: int) -> int | None:
     """Layers of ``stage`` an execution plan's micro-batch runs under its recompute mode (None = all)."""
-    counts = desc["checkpointed"]
+    counts = desc.checkpointed
     return counts[stage] if counts else None

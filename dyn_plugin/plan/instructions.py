@@ -21,12 +21,14 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
+from ..cost.model import Layout, Recompute
 from .types import MicroBatch, Op, Schedule
 
 SCHEMA = "dyn_plugin.execution_plan"
-VERSION = 3  # 2: batch_next (version 1 plans relied on buffered sends); 3: sp, group, checkpointed
+# 2: batch_next (version 1 plans relied on buffered sends); 3: sp, group, checkpointed; 4: replica -> column
+VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -84,23 +86,54 @@ INSTRUCTIONS: dict[str, type[Instruction]] = {
 
 
 @dataclass(frozen=True)
+class PlannedMicroBatch:
+    """One micro-batch as an execution plan hands it to the runtime: what the loader collates
+    (``sample_ids``, ``seq_lens``, ``layout``, ``shape``) and how the host runs it (``recompute``
+    on ``checkpointed[stage]`` layers of each stage, empty = all; ``sp`` ranks of the
+    sequence-parallel group starting at data-parallel column ``group``). Typed, so a misspelled
+    field fails where it is read, and frozen: every rank holds the same plan."""
+
+    sample_ids: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    layout: Layout
+    recompute: Recompute
+    shape: tuple[int, ...]
+    checkpointed: tuple[int, ...]
+    sp: int
+    group: int
+
+    def to_json(self) -> dict[str, Any]:
+        """Its JSON object (plan_to_json)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> PlannedMicroBatch:
+        """Read one back (plan_from_json); a missing or unknown field is refused."""
+        names = {f.name for f in fields(cls)}
+        if set(doc) != names:
+            raise ValueError(f"malformed micro-batch {dict(doc)}: unknown fields {sorted(set(doc) - names)}, "
+                             f"missing fields {sorted(names - set(doc))}")
+        return cls(sample_ids=tuple(doc["sample_ids"]), seq_lens=tuple(doc["seq_lens"]), layout=doc["layout"],
+                   recompute=doc["recompute"], shape=tuple(doc["shape"]), checkpointed=tuple(doc["checkpointed"]),
+                   sp=doc["sp"], group=doc["group"])
+
+
+@dataclass(frozen=True)
 class ExecutionPlan:
     """Everything one rank runs for one global batch.
 
-    ``micro_batches[i]`` describes local micro-batch ``i`` (``sample_ids``, ``seq_lens``,
-    ``layout``, ``recompute``, ``shape``) so the loader builds exactly the tensors the plan expects;
-    ``checkpointed`` (per stage, layers under ``recompute``; empty = all), ``sp`` and ``group``
-    (the size and first data-parallel column of the sequence-parallel group that runs it: this
-    rank holds shard ``replica - group`` of every row, ``shape[1] / sp`` wide).
+    ``micro_batches[i]`` describes local micro-batch ``i`` (``PlannedMicroBatch``) so the loader
+    builds exactly the tensors the plan expects; under sequence parallelism this rank holds shard
+    ``column - group`` of every row, ``shape[1] / sp`` wide.
     """
 
     rank: int
-    replica: int
+    column: int  # the data-parallel column (DeepSpeed's data_parallel_id)
     stage: int
     num_stages: int
     num_buffers: int
     instructions: tuple[Instruction, ...]
-    micro_batches: tuple[dict, ...]
+    micro_batches: tuple[PlannedMicroBatch, ...]
 
     @property
     def loads(self) -> list[int]:
@@ -112,28 +145,26 @@ def build_execution_plans(
     micro_batches: Sequence[MicroBatch],
     schedule: Schedule,
     *,
-    replica: int,
+    column: int,
     stage_ranks: Sequence[int],
     hidden_size: int,
     group: int | None = None,
 ) -> list[ExecutionPlan]:
-    """One plan per stage of ``replica`` (a data-parallel column), in stage order; ``stage_ranks[s]``
+    """One plan per stage of data-parallel ``column``, in stage order; ``stage_ranks[s]``
     is stage s's global rank. ``group``: the first column of the sequence-parallel group the
     column belongs to (default: the column itself); each micro-batch's ``sp`` says how wide it is."""
-    group = replica if group is None else group
+    group = column if group is None else group
     num_stages = len(schedule.stages)
     if len(stage_ranks) != num_stages:
         raise ValueError(f"stage_ranks needs {num_stages} entries (one per stage), got {len(stage_ranks)}")
     described = tuple(
-        {
-            "sample_ids": tuple(mb.sample_ids), "seq_lens": tuple(mb.seq_lens), "layout": mb.layout,
-            "recompute": mb.recompute, "shape": tuple(mb.shape), "checkpointed": tuple(mb.checkpointed),
-            "sp": mb.sp, "group": group,
-        }
+        PlannedMicroBatch(sample_ids=tuple(mb.sample_ids), seq_lens=tuple(mb.seq_lens), layout=mb.layout,
+                          recompute=mb.recompute, shape=tuple(mb.shape), checkpointed=tuple(mb.checkpointed),
+                          sp=mb.sp, group=group)
         for mb in micro_batches
     )
     return [
-        _stage_plan(micro_batches, ops, stage, stage_ranks, replica, hidden_size, described)
+        _stage_plan(micro_batches, ops, stage, stage_ranks, column, hidden_size, described)
         for stage, ops in enumerate(schedule.stages)
     ]
 
@@ -143,9 +174,9 @@ def _stage_plan(
     ops: Sequence[Op],
     stage: int,
     stage_ranks: Sequence[int],
-    replica: int,
+    column: int,
     hidden_size: int,
-    described: tuple[dict, ...],
+    described: tuple[PlannedMicroBatch, ...],
 ) -> ExecutionPlan:
     last = len(stage_ranks) - 1
     prev = stage_ranks[stage - 1] if stage > 0 else None
@@ -177,7 +208,7 @@ def _stage_plan(
                 out.append(SendGrad(stage, mb, buf, hidden, prev))
     out += [ReduceGrads(stage), OptimizerStep(stage)]
     return ExecutionPlan(
-        rank=stage_ranks[stage], replica=replica, stage=stage, num_stages=len(stage_ranks),
+        rank=stage_ranks[stage], column=column, stage=stage, num_stages=len(stage_ranks),
         num_buffers=num_buffers, instructions=tuple(out), micro_batches=described,
     )
 
@@ -192,8 +223,10 @@ def _exchange(out: list[Instruction], recv: Instruction) -> None:
 
 
 def plan_to_json(plan: ExecutionPlan) -> str:
+    """The plan as plain JSON (the store and planner processes move plans so)."""
     doc = {"schema": SCHEMA, "version": VERSION, **asdict(plan)}
     doc["instructions"] = [{"op": type(i).__name__, **asdict(i)} for i in plan.instructions]
+    doc["micro_batches"] = [mb.to_json() for mb in plan.micro_batches]
     return json.dumps(doc)
 
 
@@ -215,11 +248,7 @@ def plan_from_json(text: str) -> ExecutionPlan:
             instructions.append(INSTRUCTIONS[op](**entry))
         except TypeError as e:
             raise ValueError(f"malformed {op} instruction {entry}: {e}") from None
-    micro_batches = tuple(
-        {**mb, "sample_ids": tuple(mb["sample_ids"]), "seq_lens": tuple(mb["seq_lens"]), "shape": tuple(mb["shape"]),
-         "checkpointed": tuple(mb["checkpointed"])}
-        for mb in doc["micro_batches"]
-    )
+    micro_batches = tuple(PlannedMicroBatch.from_json(mb) for mb in doc["micro_batches"])
     plan_fields = {f.name for f in fields(ExecutionPlan)} - {"instructions", "micro_batches"}
     return ExecutionPlan(**{k: doc[k] for k in plan_fields}, instructions=tuple(instructions), micro_batches=micro_batches)
 
@@ -301,10 +330,10 @@ def _waits(plan: ExecutionPlan, stage_ranks: dict[int, list[int]],
         elif isinstance(ins, ReduceGrads):
             waits.append([_Post(n, ("reduce", plan.rank), tuple(("reduce", r) for r in stage_ranks[plan.stage]))])
             continue
-        elif isinstance(ins, (ForwardPass, BackwardPass)) and plan.micro_batches[ins.mb]["sp"] > 1:
+        elif isinstance(ins, (ForwardPass, BackwardPass)) and plan.micro_batches[ins.mb].sp > 1:
             desc = plan.micro_batches[ins.mb]
-            key = (plan.stage, desc["group"], ins.mb, type(ins).__name__)
-            columns = range(desc["group"], desc["group"] + desc["sp"])
+            key = (plan.stage, desc.group, ins.mb, type(ins).__name__)
+            columns = range(desc.group, desc.group + desc.sp)
             if any((plan.stage, c) not in column_ranks for c in columns):
                 raise ValueError(f"rank {plan.rank}: micro-batch {ins.mb} runs on the sequence-parallel group of "
                                  f"columns {list(columns)}, but some of them have no plan at stage {plan.stage}")
@@ -326,7 +355,7 @@ def _replay_rendezvous(plans: Sequence[ExecutionPlan]) -> None:
     stage_ranks: dict[int, list[int]] = {}
     for plan in plans:
         stage_ranks.setdefault(plan.stage, []).append(plan.rank)
-    column_ranks = {(p.stage, p.replica): p.rank for p in plans}
+    column_ranks = {(p.stage, p.column): p.rank for p in plans}
     by_rank = {p.rank: p for p in plans}
     waits = {p.rank: _waits(p, stage_ranks, column_ranks) for p in plans}
     at = dict.fromkeys(by_rank, 0)  # the wait each rank is blocked in

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
+from ..layout import RankLayout
 from ..lengths.packing import pack_rows
 from .assign import split_for_replicas
 from .groups import plan_groups
@@ -43,8 +44,8 @@ def execution_plans(plan: StepPlan, hidden_size: int) -> dict[tuple[int, int], E
                              "must be aligned (start at a multiple of their size) to match the process groups")
         pp = len(rep.schedule.stages)
         for c in rep.columns:
-            ranks = [s * dp + c for s in range(pp)]
-            for s, ep in enumerate(build_execution_plans(rep.micro_batches, rep.schedule, replica=c, stage_ranks=ranks,
+            ranks = RankLayout.of(dp, pp).column_ranks(c)
+            for s, ep in enumerate(build_execution_plans(rep.micro_batches, rep.schedule, column=c, stage_ranks=ranks,
                                                          hidden_size=hidden_size, group=rep.first)):
                 out[(c, s)] = ep
     return out

@@ -14,8 +14,7 @@ from typing import Any, Callable
 import torch
 
 from ..cost.profile import DeviceInfo
-
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from ..host.device import DTYPES
 
 # first() -> value, second(value) -> None; returns (ms of first, ms of second)
 Clock = Callable[[Callable[[], Any], Callable[[Any], None]], tuple[float, float]]

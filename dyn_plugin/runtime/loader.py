@@ -1,7 +1,7 @@
 """DynLoader: a drop-in for a torch DataLoader that yields one planned optimizer step at a time.
 
     loader = DynLoader(dataset, lengths=lengths, config=cfg, cost_model=cm,
-                       dp_rank=r, dp_size=n, pp_rank=s, pp_size=k, seed=1234)
+                       layout=RankLayout(world=n * k, stages=k), stage=s, column=c, seed=1234)
     for step in loader:
         step.micro_batches   # this rank's micro-batches, in execution order (dicts of tensors)
         step.plan            # this rank's execution plan
@@ -40,8 +40,9 @@ import torch
 
 from ..config import DynPluginConfig, LoadedConfig, load_config
 from ..cost.table import TableCostModel
+from ..layout import RankLayout
 from ..lengths.io import cap_lengths, validate_lengths
-from ..plan.instructions import ExecutionPlan
+from ..plan.instructions import ExecutionPlan, PlannedMicroBatch
 from .collate import collate, shard
 from .planning import PlanningContext, RankPlan
 
@@ -68,16 +69,15 @@ class Step:
     predicted_ms: float  # the cost model's simulated time of the whole step
 
     @property
-    def loaded(self) -> list[dict]:
-        """The plan's description (sample_ids, seq_lens, layout, recompute, shape, sp, group) of
-        each entry of ``micro_batches``, in the same order."""
+    def loaded(self) -> list[PlannedMicroBatch]:
+        """The plan's description of each entry of ``micro_batches``, in the same order."""
         return [self.plan.micro_batches[m] for m in self.plan.loads]
 
     @property
     def shards(self) -> list[tuple[int, int, int]]:
         """(group size, group's first column, this rank's shard index) of each entry of
         ``micro_batches``: an entry with group size > 1 holds shard ``index`` of every row."""
-        return [(d["sp"], d["group"], self.plan.replica - d["group"]) for d in self.loaded]
+        return [(d.sp, d.group, self.plan.column - d.group) for d in self.loaded]
 
 
 class DynLoader:
@@ -88,10 +88,9 @@ class DynLoader:
         lengths: Sequence[int],
         config: DynPluginConfig | LoadedConfig | str | os.PathLike | Mapping,
         cost_model: TableCostModel,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        pp_rank: int = 0,
-        pp_size: int | None = None,
+        layout: RankLayout | None = None,
+        stage: int = 0,
+        column: int = 0,
         seed: int = 0,
         zero_stage: int | None = None,
         tp: int = 1,
@@ -99,27 +98,30 @@ class DynLoader:
         device: torch.device | str | None = None,
         state_bytes: float | None = None,
     ) -> None:
-        """``device``: where the loader's collectives run (run-id broadcast, plan check); by default
-        ``cuda:$LOCAL_RANK`` under NCCL, else the CPU. ``state_bytes``: a sharding plan's model
-        states per rank (``ShardPlan.planning_state_bytes``), planned with in place of ZeRO's (with
-        ``zero_stage=3``: equal micro-batch counts, the same recompute per micro-batch index)."""
+        """``layout``: the run's stages x data-parallel columns (default: one column of
+        ``pipeline.stages`` stages); ``stage`` and ``column``: this rank's place in it. ``device``:
+        where the loader's collectives run (run-id broadcast, plan check); by default the current
+        GPU under NCCL, else the CPU (the hosts pass their rank's). ``state_bytes``: a sharding
+        plan's model states per rank (``ShardPlan.planning_state_bytes``), planned with in place of
+        ZeRO's (with ``zero_stage=3``: equal micro-batch counts, the same recompute per micro-batch
+        index)."""
         if not isinstance(config, (DynPluginConfig, LoadedConfig)):
             config = load_config(config)
         if isinstance(config, LoadedConfig):
             zero_stage = config.zero_stage if zero_stage is None else zero_stage
             config = config.plugin
         self.config = config
-        pp_size = pp_size or config.pipeline.stages
-        if pp_size != config.pipeline.stages:
-            raise ValueError(f"pp_size = {pp_size} but dyn_plugin.pipeline.stages = {config.pipeline.stages}; they must match")
-        if not (0 <= dp_rank < dp_size and 0 <= pp_rank < pp_size):
-            raise ValueError(f"rank out of range: dp_rank {dp_rank} of {dp_size}, pp_rank {pp_rank} of {pp_size}")
+        layout = layout or RankLayout.of(1, config.pipeline.stages)
+        if layout.stages != config.pipeline.stages:
+            raise ValueError(f"the layout has {layout.stages} stages but dyn_plugin.pipeline.stages = "
+                             f"{config.pipeline.stages}; they must match")
+        layout.rank_of(stage, column)  # refuses a place outside the layout
         self.dataset = dataset
-        self.dp_rank, self.dp_size, self.pp_rank, self.pp_size = dp_rank, dp_size, pp_rank, pp_size
+        self.layout, self.stage, self.column = layout, stage, column
         self.seed, self.pad_id = seed, pad_id
         self.lengths = self._checked_lengths(lengths)
-        self.context = PlanningContext(config, cost_model, self.lengths, dp_size, pp_size, zero_stage or 0, tp, seed,
-                                       state_bytes)
+        self.context = PlanningContext(config, cost_model, self.lengths, layout.columns, layout.stages, zero_stage or 0,
+                                       tp, seed, state_bytes)
         self.epoch, self.step = 0, 0
         self.plan_wait_s: list[float] = []  # per step, how long this rank waited for its plan
         # hashed once (8 MB at 1M samples), for the resume check and the plan check alike
@@ -128,7 +130,7 @@ class DynLoader:
         self.device = torch.device(device) if device is not None else _default_device()
         self._checks: collections.deque = collections.deque()  # plan checks in flight, oldest first
         self._checked_first = False
-        sizes = (seed, dp_size, pp_size, zero_stage or 0, tp, state_bytes)
+        sizes = (seed, layout.columns, layout.stages, zero_stage or 0, tp, state_bytes)
         self._local_fingerprints = _fingerprints(lengths_hash.digest(), cost_model, config, sizes)
         self._store = self._pool = None
         if config.store.backend != "none":
@@ -137,7 +139,7 @@ class DynLoader:
     @property
     def is_host(self) -> bool:
         """The rank that hosts the embedded store and the planner processes."""
-        return self.dp_rank == 0 and self.pp_rank == 0
+        return self.column == 0 and self.stage == 0
 
     def _open_store(self) -> None:
         from ..store import open_store
@@ -151,11 +153,10 @@ class DynLoader:
             cfg = cfg.model_copy(update={"namespace": f"{base[:100]}-{run}"})
         elif not cfg.namespace:
             raise ValueError(
-                f"store.namespace is unset and the {self.dp_size * self.pp_size} ranks have no torch.distributed "
+                f"store.namespace is unset and the {self.layout.world} ranks have no torch.distributed "
                 "process group to agree on a run id: call torch.distributed.init_process_group before creating the "
                 "DynLoader, or set dyn_plugin.store.namespace to an id unique to this run")
-        world = self.dp_size * self.pp_size
-        self._store = open_store(cfg, rank=self.pp_rank * self.dp_size + self.dp_rank, world_size=world)
+        self._store = open_store(cfg, rank=self.layout.rank_of(self.stage, self.column), world_size=self.layout.world)
         # planner processes connect to the very port the host bound (it may have picked a free one)
         self._store_cfg = cfg.model_copy(update={"port": self._store.port}) if cfg.backend == "tcp" else cfg
         self._finalizer = weakref.finalize(self, _close, self._store)
@@ -170,7 +171,7 @@ class DynLoader:
             t = torch.tensor([token], dtype=torch.int64, device=self.device)
             dist.broadcast(t, src=0)
             token = int(t.item())
-        elif self.dp_size * self.pp_size > 1:
+        elif self.layout.world > 1:
             return None
         return f"{token:014x}"
 
@@ -183,7 +184,7 @@ class DynLoader:
         store = self._store
         self._pool = PlannerPool(self.context.to_json(), self._store_cfg.model_dump_json(exclude_unset=True),
                                  num_planners=plan_cfg.planners, prefetch=plan_cfg.prefetch, start=position,
-                                 world_size=self.dp_size * self.pp_size,
+                                 world_size=self.layout.world,
                                  on_failure=lambda why: store.put(ERROR_KEY, why.encode()))
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _close, self._store, self._pool)
@@ -260,7 +261,7 @@ class DynLoader:
     def _plan(self, epoch: int, step: int) -> RankPlan:
         t0 = time.perf_counter()
         if self._store is None:
-            rp = self.context.plan(epoch, step)[(self.dp_rank, self.pp_rank)]
+            rp = self.context.plan(epoch, step)[(self.column, self.stage)]
         else:
             rp = self._plan_from_store(epoch, step)
         self.plan_wait_s.append(time.perf_counter() - t0)
@@ -277,7 +278,7 @@ class DynLoader:
             if self._pool is None:
                 self._start_planners()
             self._store.put(CURSOR_KEY, str(position).encode())
-        key = plan_key(position, self.dp_rank, self.pp_rank)
+        key = plan_key(position, self.column, self.stage)
         timeout = self.config.loader.plan_timeout_s
         deadline = time.monotonic() + timeout
         while True:  # in short waits, so a planner's death (any rank may learn of it) ends this at once
@@ -287,12 +288,12 @@ class DynLoader:
             except StoreTimeout:
                 why = self._store.get(ERROR_KEY)
                 if why is not None:
-                    raise PlannerError(f"rank (dp {self.dp_rank}, pp {self.pp_rank}) waiting for the plan of epoch "
+                    raise PlannerError(f"rank (column {self.column}, stage {self.stage}) waiting for the plan of epoch "
                                        f"{epoch} step {step}: {why.decode(errors='replace')}") from None
                 if time.monotonic() >= deadline:
                     raise StoreTimeout(f"no plan for epoch {epoch} step {step} under '{key}' on {self._store.address} "
                                        f"after {timeout:g} s (loader.plan_timeout_s); the planner processes run on "
-                                       "the rank with dp 0, pp 0: check it is alive and not overloaded") from None
+                                       "the rank at stage 0, column 0: check it is alive and not overloaded") from None
         self._store.delete(key)
         meta, _ = decode(data, max_bytes=int(self.config.store.max_payload_mb * 2**20), schema=RANK_PLAN_SCHEMA)
         rp = RankPlan.from_meta(meta)
@@ -305,12 +306,12 @@ class DynLoader:
         tensors, ids = [], []
         for m in rp.plan.loads:
             desc = rp.plan.micro_batches[m]
-            batch = collate(desc["sample_ids"], desc["seq_lens"], desc["layout"], desc["shape"],
-                            self.dataset.__getitem__, pad_id=self.pad_id, sp=desc["sp"])
-            if desc["sp"] > 1:
-                batch = shard(batch, desc["sp"], rp.plan.replica - desc["group"])
+            batch = collate(desc.sample_ids, desc.seq_lens, desc.layout, desc.shape,
+                            self.dataset.__getitem__, pad_id=self.pad_id, sp=desc.sp)
+            if desc.sp > 1:
+                batch = shard(batch, desc.sp, rp.plan.column - desc.group)
             tensors.append(batch)
-            ids.append(list(desc["sample_ids"]))
+            ids.append(list(desc.sample_ids))
         return Step(rp.epoch, rp.step, rp.plan, tensors, ids, rp.scored_tokens, rp.digest, rp.predicted_ms)
 
     def state_dict(self) -> dict:
@@ -327,7 +328,8 @@ class DynLoader:
 
     def _fingerprint(self, h: "hashlib._Hash") -> str:
         """``h``: the lengths' sha256, extended here; computed once (state_dict() runs at every checkpoint)."""
-        h.update(repr((self.seed, self.config.microbatching.global_tokens, self.dp_size, self.pp_size)).encode())
+        sizes = (self.seed, self.config.microbatching.global_tokens, self.layout.columns, self.layout.stages)
+        h.update(repr(sizes).encode())
         return h.hexdigest()[:16]
 
     def close(self) -> None:
@@ -347,11 +349,12 @@ def _close(store, pool=None) -> None:
 
 
 def _default_device() -> torch.device:
-    """Where the backend of the default process group takes tensors: the local GPU under NCCL."""
+    """Where the backend of the default process group takes tensors: the current GPU under NCCL
+    (the hosts pass ``device``: dyn_plugin.host.device.collective_device)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 

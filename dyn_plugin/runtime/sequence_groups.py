@@ -21,6 +21,8 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from ..layout import RankLayout
+
 
 class SequenceGroups:
     """One process group per (stage, aligned block of ``size`` columns) for each size in ``sizes``.
@@ -37,6 +39,7 @@ class SequenceGroups:
         if columns * stages != world:
             raise ValueError(f"SequenceGroups: columns x stages = {columns} x {stages} = {columns * stages} but the "
                              f"world has {world} ranks")
+        layout = RankLayout.of(columns, stages)
         sizes = sorted(set(sizes))
         bad = [k for k in sizes if k < 1 or k & (k - 1)]
         if bad:
@@ -48,8 +51,8 @@ class SequenceGroups:
         for k in self.sizes:
             for stage in range(stages):
                 for first in range(0, columns - k + 1, k):
-                    ranks = [stage * columns + c for c in range(first, first + k)]
-                    self._groups[(stage, first, k)] = dist.new_group(ranks, backend=backend)
+                    self._groups[(stage, first, k)] = dist.new_group(layout.stage_ranks(stage, first, k),
+                                                                     backend=backend)
 
     def blocks(self) -> list[tuple[int, int, int]]:
         """Every (stage, first column, size) that has a group."""
