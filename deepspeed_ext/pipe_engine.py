@@ -34,14 +34,25 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from deepspeed_ext.pipe_module import summed_token_loss
-from deepspeed_ext.step import sequence_runtime
+from deepspeed_ext.sequence_parallel import sequence_runtime
 from dyn_plugin.host.recompute import recompute_switch
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.models.recompute import planned_layers
 from dyn_plugin.models.sequence_parallel import SequenceShard
-from dyn_plugin.plan.instructions import (EXCHANGES, BackwardPass, ExecutionPlan, ForwardPass, Instruction,
-                                          LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads,
-                                          SendActivation, SendGrad)
+from dyn_plugin.plan.instructions import (
+    EXCHANGES,
+    BackwardPass,
+    ExecutionPlan,
+    ForwardPass,
+    Instruction,
+    LoadMicroBatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    SendActivation,
+    SendGrad,
+)
 from dyn_plugin.runtime.collate import position_ids
 from dyn_plugin.runtime.loader import Step
 

@@ -83,3 +83,13 @@ class SequenceRuntime:
         positions = batch["sequence_position_ids"].to(self.device) if size > 1 else None
         with self.running(step, step.plan.loads[i], 0, self.shard(0, size, first, index, positions)):
             yield
+
+
+def sequence_runtime(engine: Any, step: Step) -> SequenceRuntime | None:
+    """The engine's sequence-parallel runtime (None without ``sequence_parallel.enabled``)."""
+    sequence = getattr(engine, "_dyn_plugin_sequence", None)
+    # the plan's micro-batches, not the loaded ones: a pipeline's middle stages load none
+    if sequence is None and any(d.sp > 1 for d in step.plan.micro_batches):
+        raise ValueError(f"step {step.index} splits micro-batches over sequence-parallel groups, but this engine was "
+                         "not initialized with sequence_parallel.enabled (deepspeed_ext.initialize builds the groups)")
+    return sequence

@@ -15,6 +15,8 @@ from dyn_plugin.host.recompute import recompute_switch
 from dyn_plugin.host.token_mean import HostHooks, token_mean_step
 from dyn_plugin.runtime.loader import Step
 
+from .sequence_parallel import sequence_runtime
+
 
 def train_step(engine, step: Step, timings: list | None = None) -> float:
     """Run this rank's micro-batches of one planned step and take the optimizer step.
@@ -46,13 +48,3 @@ def deepspeed_host(engine, step: Step) -> HostHooks:
                      boundary=engine.set_gradient_accumulation_boundary,
                      backward=lambda loss: engine.backward(loss, scale_wrt_gas=False),
                      optimizer_step=engine.step, micro_batch=micro_batch)
-
-
-def sequence_runtime(engine, step: Step):
-    """The engine's sequence-parallel runtime (None without ``sequence_parallel.enabled``)."""
-    sequence = getattr(engine, "_dyn_plugin_sequence", None)
-    # the plan's micro-batches, not the loaded ones: a pipeline's middle stages load none
-    if sequence is None and any(d.sp > 1 for d in step.plan.micro_batches):
-        raise ValueError(f"step {step.index} splits micro-batches over sequence-parallel groups, but this engine was "
-                         "not initialized with sequence_parallel.enabled (deepspeed_ext.initialize builds the groups)")
-    return sequence

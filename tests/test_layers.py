@@ -93,6 +93,40 @@ def test_imports_point_one_way(path):
             assert top not in FRAMEWORKS, f"{path.relative_to(ROOT)} imports {name}: {layer!r} must stay framework-free"
 
 
+# The host adapters outside dyn_plugin. They sit above the core and beside each other: each may import
+# any dyn_plugin layer below the hosts, never another host, nor what sits above them (benchmarks, CLI).
+HOSTS = ("deepspeed_ext", "megatron_patches")
+ABOVE_HOSTS = {"bench", "commands", "cli", "__main__"}
+HOST_MODULES = sorted(p for host in HOSTS for p in (ROOT / host).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", HOST_MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_hosts_import_the_core_and_not_each_other(path):
+    host = path.relative_to(ROOT).parts[0]
+    for name in _imports(path):
+        parts = name.split(".")
+        assert parts[0] not in set(HOSTS) - {host}, f"{path.relative_to(ROOT)} imports {name}: hosts never import each other"
+        if parts[0] == "dyn_plugin" and len(parts) > 1:
+            assert parts[1] not in ABOVE_HOSTS | {"fsdp"}, (
+                f"{path.relative_to(ROOT)} imports {name}: a host may import the core below it, not the FSDP host, "
+                "the benchmarks or the CLI")
+
+
+def test_only_the_benchmarks_import_deepspeed_ext():
+    """The FSDP host and the core never reach into the DeepSpeed adapter; the benchmarks above both may."""
+    for path in MODULES:
+        if _layer(path) != "bench":
+            assert not any(n.split(".")[0] == "deepspeed_ext" for n in _imports(path)), path
+
+
+@pytest.mark.parametrize("host", ["deepspeed_ext", "megatron_patches", "dyn_plugin/fsdp"])
+def test_every_host_runs_on_the_one_core(host):
+    """What the hosts share (device, dtype, the token-mean step, recompute switches, the loader's checkpoint
+    file) lives once in dyn_plugin.host: each host imports it rather than keeping its own copy."""
+    names = {n for p in (ROOT / host).rglob("*.py") for n in _imports(p)}
+    assert any(n.startswith("dyn_plugin.host") for n in names), f"{host} does not import dyn_plugin.host"
+
+
 def test_no_module_imports_the_megatron_benchmark():
     """bench/train_megatron.py imports megatron_patches: it must stay a child's main module, imported by nobody."""
     for path in MODULES:
@@ -109,21 +143,21 @@ def _module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
-    """Every dyn_plugin module -> the dyn_plugin modules it imports (also inside functions), by
-    name relative to dyn_plugin: ``from .x import name`` counts as importing module ``x.name``
+def module_graph(root: Path = ROOT, package: str = "dyn_plugin") -> dict[str, set[str]]:
+    """Every module of ``package`` -> the modules of it that it imports (also inside functions), by
+    name relative to the package: ``from .x import name`` counts as importing module ``x.name``
     where that is a module, else ``x``."""
-    paths = {_module_name(p, root): p for p in (root / "dyn_plugin").rglob("*.py")}
-    known = set(paths) | {"dyn_plugin._core"}  # the native extension, built or not
+    paths = {_module_name(p, root): p for p in (root / package).rglob("*.py")}
+    known = set(paths) | {f"{package}._core"}  # the native extension, built or not
     graph: dict[str, set[str]] = {}
     for name, path in paths.items():
-        package = path.relative_to(root).with_suffix("").parts[:-1]
+        folder = path.relative_to(root).with_suffix("").parts[:-1]
         found: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+                base = ".".join(folder[: len(folder) - node.level + 1]) if node.level else ""
                 mod = ".".join(x for x in (base, node.module) if x)
                 targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names]
             else:
@@ -134,7 +168,7 @@ def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
                 if target and target != name:
                     found.add(target)
         graph[name] = found
-    short = {n: n.removeprefix("dyn_plugin.") if n != "dyn_plugin" else "__init__" for n in known}
+    short = {n: n.removeprefix(f"{package}.") if n != package else "__init__" for n in known}
     return {short[n]: {short[t] for t in ts} for n, ts in graph.items()}
 
 
@@ -183,9 +217,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[tuple[set[str], list[str]]]:
     return out
 
 
-def import_cycles(root: Path = ROOT) -> list[tuple[set[str], list[str]]]:
-    """Cycles among the modules of each dyn_plugin package, then among the packages."""
-    graph = module_graph(root)
+def import_cycles(root: Path = ROOT, package: str = "dyn_plugin") -> list[tuple[set[str], list[str]]]:
+    """Cycles among the modules of each subpackage of ``package``, then among the subpackages."""
+    graph = module_graph(root, package)
     def layer(m: str) -> str:
         return m.split(".")[0]
 
@@ -196,8 +230,9 @@ def import_cycles(root: Path = ROOT) -> list[tuple[set[str], list[str]]]:
     return _cycles(inside) + _cycles(between)
 
 
-def test_no_import_cycles():
-    cycles = import_cycles()
+@pytest.mark.parametrize("package", ["dyn_plugin", *HOSTS])
+def test_no_import_cycles(package):
+    cycles = import_cycles(package=package)
     assert not cycles, "import cycles (every import counts, also those inside functions): " + "; ".join(
         " -> ".join(path) + (f" (and more among {', '.join(sorted(members))})" if len(members) > len(path) - 1 else "")
         for members, path in cycles)

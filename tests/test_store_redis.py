@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import redis
 from pydantic import ValidationError
-from redis_server import fresh_redis_server, redis_server  # noqa: F401  (pytest fixtures)
 
+from dyn_plugin.config import mask_url
 from dyn_plugin.store import (
     PayloadError,
     StoreAuthError,
@@ -21,8 +21,8 @@ from dyn_plugin.store import (
     encode,
     open_store,
 )
-from dyn_plugin.store.base import mask_url
 from dyn_plugin.store.redis_store import RedisPlanStore
+from redis_server import fresh_redis_server, redis_server  # noqa: F401  (pytest fixtures)
 
 PASSWORD_ENV = "DYN_PLUGIN_REDIS_PASSWORD"
 SECRET = "a-shared-secret-of-32-characters"

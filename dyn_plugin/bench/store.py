@@ -11,7 +11,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..store.base import PlanStore, StoreConfig
+from ..config import StoreConfig
+from ..store.base import PlanStore
 from ..store.factory import open_store
 from ..store.redis_server import RedisServer, RedisServerNotFound
 from ..store.redis_store import RedisPlanStore

@@ -40,8 +40,9 @@ from tqdm import tqdm
 from ..config import DynPluginConfig, load_config
 from ..cost.from_config import live_cost_model
 from ..cost.table import TableCostModel
+from ..fsdp.engine import initialize
 from ..fsdp.memory import measure, predicted_peak_bytes
-from ..fsdp.train import initialize, train_step
+from ..fsdp.step import train_step
 from ..models.hf import build_causal_lm, load_model_config
 from ..models.shard_units import shard_units
 from ..plan.shard_plan import MB, ShardPlan, ShardUnit

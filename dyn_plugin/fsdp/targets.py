@@ -16,6 +16,7 @@ from ..models.shard_units import unit_modules
 from ..models.split_linear import split_linear
 from ..plan.shard_plan import Choice, ShardPlan
 
+
 @dataclass(frozen=True)
 class Target:
     """One module to wrap and the (non-split) choice it runs."""

@@ -15,7 +15,7 @@ import logging
 import os
 from abc import ABC, abstractmethod
 
-from ..config import MIN_SECRET_BYTES, StoreConfig, mask_url, with_password  # noqa: F401 (re-exported)
+from ..config import MIN_SECRET_BYTES, StoreConfig
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from .base import PlanStore, StoreAuthError, StoreConfig, StoreError, StoreUnavailable, mask_url, with_password
+from ..config import StoreConfig, mask_url, with_password
+from .base import PlanStore, StoreAuthError, StoreError, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 

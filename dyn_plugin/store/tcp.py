@@ -28,7 +28,8 @@ from typing import Iterator
 
 from torch.distributed import DistError, DistNetworkError, DistStoreError, TCPStore
 
-from .base import PlanStore, StoreConfig, StoreError, StoreUnavailable
+from ..config import StoreConfig
+from .base import PlanStore, StoreError, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 

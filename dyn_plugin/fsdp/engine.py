@@ -1,14 +1,12 @@
-"""A thin training entry for plain PyTorch FSDP with the plugin's loader and a sharding plan.
+"""``dyn_plugin.fsdp.initialize``: a sharding plan applied to plain PyTorch FSDP, the optimizer and
+the plugin's loader.
 
-    model, optimizer, loader, plan = initialize(model, "config.json", dataset, lengths, plan="plan.json")
+    model, optimizer, loader, plan = fsdp.initialize(model, "config.json", dataset, lengths, plan="plan.json")
     for step in loader:
-        loss = train_step(model, optimizer, step, plan)
+        loss = fsdp.train_step(model, optimizer, step, plan)
 
-The same exact token-mean contract as ``deepspeed_ext.train_step``: each micro-batch's summed
-token loss is scaled by world / (scored tokens of the whole global batch); FSDP averages
-gradients over the world, so the update is that of the global batch's token-mean loss whatever
-the micro-batches. Every micro-batch's forward gathers sharded parameters, so every rank must
-run the same number of micro-batches: the loader plans equal counts (``zero_stage=3``).
+Every micro-batch's forward gathers sharded parameters, so every rank must run the same number of
+micro-batches: the loader plans equal counts (``zero_stage=3``).
 """
 from __future__ import annotations
 
@@ -19,21 +17,18 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from ..config import LoadedConfig, load_config
 from ..cost.from_config import live_cost_model
 from ..cost.table import TableCostModel
 from ..host.device import rank_device
-from ..host.recompute import recompute_switch
-from ..host.token_mean import HostHooks, token_mean_step
 from ..layout import RankLayout
 from ..models.shard_units import shard_units
 from ..plan.shard_plan import ShardPlan
 from ..profiling.allocator import stable_cpu_allocator
-from ..runtime.loader import DynLoader, Step
+from ..runtime.loader import DynLoader
 from ..runtime.sharding import shard_plan_for_run
-from .fully_shard import apply_fully_shard, held_units
+from .fully_shard import apply_fully_shard
 from .policy import policy
 
 logger = logging.getLogger(__name__)
@@ -98,35 +93,3 @@ def initialize(
     loader = DynLoader(dataset, lengths=lengths, config=plugin, cost_model=cost, layout=RankLayout(world), column=rank,
                        zero_stage=3, seed=seed, state_bytes=plan.planning_state_bytes)
     return model, optimizer, loader, plan
-
-
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step, plan: ShardPlan) -> float:
-    """Run this rank's micro-batches of one planned step and take the optimizer step.
-
-    Returns the token-mean loss of the whole global batch (over every rank). Per micro-batch:
-    the plan's recompute mode; keep and replicate units (FSDP2) stay gathered and accumulate
-    unsharded gradients until the last micro-batch, whose backward reduces them once."""
-    held = _held_units(model, plan)
-
-    def boundary(last: bool) -> None:
-        for unit in held:
-            unit.set_requires_gradient_sync(last, recurse=False)
-            unit.set_reshard_after_backward(last, recurse=False)
-
-    def optimizer_step() -> None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    host = HostHooks(forward=model, device=next(model.parameters()).device, recompute=recompute_switch(model),
-                     boundary=boundary, backward=lambda loss: loss.backward(), optimizer_step=optimizer_step)
-    return token_mean_step(step, host, dist.get_world_size())
-
-
-def _held_units(model: nn.Module, plan: ShardPlan) -> list[FSDPModule]:
-    """FSDP2's keep and replicate units of ``model``, found once per plan; none under FSDP1, which
-    reduces every unit's gradients per micro-batch."""
-    cached = getattr(model, "_dyn_plugin_held", None)
-    if cached is None or cached[0] is not plan:
-        cached = model._dyn_plugin_held = (plan, held_units(model, plan) if isinstance(model, FSDPModule) else [])
-    return cached[1]
-
