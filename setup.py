@@ -3,6 +3,7 @@
 The extension is optional by design: if no compiler (or pybind11) is available the build
 warns and the package runs on its pure-Python twins (`dynplugin report` says which).
 """
+
 import glob
 import logging
 import os

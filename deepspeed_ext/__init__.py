@@ -29,6 +29,7 @@ Modules: ``engine`` (initialize), ``step`` (train_step, on the host core's token
 ``checkpoint`` (save/load, the loader position beside DeepSpeed's checkpoint), ``pipe_engine``,
 ``pipe_module``, ``sequence_parallel``, ``zero3``.
 """
+
 from __future__ import annotations
 
 from deepspeed_ext.checkpoint import load_checkpoint, save_checkpoint
@@ -37,5 +38,12 @@ from deepspeed_ext.step import train_step
 from dyn_plugin.cost.from_config import model_shape
 from dyn_plugin.host.device import training_dtype
 
-__all__ = ["initialize", "train_step", "training_dtype", "save_checkpoint", "load_checkpoint", "skip_cpu_shm_build",
-           "model_shape"]
+__all__ = [
+    "initialize",
+    "train_step",
+    "training_dtype",
+    "save_checkpoint",
+    "load_checkpoint",
+    "skip_cpu_shm_build",
+    "model_shape",
+]

@@ -1,4 +1,5 @@
 """DeepSpeed's checkpoint plus the plugin loader's position (dyn_plugin.host.checkpoint)."""
+
 from __future__ import annotations
 
 import os

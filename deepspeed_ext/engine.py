@@ -1,5 +1,6 @@
 """``deepspeed_ext.initialize``: the plugin's checks, loader and (with pipelines) engine around
 ``deepspeed.initialize``."""
+
 from __future__ import annotations
 
 import contextlib
@@ -31,10 +32,15 @@ def skip_cpu_shm_build() -> None:
 
 
 def _dtype_mismatch(what: str, dtype: str, ds_dtype: str, fix: str) -> ValueError:
-    section = {"bf16": "bf16.enabled is true", "fp16": "fp16.enabled is true",
-               "fp32": "neither bf16.enabled nor fp16.enabled is true"}[ds_dtype]
-    return ValueError(f"{what} is {dtype!r} but the DeepSpeed config trains in {ds_dtype} ({section}): the plan would "
-                      f"price activations and memory in the wrong precision; {fix}")
+    section = {
+        "bf16": "bf16.enabled is true",
+        "fp16": "fp16.enabled is true",
+        "fp32": "neither bf16.enabled nor fp16.enabled is true",
+    }[ds_dtype]
+    return ValueError(
+        f"{what} is {dtype!r} but the DeepSpeed config trains in {ds_dtype} ({section}): the plan would "
+        f"price activations and memory in the wrong precision; {fix}"
+    )
 
 
 def _cost_model(cfg: LoadedConfig, model: torch.nn.Module) -> TableCostModel:
@@ -42,16 +48,23 @@ def _cost_model(cfg: LoadedConfig, model: torch.nn.Module) -> TableCostModel:
     cm = cfg.plugin.cost_model
     ds_dtype = training_dtype(cfg.deepspeed)
     if "dtype" in cm.model_fields_set and cm.dtype != ds_dtype:
-        raise _dtype_mismatch("dyn_plugin.cost_model.dtype", cm.dtype, ds_dtype,
-                              f"set it to {ds_dtype!r} or leave it out (it follows the DeepSpeed config)")
+        raise _dtype_mismatch(
+            "dyn_plugin.cost_model.dtype",
+            cm.dtype,
+            ds_dtype,
+            f"set it to {ds_dtype!r} or leave it out (it follows the DeepSpeed config)",
+        )
     cm = cm.model_copy(update={"dtype": ds_dtype})  # set: a profile measured in another precision is refused
     return live_cost_model(cm, cfg.plugin.cluster, model)
 
 
 def _deepspeed_config(ds: dict[str, Any], dp: int) -> dict[str, Any]:
     ds = dict(ds)
-    for key, value in (("train_micro_batch_size_per_gpu", 1), ("gradient_accumulation_steps", 1),
-                       ("train_batch_size", dp)):
+    for key, value in (
+        ("train_micro_batch_size_per_gpu", 1),
+        ("gradient_accumulation_steps", 1),
+        ("train_batch_size", dp),
+    ):
         if key in ds and ds[key] != value:
             logger.info("dyn_plugin plans micro-batches per step: %s %s -> %s", key, ds[key], value)
         ds[key] = value
@@ -79,24 +92,34 @@ def initialize(
 
     cfg = config if isinstance(config, LoadedConfig) else load_config(config)
     if cost_model is not None and cost_model.dtype != training_dtype(cfg.deepspeed):
-        raise _dtype_mismatch("the cost_model argument's dtype", cost_model.dtype, training_dtype(cfg.deepspeed),
-                              "build it (or measure its profile) in the precision DeepSpeed trains in")
+        raise _dtype_mismatch(
+            "the cost_model argument's dtype",
+            cost_model.dtype,
+            training_dtype(cfg.deepspeed),
+            "build it (or measure its profile) in the precision DeepSpeed trains in",
+        )
     pp = cfg.plugin.pipeline.stages
     sp = cfg.plugin.sequence_parallel
     if sp.enabled:
         _check_sequence_parallel(cfg)
     if shard_plan is not None and not cfg.plugin.sharding.enabled:
-        raise ValueError("a shard_plan was given but dyn_plugin.sharding.enabled is false; set it to true to apply the plan")
+        raise ValueError(
+            "a shard_plan was given but dyn_plugin.sharding.enabled is false; set it to true to apply the plan"
+        )
     if cfg.plugin.sharding.enabled:
         _check_sharding(cfg)
     if pp > 1 and cfg.zero_stage >= 2:
-        raise ValueError(f"pipeline.stages = {pp} with zero_optimization.stage = {cfg.zero_stage}: DeepSpeed's "
-                         "pipeline engine supports ZeRO stages 0 and 1 only; use ZeRO-1 with pipelines, or ZeRO-2/3 without")
+        raise ValueError(
+            f"pipeline.stages = {pp} with zero_optimization.stage = {cfg.zero_stage}: DeepSpeed's "
+            "pipeline engine supports ZeRO stages 0 and 1 only; use ZeRO-1 with pipelines, or ZeRO-2/3 without"
+        )
     method = cfg.plugin.microbatching.method
     if cfg.zero_stage >= 2 and method != "dynapipe":
-        raise ValueError(f"microbatching.method {method!r} with zero_optimization.stage = {cfg.zero_stage}: that batching "
-                         "does not give every data-parallel rank the same number of micro-batches, which ZeRO-2/3 "
-                         "need; use method 'dynapipe' (it plans equal counts) or ZeRO stage 0 or 1")
+        raise ValueError(
+            f"microbatching.method {method!r} with zero_optimization.stage = {cfg.zero_stage}: that batching "
+            "does not give every data-parallel rank the same number of micro-batches, which ZeRO-2/3 "
+            "need; use method 'dynapipe' (it plans equal counts) or ZeRO stage 0 or 1"
+        )
     if not torch.cuda.is_available():
         # the allocator the CPU profile was measured under (dyn_plugin/cost/allocator.py)
         stable_cpu_allocator()
@@ -119,8 +142,18 @@ def initialize(
         # what ZeRO-3 really holds under the mapping (not the plan's ideal), plus the room the plan keeps
         # clear beside its states (planner_state_bytes)
         state_bytes = mapping.memory_bytes + shard_plan.planning_state_bytes - shard_plan.state_bytes
-    loader = DynLoader(dataset, lengths=lengths, config=cfg, cost_model=cost, layout=layout, stage=stage, column=column,
-                       seed=seed, state_bytes=state_bytes, device=collective_device())
+    loader = DynLoader(
+        dataset,
+        lengths=lengths,
+        config=cfg,
+        cost_model=cost,
+        layout=layout,
+        stage=stage,
+        column=column,
+        seed=seed,
+        state_bytes=state_bytes,
+        device=collective_device(),
+    )
     shape = model_shape(model) if sp.enabled else None  # a pipeline's module below has no config
     swap = contextlib.nullcontext()
     if pp > 1:
@@ -131,38 +164,64 @@ def initialize(
 
         planned = [s.num_layers for s in loader.context.spec.stages]
         if isinstance(model, PipelineModule):
-            logger.warning("using the given PipelineModule as it is: its stages should hold %s transformer layers "
-                           "(pipeline.layers_per_stage), as the planner prices them", planned)
+            logger.warning(
+                "using the given PipelineModule as it is: its stages should hold %s transformer layers "
+                "(pipeline.layers_per_stage), as the planner prices them",
+                planned,
+            )
         else:
             model = causal_lm_pipe(model, planned)
         swap = _engine_class(deepspeed, PlanPipelineEngine)
     with swap:
         engine, optimizer, _, scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, model_parameters=model_parameters or model.parameters(),
-            lr_scheduler=lr_scheduler, config=ds_config, dist_init_required=False)
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model_parameters or model.parameters(),
+            lr_scheduler=lr_scheduler,
+            config=ds_config,
+            dist_init_required=False,
+        )
     engine._dyn_plugin_shard_plan = shard_plan if cfg.plugin.sharding.enabled else None  # the plan that ran
     if sp.enabled:
         from deepspeed_ext.sequence_parallel import SequenceRuntime
 
-        engine._dyn_plugin_sequence = SequenceRuntime(sp, columns=dp, stages=pp, num_heads=shape.num_heads,
-                                                      num_kv_heads=shape.num_kv_heads, seed=seed, device=engine.device)
+        engine._dyn_plugin_sequence = SequenceRuntime(
+            sp,
+            columns=dp,
+            stages=pp,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            seed=seed,
+            device=engine.device,
+        )
     return engine, optimizer, loader, scheduler
 
 
 def _check_sharding(cfg: LoadedConfig) -> None:
     """A sharding plan runs here only as ZeRO-3 settings."""
     if cfg.zero_stage != 3:
-        raise ValueError(f"dyn_plugin.sharding.enabled with zero_optimization.stage = {cfg.zero_stage}: DeepSpeed "
-                         "expresses a per-module sharding plan only under ZeRO-3; set zero_optimization.stage to 3, "
-                         "or train with the FSDP entry dyn_plugin.fsdp")
+        raise ValueError(
+            f"dyn_plugin.sharding.enabled with zero_optimization.stage = {cfg.zero_stage}: DeepSpeed "
+            "expresses a per-module sharding plan only under ZeRO-3; set zero_optimization.stage to 3, "
+            "or train with the FSDP entry dyn_plugin.fsdp"
+        )
     host = cfg.plugin.sharding.host
     if host not in ("auto", "zero3"):
-        raise ValueError(f"dyn_plugin.sharding.host = {host!r} under DeepSpeed: plans here run as ZeRO-3 settings; set "
-                         "it to 'zero3' or 'auto', or train with the FSDP entry dyn_plugin.fsdp")
+        raise ValueError(
+            f"dyn_plugin.sharding.host = {host!r} under DeepSpeed: plans here run as ZeRO-3 settings; set "
+            "it to 'zero3' or 'auto', or train with the FSDP entry dyn_plugin.fsdp"
+        )
 
 
-def _apply_sharding(cfg: LoadedConfig, model: torch.nn.Module, plan: ShardPlan | None, cost: TableCostModel,
-                    lengths: Sequence[int], seed: int, rank: int):
+def _apply_sharding(
+    cfg: LoadedConfig,
+    model: torch.nn.Module,
+    plan: ShardPlan | None,
+    cost: TableCostModel,
+    lengths: Sequence[int],
+    seed: int,
+    rank: int,
+):
     """The run's plan (given, ``sharding.plan``, or searched with ZeRO-3's semantics; the same on
     every rank) and its ZeRO-3 settings; what ZeRO-3 loses is logged."""
     from dyn_plugin.models.shard_units import shard_units
@@ -171,8 +230,17 @@ def _apply_sharding(cfg: LoadedConfig, model: torch.nn.Module, plan: ShardPlan |
     # the device this rank's engine will use: before deepspeed.initialize no one has set the current
     # device, and NCCL needs each rank's broadcast on its own GPU
     device = rank_device()
-    plan = shard_plan_for_run(shard_units(model), cfg.plugin, cost, lengths, host="zero3", device=device,
-                              model=type(model).__name__, seed=seed, plan=plan)
+    plan = shard_plan_for_run(
+        shard_units(model),
+        cfg.plugin,
+        cost,
+        lengths,
+        host="zero3",
+        device=device,
+        model=type(model).__name__,
+        seed=seed,
+        plan=plan,
+    )
     mapping = zero3_settings(model, plan)
     if rank == 0:
         for line in mapping.lost:
@@ -186,9 +254,11 @@ def _check_sequence_parallel(cfg: LoadedConfig) -> None:
     check_deepspeed_config(cfg.deepspeed)
     balance = cfg.plugin.sequence_parallel.balance
     if cfg.zero_stage >= 2 and balance == "inter":
-        raise ValueError(f"sequence_parallel.balance = 'inter' with zero_optimization.stage = {cfg.zero_stage}: groups "
-                         "would run different numbers of micro-batches, but ZeRO-2/3 need the same number on every "
-                         "rank; use balance 'intra' or 'auto', or ZeRO stage 0 or 1")
+        raise ValueError(
+            f"sequence_parallel.balance = 'inter' with zero_optimization.stage = {cfg.zero_stage}: groups "
+            "would run different numbers of micro-batches, but ZeRO-2/3 need the same number on every "
+            "rank; use balance 'intra' or 'auto', or ZeRO stage 0 or 1"
+        )
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ against labels shifted before the split, scaled as above with dp = every column:
 shard losses add up to the micro-batch's, and the gradients of each rank's parameters include
 the other shards' through the attention collectives, so the update stays the exact token mean.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -72,11 +73,16 @@ class PlanPipelineEngine(PipelineEngine):
         would pair ranks the plans did not."""
         topo, layout = self.grid.topology(), RankLayout.of(self.dp_world_size, self.num_stages)
         axes = topo.get_axis_names()
-        if axes != ["pipe", "data"] or any(topo.get_rank(pipe=s, data=c) != layout.rank_of(s, c)
-                                           for s in range(layout.stages) for c in range(layout.columns)):
-            raise ValueError(f"the pipeline's topology (axes {axes}) does not number ranks stage * columns + column, "
-                             "as the plugin's plans and sequence-parallel groups do: build the PipelineModule with "
-                             "num_stages (DeepSpeed then uses PipeDataParallelTopology), not a custom topology")
+        if axes != ["pipe", "data"] or any(
+            topo.get_rank(pipe=s, data=c) != layout.rank_of(s, c)
+            for s in range(layout.stages)
+            for c in range(layout.columns)
+        ):
+            raise ValueError(
+                f"the pipeline's topology (axes {axes}) does not number ranks stage * columns + column, "
+                "as the plugin's plans and sequence-parallel groups do: build the PipelineModule with "
+                "num_stages (DeepSpeed then uses PipeDataParallelTopology), not a custom topology"
+            )
 
     def train_batch(self, data_iter: Iterator[Step] | Step | None = None) -> float:  # type: ignore[override]
         """Run this rank's plan of one step and take the optimizer step; returns the global
@@ -87,17 +93,23 @@ class PlanPipelineEngine(PipelineEngine):
         self._run(step, step.plan.instructions, training=True)
         return self._global_loss(step.scored_tokens)
 
-    def eval_batch(self, data_iter: Iterator[Step] | Step, return_logits: bool = False, compute_loss: bool = True,
-                   **_: object) -> float:  # type: ignore[override]
+    def eval_batch(
+        self, data_iter: Iterator[Step] | Step, return_logits: bool = False, compute_loss: bool = True, **_: object
+    ) -> float:  # type: ignore[override]
         """Run the forwards of one step's plan, without gradients; returns the global batch's
         token-mean loss. The plan's backward half (receive gradient, backward, send gradient,
         reduction, optimizer step) is left out."""
         if return_logits or not compute_loss:
-            raise ValueError("eval_batch of the plugin's pipeline returns the token-mean loss only "
-                             "(return_logits=False, compute_loss=True): logits stay on the last stage")
+            raise ValueError(
+                "eval_batch of the plugin's pipeline returns the token-mean loss only "
+                "(return_logits=False, compute_loss=True): logits stay on the last stage"
+            )
         step = self._next_step(data_iter, "eval_batch")
-        forwards = tuple(replace(i, batch_next=False) for i in step.plan.instructions
-                         if isinstance(i, (LoadMicroBatch, RecvActivation, ForwardPass, SendActivation)))
+        forwards = tuple(
+            replace(i, batch_next=False)
+            for i in step.plan.instructions
+            if isinstance(i, (LoadMicroBatch, RecvActivation, ForwardPass, SendActivation))
+        )
         was_training = self.module.training
         self.module.eval()
         try:
@@ -111,13 +123,16 @@ class PlanPipelineEngine(PipelineEngine):
         if data_iter is None:
             data_iter = self.data_iterator
         if data_iter is None:
-            raise ValueError(f"{caller} needs a step of the plugin's loader: {caller}(step) or "
-                             f"{caller}(data_iter=iter(loader))")
+            raise ValueError(
+                f"{caller} needs a step of the plugin's loader: {caller}(step) or {caller}(data_iter=iter(loader))"
+            )
         step = data_iter if isinstance(data_iter, Step) else next(data_iter)
         if not isinstance(step, Step):
             # DeepSpeed's fixed schedule would run on data the plan did not cut: refuse it
-            raise TypeError(f"{caller} runs the plugin's plans: data_iter must yield the loader's Steps "
-                            f"(deepspeed_ext.initialize returns that loader), got {type(step).__name__}")
+            raise TypeError(
+                f"{caller} runs the plugin's plans: data_iter must yield the loader's Steps "
+                f"(deepspeed_ext.initialize returns that loader), got {type(step).__name__}"
+            )
         return step
 
     def _run(self, step: Step, instructions: tuple[Instruction, ...], *, training: bool) -> None:
@@ -178,8 +193,9 @@ class PlanPipelineEngine(PipelineEngine):
             return None
         if mb not in self._shards:
             whole = position_ids(desc.seq_lens, desc.layout, desc.shape).to(self.device)
-            self._shards[mb] = self._sequence.shard(self.stage_id, desc.sp, desc.group,
-                                                    self._step.plan.column - desc.group, whole)
+            self._shards[mb] = self._sequence.shard(
+                self.stage_id, desc.sp, desc.group, self._step.plan.column - desc.group, whole
+            )
         return self._shards[mb]
 
     @staticmethod
@@ -195,15 +211,19 @@ class PlanPipelineEngine(PipelineEngine):
         want = (self.global_rank, self.stage_id, self.num_stages, self.grid.data_parallel_id)
         got = (plan.rank, plan.stage, plan.num_stages, plan.column)
         if got != want:
-            raise ValueError(f"execution plan for rank {got[0]} (stage {got[1]} of {got[2]}, column {got[3]}) handed "
-                             f"to rank {want[0]} (stage {want[1]} of {want[2]}, column {want[3]}); build the loader "
-                             "with this engine's stage and data-parallel ranks")
+            raise ValueError(
+                f"execution plan for rank {got[0]} (stage {got[1]} of {got[2]}, column {got[3]}) handed "
+                f"to rank {want[0]} (stage {want[1]} of {want[2]}, column {want[3]}); build the loader "
+                "with this engine's stage and data-parallel ranks"
+            )
 
     def _peer(self, ins: Instruction, offset: int) -> int:
         expected = self.grid.stage_to_global(self.stage_id + offset)
         if ins.peer != expected:
-            raise ValueError(f"{type(ins).__name__} of micro-batch {ins.mb} names rank {ins.peer}, but stage "
-                             f"{self.stage_id + offset} of this replica is rank {expected}")
+            raise ValueError(
+                f"{type(ins).__name__} of micro-batch {ins.mb} names rank {ins.peer}, but stage "
+                f"{self.stage_id + offset} of this replica is rank {expected}"
+            )
         return expected
 
     def _act_dtype(self) -> torch.dtype:
@@ -221,7 +241,7 @@ class PlanPipelineEngine(PipelineEngine):
             desc = self._step.plan.micro_batches[mb]
             return position_ids(desc.seq_lens, desc.layout, desc.shape).to(self.device)
         width = shard.position_ids.shape[1] // shard.size
-        return shard.position_ids[:, shard.index * width:(shard.index + 1) * width]
+        return shard.position_ids[:, shard.index * width : (shard.index + 1) * width]
 
     def _exec_load(self, ins: LoadMicroBatch) -> None:
         tensors = self._tensors[ins.mb]
@@ -237,6 +257,7 @@ class PlanPipelineEngine(PipelineEngine):
         def done() -> None:
             hidden.requires_grad_(self._training)
             self.pipe_buffers["inputs"][ins.buffer] = (hidden, self._positions(ins.mb))
+
         return dist.P2POp(dist.irecv, hidden, self._peer(ins, -1)), done
 
     def _set_recompute(self, mb: int) -> None:
@@ -258,8 +279,10 @@ class PlanPipelineEngine(PipelineEngine):
             return
         hidden = outputs[0] if isinstance(outputs, tuple) else outputs
         if tuple(hidden.shape) != tuple(ins.shapes[0]):
-            raise RuntimeError(f"stage {self.stage_id} produced {tuple(hidden.shape)} for micro-batch {ins.mb}, the plan "
-                               f"expects {tuple(ins.shapes[0])}: does the model's hidden size match the cost model's?")
+            raise RuntimeError(
+                f"stage {self.stage_id} produced {tuple(hidden.shape)} for micro-batch {ins.mb}, the plan "
+                f"expects {tuple(ins.shapes[0])}: does the model's hidden size match the cost model's?"
+            )
         self.pipe_buffers["outputs"][ins.buffer] = hidden
 
     def _token_loss(self, mb: int, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -267,10 +290,12 @@ class PlanPipelineEngine(PipelineEngine):
         if self._step.plan.micro_batches[mb].sp == 1:
             return self.module.loss_fn(logits, labels)
         if self.module.loss_fn is not summed_token_loss:
-            raise ValueError(f"micro-batch {mb} runs sequence-parallel, so the last stage holds a shard of each row "
-                             "with labels shifted before the split; the module's loss_fn "
-                             f"{getattr(self.module.loss_fn, '__name__', self.module.loss_fn)!r} shifts them again. "
-                             "Use deepspeed_ext.pipe_module.summed_token_loss (causal_lm_pipe does)")
+            raise ValueError(
+                f"micro-batch {mb} runs sequence-parallel, so the last stage holds a shard of each row "
+                "with labels shifted before the split; the module's loss_fn "
+                f"{getattr(self.module.loss_fn, '__name__', self.module.loss_fn)!r} shifts them again. "
+                "Use deepspeed_ext.pipe_module.summed_token_loss (causal_lm_pipe does)"
+            )
         return summed_token_loss(logits, labels, shifted=True)
 
     def _exec_send_activation(self, ins: SendActivation) -> tuple[dist.P2POp, Callable[[], None]]:
@@ -279,6 +304,7 @@ class PlanPipelineEngine(PipelineEngine):
         def done() -> None:
             if not self._training:  # no backward will free it
                 self.pipe_buffers["outputs"][ins.buffer] = None
+
         return dist.P2POp(dist.isend, hidden, self._peer(ins, +1)), done
 
     def _exec_recv_grad(self, ins: RecvGrad) -> tuple[dist.P2POp, Callable[[], None]]:
@@ -286,6 +312,7 @@ class PlanPipelineEngine(PipelineEngine):
 
         def done() -> None:
             self.grad_layer = grad
+
         return dist.P2POp(dist.irecv, grad, self._peer(ins, +1)), done
 
     def _exec_backward(self, ins: BackwardPass) -> None:
@@ -304,6 +331,7 @@ class PlanPipelineEngine(PipelineEngine):
 
         def done() -> None:
             self.pipe_buffers["inputs"][ins.buffer] = None
+
         return dist.P2POp(dist.isend, grad, self._peer(ins, -1)), done
 
     def _exec_reduce(self, ins: ReduceGrads) -> None:
@@ -319,8 +347,9 @@ class PlanPipelineEngine(PipelineEngine):
         if self.is_last_stage() and self.is_data_parallel:
             dist.all_reduce(total, group=self.grid.get_data_parallel_group())
         if self.is_pipe_parallel:
-            dist.broadcast(total, src=self.grid.stage_to_global(self.num_stages - 1),
-                           group=self.grid.get_pipe_parallel_group())
+            dist.broadcast(
+                total, src=self.grid.stage_to_global(self.num_stages - 1), group=self.grid.get_pipe_parallel_group()
+            )
         return float(total) / tokens
 
     _INSTRUCTION_MAP = {

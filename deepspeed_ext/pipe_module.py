@@ -9,6 +9,7 @@ rebuilds the position ids from its plan. Attention gets no mask: the plugin's pe
 kernel (or flash-attention) isolates packed documents by position-id resets, and right-padded
 rows are handled by causality.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -29,8 +30,10 @@ class PlannedPipelineModule(PipelineModule):
 
     def __init__(self, layers: Sequence[nn.Module], layers_per_stage: Sequence[int], **kwargs) -> None:
         if sum(layers_per_stage) != len(layers):
-            raise ValueError(f"layers_per_stage {list(layers_per_stage)} covers {sum(layers_per_stage)} layers, "
-                             f"the module has {len(layers)}")
+            raise ValueError(
+                f"layers_per_stage {list(layers_per_stage)} covers {sum(layers_per_stage)} layers, "
+                f"the module has {len(layers)}"
+            )
         self._cuts = [0]
         for n in layers_per_stage:
             self._cuts.append(self._cuts[-1] + n)
@@ -61,7 +64,9 @@ class Decoder(nn.Module):
         hidden, position_ids = inputs
         # Recomputed per layer (a [tokens, head_dim] table) so that no layer depends on another's state.
         rope = self.rotary_emb(hidden, position_ids=position_ids)
-        return self.layer(hidden, attention_mask=None, position_ids=position_ids, position_embeddings=rope), position_ids
+        return self.layer(
+            hidden, attention_mask=None, position_ids=position_ids, position_embeddings=rope
+        ), position_ids
 
 
 class Head(nn.Module):
@@ -90,20 +95,29 @@ def causal_lm_pipe(model: nn.Module, layers_per_stage: Sequence[int]) -> Planned
     last also runs the norm and the head, as the planner's cost model assumes."""
     body = getattr(model, "model", None)
     if body is None or not all(hasattr(body, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        raise ValueError(f"{type(model).__name__} is not a Llama-family causal LM (model.embed_tokens/layers/norm/"
-                         "rotary_emb); build a PipelineModule yourself and pass it as the model")
+        raise ValueError(
+            f"{type(model).__name__} is not a Llama-family causal LM (model.embed_tokens/layers/norm/"
+            "rotary_emb); build a PipelineModule yourself and pass it as the model"
+        )
     attn = getattr(model.config, "_attn_implementation", None)
     if attn not in MASK_FREE_ATTENTION:
-        raise ValueError(f"attention implementation {attn!r} needs a mask to keep packed documents apart; pipeline "
-                         f"stages pass none: use one of {MASK_FREE_ATTENTION} (dyn_plugin.models.hf.build_causal_lm "
-                         "defaults to 'dyn_varlen')")
+        raise ValueError(
+            f"attention implementation {attn!r} needs a mask to keep packed documents apart; pipeline "
+            f"stages pass none: use one of {MASK_FREE_ATTENTION} (dyn_plugin.models.hf.build_causal_lm "
+            "defaults to 'dyn_varlen')"
+        )
     if getattr(model.config, "tie_word_embeddings", False) and len(layers_per_stage) > 1:
         raise ValueError("tied input and output embeddings would live on two stages; set tie_word_embeddings=False")
     if sum(layers_per_stage) != len(body.layers):
-        raise ValueError(f"layers_per_stage {list(layers_per_stage)} sums to {sum(layers_per_stage)}, "
-                         f"the model has {len(body.layers)} decoder layers")
-    layers = [Embed(body.embed_tokens), *(Decoder(l, body.rotary_emb) for l in body.layers),
-              Head(body.norm, model.lm_head)]
+        raise ValueError(
+            f"layers_per_stage {list(layers_per_stage)} sums to {sum(layers_per_stage)}, "
+            f"the model has {len(body.layers)} decoder layers"
+        )
+    layers = [
+        Embed(body.embed_tokens),
+        *(Decoder(l, body.rotary_emb) for l in body.layers),
+        Head(body.norm, model.lm_head),
+    ]
     counts = list(layers_per_stage)
     counts[0] += 1
     counts[-1] += 1

@@ -15,6 +15,7 @@ current later) and a random stream seeded per group and micro-batch, so dropout 
 on every rank of the group and again after a resume. The pipeline engine (pipe_engine.py) enters
 ``running`` around each stage's forward and backward of a micro-batch, with that stage's group.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,29 +36,45 @@ def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
     ranks; DeepSpeed's own fixed degree would divide the data-parallel world under it."""
     size = ds.get("sequence_parallel_size", 1)
     if size != 1:
-        raise ValueError(f"the DeepSpeed config sets sequence_parallel_size = {size}: DeepSpeed would then split the "
-                         "data-parallel ranks into fixed sequence-parallel groups under the plugin's plans; remove it "
-                         "and use dyn_plugin.sequence_parallel (the plugin picks a group size per micro-batch)")
+        raise ValueError(
+            f"the DeepSpeed config sets sequence_parallel_size = {size}: DeepSpeed would then split the "
+            "data-parallel ranks into fixed sequence-parallel groups under the plugin's plans; remove it "
+            "and use dyn_plugin.sequence_parallel (the plugin picks a group size per micro-batch)"
+        )
 
 
 def use_plugin_attention(model: torch.nn.Module) -> None:
     """Make a transformers model attend through ``dyn_varlen``, the kernel that spans a group."""
     if not getattr(model, "_supports_attention_backend", False) or not hasattr(model, "config"):
-        raise ValueError(f"sequence_parallel.enabled needs a transformers model whose attention goes through "
-                         f"transformers' AttentionInterface (_supports_attention_backend): {type(model).__name__} "
-                         "does not, so its attention could not span a sequence-parallel group; disable "
-                         "sequence_parallel or use such a model")
+        raise ValueError(
+            f"sequence_parallel.enabled needs a transformers model whose attention goes through "
+            f"transformers' AttentionInterface (_supports_attention_backend): {type(model).__name__} "
+            "does not, so its attention could not span a sequence-parallel group; disable "
+            "sequence_parallel or use such a model"
+        )
     model.config._attn_implementation = register()
 
 
 class SequenceRuntime:
     """Built once per run, after the process group: every aligned group, and per size the attention kind."""
 
-    def __init__(self, config: SequenceParallelConfig, *, columns: int, stages: int, num_heads: int,
-                 num_kv_heads: int | None, seed: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: SequenceParallelConfig,
+        *,
+        columns: int,
+        stages: int,
+        num_heads: int,
+        num_kv_heads: int | None,
+        seed: int,
+        device: torch.device,
+    ) -> None:
         self.groups = SequenceGroups(columns, stages, config.sizes)  # collective: every rank, same order
-        self.kinds = {k: attention_kind(k, config.attention, num_heads, num_kv_heads)
-                      for k in group_sizes(columns, config.sizes) if k > 1}
+        self.kinds = {
+            k: attention_kind(k, config.attention, num_heads, num_kv_heads)
+            for k in group_sizes(columns, config.sizes)
+            if k > 1
+        }
         self.seed, self.device = seed, device
 
     def shard(self, stage: int, size: int, first: int, index: int, positions: torch.Tensor) -> SequenceShard | None:
@@ -90,6 +107,8 @@ def sequence_runtime(engine: Any, step: Step) -> SequenceRuntime | None:
     sequence = getattr(engine, "_dyn_plugin_sequence", None)
     # the plan's micro-batches, not the loaded ones: a pipeline's middle stages load none
     if sequence is None and any(d.sp > 1 for d in step.plan.micro_batches):
-        raise ValueError(f"step {step.index} splits micro-batches over sequence-parallel groups, but this engine was "
-                         "not initialized with sequence_parallel.enabled (deepspeed_ext.initialize builds the groups)")
+        raise ValueError(
+            f"step {step.index} splits micro-batches over sequence-parallel groups, but this engine was "
+            "not initialized with sequence_parallel.enabled (deepspeed_ext.initialize builds the groups)"
+        )
     return sequence

@@ -4,6 +4,7 @@ Data parallel (and ZeRO): the host core's token-mean step (dyn_plugin.host.token
 DeepSpeed's accumulation boundary, backward and step. Pipelines: the plugin's
 ``PlanPipelineEngine`` runs the step's execution plan.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,7 +45,12 @@ def deepspeed_host(engine, step: Step) -> HostHooks:
     def micro_batch(index: int, tensors: dict[str, torch.Tensor]) -> ContextManager[Any]:
         return sequence.micro_batch(step, index, tensors) if sequence else contextlib.nullcontext()
 
-    return HostHooks(forward=engine, device=engine.device, recompute=recompute_switch(engine.module),
-                     boundary=engine.set_gradient_accumulation_boundary,
-                     backward=lambda loss: engine.backward(loss, scale_wrt_gas=False),
-                     optimizer_step=engine.step, micro_batch=micro_batch)
+    return HostHooks(
+        forward=engine,
+        device=engine.device,
+        recompute=recompute_switch(engine.module),
+        boundary=engine.set_gradient_accumulation_boundary,
+        backward=lambda loss: engine.backward(loss, scale_wrt_gas=False),
+        optimizer_step=engine.step,
+        micro_batch=micro_batch,
+    )

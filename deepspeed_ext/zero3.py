@@ -30,6 +30,7 @@ a leaf attention block backward fails (AccumulateGrad of o_proj.weight meets a s
 the tiny Llama; leaf MLP blocks, called positionally, train). ZeRO-3 gathers per sub-module instead,
 prefetching up to one unit's partitioned elements ahead.
 """
+
 from __future__ import annotations
 
 import sys
@@ -133,14 +134,16 @@ def zero3_settings(model: torch.nn.Module, plan: ShardPlan) -> Zero3Mapping:
             as_partitioned = n * (persist_share + (1 - persist_share) * hpz_wrong)
             as_persistent = n * (1 - persist_share)
             mismatch = as_partitioned.sum() + np.concatenate(
-                [[0.0], np.cumsum(as_persistent[eligible] - as_partitioned[eligible])])
+                [[0.0], np.cumsum(as_persistent[eligible] - as_partitioned[eligible])]
+            )
             memory = n.sum() * (b.param + b.grad + b.optimizer) / plan.world + b.grad * bucket
             memory = memory + persisted * b.param + (n.sum() - persisted) * (b.param / hpz if hpz > 1 else 0)
             # the largest unit's elements still partitioned after each cut: one row per j
             step = np.zeros((len(eligible), len(group_names)))
             step[np.arange(len(eligible)), group[eligible]] = n[eligible]
             left = np.bincount(group, weights=n, minlength=len(group_names)) - np.vstack(
-                [np.zeros(len(group_names)), np.cumsum(step, axis=0)])
+                [np.zeros(len(group_names)), np.cumsum(step, axis=0)]
+            )
             largest = left.max(axis=1)
             memory = memory + 2 * b.param * largest
             key = np.stack([np.maximum(memory - budget, 0), mismatch, memory], axis=1)
@@ -194,11 +197,15 @@ def _lost(model, plan: ShardPlan, config: dict[str, int], owner: dict[str, str],
         total = sum(params[k].numel() for k in units[u.name])
         kind = u.choice.kind
         if kind in ("replicate", "keep", "grad_op") and kept < total:
-            msg = (f"{kind}: partitioned (gathered per use) where parameters exceed {PERSISTENCE} {config[PERSISTENCE]} "
-                   f"or come after {MODEL_PERSISTENCE} {config[MODEL_PERSISTENCE]} elements")
+            msg = (
+                f"{kind}: partitioned (gathered per use) where parameters exceed {PERSISTENCE} {config[PERSISTENCE]} "
+                f"or come after {MODEL_PERSISTENCE} {config[MODEL_PERSISTENCE]} elements"
+            )
         elif kind == "replicate":
-            msg = ("replicate: ZeRO-3 partitions gradients and optimizer states (reduce-scatter per micro-batch, "
-                   "not one all-reduce)")
+            msg = (
+                "replicate: ZeRO-3 partitions gradients and optimizer states (reduce-scatter per micro-batch, "
+                "not one all-reduce)"
+            )
         elif kind == "keep":
             msg = "keep: gradients reduce-scattered every micro-batch, not accumulated unsharded for the step"
         elif kind in ("full", "reshard") and kept:
@@ -206,26 +213,38 @@ def _lost(model, plan: ShardPlan, config: dict[str, int], owner: dict[str, str],
         elif kind == "full" and hpz > 1:
             msg = f"full: held at 1/{hpz} between forward and backward ({HPZ} {hpz}, set for the reshard units)"
         elif kind == "reshard" and hpz != u.choice.reshard_to:
-            msg = (f"reshard: backward gathers over all {plan.world} ranks ({HPZ} is one size for every parameter: "
-                   f"{why_no_hpz})")
+            msg = (
+                f"reshard: backward gathers over all {plan.world} ranks ({HPZ} is one size for every parameter: "
+                f"{why_no_hpz})"
+            )
         elif kind == "split":
-            msg = (f"split: ZeRO-3 cannot cut a parameter; the whole unit is "
-                   f"{'persistent' if kept == total else 'partitioned' if not kept else 'part persistent'}")
+            msg = (
+                f"split: ZeRO-3 cannot cut a parameter; the whole unit is "
+                f"{'persistent' if kept == total else 'partitioned' if not kept else 'part persistent'}"
+            )
         else:
             continue
         by_message.setdefault(msg, []).append(u.name or "(root)")
     lost = [f"{len(names)} unit(s) {_names(names)} -- {msg}" for msg, names in by_message.items()]
     if len(persistent) < len(params):
-        lost.append("partitioned units are gathered per sub-module with prefetching, not in one all-gather per unit "
-                    "(ZeRO-3 leaf modules break backward for attention blocks called with keyword arguments)")
+        lost.append(
+            "partitioned units are gathered per sub-module with prefetching, not in one all-gather per unit "
+            "(ZeRO-3 leaf modules break backward for attention blocks called with keyword arguments)"
+        )
     if plan.shard_size < plan.world:
-        lost.append(f"hybrid sharding over {plan.shard_size} of {plan.world} ranks: ZeRO-3 partitions model states over "
-                    "all ranks (MiCS was removed from DeepSpeed)")
+        lost.append(
+            f"hybrid sharding over {plan.shard_size} of {plan.world} ranks: ZeRO-3 partitions model states over "
+            "all ranks (MiCS was removed from DeepSpeed)"
+        )
     if plan.host != "zero3":
-        lost.append(f"the plan was priced for {plan.host!r}, whose communication differs from ZeRO-3's; search it for "
-                    "host 'zero3'")
-    lost.append(f"model states per rank: {memory / MB:.2f} MiB under these settings vs {plan.state_bytes / MB:.2f} MiB "
-                "in the plan")
+        lost.append(
+            f"the plan was priced for {plan.host!r}, whose communication differs from ZeRO-3's; search it for "
+            "host 'zero3'"
+        )
+    lost.append(
+        f"model states per rank: {memory / MB:.2f} MiB under these settings vs {plan.state_bytes / MB:.2f} MiB "
+        "in the plan"
+    )
     return tuple(lost)
 
 
@@ -247,9 +266,11 @@ def merge_zero_config(ds_config: Mapping[str, Any], mapping: Zero3Mapping) -> di
     for key, value in mapping.config.items():
         for spelled in spellings.get(key, {key}):
             if spelled in zero and zero[spelled] != value:
-                raise ValueError(f"zero_optimization.{spelled} = {zero[spelled]!r} conflicts with the sharding plan, "
-                                 f"which needs {value!r}; remove zero_optimization.{spelled} from the DeepSpeed config, "
-                                 "or set dyn_plugin.sharding.enabled to false to keep your ZeRO-3 settings")
+                raise ValueError(
+                    f"zero_optimization.{spelled} = {zero[spelled]!r} conflicts with the sharding plan, "
+                    f"which needs {value!r}; remove zero_optimization.{spelled} from the DeepSpeed config, "
+                    "or set dyn_plugin.sharding.enabled to false to keep your ZeRO-3 settings"
+                )
             zero.pop(spelled, None)
         zero[key] = value
     return {**ds_config, "zero_optimization": zero}

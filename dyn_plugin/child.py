@@ -1,4 +1,5 @@
 """Helper processes (planners, profiling load, collective benchmarks) that die with their parent."""
+
 from __future__ import annotations
 
 import ctypes

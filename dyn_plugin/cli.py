@@ -1,4 +1,5 @@
 """``dynplugin`` console script (also ``python -m dyn_plugin``)."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,9 @@ COMMANDS = ("report", "lengths", "analyze", "profile", "plan", "shard", "strateg
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dynplugin", description="Plan variable-length training for DeepSpeed and Megatron.")
+    parser = argparse.ArgumentParser(
+        prog="dynplugin", description="Plan variable-length training for DeepSpeed and Megatron."
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:

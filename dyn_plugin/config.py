@@ -4,6 +4,7 @@ DeepSpeed ignores unknown top-level keys, so one file serves both: DeepSpeed rea
 keys, the plugin reads ``"dyn_plugin"``. Every mistake is reported with the full key path,
 the offending value and what is allowed; a misspelled key comes with the closest valid one.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -67,7 +68,9 @@ class DeviceSpec(_Section):
     name: str = Field(default="cpu", description="free-form device name")
     memory_mb: float = Field(default=16000, gt=0, description="device memory in MB")
     memory_fraction: float = Field(
-        default=0.9, gt=0, le=1,
+        default=0.9,
+        gt=0,
+        le=1,
         description="share of memory_mb plans may use; ranks see different free memory and an OOM on one rank deadlocks the rest",
     )
     peak_tflops: float = Field(default=1.0, gt=0, description="peak dense TFLOP/s at the training precision")
@@ -79,7 +82,9 @@ class ClusterConfig(_Section):
     devices_per_node: int = Field(default=1, gt=0, description="devices in one node")
     num_nodes: int = Field(default=1, gt=0, description="nodes")
     device: DeviceSpec = DeviceSpec()
-    intra_node_gb_per_s: float = Field(default=100.0, gt=0, description="device-to-device bandwidth inside a node, GB/s")
+    intra_node_gb_per_s: float = Field(
+        default=100.0, gt=0, description="device-to-device bandwidth inside a node, GB/s"
+    )
     inter_node_gb_per_s: float = Field(default=12.5, gt=0, description="bandwidth between nodes per device, GB/s")
     latency_us: float = Field(default=10.0, ge=0, description="latency of one point-to-point message, microseconds")
 
@@ -117,9 +122,13 @@ class MicrobatchingConfig(_Section):
     layout: Literal["padded", "packed", "auto"] = Field(
         default="auto", description="micro-batch layout; 'auto' lets the planner pick the faster one"
     )
-    global_tokens: int = Field(default=65536, gt=0, description="tokens in one global batch, over all data-parallel ranks")
+    global_tokens: int = Field(
+        default=65536, gt=0, description="tokens in one global batch, over all data-parallel ranks"
+    )
     max_seq_len: int = Field(default=8192, gt=0, description="longest sequence accepted")
-    truncate: bool = Field(default=False, description="truncate sequences longer than max_seq_len instead of refusing them")
+    truncate: bool = Field(
+        default=False, description="truncate sequences longer than max_seq_len instead of refusing them"
+    )
     pad_multiple: int = Field(default=8, gt=0, description="padded micro-batches round their length up to this")
     recompute: Literal["auto", "none", "selective", "full"] = Field(
         default="auto", description="activation recompute; 'auto' uses the cheapest one that fits in memory"
@@ -150,73 +159,118 @@ class SequenceParallelConfig(_Section):
     """DCP: a sequence-parallel size per micro-batch, and pyramid checkpointing."""
 
     enabled: bool = Field(default=False, description="split long sequences over groups of data-parallel ranks")
-    sizes: list[int] = Field(default=[1, 2, 4, 8], description="group sizes the planner may use: powers of two; without 1 every sequence is split (a fixed size)")
+    sizes: list[int] = Field(
+        default=[1, 2, 4, 8],
+        description="group sizes the planner may use: powers of two; without 1 every sequence is split (a fixed size)",
+    )
     attention: Literal["ulysses", "ring", "auto"] = Field(
-        default="auto", description="'ulysses' shards heads (the group size must divide the query and key/value heads), "
-        "'ring' passes key/value blocks around; 'auto': Ulysses where the heads divide, else ring")
-    pyramid: bool = Field(default=True, description="checkpoint only as many layers per stage as memory needs (per micro-batch)")
+        default="auto",
+        description="'ulysses' shards heads (the group size must divide the query and key/value heads), "
+        "'ring' passes key/value blocks around; 'auto': Ulysses where the heads divide, else ring",
+    )
+    pyramid: bool = Field(
+        default=True, description="checkpoint only as many layers per stage as memory needs (per micro-batch)"
+    )
     balance: Literal["auto", "intra", "inter"] = Field(
-        default="auto", description="'intra': every group runs the same number of micro-batches; 'inter': groups run "
-        "different numbers (variable accumulation); 'auto': inter unless ZeRO-2/3 needs equal counts")
+        default="auto",
+        description="'intra': every group runs the same number of micro-batches; 'inter': groups run "
+        "different numbers (variable accumulation); 'auto': inter unless ZeRO-2/3 needs equal counts",
+    )
 
     @model_validator(mode="after")
     def _powers_of_two(self) -> "SequenceParallelConfig":
         bad = [k for k in self.sizes if k < 1 or k & (k - 1)]
         if bad or not self.sizes:
-            raise ValueError(f"sizes = {self.sizes}: every size must be a power of two (1, 2, 4, ...), e.g. [1, 2, 4, 8]")
+            raise ValueError(
+                f"sizes = {self.sizes}: every size must be a power of two (1, 2, 4, ...), e.g. [1, 2, 4, 8]"
+            )
         return self
 
 
 class ShardingConfig(_Section):
     """OSDP: a sharding choice per module, searched under a memory budget (dyn_plugin/plan/sharding.py)."""
 
-    enabled: bool = Field(default=False, description="shard each module as the searched plan says (FSDP entry, or ZeRO-3 "
-                          "settings merged by deepspeed_ext.initialize)")
+    enabled: bool = Field(
+        default=False,
+        description="shard each module as the searched plan says (FSDP entry, or ZeRO-3 "
+        "settings merged by deepspeed_ext.initialize)",
+    )
     host: Literal["auto", "fsdp2", "fsdp1", "zero3"] = Field(
-        default="auto", description="whose semantics price the choices: 'auto' = zero3 under DeepSpeed, fsdp2 in the FSDP entry")
+        default="auto",
+        description="whose semantics price the choices: 'auto' = zero3 under DeepSpeed, fsdp2 in the FSDP entry",
+    )
     memory_budget_mb: float | None = Field(
-        default=None, gt=0, description="per-rank memory the plan (model states + activations) may use; "
-        "default cluster.device.memory_mb * memory_fraction")
-    plan: str | None = Field(default=None, description="a plan JSON written by `dynplugin shard`; unset: searched at start-up")
+        default=None,
+        gt=0,
+        description="per-rank memory the plan (model states + activations) may use; "
+        "default cluster.device.memory_mb * memory_fraction",
+    )
+    plan: str | None = Field(
+        default=None, description="a plan JSON written by `dynplugin shard`; unset: searched at start-up"
+    )
     shard_size: int | None = Field(
-        default=None, gt=0, description="ranks a parameter is sharded over (< world: hybrid sharding, replicated across "
-        "groups); unset: the search tries the world and the node")
+        default=None,
+        gt=0,
+        description="ranks a parameter is sharded over (< world: hybrid sharding, replicated across "
+        "groups); unset: the search tries the world and the node",
+    )
     choices: list[Literal["replicate", "keep", "grad_op", "full", "reshard", "split"]] = Field(
         default=["replicate", "keep", "grad_op", "full", "reshard", "split"],
-        description="choices the search may make per module (the host may allow fewer)")
+        description="choices the search may make per module (the host may allow fewer)",
+    )
     max_slices: int = Field(default=4, ge=2, description="'split': most slices a linear layer is cut into")
     overlap: float = Field(
-        default=1.0, ge=0, le=1, description="share of the neighbouring module's compute that hides a collective: "
-        "1 on GPUs (separate streams); lower on CPUs, where gloo and the kernels share the cores")
+        default=1.0,
+        ge=0,
+        le=1,
+        description="share of the neighbouring module's compute that hides a collective: "
+        "1 on GPUs (separate streams); lower on CPUs, where gloo and the kernels share the cores",
+    )
 
 
 class StrategyConfig(_Section):
     """Hydraulis: heterogeneous strategies (pipelines of different sequence-parallel sizes), one
     chosen per step (dyn_plugin/plan/strategy.py); its pipelines are sequence_parallel's groups."""
 
-    enabled: bool = Field(default=False, description="plan every step under the proposal's strategies instead of the "
-                          "per-step groupings of sequence_parallel")
+    enabled: bool = Field(
+        default=False,
+        description="plan every step under the proposal's strategies instead of the "
+        "per-step groupings of sequence_parallel",
+    )
     proposal: str | None = Field(
-        default=None, description="a proposal JSON written by `dynplugin strategy`; unset: proposed at start-up "
-        "from the run's dataset lengths (deterministic: every rank proposes the same)")
-    max_strategies: int = Field(default=3, ge=1,
-                                description="most strategies proposed at start-up (without 'proposal')")
+        default=None,
+        description="a proposal JSON written by `dynplugin strategy`; unset: proposed at start-up "
+        "from the run's dataset lengths (deterministic: every rank proposes the same)",
+    )
+    max_strategies: int = Field(
+        default=3, ge=1, description="most strategies proposed at start-up (without 'proposal')"
+    )
     stage2: Literal["dp", "ilp"] = Field(
-        default="dp", description="how each pipeline's sequences are cut into micro-batches: 'dp' (DynaPipe's "
-        "dynamic program) or 'ilp' (an integer program solved by HiGHS, kept where it simulates faster)")
+        default="dp",
+        description="how each pipeline's sequences are cut into micro-batches: 'dp' (DynaPipe's "
+        "dynamic program) or 'ilp' (an integer program solved by HiGHS, kept where it simulates faster)",
+    )
     ilp_node_limit: int | None = Field(
-        default=None, gt=0, description="stage2='ilp': branch-and-bound nodes per solve, a limit that ends every "
-        "solve alike in every process; unset: the ILP's own default")
+        default=None,
+        gt=0,
+        description="stage2='ilp': branch-and-bound nodes per solve, a limit that ends every "
+        "solve alike in every process; unset: the ILP's own default",
+    )
     ilp_time_budget_ms: float | None = Field(
-        default=None, gt=0, description="stage2='ilp': a wall-clock limit per solve as well; solves may then differ "
-        "between processes, so it needs a store (each step solved once by the planner processes, shared)")
+        default=None,
+        gt=0,
+        description="stage2='ilp': a wall-clock limit per solve as well; solves may then differ "
+        "between processes, so it needs a store (each step solved once by the planner processes, shared)",
+    )
 
     @model_validator(mode="after")
     def _ilp_fields_need_ilp(self) -> "StrategyConfig":
         for name in sorted(self.model_fields_set & {"ilp_node_limit", "ilp_time_budget_ms"}):
             if self.stage2 != "ilp":
-                raise ValueError(f"'{name}' is only used by stage2 'ilp' but stage2 is '{self.stage2}'; set "
-                                 f"stage2='ilp' or drop '{name}'")
+                raise ValueError(
+                    f"'{name}' is only used by stage2 'ilp' but stage2 is '{self.stage2}'; set "
+                    f"stage2='ilp' or drop '{name}'"
+                )
         return self
 
 
@@ -256,27 +310,42 @@ class StoreConfig(BaseModel):
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$",
         description="prefix of every key (dynplugin/{namespace}-{run id}/...): the loader appends a run id rank 0 draws and broadcasts, so runs never share keys; without a process group, several ranks use it as it is (then it must be unique per run)",
     )
-    host: str = Field(default="127.0.0.1", min_length=1, description="tcp: address rank 0 binds and other ranks connect to")
+    host: str = Field(
+        default="127.0.0.1", min_length=1, description="tcp: address rank 0 binds and other ranks connect to"
+    )
     port: int | None = Field(
-        default=None, ge=0, le=65535,
+        default=None,
+        ge=0,
+        le=65535,
         description="tcp: port; unset = MASTER_PORT+1 if MASTER_PORT is set, else 29511; 0 = any free port (rank 0 only, read it from the store's .port)",
     )
     url: str | None = Field(default=None, description="redis: redis://host:port/db or rediss://host:port/db for TLS")
     password_env: str = Field(
-        default="DYN_PLUGIN_REDIS_PASSWORD", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        default="DYN_PLUGIN_REDIS_PASSWORD",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
         description="redis: name of the env var holding the password (kept out of configs and logs)",
     )
     secret_env: str = Field(
-        default="DYN_PLUGIN_STORE_SECRET", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        default="DYN_PLUGIN_STORE_SECRET",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
         description=f"name of the env var holding a shared secret (>= {MIN_SECRET_BYTES} chars) that HMAC-signs every value; required for tcp on a non-loopback host",
     )
-    timeout_s: float = Field(default=30.0, gt=0, description="longest any store operation (connect included) may take before failing")
-    retries: int = Field(default=3, ge=0, le=100, description="redis: retries of an operation after a connection error, within timeout_s")
+    timeout_s: float = Field(
+        default=30.0, gt=0, description="longest any store operation (connect included) may take before failing"
+    )
+    retries: int = Field(
+        default=3, ge=0, le=100, description="redis: retries of an operation after a connection error, within timeout_s"
+    )
     retry_backoff_s: float = Field(
-        default=0.1, ge=0,
+        default=0.1,
+        ge=0,
         description="first pause between retries, doubling each time (redis); tcp clients poll rank 0 this often while it starts",
     )
-    ttl_s: float = Field(default=3600.0, gt=0, description="redis: seconds a plan lives, so a dead run leaves nothing behind (tcp: the store dies with rank 0)")
+    ttl_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="redis: seconds a plan lives, so a dead run leaves nothing behind (tcp: the store dies with rank 0)",
+    )
     max_payload_mb: float = Field(default=64.0, gt=0, description="largest value put or accepted, MiB")
 
     @model_validator(mode="after")
@@ -285,12 +354,16 @@ class StoreConfig(BaseModel):
         owners = {"url": "redis", "host": "tcp", "port": "tcp"}
         for name in sorted(self.model_fields_set & owners.keys()):
             if owners[name] != self.backend:
-                raise ValueError(f"'{name}' is only used by backend '{owners[name]}' but backend is '{self.backend}'; set backend='{owners[name]}' or drop '{name}'")
+                raise ValueError(
+                    f"'{name}' is only used by backend '{owners[name]}' but backend is '{self.backend}'; set backend='{owners[name]}' or drop '{name}'"
+                )
         if self.backend == "redis":
             if not self.url:
                 raise ValueError("backend 'redis' needs 'url', e.g. redis://host:6379/0 (rediss:// for TLS)")
             if not self.url.startswith(("redis://", "rediss://")):
-                raise ValueError(f"url must start with redis:// or rediss:// (TLS), not with scheme '{urlsplit(self.url).scheme}'")
+                raise ValueError(
+                    f"url must start with redis:// or rediss:// (TLS), not with scheme '{urlsplit(self.url).scheme}'"
+                )
             try:
                 parts = urlsplit(self.url)
                 parts.port  # noqa: B018 -- parsing the port is the check
@@ -326,25 +399,35 @@ class DynPluginConfig(_Section):
         shape = self.cost_model.model
         if shape is not None:
             if self.pipeline.stages > shape.num_layers:
-                raise ValueError(f"pipeline.stages = {self.pipeline.stages} exceeds cost_model.model.num_layers = {shape.num_layers}")
+                raise ValueError(
+                    f"pipeline.stages = {self.pipeline.stages} exceeds cost_model.model.num_layers = {shape.num_layers}"
+                )
             lps = self.pipeline.layers_per_stage
             if lps is not None and sum(lps) != shape.num_layers:
-                raise ValueError(f"pipeline.layers_per_stage sums to {sum(lps)} but the model has {shape.num_layers} layers")
+                raise ValueError(
+                    f"pipeline.layers_per_stage sums to {sum(lps)} but the model has {shape.num_layers} layers"
+                )
         return self
 
     @model_validator(mode="after")
     def _strategy_runs_here(self) -> "DynPluginConfig":
         st = self.strategy
         if st.enabled and not self.sequence_parallel.enabled:
-            raise ValueError("strategy.enabled needs sequence_parallel.enabled = true: a strategy's pipelines run as "
-                             "its sequence-parallel groups")
+            raise ValueError(
+                "strategy.enabled needs sequence_parallel.enabled = true: a strategy's pipelines run as "
+                "its sequence-parallel groups"
+            )
         if st.enabled and self.microbatching.method != "dynapipe":
-            raise ValueError(f"strategy.enabled with microbatching.method = {self.microbatching.method!r}: strategies "
-                             "are planned by the plugin's planner; set method to 'dynapipe' or disable strategy")
+            raise ValueError(
+                f"strategy.enabled with microbatching.method = {self.microbatching.method!r}: strategies "
+                "are planned by the plugin's planner; set method to 'dynapipe' or disable strategy"
+            )
         if st.ilp_time_budget_ms is not None and self.store.backend == "none":
-            raise ValueError("strategy.ilp_time_budget_ms needs a store (store.backend 'tcp' or 'redis'): time-limited "
-                             "solves can differ between processes, so the planner processes solve each step once and "
-                             "share it; set store.backend, or drop ilp_time_budget_ms and use strategy.ilp_node_limit")
+            raise ValueError(
+                "strategy.ilp_time_budget_ms needs a store (store.backend 'tcp' or 'redis'): time-limited "
+                "solves can differ between processes, so the planner processes solve each step once and "
+                "share it; set store.backend, or drop ilp_time_budget_ms and use strategy.ilp_node_limit"
+            )
         return self
 
 
@@ -387,8 +470,14 @@ def load_config(source: str | os.PathLike | Mapping[str, Any]) -> LoadedConfig:
     for key in raw:
         if key != SECTION and difflib.get_close_matches(str(key).lower(), [SECTION], n=1, cutoff=SECTION_LOOKALIKE):
             # DeepSpeed ignores unknown top-level keys, so nothing else would ever mention it
-            logger.warning("%s: top-level key %r is read by neither DeepSpeed nor the plugin; did you mean '%s'? "
-                           "The plugin reads only '%s'", where, key, SECTION, SECTION)
+            logger.warning(
+                "%s: top-level key %r is read by neither DeepSpeed nor the plugin; did you mean '%s'? "
+                "The plugin reads only '%s'",
+                where,
+                key,
+                SECTION,
+                SECTION,
+            )
     section = raw.get(SECTION, {})
     if not isinstance(section, Mapping):
         raise ConfigError(f"{where}: '{SECTION}' must be an object, got {type(section).__name__}")

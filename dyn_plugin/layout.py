@@ -6,6 +6,7 @@ column. A column is one data-parallel slice of the pipeline (every stage of it);
 parallel group is a block of neighbouring columns at one stage. Pure Python: the planners use it
 without torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,8 +23,10 @@ class RankLayout:
         if self.world < 1:
             raise ValueError(f"a rank layout needs at least one rank, got world = {self.world}")
         if self.stages < 1 or self.world % self.stages:
-            raise ValueError(f"dyn_plugin.pipeline.stages = {self.stages} does not divide the {self.world} ranks; "
-                             f"launch a multiple of {self.stages} ranks or change pipeline.stages")
+            raise ValueError(
+                f"dyn_plugin.pipeline.stages = {self.stages} does not divide the {self.world} ranks; "
+                f"launch a multiple of {self.stages} ranks or change pipeline.stages"
+            )
 
     @classmethod
     def of(cls, columns: int, stages: int = 1) -> RankLayout:
@@ -60,5 +63,7 @@ class RankLayout:
 
     def _check(self, stage: int, column: int) -> None:
         if not (0 <= stage < self.stages and 0 <= column < self.columns):
-            raise ValueError(f"(stage {stage}, column {column}) is outside the layout of {self.stages} stages x "
-                             f"{self.columns} columns")
+            raise ValueError(
+                f"(stage {stage}, column {column}) is outside the layout of {self.stages} stages x "
+                f"{self.columns} columns"
+            )

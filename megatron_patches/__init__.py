@@ -19,6 +19,7 @@ Each patch replaces one megatron-core (or Megatron-LM) object, in one module nam
 Every patch is registered with the megatron-core versions it was written against; applying is
 idempotent and ``revert`` restores every original.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,15 @@ def patches() -> list[Patch]:
     from .settings import settings_patches
     from .train_state import train_state_patches
 
-    return [*cpu_patches(), *settings_patches(), *arguments_patches(), *data_patches(), *attention_patches(),
-            *schedule_patches(), *train_state_patches()]
+    return [
+        *cpu_patches(),
+        *settings_patches(),
+        *arguments_patches(),
+        *data_patches(),
+        *attention_patches(),
+        *schedule_patches(),
+        *train_state_patches(),
+    ]
 
 
 def registry() -> Registry:

@@ -13,6 +13,7 @@ forced on, because the plugin's plans would otherwise train wrong or not at all:
 * ``calculate_per_token_loss``: micro-batches of different token counts must be weighed by their
   tokens for the step's loss to be the exact per-token mean.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,12 @@ ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 def _add_plugin_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     if FLAG not in parser._option_string_actions:  # a script may have added it itself
         group = parser.add_argument_group(title="dyn-plugin")
-        group.add_argument(FLAG, metavar="FILE", default=None,
-                           help="the dyn_plugin JSON config (a DeepSpeed-style JSON with a dyn_plugin section)")
+        group.add_argument(
+            FLAG,
+            metavar="FILE",
+            default=None,
+            help="the dyn_plugin JSON config (a DeepSpeed-style JSON with a dyn_plugin section)",
+        )
     return parser
 
 
@@ -57,8 +62,9 @@ def force_settings(args: Any) -> list[str]:
         if before != value:
             setattr(args, name, value)
             changed.append(name)
-            logger.info("dyn_plugin: Megatron argument %s set to %s (was %s): the plugin's plans need it",
-                        name, value, before)
+            logger.info(
+                "dyn_plugin: Megatron argument %s set to %s (was %s): the plugin's plans need it", name, value, before
+            )
     return changed
 
 

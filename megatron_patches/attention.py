@@ -26,6 +26,7 @@ the patch can be applied (``attention_patches`` lives here); the patch then rebi
 ``DotProductAttention`` in every loaded module that from-imported it (``megatron.core.models.backends``,
 which ``get_gpt_layer_local_spec`` reads), so layer specs built after the patch get the subclass.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -79,8 +80,9 @@ class PackedDotProductAttention(DotProductAttention):
         if packed_seq_params is None:
             return self._attend(query, key, value, attention_mask, attn_mask_type, attention_bias)
         if packed_seq_params.qkv_format != "thd":
-            raise NotImplementedError(f"PackedDotProductAttention supports qkv_format 'thd', not "
-                                      f"{packed_seq_params.qkv_format!r}")
+            raise NotImplementedError(
+                f"PackedDotProductAttention supports qkv_format 'thd', not {packed_seq_params.qkv_format!r}"
+            )
         if query.dim() != 3:
             raise ValueError(f"THD query must be [tokens, heads, head_dim], got shape {tuple(query.shape)}")
         # attention_mask is not used: as with TransformerEngine's THD path, cu_seqlens and causality are the mask
@@ -95,38 +97,59 @@ class PackedDotProductAttention(DotProductAttention):
             if qs > cursor:  # padding before this document
                 pieces.append(query.new_zeros(qs - cursor, self.hidden_size_per_partition))
             # [l, heads, hn] -> [l, b=1, heads, hn]: one document is DotProductAttention's batch of one
-            context = self._attend(query[qs:qs + ql].unsqueeze(1), key[ks:ks + kl].unsqueeze(1),
-                                   value[ks:ks + kl].unsqueeze(1), None, attn_mask_type, attention_bias)
+            context = self._attend(
+                query[qs : qs + ql].unsqueeze(1),
+                key[ks : ks + kl].unsqueeze(1),
+                value[ks : ks + kl].unsqueeze(1),
+                None,
+                attn_mask_type,
+                attention_bias,
+            )
             pieces.append(context.squeeze(1))
             cursor = qs + ql
         if cursor < query.size(0):
             pieces.append(query.new_zeros(query.size(0) - cursor, self.hidden_size_per_partition))
         return torch.cat(pieces, dim=0)
 
-
-    def _attend(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
-                attn_mask_type: Optional[AttnMaskType], attention_bias: Optional[Tensor]) -> Tensor:
+    def _attend(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType],
+        attention_bias: Optional[Tensor],
+    ) -> Tensor:
         """[s, b, heads, hn] -> [s, b, heads * hn]: SDPA where it computes the same, else the local class."""
         causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
-        plain = (attention_mask is None and attention_bias is None and causal and self.softmax_offset is None
-                 and self.scale_mask_softmax.window_size is None
-                 and (self.attention_dropout.p == 0 or not self.training))
+        plain = (
+            attention_mask is None
+            and attention_bias is None
+            and causal
+            and self.softmax_offset is None
+            and self.scale_mask_softmax.window_size is None
+            and (self.attention_dropout.p == 0 or not self.training)
+        )
         if not plain:
-            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                   attention_bias=attention_bias)
+            return super().forward(
+                query, key, value, attention_mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias
+            )
         # the local class splits the scale between the matmul and an fp32 softmax; the product is this
         scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                               enable_gqa=k.size(1) != q.size(1))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=k.size(1) != q.size(1)
+        )
         s, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
 
 
 def _replace(original: Any) -> type:
     if not (isinstance(original, type) and issubclass(PackedDotProductAttention, original)):
-        raise TypeError(f"{TARGET} is {original!r}, not the class PackedDotProductAttention was defined against "
-                        "(megatron_patches.attention was imported after another patch replaced it)")
+        raise TypeError(
+            f"{TARGET} is {original!r}, not the class PackedDotProductAttention was defined against "
+            "(megatron_patches.attention was imported after another patch replaced it)"
+        )
     return PackedDotProductAttention
 
 

@@ -15,6 +15,7 @@ Stages between the first and the last load no tokens, but still need the shapes'
 position ids and, for packed rows, the boundaries (every stage's attention needs them), rebuilt
 from the plan alone.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -36,8 +37,12 @@ def megatron_batch(desc: PlannedMicroBatch, loaded: dict[str, torch.Tensor] | No
         labels = torch.full_like(hf, IGNORE)
         labels[:, :-1] = hf[:, 1:]
         mask = labels != IGNORE
-        batch.update(tokens=tokens, labels=labels.masked_fill(~mask, 0), loss_mask=mask.float(),
-                     position_ids=loaded["position_ids"] if "position_ids" in loaded else None)
+        batch.update(
+            tokens=tokens,
+            labels=labels.masked_fill(~mask, 0),
+            loss_mask=mask.float(),
+            position_ids=loaded["position_ids"] if "position_ids" in loaded else None,
+        )
     if batch.get("position_ids") is None:
         batch["position_ids"] = position_ids(desc.seq_lens, layout, desc.shape)
     if layout == "packed":

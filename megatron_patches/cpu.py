@@ -5,6 +5,7 @@ is the CPU, the "CUDA" RNG state Megatron forks for tensor-parallel dropout and 
 the CPU generator's, the buffers a few modules allocate on "cuda" by name are allocated on the CPU,
 and ``torch.cuda.synchronize`` (p2p shape exchange) is a no-op.
 """
+
 from __future__ import annotations
 
 import functools
@@ -66,15 +67,28 @@ def cpu_patches() -> list[Patch]:
     core = "megatron.core"
     return [
         Patch("cpu.current_device", "torch.cuda.current_device", lambda _: _cpu_device, when=_no_cuda),
-        Patch("cpu.synchronize", "torch.cuda.synchronize", lambda _: (lambda *a, **k: None), when=_no_cuda),
+        Patch("cpu.synchronize", "torch.cuda.synchronize", lambda _: lambda *a, **k: None, when=_no_cuda),
         Patch("cpu.get_rng_state", "torch.cuda.get_rng_state", lambda _: _get_rng_state, when=_no_cuda),
         Patch("cpu.set_rng_state", "torch.cuda.set_rng_state", lambda _: _set_rng_state, when=_no_cuda),
         Patch("cpu.manual_seed", "torch.cuda.manual_seed", lambda _: _manual_seed, when=_no_cuda),
-        Patch("cpu.megatron_get_rng_state", f"{core}.tensor_parallel.random._get_cuda_rng_state",
-              lambda _: _get_rng_state, when=_no_cuda),
-        Patch("cpu.megatron_set_rng_state", f"{core}.tensor_parallel.random._set_cuda_rng_state",
-              lambda _: _set_rng_state, when=_no_cuda),
-        Patch("cpu.causal_mask", f"{core}.transformer.utils.get_default_causal_mask", lambda _: _causal_mask,
-              when=_no_cuda),
-    ] + [Patch(f"cpu.torch_in.{m}", f"{core}.{m}.torch", _cpu_torch, when=_no_cuda, aliases=False)
-         for m in _CUDA_BY_NAME]
+        Patch(
+            "cpu.megatron_get_rng_state",
+            f"{core}.tensor_parallel.random._get_cuda_rng_state",
+            lambda _: _get_rng_state,
+            when=_no_cuda,
+        ),
+        Patch(
+            "cpu.megatron_set_rng_state",
+            f"{core}.tensor_parallel.random._set_cuda_rng_state",
+            lambda _: _set_rng_state,
+            when=_no_cuda,
+        ),
+        Patch(
+            "cpu.causal_mask",
+            f"{core}.transformer.utils.get_default_causal_mask",
+            lambda _: _causal_mask,
+            when=_no_cuda,
+        ),
+    ] + [
+        Patch(f"cpu.torch_in.{m}", f"{core}.{m}.torch", _cpu_torch, when=_no_cuda, aliases=False) for m in _CUDA_BY_NAME
+    ]

@@ -7,6 +7,7 @@ themselves, so the patch hands the split's documents (the low-level dataset's do
 owns, with their token counts from the index) to the run. The datasets returned are Megatron's
 own, unchanged: evaluation still reads the validation split as Megatron does.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,9 +39,11 @@ def documents_of(dataset: Any) -> Documents:
     """The documents a Megatron training split draws its samples from."""
     low, ids = getattr(dataset, "dataset", None), getattr(dataset, "indices", None)
     if low is None or ids is None or not hasattr(low, "sequence_lengths"):
-        raise TypeError(f"the training split is a {type(dataset).__name__}; the plugin reads the documents of a "
-                        "single GPTDataset (a blend of several datasets is not planned): pass one data prefix, or set "
-                        "the documents yourself with megatron_patches.runtime.RUN.set_documents")
+        raise TypeError(
+            f"the training split is a {type(dataset).__name__}; the plugin reads the documents of a "
+            "single GPTDataset (a blend of several datasets is not planned): pass one data prefix, or set "
+            "the documents yourself with megatron_patches.runtime.RUN.set_documents"
+        )
     ids = np.unique(np.asarray(ids))  # each document once (an index may repeat documents over epochs)
     return Documents(_Split(low, ids), np.asarray(low.sequence_lengths, dtype=np.int64)[ids])
 
@@ -59,5 +62,10 @@ def _build(original: Callable) -> Callable:
 
 
 def data_patches() -> list[Patch]:
-    return [Patch("data.dataset_builder",
-                  "megatron.core.datasets.blended_megatron_dataset_builder.BlendedMegatronDatasetBuilder.build", _build)]
+    return [
+        Patch(
+            "data.dataset_builder",
+            "megatron.core.datasets.blended_megatron_dataset_builder.BlendedMegatronDatasetBuilder.build",
+            _build,
+        )
+    ]

@@ -11,6 +11,7 @@ The launcher's flag is taken out of the script's arguments (the script's parser 
 it), except where Megatron-LM (``megatron.training``) is importable: its ``parse_args`` then accepts
 the flag through the arguments patch, and passing it on sets ``args.dyn_plugin_config``.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -33,7 +34,7 @@ def _take_flag(tokens: list[str], i: int) -> tuple[str, int]:
     """The flag's value at ``tokens[i]`` (``FLAG X`` or ``FLAG=X``) and the index after it."""
     token = tokens[i]
     if token.startswith(FLAG + "="):
-        value = token[len(FLAG) + 1:]
+        value = token[len(FLAG) + 1 :]
         i += 1
     elif i + 1 < len(tokens):
         value = tokens[i + 1]
@@ -73,7 +74,7 @@ def split_argv(argv: list[str]) -> tuple[str, str, list[str]]:
             break
     if i >= len(argv):
         raise LaunchError("no SCRIPT to run")
-    script, rest = argv[i], argv[i + 1:]
+    script, rest = argv[i], argv[i + 1 :]
     script_args = []
     j = 0
     while j < len(rest):

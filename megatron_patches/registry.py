@@ -8,6 +8,7 @@ every name it rebound gets its original object back. Patches declare the megatro
 they were written against; outside that range they are refused with both versions named, since a
 patch of an internal signature that silently changed would train wrong rather than fail.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -110,7 +111,8 @@ class Registry:
                 raise UnsupportedVersion(
                     f"megatron-core {version} is installed but the dyn_plugin patch {p.name!r} ({p.target}) supports "
                     f"megatron-core {p.versions}; install a supported version (pip install 'megatron-core{p.versions}') "
-                    "or run without the plugin's Megatron patches")
+                    "or run without the plugin's Megatron patches"
+                )
 
     def apply(self, version: str | None = None) -> list[str]:
         """Apply every registered patch not applied yet; returns the names applied by this call."""
@@ -160,8 +162,11 @@ class Registry:
             if record.patch.aliases and not isinstance(record.bindings[0][0], type):
                 # modules imported while the patch was on from-imported the replacement (not the module
                 # that defines the replacement: its own name for it stays)
-                _rebind_aliases(record.replacement, record.original,
-                                skip=sys.modules.get(getattr(record.replacement, "__module__", None) or ""))
+                _rebind_aliases(
+                    record.replacement,
+                    record.original,
+                    skip=sys.modules.get(getattr(record.replacement, "__module__", None) or ""),
+                )
         return names
 
 

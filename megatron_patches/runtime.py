@@ -5,6 +5,7 @@ the data patch hands over the training split's documents when Megatron builds it
 loader itself is built at the first planned step, when megatron-core's parallel state says which
 data-parallel and pipeline rank this process is and the model says its shape.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,10 +53,13 @@ class PluginRun:
 
     def set_documents(self, documents: Documents) -> None:
         if self.loader is not None:
-            raise RuntimeError("the training documents were set again after training started; build the training "
-                               "datasets once per run")
+            raise RuntimeError(
+                "the training documents were set again after training started; build the training datasets once per run"
+            )
         self.documents = documents
-        logger.info("dyn_plugin plans the %d training documents (%d tokens)", len(documents), int(documents.lengths.sum()))
+        logger.info(
+            "dyn_plugin plans the %d training documents (%d tokens)", len(documents), int(documents.lengths.sum())
+        )
 
     def restore(self, state: dict) -> None:
         """Continue from a checkpoint's loader position (now, or when the loader is built)."""
@@ -81,8 +85,10 @@ class PluginRun:
                 self.samples += len(self.loader.context.batches(step.epoch)[step.index])  # the whole global batch
                 return step
             self._steps = None
-        raise RuntimeError("the loader yielded no step in a whole epoch: the dataset has fewer tokens than one global "
-                           "batch (microbatching.global_tokens)")
+        raise RuntimeError(
+            "the loader yielded no step in a whole epoch: the dataset has fewer tokens than one global "
+            "batch (microbatching.global_tokens)"
+        )
 
 
 RUN: PluginRun | None = None
@@ -110,22 +116,34 @@ def check_config(cfg: LoadedConfig) -> None:
             "dyn_plugin.sequence_parallel.enabled under Megatron: megatron-core 0.16's context parallelism runs only "
             "with TransformerEngine's attention and fixes one group size at initialize_model_parallel, so a size per "
             "micro-batch cannot map onto it; set sequence_parallel.enabled to false (or train with DeepSpeed, where "
-            "the plugin runs its own sequence-parallel groups)")
+            "the plugin runs its own sequence-parallel groups)"
+        )
     if plugin.strategy.enabled:
-        raise ConfigError("dyn_plugin.strategy.enabled under Megatron: heterogeneous strategies run with the DeepSpeed "
-                          "host only; set strategy.enabled to false")
+        raise ConfigError(
+            "dyn_plugin.strategy.enabled under Megatron: heterogeneous strategies run with the DeepSpeed "
+            "host only; set strategy.enabled to false"
+        )
     if plugin.sharding.enabled:
-        raise ConfigError("dyn_plugin.sharding.enabled under Megatron: per-module sharding plans run with FSDP or "
-                          "DeepSpeed ZeRO-3; set sharding.enabled to false")
+        raise ConfigError(
+            "dyn_plugin.sharding.enabled under Megatron: per-module sharding plans run with FSDP or "
+            "DeepSpeed ZeRO-3; set sharding.enabled to false"
+        )
 
 
 def model_shape_view(model: Any) -> SimpleNamespace:
     """A megatron-core ``GPTModel`` as the plugin's cost model reads a model (its ``config``)."""
     c = model.config
-    return SimpleNamespace(config=SimpleNamespace(
-        hidden_size=c.hidden_size, num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_query_groups or c.num_attention_heads, intermediate_size=c.ffn_hidden_size,
-        vocab_size=model.vocab_size, model_type="llama" if c.gated_linear_unit else "gpt2"))
+    return SimpleNamespace(
+        config=SimpleNamespace(
+            hidden_size=c.hidden_size,
+            num_hidden_layers=c.num_layers,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_query_groups or c.num_attention_heads,
+            intermediate_size=c.ffn_hidden_size,
+            vocab_size=model.vocab_size,
+            model_type="llama" if c.gated_linear_unit else "gpt2",
+        )
+    )
 
 
 def _dtype(model: Any) -> str:
@@ -149,42 +167,65 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
     from dyn_plugin.cost.from_config import live_cost_model
 
     if run.documents is None:
-        raise RuntimeError("no training documents: the plugin takes them from megatron-core's dataset builder "
-                           "(BlendedMegatronDatasetBuilder(...).build()); build the training datasets with it, or call "
-                           "megatron_patches.runtime.RUN.set_documents(Documents(items, lengths)) before training")
+        raise RuntimeError(
+            "no training documents: the plugin takes them from megatron-core's dataset builder "
+            "(BlendedMegatronDatasetBuilder(...).build()); build the training datasets with it, or call "
+            "megatron_patches.runtime.RUN.set_documents(Documents(items, lengths)) before training"
+        )
     if ps.get_virtual_pipeline_model_parallel_world_size() not in (None, 1):
-        raise ConfigError("virtual pipeline stages (--num-layers-per-virtual-pipeline-stage) are not planned by the "
-                          "plugin; leave them out")
+        raise ConfigError(
+            "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage) are not planned by the "
+            "plugin; leave them out"
+        )
     if ps.get_context_parallel_world_size() > 1:
-        raise ConfigError("context_parallel_size > 1: the plugin plans data-parallel and pipeline ranks only; set it "
-                          "to 1")
-    pp, dp, tp = (ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_world_size(),
-                  ps.get_tensor_model_parallel_world_size())
+        raise ConfigError(
+            "context_parallel_size > 1: the plugin plans data-parallel and pipeline ranks only; set it to 1"
+        )
+    pp, dp, tp = (
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_data_parallel_world_size(),
+        ps.get_tensor_model_parallel_world_size(),
+    )
     plugin = run.config.plugin
     if plugin.pipeline.stages != pp:
-        raise ConfigError(f"dyn_plugin.pipeline.stages = {plugin.pipeline.stages} but Megatron runs "
-                          f"{pp} pipeline stages (pipeline_model_parallel_size); set pipeline.stages to {pp}")
+        raise ConfigError(
+            f"dyn_plugin.pipeline.stages = {plugin.pipeline.stages} but Megatron runs "
+            f"{pp} pipeline stages (pipeline_model_parallel_size); set pipeline.stages to {pp}"
+        )
     if pp > 1 and plugin.pipeline.schedule != "1f1b":
         # Megatron's own schedule is 1F1B: plan (and price) what runs
-        logger.info("dyn_plugin.pipeline.schedule %r -> '1f1b': Megatron runs its own 1F1B schedule",
-                    plugin.pipeline.schedule)
+        logger.info(
+            "dyn_plugin.pipeline.schedule %r -> '1f1b': Megatron runs its own 1F1B schedule", plugin.pipeline.schedule
+        )
         plugin = plugin.model_copy(update={"pipeline": plugin.pipeline.model_copy(update={"schedule": "1f1b"})})
     chunk = unwrap(model)
     cm = plugin.cost_model
     dtype = _dtype(chunk)
     if "dtype" in cm.model_fields_set and cm.dtype != dtype:
-        raise ConfigError(f"dyn_plugin.cost_model.dtype is {cm.dtype!r} but the model's params_dtype is {dtype}: set "
-                          f"it to {dtype!r} or leave it out (it follows the model)")
+        raise ConfigError(
+            f"dyn_plugin.cost_model.dtype is {cm.dtype!r} but the model's params_dtype is {dtype}: set "
+            f"it to {dtype!r} or leave it out (it follows the model)"
+        )
     cm = cm.model_copy(update={"dtype": dtype})
     cost = live_cost_model(cm, plugin.cluster, model_shape_view(chunk))
     # the plans address (stage, data-parallel column) cells; the tp ranks of a cell share its plan
-    loader = DynLoader(run.documents, lengths=run.documents.lengths, config=LoadedConfig(plugin, run.config.deepspeed),
-                       cost_model=cost, layout=RankLayout.of(dp, pp), stage=ps.get_pipeline_model_parallel_rank(),
-                       column=ps.get_data_parallel_rank(), seed=run.seed, tp=tp)
+    loader = DynLoader(
+        run.documents,
+        lengths=run.documents.lengths,
+        config=LoadedConfig(plugin, run.config.deepspeed),
+        cost_model=cost,
+        layout=RankLayout.of(dp, pp),
+        stage=ps.get_pipeline_model_parallel_rank(),
+        column=ps.get_data_parallel_rank(),
+        seed=run.seed,
+        tp=tp,
+    )
     block = getattr(getattr(chunk, "decoder", None), "layers", None)
     planned = loader.context.spec.stages[ps.get_pipeline_model_parallel_rank()].num_layers
     if block is not None and len(block) != planned:
-        raise ConfigError(f"this pipeline stage holds {len(block)} transformer layers but the plan prices {planned}: set "
-                          "dyn_plugin.pipeline.layers_per_stage to Megatron's split, and pipeline_model_parallel_size "
-                          "in the model's TransformerConfig")
+        raise ConfigError(
+            f"this pipeline stage holds {len(block)} transformer layers but the plan prices {planned}: set "
+            "dyn_plugin.pipeline.layers_per_stage to Megatron's split, and pipeline_model_parallel_size "
+            "in the model's TransformerConfig"
+        )
     return loader

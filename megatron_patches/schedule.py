@@ -18,6 +18,7 @@ ranks and scales the gradients by its inverse: the update of the token mean of t
 batch. A loss function returning Megatron's legacy (mean, report) pair is refused: its average
 over micro-batches is not the token mean.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,8 +50,10 @@ def step_batches(step) -> list[tuple[PlannedMicroBatch, dict]]:
     for m in run_order(step):
         desc = step.plan.micro_batches[m]
         if desc.sp > 1:
-            raise ValueError(f"step {step.index} splits micro-batch {m} over {desc['sp']} ranks: sequence parallelism "
-                             "does not run under Megatron (see sequence_parallel in README)")
+            raise ValueError(
+                f"step {step.index} splits micro-batch {m} over {desc['sp']} ranks: sequence parallelism "
+                "does not run under Megatron (see sequence_parallel in README)"
+            )
         out.append((desc, megatron_batch(desc, loaded.get(m))))
     return out
 
@@ -92,10 +95,12 @@ def _checked_loss(loss_func: Callable) -> Callable:
     def loss(*args, **kwargs):
         out = loss_func(*args, **kwargs)
         if not kwargs.get("non_loss_data") and len(out) != 3:
-            raise ValueError("the forward step's loss function returned (loss, report); under dyn_plugin it must "
-                             "return (summed loss over the loss mask, number of scored tokens, report) as Megatron's "
-                             "pretrain_gpt.loss_func does with --calculate-per-token-loss: a per-micro-batch mean "
-                             "averaged over micro-batches is not the token mean of the global batch")
+            raise ValueError(
+                "the forward step's loss function returned (loss, report); under dyn_plugin it must "
+                "return (summed loss over the loss mask, number of scored tokens, report) as Megatron's "
+                "pretrain_gpt.loss_func does with --calculate-per-token-loss: a per-micro-batch mean "
+                "averaged over micro-batches is not the token mean of the global batch"
+            )
         return out
 
     return loss
@@ -105,15 +110,31 @@ def planned(schedule: Callable) -> Callable:
     """``schedule`` (a Megatron forward-backward function) run on the plugin's next step."""
 
     @functools.wraps(schedule)
-    def forward_backward(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
-                         micro_batch_size, forward_only: bool = False, **kwargs):
+    def forward_backward(
+        *,
+        forward_step_func,
+        data_iterator,
+        model,
+        num_microbatches,
+        seq_length,
+        micro_batch_size,
+        forward_only: bool = False,
+        **kwargs,
+    ):
         from . import runtime
 
         run = runtime.RUN
         if run is None or run.documents is None or forward_only:
-            return schedule(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                            num_microbatches=num_microbatches, seq_length=seq_length,
-                            micro_batch_size=micro_batch_size, forward_only=forward_only, **kwargs)
+            return schedule(
+                forward_step_func=forward_step_func,
+                data_iterator=data_iterator,
+                model=model,
+                num_microbatches=num_microbatches,
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
+                forward_only=forward_only,
+                **kwargs,
+            )
         if isinstance(model, (list, tuple)) and len(model) > 1:
             raise ValueError("virtual pipeline stages (several model chunks) are not planned by the plugin")
         step = run.next_step(model)
@@ -130,9 +151,16 @@ def planned(schedule: Callable) -> Callable:
 
         # seq_length / micro_batch_size are read only for fixed shapes (variable_seq_lengths is on)
         widths = [d.shape for d, _ in items]
-        return schedule(forward_step_func=forward_step, data_iterator=iter([b for _, b in items]), model=model,
-                        num_microbatches=len(items), seq_length=max(int(w[1]) for w in widths),
-                        micro_batch_size=max(int(w[0]) for w in widths), forward_only=False, **kwargs)
+        return schedule(
+            forward_step_func=forward_step,
+            data_iterator=iter([b for _, b in items]),
+            model=model,
+            num_microbatches=len(items),
+            seq_length=max(int(w[1]) for w in widths),
+            micro_batch_size=max(int(w[0]) for w in widths),
+            forward_only=False,
+            **kwargs,
+        )
 
     return forward_backward
 
@@ -153,5 +181,8 @@ def _get_forward_backward_func(original: Callable) -> Callable:
 
 
 def schedule_patches() -> list[Patch]:
-    return [Patch("schedule.get_forward_backward_func", f"{SCHEDULES}.get_forward_backward_func",
-                  _get_forward_backward_func)]
+    return [
+        Patch(
+            "schedule.get_forward_backward_func", f"{SCHEDULES}.get_forward_backward_func", _get_forward_backward_func
+        )
+    ]

@@ -8,6 +8,7 @@ lengths unless the MoE token dispatcher is ``alltoall``, even for dense models, 
 component built from it (the data-parallel wrapper reads ``calculate_per_token_loss`` at
 construction) sees them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,13 +33,20 @@ def _post_init(original: Callable) -> Callable:
                 changed.append("moe_token_dispatcher_type")
             self.moe_token_dispatcher_type = "alltoall"
         if changed:
-            logger.info("dyn_plugin turned on for Megatron: %s (variable micro-batch shapes, exact token-mean loss)",
-                        ", ".join(changed))
+            logger.info(
+                "dyn_plugin turned on for Megatron: %s (variable micro-batch shapes, exact token-mean loss)",
+                ", ".join(changed),
+            )
         original(self)
 
     return __post_init__
 
 
 def settings_patches() -> list[Patch]:
-    return [Patch("settings.transformer_config",
-                  "megatron.core.transformer.transformer_config.TransformerConfig.__post_init__", _post_init)]
+    return [
+        Patch(
+            "settings.transformer_config",
+            "megatron.core.transformer.transformer_config.TransformerConfig.__post_init__",
+            _post_init,
+        )
+    ]

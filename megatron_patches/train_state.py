@@ -10,6 +10,7 @@
   samples the interrupted epoch had left. The loader may not exist yet at load time (it is built
   at the first step), so the position waits in the run until it does.
 """
+
 from __future__ import annotations
 
 import functools
@@ -80,8 +81,9 @@ def _then(hook: Callable[[str], None]) -> Callable[[Callable], Callable]:
 
 def train_state_patches() -> list[Patch]:
     return [
-        Patch("train_state.lr_increment", "megatron.core.optimizer_param_scheduler.OptimizerParamScheduler.step",
-              _lr_step),
+        Patch(
+            "train_state.lr_increment", "megatron.core.optimizer_param_scheduler.OptimizerParamScheduler.step", _lr_step
+        ),
         Patch("train_state.save_checkpoint", f"{CHECKPOINTING}.save", _then(save_loader_state)),
         Patch("train_state.load_checkpoint", f"{CHECKPOINTING}.load", _then(load_loader_state)),
     ]

@@ -1,5 +1,6 @@
 """One rank of the two-node checkpoint test: each rank plays its own node (LOCAL_RANK=0 on both),
 with its own checkpoint directory, and resumes the loader from its own copy (run as a script)."""
+
 import json
 import os
 import sys
@@ -8,12 +9,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_loader import make  # noqa: E402
-
 import deepspeed_ext  # noqa: E402
 from dyn_plugin.host.checkpoint import LOADER_STATE  # noqa: E402
 from dyn_plugin.layout import RankLayout  # noqa: E402
 from dyn_plugin.runtime.loader import DynLoader  # noqa: E402
+from test_loader import make  # noqa: E402
 
 
 class NodeLocalEngine:

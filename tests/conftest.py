@@ -7,6 +7,9 @@ import pytest
 
 from dyn_plugin.cost.native import core
 
+# the real redis-server fixtures (redis_server, fresh_redis_server), for every test module
+pytest_plugins = ["redis_server"]
+
 # `make test` (and so CI) sets this: there a missing C++ extension is a broken build, not a
 # reason to skip its tests; users without a compiler still run everything else in Python.
 REQUIRE_NATIVE = os.environ.get("DYN_PLUGIN_REQUIRE_NATIVE") == "1"

@@ -3,6 +3,7 @@
 Writes, per step it consumed, the step's digest and its samples to OUT/rank{r}.jsonl; checks
 with gloo that every rank holds the same plan digest at every step.
 """
+
 import json
 import os
 import signal
@@ -12,10 +13,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_loader import make  # noqa: E402
-
 from dyn_plugin.layout import RankLayout  # noqa: E402
 from dyn_plugin.runtime.loader import DynLoader  # noqa: E402
+from test_loader import make  # noqa: E402
 
 
 def main() -> None:
@@ -58,8 +58,12 @@ def main() -> None:
             gathered = [torch.zeros_like(digest) for _ in range(world)]
             dist.all_gather(gathered, digest)
             assert all(int(g) == int(digest) for g in gathered), f"ranks disagree on step {step.index}"
-            log.write(json.dumps({"step": step.index, "digest": step.digest,
-                                  "samples": [i for mb in step.sample_ids for i in mb]}) + "\n")
+            log.write(
+                json.dumps(
+                    {"step": step.index, "digest": step.digest, "samples": [i for mb in step.sample_ids for i in mb]}
+                )
+                + "\n"
+            )
             log.flush()
             if stop_after is not None and n + 1 == stop_after:
                 with open(state_path, "w") as f:

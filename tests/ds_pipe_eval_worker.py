@@ -1,6 +1,7 @@
 """One rank of the pipeline engine's DeepSpeed entry points (pp=2): ``train_batch(data_iter=...)``,
 ``eval_batch`` forward-only, a refusal of data that is not the loader's, in the precision given
 as argv[2] ("fp32" or "bf16")."""
+
 import itertools
 import sys
 
@@ -13,8 +14,8 @@ deepspeed_ext.skip_cpu_shm_build()
 
 import deepspeed  # noqa: E402
 
-from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
 from ds_exact_worker import LR, MODEL, random_dataset  # noqa: E402
+from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
 from ranks import finish  # noqa: E402
 
 
@@ -25,7 +26,8 @@ def main():
     torch.manual_seed(0)
     model = build_causal_lm({**MODEL, "num_hidden_layers": 3})
     config = {
-        "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 1},
+        "zero_allow_untested_optimizer": True,
         **({"bf16": {"enabled": True}} if dtype == "bf16" else {}),
         "dyn_plugin": {
             "microbatching": {"layout": "packed", "global_tokens": 1500, "max_seq_len": 256, "recompute": "none"},
@@ -35,14 +37,20 @@ def main():
         },
     }
     engine, _, loader, _ = deepspeed_ext.initialize(
-        model=model, config=config, dataset=data, lengths=lengths,
-        optimizer=lambda params: torch.optim.SGD(params, lr=LR), seed=5)
+        model=model,
+        config=config,
+        dataset=data,
+        lengths=lengths,
+        optimizer=lambda params: torch.optim.SGD(params, lr=LR),
+        seed=5,
+    )
     received = []
     batched = dist.batch_isend_irecv
 
     def recording(ops):  # the dtype of every tensor a stage receives
         received.extend(str(op.tensor.dtype) for op in ops if op.op is dist.irecv)
         return batched(ops)
+
     dist.batch_isend_irecv = recording
     steps = list(itertools.islice(loader, 2))
     before = [p.detach().clone() for p in engine.module.parameters()]
@@ -60,9 +68,20 @@ def main():
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sorted(set(received)))
-    finish({"eval_loss": eval_loss, "train_loss": train_loss, "second_loss": second, "eval_left_params": bool(flags[0]),
-            "train_moved_params": bool(flags[1]), "refused": refused, "received_dtypes": gathered,
-            "act_dtype": str(engine._act_dtype()), "micro_batches": len(steps[0].plan.micro_batches)}, out)
+    finish(
+        {
+            "eval_loss": eval_loss,
+            "train_loss": train_loss,
+            "second_loss": second,
+            "eval_left_params": bool(flags[0]),
+            "train_moved_params": bool(flags[1]),
+            "refused": refused,
+            "received_dtypes": gathered,
+            "act_dtype": str(engine._act_dtype()),
+            "micro_batches": len(steps[0].plan.micro_batches),
+        },
+        out,
+    )
 
 
 if __name__ == "__main__":

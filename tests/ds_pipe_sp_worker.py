@@ -1,6 +1,7 @@
 """One rank of the pipeline sequence-parallel test: pp=2 x 2 columns, ZeRO-1, three steps through
 one engine with the columns grouped [2], then [1, 1], then [2] (forced), each step compared with the
 single-process token-mean reference (run as a script)."""
+
 import copy
 import functools
 import itertools
@@ -15,13 +16,13 @@ import deepspeed_ext
 deepspeed_ext.skip_cpu_shm_build()
 
 import deepspeed  # noqa: E402
-from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
-from ranks import finish  # noqa: E402
 
+from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
 from dyn_plugin.host.recompute import recompute_switch  # noqa: E402
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
 from dyn_plugin.plan import methods  # noqa: E402
 from dyn_plugin.runtime import planning  # noqa: E402
+from ranks import finish  # noqa: E402
 
 GROUPINGS = ((2,), (1, 1), (2,))  # step s of the epoch groups the 2 columns as GROUPINGS[s]
 CASES = (  # layout, recompute (full: backward re-runs attention in its group), attention, device MB
@@ -48,8 +49,18 @@ def force_groupings(context: planning.PlanningContext) -> None:
 @torch.no_grad()
 def reference_loss(model, samples) -> float:
     total = sum(len(s) - 1 for s in samples)
-    return sum(float(model(input_ids=torch.as_tensor(s).unsqueeze(0), labels=torch.as_tensor(s).unsqueeze(0),
-                           use_cache=False).loss) * (len(s) - 1) for s in samples) / total
+    return (
+        sum(
+            float(
+                model(
+                    input_ids=torch.as_tensor(s).unsqueeze(0), labels=torch.as_tensor(s).unsqueeze(0), use_cache=False
+                ).loss
+            )
+            * (len(s) - 1)
+            for s in samples
+        )
+        / total
+    )
 
 
 def main():
@@ -63,7 +74,8 @@ def main():
         model = build_causal_lm({**MODEL, "num_hidden_layers": 3})
         ref = copy.deepcopy(model)
         config = {
-            "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": 1},
+            "zero_allow_untested_optimizer": True,
             "dyn_plugin": {
                 "microbatching": {"layout": layout, "global_tokens": 1500, "max_seq_len": 256, "recompute": recompute},
                 "pipeline": {"stages": 2},
@@ -74,20 +86,27 @@ def main():
             },
         }
         engine, _, loader, _ = deepspeed_ext.initialize(
-            model=model, config=config, dataset=data, lengths=lengths,
-            optimizer=lambda params: torch.optim.SGD(params, lr=LR), seed=3)
+            model=model,
+            config=config,
+            dataset=data,
+            lengths=lengths,
+            optimizer=lambda params: torch.optim.SGD(params, lr=LR),
+            seed=3,
+        )
         force_groupings(loader.context)
         columns = engine.dp_world_size
         # DeepSpeed's grid is stage-major, as the plans and the sequence-parallel groups assume
-        stage_major = all(engine.grid._topo.get_rank(pipe=s, data=c) == s * columns + c
-                          for s in range(engine.num_stages) for c in range(columns))
+        stage_major = all(
+            engine.grid._topo.get_rank(pipe=s, data=c) == s * columns + c
+            for s in range(engine.num_stages)
+            for c in range(columns)
+        )
         ids, steps = [], []
         for step in itertools.islice(loader, len(GROUPINGS)):
             # every sample of the step once: from each group's first column (its other columns hold
             # shards of the same rows), on the first stage (the last loads the same samples)
             descs = step.plan.micro_batches
-            mine = [i for d in descs for i in d.sample_ids
-                    if engine.is_first_stage() and step.plan.column == d.group]
+            mine = [i for d in descs for i in d.sample_ids if engine.is_first_stage() and step.plan.column == d.group]
             gathered = [None] * world
             dist.all_gather_object(gathered, mine)
             step_ids = sorted(i for g in gathered for i in g)
@@ -100,24 +119,42 @@ def main():
             seconds = time.perf_counter() - t0
             reference(ref, samples, LR)
             ids += step_ids
-            steps.append({
-                "sp": sorted({d.sp for d in descs}), "micro_batches": len(descs), "seconds": seconds,
-                "loss_diff": abs(loss - want), "eval_diff": eval_diff,
-                "padding_documents": sum(d.layout == "packed" and d.shape[1] > sum(d.seq_lens) for d in descs),
-            })
+            steps.append(
+                {
+                    "sp": sorted({d.sp for d in descs}),
+                    "micro_batches": len(descs),
+                    "seconds": seconds,
+                    "loss_diff": abs(loss - want),
+                    "eval_diff": eval_diff,
+                    "padding_documents": sum(d.layout == "packed" and d.shape[1] > sum(d.seq_lens) for d in descs),
+                }
+            )
         local = {id(p) for p in engine.module.parameters()}
-        diffs = [float((p.detach() - q.detach()).abs().max())
-                 for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()) if id(p) in local]
+        diffs = [
+            float((p.detach() - q.detach()).abs().max())
+            for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())
+            if id(p) in local
+        ]
         stats = torch.tensor([max(diffs), len(diffs)], dtype=torch.float64)
         every = [torch.zeros_like(stats) for _ in range(world)]
         dist.all_gather(every, stats)
-        results.append({
-            "layout": layout, "recompute": recompute, "attention": attention, "stage_major": stage_major,
-            "max_abs_diff": max(float(s[0]) for s in every), "params_compared": sum(int(s[1]) for s in every),
-            "params": len(list(model.parameters())), "dp": columns, "samples": len(ids), "distinct": len(set(ids)),
-            "global_batch": sum(len(b) for b in loader.context.batches(0)[:len(GROUPINGS)]), "steps": steps,
-            "recompute_ran": recompute_switch(engine.module).mode,
-        })
+        results.append(
+            {
+                "layout": layout,
+                "recompute": recompute,
+                "attention": attention,
+                "stage_major": stage_major,
+                "max_abs_diff": max(float(s[0]) for s in every),
+                "params_compared": sum(int(s[1]) for s in every),
+                "params": len(list(model.parameters())),
+                "dp": columns,
+                "samples": len(ids),
+                "distinct": len(set(ids)),
+                "global_batch": sum(len(b) for b in loader.context.batches(0)[: len(GROUPINGS)]),
+                "steps": steps,
+                "recompute_ran": recompute_switch(engine.module).mode,
+            }
+        )
     finish(results, out)
 
 

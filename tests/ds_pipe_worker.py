@@ -1,5 +1,6 @@
 """One rank of the pipeline exactness test: the plugin's PipelineEngine runs two planned steps
 (pp=2, with dp = world / 2), compared with a single-process reference (run as a script)."""
+
 import copy
 import dataclasses
 import itertools
@@ -14,19 +15,23 @@ import deepspeed_ext
 deepspeed_ext.skip_cpu_shm_build()
 
 import deepspeed  # noqa: E402
-from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
-from ranks import finish  # noqa: E402
 
+from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
 from dyn_plugin.host.recompute import recompute_switch  # noqa: E402
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
+from ranks import finish  # noqa: E402
 
 
 def pyramid(step, stage_layers: list[int]) -> None:
     """Give the step's micro-batches their own checkpointed layer counts, different on each stage
     (as a pyramid plan would): the engine must apply its own stage's entry."""
-    step.plan = dataclasses.replace(step.plan, micro_batches=tuple(
-        dataclasses.replace(desc, checkpointed=tuple((i + s) % (n + 1) for s, n in enumerate(stage_layers)))
-        for i, desc in enumerate(step.plan.micro_batches)))
+    step.plan = dataclasses.replace(
+        step.plan,
+        micro_batches=tuple(
+            dataclasses.replace(desc, checkpointed=tuple((i + s) % (n + 1) for s, n in enumerate(stage_layers)))
+            for i, desc in enumerate(step.plan.micro_batches)
+        ),
+    )
 
 
 def record_pyramid(engine) -> list[tuple[int | None, int, int]]:
@@ -56,7 +61,8 @@ def main():
         model = build_causal_lm({**MODEL, "num_hidden_layers": 3})
         ref = copy.deepcopy(model)
         config = {
-            "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": zero},
+            "zero_allow_untested_optimizer": True,
             "dyn_plugin": {
                 "microbatching": {"layout": layout, "global_tokens": 1500, "max_seq_len": 256, "recompute": recompute},
                 "pipeline": {"stages": 2},
@@ -66,8 +72,13 @@ def main():
             },
         }
         engine, _, loader, _ = deepspeed_ext.initialize(
-            model=model, config=config, dataset=data, lengths=lengths,
-            optimizer=lambda params: torch.optim.SGD(params, lr=LR), seed=3)
+            model=model,
+            config=config,
+            dataset=data,
+            lengths=lengths,
+            optimizer=lambda params: torch.optim.SGD(params, lr=LR),
+            seed=3,
+        )
         applied = record_pyramid(engine)
         ids, shapes, batch_sizes = [], [], []
         for step in itertools.islice(loader, 2):  # through one engine: counts and shapes change between steps
@@ -96,24 +107,40 @@ def main():
         deepspeed_ext.load_checkpoint(engine, loader, ckpt)
         restored = max(float((p.detach() - q).abs().max()) for p, q in zip(engine.module.parameters(), saved))
         local = {id(p) for p in engine.module.parameters()}
-        diffs = [float((p.detach() - q.detach()).abs().max())
-                 for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()) if id(p) in local]
+        diffs = [
+            float((p.detach() - q.detach()).abs().max())
+            for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())
+            if id(p) in local
+        ]
         everywhere = [None] * world
         dist.all_gather_object(everywhere, applied)
         applied = [a for rank in everywhere for a in rank]
         stats = torch.tensor([max(diffs), len(diffs)], dtype=torch.float64)
         both = [torch.zeros_like(stats) for _ in range(world)]
         dist.all_gather(both, stats)
-        results.append({
-            "zero": zero, "layout": layout, "max_abs_diff": max(float(s[0]) for s in both),
-            "params_compared": sum(int(s[1]) for s in both), "params": len(list(model.parameters())),
-            "samples": len(ids), "distinct": len(set(ids)), "global_batch": sum(batch_sizes),
-            "micro_batches": len(first.plan.micro_batches), "sizes": [len(mb.sample_ids) for mb in first.plan.micro_batches],
-            "shapes_changed": shapes[0] != shapes[1],
-            # per forward and backward on every rank: (planned count, layers that recomputed, layers of the stage)
-            "pyramid": applied,
-            "loss": loss, "dp": engine.dp_world_size, "restored_diff": restored, "resume_step": loader.step, "recompute": recompute, "recompute_ran": recompute_switch(engine.module).mode,
-        })
+        results.append(
+            {
+                "zero": zero,
+                "layout": layout,
+                "max_abs_diff": max(float(s[0]) for s in both),
+                "params_compared": sum(int(s[1]) for s in both),
+                "params": len(list(model.parameters())),
+                "samples": len(ids),
+                "distinct": len(set(ids)),
+                "global_batch": sum(batch_sizes),
+                "micro_batches": len(first.plan.micro_batches),
+                "sizes": [len(mb.sample_ids) for mb in first.plan.micro_batches],
+                "shapes_changed": shapes[0] != shapes[1],
+                # per forward and backward on every rank: (planned count, layers that recomputed, layers of the stage)
+                "pyramid": applied,
+                "loss": loss,
+                "dp": engine.dp_world_size,
+                "restored_diff": restored,
+                "resume_step": loader.step,
+                "recompute": recompute,
+                "recompute_ran": recompute_switch(engine.module).mode,
+            }
+        )
     finish(results, out)
 
 

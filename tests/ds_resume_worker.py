@@ -1,5 +1,6 @@
 """One rank of the kill-and-resume test: train an epoch with DeepSpeed (ZeRO-1, AdamW), or
 stop after K steps with a checkpoint and die, or resume from it (run as a script)."""
+
 import json
 import os
 import signal
@@ -27,12 +28,22 @@ def main():
     data = [{"input_ids": rng.integers(0, 97, size=int(n))} for n in lengths]
     torch.manual_seed(0)
     model = build_causal_lm(MODEL)
-    config = {"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
-              "dyn_plugin": {"microbatching": {"global_tokens": 1500, "max_seq_len": 256},
-                             "cost_model": {"kind": "analytic", "dtype": "fp32"}}}
+    config = {
+        "zero_optimization": {"stage": 1},
+        "zero_allow_untested_optimizer": True,
+        "dyn_plugin": {
+            "microbatching": {"global_tokens": 1500, "max_seq_len": 256},
+            "cost_model": {"kind": "analytic", "dtype": "fp32"},
+        },
+    }
     engine, _, loader, _ = deepspeed_ext.initialize(
-        model=model, config=config, dataset=data, lengths=lengths,
-        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), seed=5)
+        model=model,
+        config=config,
+        dataset=data,
+        lengths=lengths,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+        seed=5,
+    )
     ckpt = os.path.join(out, "ckpt")
     if mode == "resume":
         deepspeed_ext.load_checkpoint(engine, loader, ckpt)

@@ -12,6 +12,7 @@ forced ones, and may be stopped by a kill after a checkpoint or resumed from it 
                "exact": [{"zero": z, "count": n, "mode": "full" | "stop-after:K" | "resume"}, ...]}
 Rank 0 writes OUT_DIR/TAG.json.
 """
+
 import copy
 import hashlib
 import itertools
@@ -29,9 +30,8 @@ import deepspeed_ext
 deepspeed_ext.skip_cpu_shm_build()
 
 import deepspeed  # noqa: E402
-from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
-from ranks import finish  # noqa: E402
 
+from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
 from dyn_plugin.plan import methods  # noqa: E402
 from dyn_plugin.plan.planner import plan_step  # noqa: E402
@@ -39,6 +39,7 @@ from dyn_plugin.plan.pricing import make_micro_batch  # noqa: E402
 from dyn_plugin.plan.schedule import one_f_one_b  # noqa: E402
 from dyn_plugin.plan.simulator import simulate  # noqa: E402
 from dyn_plugin.plan.types import ReplicaPlan, StepPlan  # noqa: E402
+from ranks import finish  # noqa: E402
 
 PER_GROUP = 2  # micro-batches per group: equal counts, as ZeRO-2/3 need
 # (recompute, checkpointed layers of the one stage) by micro-batch index: whole-stage modes and a
@@ -63,8 +64,10 @@ def hand_plan(lens, spec, grouping, layout, step) -> StepPlan:
     for g, (k, first) in enumerate(zip(grouping, firsts.tolist())):
         chunks = [c.tolist() for c in np.array_split(members[g], PER_GROUP)]
         modes = [MODES[(j + step) % len(MODES)] for j in range(len(chunks))]
-        mbs = tuple(make_micro_batch(c, lens, spec=spec, layout=layout, recompute=rc, sp=k, checkpointed=layers)
-                    for c, (rc, layers) in zip(chunks, modes))
+        mbs = tuple(
+            make_micro_batch(c, lens, spec=spec, layout=layout, recompute=rc, sp=k, checkpointed=layers)
+            for c, (rc, layers) in zip(chunks, modes)
+        )
         schedule = one_f_one_b(len(mbs), spec.pp)
         replicas.append(ReplicaPlan(mbs, schedule, simulate(mbs, schedule, spec.link), first=first, size=k))
     return StepPlan("dynapipe", layout, tuple(replicas), spec.update_ms)
@@ -93,7 +96,8 @@ def force_groupings(loader, steps, planner=hand_plan) -> None:
 
 def engine_for(model, stage, data, lengths, optimizer, seed=3, plugin=None):
     config = {
-        "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
         "dyn_plugin": {
             "microbatching": {"global_tokens": 1000, "max_seq_len": 256},
             "cost_model": {"kind": "analytic", "dtype": "fp32"},
@@ -101,8 +105,9 @@ def engine_for(model, stage, data, lengths, optimizer, seed=3, plugin=None):
             **(plugin or {}),
         },
     }
-    return deepspeed_ext.initialize(model=model, config=config, dataset=data, lengths=lengths,
-                                    optimizer=optimizer(model.parameters()), seed=seed)
+    return deepspeed_ext.initialize(
+        model=model, config=config, dataset=data, lengths=lengths, optimizer=optimizer(model.parameters()), seed=seed
+    )
 
 
 def gather_objects(obj):
@@ -114,10 +119,14 @@ def gather_objects(obj):
 def step_record(step) -> dict:
     """What this rank ran: its groups, (shard width, whole width, tokens of the fullest row) per
     micro-batch, the samples it holds shard 0 of, and (recompute, checkpointed layers) per micro-batch."""
-    return {"shards": step.shards, "widths": [(mb["input_ids"].shape[1], d.shape[1], _row_tokens(d))
-                                             for mb, d in zip(step.micro_batches, step.loaded)],
-            "samples": [i for (_, _, index), ids in zip(step.shards, step.sample_ids) if index == 0 for i in ids],
-            "modes": [(d.recompute, d.checkpointed) for d in step.loaded]}
+    return {
+        "shards": step.shards,
+        "widths": [
+            (mb["input_ids"].shape[1], d.shape[1], _row_tokens(d)) for mb, d in zip(step.micro_batches, step.loaded)
+        ],
+        "samples": [i for (_, _, index), ids in zip(step.shards, step.sample_ids) if index == 0 for i in ids],
+        "modes": [(d.recompute, d.checkpointed) for d in step.loaded],
+    }
 
 
 def _row_tokens(desc) -> int:
@@ -139,7 +148,7 @@ def exact_case(case, data, lengths, out, plugin=None) -> dict:
     ckpt = os.path.join(out, "ckpt")
     if mode == "resume":
         deepspeed_ext.load_checkpoint(engine, loader, ckpt)
-        for done in loader.context.batches(loader.epoch)[:loader.step]:
+        for done in loader.context.batches(loader.epoch)[: loader.step]:
             reference(ref, [data[int(i)]["input_ids"] for i in done], LR)
     stop = int(mode.split(":")[1]) if mode.startswith("stop-after") else None
     steps = []
@@ -149,8 +158,16 @@ def exact_case(case, data, lengths, out, plugin=None) -> dict:
         reference(ref, [data[i]["input_ids"] for i in batch], LR)
         records = gather_objects(step_record(step))
         grouping, layout = planned[step.index] if planned else (None, None)
-        steps.append({"index": step.index, "grouping": grouping, "layout": layout, "batch": sorted(batch),
-                      "ranks": records, "digest": step.digest})
+        steps.append(
+            {
+                "index": step.index,
+                "grouping": grouping,
+                "layout": layout,
+                "batch": sorted(batch),
+                "ranks": records,
+                "digest": step.digest,
+            }
+        )
         if stop is not None and n + 1 == stop:
             deepspeed_ext.save_checkpoint(engine, loader, ckpt, tag="crash")
             os.kill(os.getpid(), signal.SIGKILL)
@@ -159,8 +176,13 @@ def exact_case(case, data, lengths, out, plugin=None) -> dict:
         diff = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(params, ref.parameters()))
         weights = hashlib.sha256(torch.cat([p.detach().flatten() for p in params]).numpy().tobytes()).hexdigest()
     engine.destroy()
-    return {**case, "max_abs_diff": diff, "steps": steps, "kinds": engine._dyn_plugin_sequence.kinds,
-            "weights": weights}
+    return {
+        **case,
+        "max_abs_diff": diff,
+        "steps": steps,
+        "kinds": engine._dyn_plugin_sequence.kinds,
+        "weights": weights,
+    }
 
 
 def dropout_run(out, mode) -> list:
@@ -182,8 +204,9 @@ def dropout_run(out, mode) -> list:
     for n, step in enumerate(itertools.islice(loader, STEPS - loader.step)):
         drawn.clear()
         deepspeed_ext.train_step(engine, step)
-        steps.append(gather_objects({"step": step.index, "digest": step.digest, "shards": step.shards,
-                                     "drawn": list(drawn)}))
+        steps.append(
+            gather_objects({"step": step.index, "digest": step.digest, "shards": step.shards, "drawn": list(drawn)})
+        )
         if stop is not None and n + 1 == stop:
             deepspeed_ext.save_checkpoint(engine, loader, ckpt, tag="crash")
             os.kill(os.getpid(), signal.SIGKILL)

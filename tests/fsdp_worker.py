@@ -1,13 +1,13 @@
 """One rank of the FSDP exactness tests: two planned steps per case (FSDP1 policy, FSDP2 plan,
 hybrid meshes), compared with the single-process token-mean reference, and one case's peak
 memory measured against the plan's prediction (run as a script: OUT GROUP)."""
+
 import copy
 import json
 import sys
 
 import torch
 import torch.distributed as dist
-from token_mean import LR, MODEL, global_samples, random_dataset, reference
 
 from dyn_plugin.cost.model import Precision
 from dyn_plugin.fsdp import initialize, train_step
@@ -16,6 +16,7 @@ from dyn_plugin.fsdp.targets import wrap_targets
 from dyn_plugin.models.hf import build_causal_lm
 from dyn_plugin.models.shard_units import shard_units
 from dyn_plugin.plan.shard_plan import Choice, ShardPlan, UnitPlan
+from token_mean import LR, MODEL, global_samples, random_dataset, reference
 
 STEPS = 2
 # (embed, attn0, mlp0, attn1, mlp1, head, root): every kind at least once per path
@@ -26,7 +27,13 @@ CASES = {
         ("fsdp2", 2, "none", "padded", ["full", "keep", "full", "grad_op", "replicate", "split(1/2)", "keep"]),
     ],
     "four": [
-        ("fsdp2", 4, "full", "packed", ["keep", "reshard(2)", "full", "reshard(2)", "grad_op", "split(1/2)", "replicate"]),
+        (
+            "fsdp2",
+            4,
+            "full",
+            "packed",
+            ["keep", "reshard(2)", "full", "reshard(2)", "grad_op", "split(1/2)", "replicate"],
+        ),
         ("fsdp2", 2, "selective", "packed", ["replicate", "keep", "full", "grad_op", "keep", "split(1/2)", "full"]),
         ("fsdp1", 2, "none", "packed", ["replicate", "grad_op", "full", "keep", "full", "split(1/2)", "full"]),
     ],
@@ -38,11 +45,13 @@ def config(recompute: str, layout: str, plan: ShardPlan | None) -> dict:
     # each global batch into several uneven micro-batches; without a plan, the budget it is searched for
     activations_mb = {"none": 2, "selective": 1.6, "full": 0.6}[recompute]
     memory_mb = activations_mb + plan.state_bytes / 2**20 if plan else SEARCH_BUDGET_MB
-    return {"dyn_plugin": {
-        "microbatching": {"layout": layout, "global_tokens": 1500, "max_seq_len": 256, "recompute": recompute},
-        "cluster": {"device": {"memory_mb": memory_mb, "memory_fraction": 1.0}},
-        "cost_model": {"kind": "analytic", "dtype": "fp32"},
-    }}
+    return {
+        "dyn_plugin": {
+            "microbatching": {"layout": layout, "global_tokens": 1500, "max_seq_len": 256, "recompute": recompute},
+            "cluster": {"device": {"memory_mb": memory_mb, "memory_fraction": 1.0}},
+            "cost_model": {"kind": "analytic", "dtype": "fp32"},
+        }
+    }
 
 
 SEARCH_BUDGET_MB = 2.3  # the memory case's plan is searched for this budget per rank
@@ -57,9 +66,13 @@ def unit_memory(params: int, choice: Choice, shard: int, prec: Precision, host: 
         return (choice.sharded * full + (choice.slices - choice.sharded) * keep) / choice.slices
     # FSDP2's replicate (a shard group of one) holds an unsharded copy of its parameters for the step
     replicate = states + (params * prec.param if host == "fsdp2" else 0)
-    return {"replicate": replicate, "keep": states / shard + params * (prec.param + prec.grad),
-            "grad_op": states / shard + params * prec.param, "full": states / shard,
-            "reshard": states / shard + params * prec.param / max(choice.reshard_to, 1)}[choice.kind]
+    return {
+        "replicate": replicate,
+        "keep": states / shard + params * (prec.param + prec.grad),
+        "grad_op": states / shard + params * prec.param,
+        "full": states / shard,
+        "reshard": states / shard + params * prec.param / max(choice.reshard_to, 1),
+    }[choice.kind]
 
 
 def hand_plan(model, world: int, shard: int, labels: list[str], host: str) -> ShardPlan:
@@ -67,8 +80,10 @@ def hand_plan(model, world: int, shard: int, labels: list[str], host: str) -> Sh
     prec = Precision.of("fp32")
     units = shard_units(model)
     choices = [Choice.parse(label) for label in labels]
-    planned = tuple(UnitPlan(u.name, u.params, c, unit_memory(u.params, c, shard, prec, host), 0.0, 0.0)
-                    for u, c in zip(units, choices))
+    planned = tuple(
+        UnitPlan(u.name, u.params, c, unit_memory(u.params, c, shard, prec, host), 0.0, 0.0)
+        for u, c in zip(units, choices)
+    )
     gathered = [u.params for u, c in zip(units, choices) if c.kind in ("full", "reshard", "split")]
     reserve = max(gathered, default=0) * (2 * prec.param + prec.grad)
     return ShardPlan("tiny-llama", world, shard, "fp32", host, 0.0, 0, 0.0, reserve, 0.0, planned)
@@ -115,6 +130,7 @@ class CollectiveCounts:
             name = self.owner[id(fsdp_params[0]._module_info.module)]
             self.counts.setdefault(name, [0, 0])[which] += 1
             return fn(fsdp_params, *args, **kwargs)
+
         return counted
 
     def take(self) -> dict[str, list]:
@@ -135,10 +151,18 @@ def run_case(fsdp, shard, recompute, layout, labels, data, lengths, world, measu
     plan = hand_plan(model, world, shard, labels, fsdp) if labels else None  # None: initialize searches one
     with measure() as mem:
         model, optimizer, loader, plan = initialize(
-            model, config(recompute, layout, plan), data, lengths, plan=plan, fsdp=fsdp,
+            model,
+            config(recompute, layout, plan),
+            data,
+            lengths,
+            plan=plan,
+            fsdp=fsdp,
             # AdamW where memory is measured: its two states per parameter are what the plan prices
-            optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=LR) if not measure_memory else torch.optim.AdamW(ps, lr=1e-3),
-            seed=3)
+            optimizer_fn=lambda ps: (
+                torch.optim.SGD(ps, lr=LR) if not measure_memory else torch.optim.AdamW(ps, lr=1e-3)
+            ),
+            seed=3,
+        )
         counter = CollectiveCounts(model, plan, world) if fsdp == "fsdp2" else None
         steps, losses, sizes, collectives = [], [], [], []
         for step in loader:
@@ -153,20 +177,37 @@ def run_case(fsdp, shard, recompute, layout, labels, data, lengths, world, measu
         at_rest = mem.live()  # after the optimizer step: sharded parameters and optimizer states
         if counter:
             counter.close()
-    result = {"fsdp": fsdp, "shard": shard, "recompute": recompute, "layout": layout, "choices": labels,
-              "micro_batch_sizes": sizes, "losses": losses, "collectives": collectives}
+    result = {
+        "fsdp": fsdp,
+        "shard": shard,
+        "recompute": recompute,
+        "layout": layout,
+        "choices": labels,
+        "micro_batch_sizes": sizes,
+        "losses": losses,
+        "collectives": collectives,
+    }
     if measure_memory:
         predicted = predicted_peak_bytes(plan, loader.context.cost, steps)
         prec = Precision.of(plan.dtype)
-        rest = sum(u.params * (prec.param + prec.optimizer) / (1 if u.choice.kind == "replicate" else shard)
-                   for u in plan.units)
+        rest = sum(
+            u.params * (prec.param + prec.optimizer) / (1 if u.choice.kind == "replicate" else shard)
+            for u in plan.units
+        )
         mine = torch.tensor([mem.peak, predicted, at_rest, rest], dtype=torch.float64)
         gathered = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
         peaks = [g.tolist() for g in gathered]
-        return {**result, "measured_peak": [p[0] for p in peaks], "predicted_peak": [p[1] for p in peaks],
-                "measured_at_rest": [p[2] for p in peaks], "predicted_at_rest": [p[3] for p in peaks],
-                "state_bytes": plan.state_bytes, "budget": plan.memory_budget_bytes, "choices": [u.choice.label for u in plan.units]}
+        return {
+            **result,
+            "measured_peak": [p[0] for p in peaks],
+            "predicted_peak": [p[1] for p in peaks],
+            "measured_at_rest": [p[2] for p in peaks],
+            "predicted_at_rest": [p[3] for p in peaks],
+            "state_bytes": plan.state_bytes,
+            "budget": plan.memory_budget_bytes,
+            "choices": [u.choice.label for u in plan.units],
+        }
     for step in steps:
         reference(ref, [data[i]["input_ids"] for i in global_samples(step, world)], LR)
     mine = full_params(model, fsdp)
@@ -183,8 +224,11 @@ def main():
     world = dist.get_world_size()
     lengths, data = random_dataset(0)
     results = [run_case(*case, data, lengths, world) for case in CASES[group]]
-    memory = run_case("fsdp2", 2, "selective", "packed", None, data, lengths, world, measure_memory=True) \
-        if group == "two" else None
+    memory = (
+        run_case("fsdp2", 2, "selective", "packed", None, data, lengths, world, measure_memory=True)
+        if group == "two"
+        else None
+    )
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump({"cases": results, "memory": memory}, f)

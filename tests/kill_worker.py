@@ -6,6 +6,7 @@ KILL_AT: "none", "startup" (loader built and, on the host, its planners started:
 "K:before-save" (after training the K-th step of this launch, before its checkpoint: that step is
 redone) or "K:after-save". EPOCHS: epochs to train. TEST_STORE: the store section, as JSON.
 """
+
 import json
 import os
 import signal
@@ -16,10 +17,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_loader import make  # noqa: E402
-
 from dyn_plugin.layout import RankLayout  # noqa: E402
 from dyn_plugin.runtime.loader import DynLoader  # noqa: E402
+from test_loader import make  # noqa: E402
 
 DIM = 8
 SEED = 11

@@ -10,6 +10,7 @@ step's global batch. ``reference`` replays those global batches on one process: 
 alone, the summed loss over the global batch's scored tokens, the same SGD update; it writes the
 largest difference from the trained weights.
 """
+
 import json
 import os
 import runpy
@@ -34,11 +35,21 @@ def documents():
 
 def plugin_config(pp: int, method: str, recompute: str) -> dict:
     memory = float(os.environ.get("MEGATRON_TEST_MEMORY_MB", 8000))
-    mb = {"global_tokens": int(os.environ.get("MEGATRON_TEST_GLOBAL_TOKENS", 1200)), "max_seq_len": 256, "method": method}
+    mb = {
+        "global_tokens": int(os.environ.get("MEGATRON_TEST_GLOBAL_TOKENS", 1200)),
+        "max_seq_len": 256,
+        "method": method,
+    }
     if recompute != "auto":
         mb["recompute"] = recompute
-    return {"dyn_plugin": {"cost_model": {"kind": "analytic"}, "microbatching": mb,
-                           "pipeline": {"stages": pp}, "cluster": {"devices_per_node": 4, "device": {"memory_mb": memory}}}}
+    return {
+        "dyn_plugin": {
+            "cost_model": {"kind": "analytic"},
+            "microbatching": mb,
+            "pipeline": {"stages": pp},
+            "cluster": {"devices_per_node": 4, "device": {"memory_mb": memory}},
+        }
+    }
 
 
 def stage_weights(model) -> dict:
@@ -73,28 +84,45 @@ def train(out: str, pp: int, method: str, recompute: str, steps: int) -> None:
     if first_column:
         torch.save(stage_weights(model), os.path.join(out, f"init-{stage}.pt"))
     config = model.config
-    model = DistributedDataParallel(config=config, module=model, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False))
+    model = DistributedDataParallel(
+        config=config,
+        module=model,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        ),
+    )
     config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=LR, weight_decay=0.0, clip_grad=0.0,
-                                                       sgd_momentum=0.0), [model])
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="sgd", lr=LR, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0), [model]
+    )
     forward_backward = get_forward_backward_func()
     records = []
     for _ in range(steps):
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        forward_backward(forward_step_func=ex["forward_step"], data_iterator=iter([]), model=model,
-                         num_microbatches=1, seq_length=SHAPE.seq_length, micro_batch_size=1, forward_only=False)
+        forward_backward(
+            forward_step_func=ex["forward_step"],
+            data_iterator=iter([]),
+            model=model,
+            num_microbatches=1,
+            seq_length=SHAPE.seq_length,
+            micro_batch_size=1,
+            forward_only=False,
+        )
         optimizer.step()
         step = runtime.RUN.step
         counts = torch.tensor([len(step.plan.micro_batches)])
         gathered = [torch.zeros_like(counts) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, counts)
-        records.append({"samples": [int(i) for i in runtime.RUN.loader.context.batches(step.epoch)[step.index]],
-                        "counts": [int(c) for c in gathered],
-                        "layouts": sorted({d.layout for d in step.plan.micro_batches}),
-                        "recompute": sorted({d.recompute for d in step.plan.micro_batches}),
-                        "shapes": [list(d.shape) for d in step.plan.micro_batches]})
+        records.append(
+            {
+                "samples": [int(i) for i in runtime.RUN.loader.context.batches(step.epoch)[step.index]],
+                "counts": [int(c) for c in gathered],
+                "layouts": sorted({d.layout for d in step.plan.micro_batches}),
+                "recompute": sorted({d.recompute for d in step.plan.micro_batches}),
+                "shapes": [list(d.shape) for d in step.plan.micro_batches],
+            }
+        )
     if first_column:
         torch.save(stage_weights(model), os.path.join(out, f"final-{stage}.pt"))
     if dist.get_rank() == 0:

@@ -1,4 +1,5 @@
 """Launch a script as a few local gloo ranks (env rendezvous), for the multi-process tests."""
+
 import os
 import subprocess
 import sys
@@ -8,20 +9,39 @@ from dyn_plugin.child import free_port  # also imported from here by the tests
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def launch(script: str, *args, world: int = 2, env: dict | None = None, capture: bool = False) -> list[subprocess.Popen]:
+def launch(
+    script: str, *args, world: int = 2, env: dict | None = None, capture: bool = False
+) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
     for r in range(world):
-        rank_env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
-                    "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                    "OMP_NUM_THREADS": "1", **(env or {})}
+        rank_env = {
+            **os.environ,
+            "RANK": str(r),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(r),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            **(env or {}),
+        }
         out = subprocess.PIPE if capture else None
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, script), *map(str, args)], env=rank_env,
-                                      cwd=os.path.dirname(HERE), stdout=out, stderr=subprocess.STDOUT if capture else None))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, os.path.join(HERE, script), *map(str, args)],
+                env=rank_env,
+                cwd=os.path.dirname(HERE),
+                stdout=out,
+                stderr=subprocess.STDOUT if capture else None,
+            )
+        )
     return procs
 
 
-def run(script: str, *args, world: int = 2, env: dict | None = None, timeout: float = 300) -> tuple[list[int], list[str]]:
+def run(
+    script: str, *args, world: int = 2, env: dict | None = None, timeout: float = 300
+) -> tuple[list[int], list[str]]:
     """Exit codes and combined output of every rank."""
     procs = launch(script, *args, world=world, env=env, capture=True)
     logs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]

@@ -1,8 +1,9 @@
 """Fixtures that run a real redis-server (see dyn_plugin.store.redis_server) and prove it is gone afterwards.
 
-Import the fixtures into a test module: ``from redis_server import redis_server, fresh_redis_server``.
+conftest.py registers this module (``pytest_plugins``), so every test module can ask for the fixtures.
 A missing binary fails the tests with install instructions instead of skipping them.
 """
+
 from __future__ import annotations
 
 import os

@@ -6,6 +6,7 @@ it is missing the test skips with a reason saying so (a user's fresh clone still
 under ``DYN_PLUGIN_REQUIRE_SHARED=1`` (set by ``.ci/run``) that skip is a failure instead, so CI
 never passes a test it did not run.
 """
+
 from __future__ import annotations
 
 import os

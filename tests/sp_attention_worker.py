@@ -4,6 +4,7 @@ Usage: sp_attention_worker.py CHECK[,CHECK...]; checks: attention, groups, rng, 
 builds the same full inputs from one seed, runs its shard and compares with the single-process
 result it computes itself; a failed check raises, so the exit code says it all.
 """
+
 import copy
 import os
 import sys
@@ -40,8 +41,9 @@ def check_attention_case(shard, heads, kv_heads, pos, kind, dtype):
     rows, width = pos.shape
     n = width // k
     gen = torch.Generator().manual_seed(1234)
-    q, key, v = (torch.randn(rows, h, width, 8, generator=gen, dtype=torch.float64)
-                 for h in (heads, kv_heads, kv_heads))
+    q, key, v = (
+        torch.randn(rows, h, width, 8, generator=gen, dtype=torch.float64) for h in (heads, kv_heads, kv_heads)
+    )
     dout = torch.randn(rows, width, heads, 8, generator=gen, dtype=torch.float64)
     # single-process reference: per-document attention over the whole rows, in fp64
     ref = [t.clone().requires_grad_() for t in (q, key, v)]
@@ -187,8 +189,13 @@ def check_llama():
         model.zero_grad()
         RecomputeSwitch(model).set("full")  # backward re-runs attention: it needs the group again
         with sp.sharded(sp.SequenceShard(dist.group.WORLD, world, rank, kind, pos)):
-            loss = model(input_ids=ids[:, mine], position_ids=pos[:, mine], labels=shift[:, mine],
-                         shift_labels=shift[:, mine], num_items_in_batch=1).loss
+            loss = model(
+                input_ids=ids[:, mine],
+                position_ids=pos[:, mine],
+                labels=shift[:, mine],
+                shift_labels=shift[:, mine],
+                num_items_in_batch=1,
+            ).loss
             loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total)

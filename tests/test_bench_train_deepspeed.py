@@ -1,6 +1,7 @@
 """The DeepSpeed training benchmark (dyn_plugin/bench/train_deepspeed.py): ``dynplugin bench train``
 end to end, small, and its device settings (DeepSpeed's precision section follows the profile's
 dtype, and the planner's memory is the device's)."""
+
 import json
 import os
 import subprocess
@@ -31,12 +32,52 @@ def test_bench_train_runs_the_comparison(tmp_path, capsys):
     from dyn_plugin.cli import main
 
     profile = tmp_path / "profile.json"
-    assert main(["profile", "--out", str(profile), "--seq-lens", "16,256,1024", "--micro-batch-sizes", "1,2",
-                 "--max-tokens", "2048", "--recompute", "none", "--repeats", "2", "--validate", "0",
-                 "--threads", "1", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "--out",
+                str(profile),
+                "--seq-lens",
+                "16,256,1024",
+                "--micro-batch-sizes",
+                "1,2",
+                "--max-tokens",
+                "2048",
+                "--recompute",
+                "none",
+                "--repeats",
+                "2",
+                "--validate",
+                "0",
+                "--threads",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
-    assert main(["bench", "train", "--profile", str(profile), "--out", str(tmp_path / "train"), "--steps", "1",
-                 "--max-len", "1024", "--global-tokens", "8192", "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "train",
+                "--profile",
+                str(profile),
+                "--out",
+                str(tmp_path / "train"),
+                "--steps",
+                "1",
+                "--max-len",
+                "1024",
+                "--global-tokens",
+                "8192",
+                "--json",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["mode"] for r in rows] == ["padded", "token_budget", "packing", "packing_varlen", "dyn_plugin"]
     assert all(r["effective_tokens_per_s"] > 0 and r["predicted_step_ms"] > 0 for r in rows)
@@ -49,9 +90,29 @@ def test_bench_train_runs_the_comparison(tmp_path, capsys):
 
     # the same module under DeepSpeed's own launcher (which adds --local_rank)
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    done = subprocess.run([launcher, "--num_gpus", "2", "--module", "dyn_plugin.bench.train_deepspeed", "--profile",
-                           str(profile), "--out", str(tmp_path / "ds"), "--steps", "1", "--max-len", "1024",
-                           "--global-tokens", "8192", "--modes", "dyn_plugin"], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [
+            launcher,
+            "--num_gpus",
+            "2",
+            "--module",
+            "dyn_plugin.bench.train_deepspeed",
+            "--profile",
+            str(profile),
+            "--out",
+            str(tmp_path / "ds"),
+            "--steps",
+            "1",
+            "--max-len",
+            "1024",
+            "--global-tokens",
+            "8192",
+            "--modes",
+            "dyn_plugin",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert [r["mode"] for r in json.loads((tmp_path / "ds" / "summary.json").read_text())] == ["dyn_plugin"]

@@ -1,5 +1,6 @@
 """The sharding plans trained side by side (dyn_plugin/bench/train_fsdp.py), small: 2 CPU ranks, real
 code token ids, the analytic cost model, one timed step per method."""
+
 import json
 
 import pytest
@@ -17,10 +18,31 @@ BUDGET_MB = 64  # fits the sharded plans beside a 256-token sequence, not every 
 
 def test_bench_shard_train_reports_every_method_and_osdp_stays_under_its_budget(tmp_path, capsys):
     out = tmp_path / "shard"
-    assert main(["bench", "shard", "--train", "--out", str(out), "--steps", "1", "--max-len", str(MAX_LEN),
-                 "--global-tokens", str(GLOBAL_TOKENS), "--budget-mb", str(BUDGET_MB), "--json"]) == 0
-    rows = {r["method"]: r for r in (json.loads(line) for line in capsys.readouterr().out.splitlines()
-                                     if line.startswith("{"))}
+    assert (
+        main(
+            [
+                "bench",
+                "shard",
+                "--train",
+                "--out",
+                str(out),
+                "--steps",
+                "1",
+                "--max-len",
+                str(MAX_LEN),
+                "--global-tokens",
+                str(GLOBAL_TOKENS),
+                "--budget-mb",
+                str(BUDGET_MB),
+                "--json",
+            ]
+        )
+        == 0
+    )
+    rows = {
+        r["method"]: r
+        for r in (json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{"))
+    }
     assert list(rows) == ["osdp", "full_shard", "shard_grad_op", "no_shard"]
     assert not rows["no_shard"]["fits"] and "does not fit" in rows["no_shard"]["reason"]
     ran = [r for r in rows.values() if r["fits"]]
@@ -50,11 +72,16 @@ def test_the_default_budget_is_the_largest_at_which_no_shard_does_not_fit():
     units = shard_units(model)
 
     def plugin(budget_mb):
-        return load_config({"dyn_plugin": {
-            "cost_model": {"kind": "analytic", "dtype": "fp32"},
-            "microbatching": {"global_tokens": GLOBAL_TOKENS, "max_seq_len": MAX_LEN, "truncate": True},
-            "cluster": {"devices_per_node": 2, "device": {"memory_mb": budget_mb, "memory_fraction": 1.0}},
-            "sharding": {"enabled": True, "memory_budget_mb": budget_mb}}}).plugin
+        return load_config(
+            {
+                "dyn_plugin": {
+                    "cost_model": {"kind": "analytic", "dtype": "fp32"},
+                    "microbatching": {"global_tokens": GLOBAL_TOKENS, "max_seq_len": MAX_LEN, "truncate": True},
+                    "cluster": {"devices_per_node": 2, "device": {"memory_mb": budget_mb, "memory_fraction": 1.0}},
+                    "sharding": {"enabled": True, "memory_budget_mb": budget_mb},
+                }
+            }
+        ).plugin
 
     roomy = plugin(1e9)
     cost = live_cost_model(roomy.cost_model, roomy.cluster, model)

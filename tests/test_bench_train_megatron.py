@@ -1,5 +1,6 @@
 """dyn_plugin.bench.train_megatron end to end, small: Megatron's padded and packed batchings and the plugin's
 plan train the example's GPT on 2 gloo ranks, and the summary has a row per mode."""
+
 import json
 import math
 import os
@@ -15,8 +16,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_megatron_comparison_trains_every_mode(tmp_path):
     out = tmp_path / "train"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "dyn_plugin.bench.train_megatron",
-           "--out", str(out), "--steps", "1", "--max-len", "256", "--global-tokens", "2048"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "-m",
+        "dyn_plugin.bench.train_megatron",
+        "--out",
+        str(out),
+        "--steps",
+        "1",
+        "--max-len",
+        "256",
+        "--global-tokens",
+        "2048",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

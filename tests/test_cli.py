@@ -26,13 +26,33 @@ def test_module_entry_point():
 
 def test_profile_command_writes_a_loadable_profile(tmp_path, capsys):
     out = tmp_path / "p.json"
-    rc = main(["profile", "--out", str(out), "--seq-lens", "16,64", "--micro-batch-sizes", "1,2",
-               "--recompute", "none,full", "--repeats", "1", "--validate", "2", "--threads", "1", "--no-progress"])
+    rc = main(
+        [
+            "profile",
+            "--out",
+            str(out),
+            "--seq-lens",
+            "16,64",
+            "--micro-batch-sizes",
+            "1,2",
+            "--recompute",
+            "none,full",
+            "--repeats",
+            "1",
+            "--validate",
+            "2",
+            "--threads",
+            "1",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "padded/full/tp1" in text and "held-out: 2 random micro-batches" in text
     p = load_profile(out)
-    assert {(t.layout, t.recompute) for t in p.tables} == {(l, r) for l in ("padded", "packed") for r in ("none", "full")}
+    assert {(t.layout, t.recompute) for t in p.tables} == {
+        (l, r) for l in ("padded", "packed") for r in ("none", "full")
+    }
 
 
 def test_bad_arguments_are_clear_errors(tmp_path, capsys):
@@ -76,13 +96,37 @@ def test_bench_loader_prints_json(capsys):
 
 
 def test_bench_planner_prints_json(capsys):
-    assert main(["bench", "planner", "--distributions", "code", "--global-tokens", "65536", "--parallel", "4x2",
-                 "--batches", "1", "--python-batches", "1", "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "planner",
+                "--distributions",
+                "code",
+                "--global-tokens",
+                "65536",
+                "--parallel",
+                "4x2",
+                "--batches",
+                "1",
+                "--python-batches",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     methods = {(r["method"], r["impl"]) for r in records}
     assert ("dynapipe", "cpp" if dyn_plugin_native() else "python") in methods
-    assert {m for m, _ in methods} == {"dynapipe", "dynapipe_all_or_nothing", "fixed_padding", "token_budget",
-                                       "packing_full", "packing_varlen"}
+    assert {m for m, _ in methods} == {
+        "dynapipe",
+        "dynapipe_all_or_nothing",
+        "fixed_padding",
+        "token_budget",
+        "packing_full",
+        "packing_varlen",
+    }
     plan = next(r for r in records if r["method"] == "dynapipe")
     assert plan["sim_iter_ms"] >= plan["lower_bound_ms"] * (1 - 1e-9) and plan["plan_ms_p50"] > 0
     whole = next(r for r in records if r["method"] == "dynapipe_all_or_nothing")
@@ -191,8 +235,19 @@ def test_shard_command_prints_and_writes_the_plan(tmp_path, capsys):
     from dyn_plugin.plan.shard_plan import ShardPlan
 
     out, png = tmp_path / "plan.json", tmp_path / "frontier.png"
-    rc = main(["shard", "--model", "examples/gpt-6.7b.json", "--config", "examples/a100_gpt67b_shard.json",
-               "--out", str(out), "--plot", str(png)])
+    rc = main(
+        [
+            "shard",
+            "--model",
+            "examples/gpt-6.7b.json",
+            "--config",
+            "examples/a100_gpt67b_shard.json",
+            "--out",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     # one row per kind of unit: the 32 layers' MLPs fold into one row
@@ -207,8 +262,10 @@ def test_shard_command_says_the_minimum_budget(tmp_path, capsys):
     config["dyn_plugin"]["sharding"]["memory_budget_mb"] = 8000
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
-    assert main(["shard", "--model", "examples/gpt-6.7b.json", "--config", str(path), "--out",
-                 str(tmp_path / "p.json")]) == 2
+    assert (
+        main(["shard", "--model", "examples/gpt-6.7b.json", "--config", str(path), "--out", str(tmp_path / "p.json")])
+        == 2
+    )
     err = capsys.readouterr().err
     assert "below the smallest possible sharding plan" in err and "sharding.memory_budget_mb" in err
 
@@ -217,8 +274,20 @@ def test_strategy_command_prints_writes_and_caches(tmp_path, capsys):
     from dyn_plugin.plan.strategy import Proposal
 
     out, png, cache = tmp_path / "s.json", tmp_path / "s.png", tmp_path / "cache"
-    args = ["strategy", "code", "--gpus", "16", "--model", "gpt-6.7b", "--max-len", "16384", "--out", str(out),
-            "--cache", str(cache)]
+    args = [
+        "strategy",
+        "code",
+        "--gpus",
+        "16",
+        "--model",
+        "gpt-6.7b",
+        "--max-len",
+        "16384",
+        "--out",
+        str(out),
+        "--cache",
+        str(cache),
+    ]
     assert main(args + ["--plot", str(png)]) == 0
     text = capsys.readouterr().out
     assert "strategies for gpt-6.7b on 16 GPUs" in text and png.stat().st_size > 0
@@ -233,8 +302,26 @@ def test_strategy_command_prints_writes_and_caches(tmp_path, capsys):
 
 
 def test_bench_strategy_prints_every_method(capsys):
-    assert main(["bench", "strategy", "--distributions", "code", "--gpus", "16", "--max-len", "16384",
-                 "--tokens-per-gpu", "2048", "--batches", "2", "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "strategy",
+                "--distributions",
+                "code",
+                "--gpus",
+                "16",
+                "--max-len",
+                "16384",
+                "--tokens-per-gpu",
+                "2048",
+                "--batches",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["method"] for r in rows] == ["hydraulis", "seed_stage1", "homogeneous_best", "dynapipe"]
     hydra, seed, homo = rows[0], rows[1], rows[2]

@@ -64,10 +64,14 @@ def test_fraction_bounds():
 
 
 def test_cross_field_checks():
-    assert "layers_per_stage has 1 entries but stages = 2" in errors_of({"pipeline": {"stages": 2, "layers_per_stage": [4]}})
+    assert "layers_per_stage has 1 entries but stages = 2" in errors_of(
+        {"pipeline": {"stages": 2, "layers_per_stage": [4]}}
+    )
     assert "needs 'profile'" in errors_of({"cost_model": {"kind": "profile"}})
     shape = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "ffn_hidden_size": 128, "vocab_size": 100}
-    assert "exceeds cost_model.model.num_layers = 2" in errors_of({"cost_model": {"model": shape}, "pipeline": {"stages": 4}})
+    assert "exceeds cost_model.model.num_layers = 2" in errors_of(
+        {"cost_model": {"model": shape}, "pipeline": {"stages": 4}}
+    )
     assert "divisible by num_heads" in errors_of({"cost_model": {"model": {**shape, "num_heads": 3}}})
 
 
@@ -93,14 +97,17 @@ def test_file_errors(tmp_path):
         load_config(section)
 
 
-@pytest.mark.parametrize("section,path,fix", [
-    ({"microbatching": {"pad_multiple": "8"}}, "dyn_plugin.microbatching.pad_multiple = '8'", "JSON integer"),
-    ({"microbatching": {"global_tokens": 8.0}}, "dyn_plugin.microbatching.global_tokens = 8.0", "JSON integer"),
-    ({"microbatching": {"truncate": "true"}}, "dyn_plugin.microbatching.truncate = 'true'", "true or false"),
-    ({"microbatching": {"truncate": 1}}, "dyn_plugin.microbatching.truncate = 1", "true or false"),
-    ({"cluster": {"device": {"memory_mb": "2000"}}}, "dyn_plugin.cluster.device.memory_mb = '2000'", "JSON number"),
-    ({"store": {"backend": "tcp", "port": "29500"}}, "dyn_plugin.store.port = '29500'", "JSON integer"),
-])
+@pytest.mark.parametrize(
+    "section,path,fix",
+    [
+        ({"microbatching": {"pad_multiple": "8"}}, "dyn_plugin.microbatching.pad_multiple = '8'", "JSON integer"),
+        ({"microbatching": {"global_tokens": 8.0}}, "dyn_plugin.microbatching.global_tokens = 8.0", "JSON integer"),
+        ({"microbatching": {"truncate": "true"}}, "dyn_plugin.microbatching.truncate = 'true'", "true or false"),
+        ({"microbatching": {"truncate": 1}}, "dyn_plugin.microbatching.truncate = 1", "true or false"),
+        ({"cluster": {"device": {"memory_mb": "2000"}}}, "dyn_plugin.cluster.device.memory_mb = '2000'", "JSON number"),
+        ({"store": {"backend": "tcp", "port": "29500"}}, "dyn_plugin.store.port = '29500'", "JSON integer"),
+    ],
+)
 def test_strings_for_numbers_and_bools_are_refused_not_coerced(section, path, fix):
     msg = errors_of(section)
     assert path in msg and fix in msg, msg
@@ -123,7 +130,9 @@ def test_deepspeed_keys_do_not_look_like_the_plugin_section(caplog):
     import deepspeed.runtime.constants as ds
     import deepspeed.runtime.zero.config as zero
 
-    keys = {v for m in (ds, zero) for k, v in vars(m).items() if k.isupper() and isinstance(v, str) and v.isidentifier()}
+    keys = {
+        v for m in (ds, zero) for k, v in vars(m).items() if k.isupper() and isinstance(v, str) and v.isidentifier()
+    }
     assert {"train_batch_size", "zero_optimization", "bf16", "gradient_accumulation_steps"} <= keys
     with caplog.at_level("WARNING", logger="dyn_plugin.config"):
         load_config({**{k: None for k in keys}, "dyn_plugin": {}})
@@ -142,16 +151,26 @@ def test_strategy_section_refusals_name_the_fields_and_the_fix():
     msg = errors_of({"strategy": {"ilp_node_limit": 100}})
     assert "dyn_plugin.strategy: 'ilp_node_limit' is only used by stage2 'ilp' but stage2 is 'dp'" in msg
     assert "dyn_plugin.strategy.max_strategies = 0" in errors_of({"strategy": {"max_strategies": 0}})
-    cfg = load_config({"dyn_plugin": {**on, "strategy": {"enabled": True, **ilp},
-                                      "store": {"backend": "redis", "url": "redis://localhost:6379/0"}}})
+    cfg = load_config(
+        {
+            "dyn_plugin": {
+                **on,
+                "strategy": {"enabled": True, **ilp},
+                "store": {"backend": "redis", "url": "redis://localhost:6379/0"},
+            }
+        }
+    )
     assert cfg.plugin.strategy.ilp_time_budget_ms == 50.0 and cfg.plugin.strategy.proposal is None
 
 
-@pytest.mark.parametrize("section, key, registry", [
-    ("microbatching", "method", "dyn_plugin.plan.methods:METHODS"),
-    ("pipeline", "schedule", "dyn_plugin.plan.schedule:SCHEDULES"),
-    ("store", "backend", "dyn_plugin.store.factory:BACKENDS"),
-])
+@pytest.mark.parametrize(
+    "section, key, registry",
+    [
+        ("microbatching", "method", "dyn_plugin.plan.methods:METHODS"),
+        ("pipeline", "schedule", "dyn_plugin.plan.schedule:SCHEDULES"),
+        ("store", "backend", "dyn_plugin.store.factory:BACKENDS"),
+    ],
+)
 def test_config_names_are_the_registries(section, key, registry):
     """The config (which imports no other layer) lists each registry's names in a Literal: adding an
     entry to a registry means adding its name there too, and this says so."""
@@ -162,4 +181,5 @@ def test_config_names_are_the_registries(section, key, registry):
     names = getattr(importlib.import_module(module), name)
     field = type(getattr(DynPluginConfig(), section)).model_fields[key]
     assert set(typing.get_args(field.annotation)) == set(names), (
-        f"dyn_plugin.config: {section}.{key} allows {typing.get_args(field.annotation)}, {registry} has {tuple(names)}")
+        f"dyn_plugin.config: {section}.{key} allows {typing.get_args(field.annotation)}, {registry} has {tuple(names)}"
+    )

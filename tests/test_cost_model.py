@@ -15,7 +15,9 @@ from dyn_plugin.cost.model import COMPONENTS, METRICS, Precision, zero_sharded_s
 from dyn_plugin.cost.native import core
 from dyn_plugin.cost.table import CostTable, LinearFit, TableCostModel, evaluate_stage, fit_linear
 
-SHAPE = ModelShape(hidden_size=4096, num_layers=32, num_heads=32, ffn_hidden_size=16384, vocab_size=50257, gated_mlp=False)
+SHAPE = ModelShape(
+    hidden_size=4096, num_layers=32, num_heads=32, ffn_hidden_size=16384, vocab_size=50257, gated_mlp=False
+)
 A100 = DeviceSpec(name="a100", memory_mb=40000, peak_tflops=312, achieved_fraction=0.5)
 
 
@@ -51,8 +53,10 @@ def test_zero_stages_shard_more_and_more():
 def random_table(rng, packed, pad=8, max_tokens=np.inf, max_len=np.inf):
     coef = rng.uniform(0, 1, size=(3, 4, 3)) * np.array([1.0, 1e-2, 1e-5])
     floor = rng.uniform(0, 40, size=(3, 4)) * (rng.random((3, 4)) < 0.5)
-    fits = {c: {m: LinearFit(tuple(coef[i, j]), floor=floor[i, j]) for j, m in enumerate(METRICS)}
-            for i, c in enumerate(COMPONENTS)}
+    fits = {
+        c: {m: LinearFit(tuple(coef[i, j]), floor=floor[i, j]) for j, m in enumerate(METRICS)}
+        for i, c in enumerate(COMPONENTS)
+    }
     return CostTable("packed" if packed else "padded", "none", 1, fits, max_tokens, max_len)
 
 
@@ -188,8 +192,14 @@ def test_missing_extension_fails_the_native_tests_only_when_required(required):
     env = {k: v for k, v in os.environ.items() if k != "DYN_PLUGIN_REQUIRE_NATIVE"}
     env.update(DYN_PLUGIN_FORCE_PYTHON="1", **({"DYN_PLUGIN_REQUIRE_NATIVE": "1"} if required else {}))
     test = f"{Path(__file__).name}::test_native_rejects_bad_input"
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=env,
-                         cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        env=env,
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if required:
         assert run.returncode == 1 and "1 error" in run.stdout, run.stdout  # failed in setup
         assert "DYN_PLUGIN_REQUIRE_NATIVE=1 (set by `make test`) requires it" in run.stdout

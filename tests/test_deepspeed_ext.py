@@ -1,9 +1,11 @@
 """DeepSpeed on CPU ranks (gloo): one planned step equals the single-process token-mean
 reference for ZeRO 0-3, padded and packed, with several uneven micro-batches per rank, and
 for the plugin's pipeline engine at pp=2 and pp=2 x dp=2."""
+
 import json
 
 import pytest
+
 from ranks import run
 
 EXACT = 1e-7  # plan vs single-process reference, fp32: equal up to the order floats are summed in
@@ -28,8 +30,9 @@ def test_exact_token_mean_step_for_every_zero_stage(tmp_path):
     # (full: the whole layer; selective: attention only)
     assert len(set(mixed["planned_modes"])) > 1, mixed
     assert mixed["modes_ran"] == mixed["planned_modes"] and mixed["counts_ran"] == mixed["planned_counts"], mixed
-    assert mixed["attention_calls"] == [mixed["layers"] + (0 if m == "none" else n)
-                                        for m, n in zip(mixed["planned_modes"], mixed["planned_counts"])], mixed
+    assert mixed["attention_calls"] == [
+        mixed["layers"] + (0 if m == "none" else n) for m, n in zip(mixed["planned_modes"], mixed["planned_counts"])
+    ], mixed
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["pp2", "pp2xdp2"])
@@ -44,7 +47,9 @@ def test_pipeline_engine_runs_the_plan_exactly(tmp_path, world):
         assert r["max_abs_diff"] <= EXACT, r
         assert r["recompute_ran"] == r["recompute"], r
         assert r["restored_diff"] == 0.0 and r["resume_step"] == 2, r
-        assert r["shapes_changed"], r  # two steps, different micro-batches, one engine  # checkpoint: weights and loader position
+        assert r["shapes_changed"], (
+            r
+        )  # two steps, different micro-batches, one engine  # checkpoint: weights and loader position
         assert r["params_compared"] == r["params"] * r["dp"], r  # every parameter, on the stage that holds it
         assert r["samples"] == r["distinct"] == r["global_batch"], r  # each sample once, over all replicas, 2 steps
         assert r["micro_batches"] > 1, r
@@ -90,14 +95,15 @@ def test_cost_model_takes_the_heads_a_profile_lacks_from_the_live_model(tmp_path
     """A version 2 profile of imported tables records no heads: the model being trained says."""
     from deepspeed_ext.engine import _cost_model
     from dyn_plugin.config import load_config
-    from dyn_plugin.models.hf import PRESETS, build_causal_lm
     from dyn_plugin.cost.bundled import DIR
+    from dyn_plugin.models.hf import PRESETS, build_causal_lm
 
     raw = json.loads((DIR / "a100-gpt-6.7b.json").read_text())
     raw["version"], raw["model"]["num_heads"] = 2, None
     path = tmp_path / "old.json"
     path.write_text(json.dumps(raw))
-    cfg = load_config({"fp16": {"enabled": True},
-                       "dyn_plugin": {"cost_model": {"kind": "profile", "profile": str(path)}}})
+    cfg = load_config(
+        {"fp16": {"enabled": True}, "dyn_plugin": {"cost_model": {"kind": "profile", "profile": str(path)}}}
+    )
     cost = _cost_model(cfg, build_causal_lm(PRESETS["tiny-llama"], num_layers=1))
     assert (cost.num_heads, cost.num_kv_heads, cost.hidden_size) == (4, 2, 4096)  # width: the profile's own

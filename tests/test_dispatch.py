@@ -1,5 +1,6 @@
 """Stage 1 dispatch: a valid assignment, C++ equal to Python, never worse than the seed's rule,
 near the optimum on tiny inputs."""
+
 import itertools
 
 import numpy as np
@@ -54,8 +55,9 @@ def check_valid(d, times, kinds, fill):
 def test_assignment_is_complete_and_respects_capacities(native):
     rng = np.random.default_rng(0)
     for _ in range(40):
-        args = random_input(rng, int(rng.integers(1, 60)), int(rng.integers(1, 12)), int(rng.integers(1, 5)),
-                            ties=bool(rng.integers(2)))
+        args = random_input(
+            rng, int(rng.integers(1, 60)), int(rng.integers(1, 12)), int(rng.integers(1, 5)), ties=bool(rng.integers(2))
+        )
         for improve in (False, True):
             check_valid(dispatch(*args, improve=improve, native=native), *args[:3])
     args = benchmark_like(0, 600, (40, 20, 10, 6), (0.0, 1.0, 3.0, 3.0))
@@ -86,8 +88,11 @@ def scan_greedy(times, kinds, fill, order):
     """The greedy by a scan of every pipeline: the least (finish, index) for each sequence."""
     load, longest, members = [0.0] * len(kinds), [0.0] * len(kinds), [[] for _ in kinds]
     for i in order:
-        finish, p = min((load[p] + fill[kinds[p]] * max(longest[p], x) + x, p) for p in range(len(kinds))
-                        if np.isfinite(x := times[kinds[p], i]))
+        finish, p = min(
+            (load[p] + fill[kinds[p]] * max(longest[p], x) + x, p)
+            for p in range(len(kinds))
+            if np.isfinite(x := times[kinds[p], i])
+        )
         load[p] += times[kinds[p], i]
         longest[p] = max(longest[p], times[kinds[p], i])
         members[p].append(i)
@@ -100,8 +105,9 @@ def test_the_heaps_choose_what_a_scan_of_every_pipeline_chooses(native):
     seed's rule with one trial: the scans when a kind's used pipelines hold shorter ones)."""
     rng = np.random.default_rng(3)
     for _ in range(60):
-        times, kinds, fill, lens = random_input(rng, int(rng.integers(1, 50)), int(rng.integers(1, 10)),
-                                                int(rng.integers(1, 4)), ties=True)
+        times, kinds, fill, lens = random_input(
+            rng, int(rng.integers(1, 50)), int(rng.integers(1, 10)), int(rng.integers(1, 4)), ties=True
+        )
         want = scan_greedy(times, kinds, fill, np.argsort(-lens, kind="stable"))
         assert dispatch(times, kinds, fill, lens, improve=False, native=native, trials=0).members == want
         seed = int(rng.integers(1000))
@@ -112,8 +118,14 @@ def test_the_heaps_choose_what_a_scan_of_every_pipeline_chooses(native):
 
 @pytest.mark.native  # tests/conftest.py: skipped without the extension, failed under `make test`
 @settings(max_examples=300, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 80), pipelines=st.integers(1, 20),
-       kinds=st.integers(1, 6), ties=st.booleans(), improve=st.booleans())
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 80),
+    pipelines=st.integers(1, 20),
+    kinds=st.integers(1, 6),
+    ties=st.booleans(),
+    improve=st.booleans(),
+)
 def test_native_equals_python_exactly(seed, n, pipelines, kinds, ties, improve):
     args = random_input(np.random.default_rng(seed), n, pipelines, kinds, ties=ties)
     assert dispatch(*args, improve=improve, native=True) == dispatch(*args, improve=improve, native=False)
@@ -135,8 +147,10 @@ def test_native_equals_python_on_benchmark_like_inputs():
 def test_never_worse_than_the_seeds_rule(seed):
     """The seed's best of 50 random orders, on inputs shaped like the benchmark's (the longest
     sequence sets the makespan) and on crowded ones (balance sets it)."""
-    for args in (benchmark_like(seed, 600, (40, 20, 10, 6), (0.0, 1.0, 3.0, 3.0)),
-                 benchmark_like(seed, 600, (8, 6, 4, 2), (0.0, 0.25, 0.5, 0.5))):
+    for args in (
+        benchmark_like(seed, 600, (40, 20, 10, 6), (0.0, 1.0, 3.0, 3.0)),
+        benchmark_like(seed, 600, (8, 6, 4, 2), (0.0, 0.25, 0.5, 0.5)),
+    ):
         assert dispatch(*args).makespan_ms <= seed_dispatch(*args, seed=seed, native=core is not None).makespan_ms
 
 
@@ -144,8 +158,9 @@ def test_improvement_never_raises_the_makespan_and_often_lowers_it():
     rng = np.random.default_rng(1)
     lowered = 0
     for _ in range(150):
-        args = random_input(rng, int(rng.integers(2, 40)), int(rng.integers(2, 8)), int(rng.integers(1, 4)),
-                            ties=bool(rng.integers(2)))
+        args = random_input(
+            rng, int(rng.integers(2, 40)), int(rng.integers(2, 8)), int(rng.integers(1, 4)), ties=bool(rng.integers(2))
+        )
         greedy, improved = dispatch(*args, improve=False), dispatch(*args)
         assert improved.makespan_ms <= greedy.makespan_ms
         lowered += improved.makespan_ms < greedy.makespan_ms
@@ -157,8 +172,13 @@ def optimum(times, kinds, fill) -> float:
     for assign in itertools.product(range(len(kinds)), repeat=times.shape[1]):
         t = times[kinds[list(assign)], np.arange(times.shape[1])]
         if np.isfinite(t).all():
-            best = min(best, max(t[np.equal(assign, p)].sum() + fill[kinds[p]] * t[np.equal(assign, p)].max(initial=0)
-                                 for p in range(len(kinds))))
+            best = min(
+                best,
+                max(
+                    t[np.equal(assign, p)].sum() + fill[kinds[p]] * t[np.equal(assign, p)].max(initial=0)
+                    for p in range(len(kinds))
+                ),
+            )
     return best
 
 
@@ -170,8 +190,9 @@ def test_near_the_optimum_on_tiny_inputs():
     rng = np.random.default_rng(2)
     ratios = []
     for _ in range(120):
-        args = random_input(rng, int(rng.integers(1, 8)), int(rng.integers(1, 4)), int(rng.integers(1, 4)),
-                            ties=bool(rng.integers(2)))
+        args = random_input(
+            rng, int(rng.integers(1, 8)), int(rng.integers(1, 4)), int(rng.integers(1, 4)), ties=bool(rng.integers(2))
+        )
         ratios.append(dispatch(*args).makespan_ms / optimum(*args[:3]))
     ratios = np.array(ratios)
     assert ratios.min() >= 1 - 1e-12

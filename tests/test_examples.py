@@ -1,5 +1,6 @@
 """The user scripts in examples/ run as a user would launch them: 2 CPU ranks, a couple of steps,
 the loss logged per step (slow: rank 0 tokenizes the standard library's source first)."""
+
 import os
 import subprocess
 import sys
@@ -21,10 +22,31 @@ def launch(cmd: list[str]) -> str:
 def test_the_examples_train_and_log_the_loss(tmp_path):
     data = str(tmp_path / "data")  # tokenized once, read by both
     # DeepSpeed's own launcher (it adds --local_rank), and a checkpoint of the engine and the loader's position
-    out = launch([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "examples/deepspeed_llama/train.py",
-                  "--steps", "2", "--data", data, "--save", str(tmp_path / "ckpt")])
+    out = launch(
+        [
+            os.path.join(BIN, "deepspeed"),
+            "--num_gpus",
+            "2",
+            "examples/deepspeed_llama/train.py",
+            "--steps",
+            "2",
+            "--data",
+            data,
+            "--save",
+            str(tmp_path / "ckpt"),
+        ]
+    )
     assert "step 0:" in out and "step 1:" in out and "loss" in out
     assert (tmp_path / "ckpt" / "step2" / "dyn_plugin_loader.json").exists()
-    out = launch([os.path.join(BIN, "torchrun"), "--nproc_per_node=2", "examples/fsdp_llama/train.py", "--steps", "2",
-                  "--data", data])
+    out = launch(
+        [
+            os.path.join(BIN, "torchrun"),
+            "--nproc_per_node=2",
+            "examples/fsdp_llama/train.py",
+            "--steps",
+            "2",
+            "--data",
+            data,
+        ]
+    )
     assert "plan:" in out and "step 1:" in out

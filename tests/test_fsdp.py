@@ -1,12 +1,12 @@
 """Plain PyTorch FSDP with a sharding plan (dyn_plugin/fsdp): the split linear layer, plan checks,
 and exact token-mean training on 2 and 4 gloo ranks (FSDP1 policy, FSDP2 plan, integer reshard,
 a 2x2 hybrid mesh), with the measured peak memory against the plan's prediction."""
+
 import copy
 import json
 
 import pytest
 import torch
-from ranks import run
 from torch import nn
 
 from dyn_plugin.fsdp.targets import wrap_targets
@@ -14,14 +14,31 @@ from dyn_plugin.models.hf import build_causal_lm
 from dyn_plugin.models.shard_units import shard_units
 from dyn_plugin.models.split_linear import SplitLinear, slice_sizes, split_linear
 from dyn_plugin.plan.shard_plan import Choice, ShardPlan, UnitPlan
+from ranks import run
 
-TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=97, max_position_embeddings=512, tie_word_embeddings=False)
+TINY = dict(
+    model_type="llama",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=97,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 
 
-@pytest.mark.parametrize("tokens,inp,out,slices,bias", [
-    (5, 16, 97, 2, False), (7, 32, 256, 4, True), (33, 128, 512, 3, True), (200, 32, 1000, 2, True), (1, 64, 2048, 4, False),
-])
+@pytest.mark.parametrize(
+    "tokens,inp,out,slices,bias",
+    [
+        (5, 16, 97, 2, False),
+        (7, 32, 256, 4, True),
+        (33, 128, 512, 3, True),
+        (200, 32, 1000, 2, True),
+        (1, 64, 2048, 4, False),
+    ],
+)
 def test_split_linear_matches_the_unsplit_layer(tokens, inp, out, slices, bias):
     torch.manual_seed(0)
     linear = nn.Linear(inp, out, bias=bias)
@@ -62,8 +79,9 @@ def test_split_linear_replaces_a_named_linear_and_refuses_other_modules():
 
 
 def _plan(model, labels: dict[str, str], world: int = 2, shard: int = 2) -> ShardPlan:
-    units = tuple(UnitPlan(u.name, u.params, Choice.parse(labels.get(u.name, "full")), 0.0, 0.0, 0.0)
-                  for u in shard_units(model))
+    units = tuple(
+        UnitPlan(u.name, u.params, Choice.parse(labels.get(u.name, "full")), 0.0, 0.0, 0.0) for u in shard_units(model)
+    )
     return ShardPlan("tiny-llama", world, shard, "fp32", "fsdp2", 0.0, 0, 0.0, 0.0, 0.0, units)
 
 
@@ -74,7 +92,9 @@ def test_a_plan_for_another_model_is_refused_naming_the_modules():
     with pytest.raises(ValueError, match=r"names modules this model does not have: 'model.layers.7.mlp'"):
         wrap_targets(model, ShardPlan(**{**plan.__dict__, "units": plan.units + (alien,)}), 2)
     with pytest.raises(ValueError, match=r"does not decide for units \['lm_head'\] of this model"):
-        wrap_targets(model, ShardPlan(**{**plan.__dict__, "units": tuple(u for u in plan.units if u.name != "lm_head")}), 2)
+        wrap_targets(
+            model, ShardPlan(**{**plan.__dict__, "units": tuple(u for u in plan.units if u.name != "lm_head")}), 2
+        )
     with pytest.raises(ValueError, match="searched for 2 ranks but 4 are running"):
         wrap_targets(model, plan, 4)
     with pytest.raises(ValueError, match="priced in fp32 but the model's parameters are bf16"):
@@ -90,15 +110,23 @@ def test_reshard_must_divide_the_shard_group():
 def test_wrap_targets_split_the_planned_head_into_full_and_keep_slices():
     model = build_causal_lm(TINY)
     targets = wrap_targets(model, _plan(model, {"lm_head": "split(1/2)", "": "keep"}), 2)
-    assert [(t.name, t.choice.kind) for t in targets][-3:] == [("lm_head.slices.0", "full"), ("lm_head.slices.1", "keep"),
-                                                                 ("", "keep")]
+    assert [(t.name, t.choice.kind) for t in targets][-3:] == [
+        ("lm_head.slices.0", "full"),
+        ("lm_head.slices.1", "keep"),
+        ("", "keep"),
+    ]
     assert targets[-1].module is model and isinstance(model.lm_head, SplitLinear)
 
 
 # FSDP2 collectives per unit and step with M micro-batches: (all-gathers, gradient reductions), as
 # the plan prices them; recompute re-runs forwards inside backward without gathering again
-PER_STEP = {"keep": lambda m: (1, 1), "grad_op": lambda m: (m, m), "full": lambda m: (2 * m, m),
-            "reshard": lambda m: (2 * m, m), "replicate": lambda m: (0, 1)}
+PER_STEP = {
+    "keep": lambda m: (1, 1),
+    "grad_op": lambda m: (m, m),
+    "full": lambda m: (2 * m, m),
+    "reshard": lambda m: (2 * m, m),
+    "replicate": lambda m: (0, 1),
+}
 
 
 def _check_exact(cases):

@@ -1,4 +1,5 @@
 """Dynamic sequence parallelism in the planner: groupings, per-group plans, the SP baselines."""
+
 from dataclasses import replace
 
 import numpy as np
@@ -22,11 +23,14 @@ CODE = load_lengths("code")
 
 
 def spec_for(dp: int, *, pp: int = 4, sp: bool = True, max_len: int = 8192, zero_stage: int = 1, cost=COST, **section):
-    cfg = DynPluginConfig.model_validate({
-        "pipeline": {"stages": pp}, "microbatching": {"max_seq_len": max_len},
-        "sequence_parallel": {"enabled": sp, **section},
-        "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
-    })
+    cfg = DynPluginConfig.model_validate(
+        {
+            "pipeline": {"stages": pp},
+            "microbatching": {"max_seq_len": max_len},
+            "sequence_parallel": {"enabled": sp, **section},
+            "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
+        }
+    )
     return planner_spec(cost, cfg, dp=dp, zero_stage=zero_stage)
 
 
@@ -133,8 +137,13 @@ def test_zero3_recomputes_alike_at_each_run_position():
         for batch in batches(65536, 3):
             for spec in (loose, strict):
                 plan = plan_step(batch, spec)
-                rows = [tuple((r.micro_batches[i].recompute, checkpointed_layers(r.micro_batches[i], spec))
-                              for i in r.schedule.order) for r in plan.replicas]
+                rows = [
+                    tuple(
+                        (r.micro_batches[i].recompute, checkpointed_layers(r.micro_batches[i], spec))
+                        for i in r.schedule.order
+                    )
+                    for r in plan.replicas
+                ]
                 if spec is loose:
                     differed += len(set(rows)) > 1 and len({len(r) for r in rows}) == 1
                     continue
@@ -146,11 +155,14 @@ def test_zero3_recomputes_alike_at_each_run_position():
 def test_runtime_warns_when_costs_are_extrapolated(caplog):
     from dyn_plugin.runtime.planning import PlanningContext
 
-    cfg = DynPluginConfig.model_validate({
-        "pipeline": {"stages": 4}, "microbatching": {"max_seq_len": 32768, "global_tokens": 40000},
-        "sequence_parallel": {"enabled": True},
-        "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
-    })
+    cfg = DynPluginConfig.model_validate(
+        {
+            "pipeline": {"stages": 4},
+            "microbatching": {"max_seq_len": 32768, "global_tokens": 40000},
+            "sequence_parallel": {"enabled": True},
+            "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
+        }
+    )
     lengths = np.array([30000, 2000, 1500, 900, 700, 400] * 4)
     ctx = PlanningContext(cfg, replace(COST, allow_extrapolation=True), lengths, dp=8, pp=4, zero_stage=1)
     with caplog.at_level("WARNING"):

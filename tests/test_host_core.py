@@ -1,4 +1,5 @@
 """The host-neutral core: the rank layout, the loader-position file, typed planned micro-batches."""
+
 import json
 import os
 
@@ -73,10 +74,22 @@ def test_device_helpers(monkeypatch):
 
 
 def _plan():
-    mbs = [MicroBatch(sample_ids=(i,), seq_lens=(n,), layout="packed", recompute="full", forward_ms=(1.0, 1.0),
-                      backward_ms=(2.0, 2.0), stored_bytes=(0.0, 0.0), peak_bytes=(0.0, 0.0), activation_bytes=0.0,
-                      shape=(1, n), checkpointed=(1, 2))
-           for i, n in enumerate((3, 5))]
+    mbs = [
+        MicroBatch(
+            sample_ids=(i,),
+            seq_lens=(n,),
+            layout="packed",
+            recompute="full",
+            forward_ms=(1.0, 1.0),
+            backward_ms=(2.0, 2.0),
+            stored_bytes=(0.0, 0.0),
+            peak_bytes=(0.0, 0.0),
+            activation_bytes=0.0,
+            shape=(1, n),
+            checkpointed=(1, 2),
+        )
+        for i, n in enumerate((3, 5))
+    ]
     return build_execution_plans(mbs, one_f_one_b(2, 2), column=1, stage_ranks=[1, 3], hidden_size=8)[0]
 
 
@@ -88,7 +101,7 @@ def test_planned_micro_batches_are_typed_and_round_trip():
     assert fields == ((1,), (5,), (1, 5), (1, 2), 1, 1)
     assert plan_from_json(plan_to_json(plan)) == plan
     with pytest.raises(AttributeError):
-        mb.seq_len  # a misspelled field fails where it is read
+        _ = mb.seq_len  # a misspelled field fails where it is read
     with pytest.raises(AttributeError):
         mb.sp = 2  # frozen
 

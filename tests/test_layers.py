@@ -4,6 +4,7 @@ Each package of ``dyn_plugin`` may import only the layers listed for it (every i
 also those inside functions), and the planning layers import no framework and no torch, so
 they run, test and scale without a device.
 """
+
 from __future__ import annotations
 
 import ast
@@ -30,8 +31,7 @@ ALLOWED = {
     # bench sits above the hosts: its training benchmarks (train_*.py) train through the FSDP entry,
     # DeepSpeed's and (in child processes only) Megatron's adapters, so it may import them
     "bench": {"config", "lengths", "cost", "plan", "store", "runtime", "models", "profiling", "fsdp", "host", "layout"},
-    "fsdp": {"config", "lengths", "cost", "plan", "runtime", "models", "profiling", "store", "child", "host",
-             "layout"},
+    "fsdp": {"config", "lengths", "cost", "plan", "runtime", "models", "profiling", "store", "child", "host", "layout"},
     "commands": {"config", "lengths", "cost", "plan", "store", "runtime", "profiling", "models", "bench", "layout"},
     "cli": {"commands"},
     "__main__": {"cli"},
@@ -73,7 +73,9 @@ MODULES = sorted(p for p in PKG.rglob("*.py"))
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_imports_point_one_way(path):
     layer = _layer(path)
-    assert layer in ALLOWED, f"{path}: new top-level module {layer!r}: give it a place in ALLOWED (and docs/architecture.md)"
+    assert layer in ALLOWED, (
+        f"{path}: new top-level module {layer!r}: give it a place in ALLOWED (and docs/architecture.md)"
+    )
     for name in _imports(path):
         top = name.split(".")[0]
         if top == "dyn_plugin":
@@ -83,12 +85,14 @@ def test_imports_point_one_way(path):
             target = parts[1]
             assert target == layer or target in ALLOWED[layer], (
                 f"{path.relative_to(ROOT)} imports {name}: layer {layer!r} may import only "
-                f"{sorted(ALLOWED[layer]) or 'nothing'} of dyn_plugin")
+                f"{sorted(ALLOWED[layer]) or 'nothing'} of dyn_plugin"
+            )
         # megatron_patches (the Megatron adapter) imports dyn_plugin, never the other way round: the
         # ``megatron`` command runs it by module name in a child process, and so does ``bench train
         # --host megatron`` with bench/train_megatron.py (no module imports that one)
         assert top != "megatron_patches" or path == MEGATRON_BENCH, (
-            f"{path.relative_to(ROOT)} imports {name}: dyn_plugin must not import megatron_patches")
+            f"{path.relative_to(ROOT)} imports {name}: dyn_plugin must not import megatron_patches"
+        )
         if layer in PURE:
             assert top not in FRAMEWORKS, f"{path.relative_to(ROOT)} imports {name}: {layer!r} must stay framework-free"
 
@@ -105,11 +109,14 @@ def test_hosts_import_the_core_and_not_each_other(path):
     host = path.relative_to(ROOT).parts[0]
     for name in _imports(path):
         parts = name.split(".")
-        assert parts[0] not in set(HOSTS) - {host}, f"{path.relative_to(ROOT)} imports {name}: hosts never import each other"
+        assert parts[0] not in set(HOSTS) - {host}, (
+            f"{path.relative_to(ROOT)} imports {name}: hosts never import each other"
+        )
         if parts[0] == "dyn_plugin" and len(parts) > 1:
             assert parts[1] not in ABOVE_HOSTS | {"fsdp"}, (
                 f"{path.relative_to(ROOT)} imports {name}: a host may import the core below it, not the FSDP host, "
-                "the benchmarks or the CLI")
+                "the benchmarks or the CLI"
+            )
 
 
 def test_only_the_benchmarks_import_deepspeed_ext():
@@ -220,6 +227,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[tuple[set[str], list[str]]]:
 def import_cycles(root: Path = ROOT, package: str = "dyn_plugin") -> list[tuple[set[str], list[str]]]:
     """Cycles among the modules of each subpackage of ``package``, then among the subpackages."""
     graph = module_graph(root, package)
+
     def layer(m: str) -> str:
         return m.split(".")[0]
 
@@ -235,7 +243,8 @@ def test_no_import_cycles(package):
     cycles = import_cycles(package=package)
     assert not cycles, "import cycles (every import counts, also those inside functions): " + "; ".join(
         " -> ".join(path) + (f" (and more among {', '.join(sorted(members))})" if len(members) > len(path) - 1 else "")
-        for members, path in cycles)
+        for members, path in cycles
+    )
 
 
 def test_the_cycle_check_sees_function_level_imports():

@@ -57,8 +57,13 @@ def test_commands_name_list_matches():
 def test_code_documents_are_the_nonempty_files_in_order(tmp_path, monkeypatch):
     """On a stdlib this test writes (the machine's own differs between Python builds): one
     document per non-empty ``*.py`` file, in sorted path order."""
-    files = {"b.py": "y = 2\n", "a.py": "x = 1\n", "pkg/__init__.py": "", "pkg/m.py": "def f():\n    pass\n",
-             "test/t.py": "z = 3\n"}
+    files = {
+        "b.py": "y = 2\n",
+        "a.py": "x = 1\n",
+        "pkg/__init__.py": "",
+        "pkg/m.py": "def f():\n    pass\n",
+        "test/t.py": "z = 3\n",
+    }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
@@ -149,8 +154,7 @@ def test_parse_source_survives_syntax_errors():
 
 def test_man_to_text():
     page = (
-        '.\\" a comment\n.TH LS 1\n.SH NAME\nls \\- list \\fBdirectory\\fR contents\n'
-        ".de XX\nhidden\n..\n.sp\n.B bold\n"
+        '.\\" a comment\n.TH LS 1\n.SH NAME\nls \\- list \\fBdirectory\\fR contents\n.de XX\nhidden\n..\n.sp\n.B bold\n'
     )
     assert C.man_to_text(page) == "LS 1\nNAME\nls - list directory contents\nbold"
     assert C.man_to_text(".so man1/other.1\n") is None

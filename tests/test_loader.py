@@ -1,4 +1,5 @@
 """DynLoader without a store: exactly once, resume, collation, bad input."""
+
 import numpy as np
 import pytest
 
@@ -10,8 +11,11 @@ from dyn_plugin.runtime.loader import DynLoader
 from dyn_plugin.runtime.sampler import epoch_batches
 
 SECTION = {
-    "cost_model": {"kind": "analytic", "dtype": "fp32", "model": {
-        "hidden_size": 64, "num_layers": 4, "num_heads": 4, "ffn_hidden_size": 128, "vocab_size": 100}},
+    "cost_model": {
+        "kind": "analytic",
+        "dtype": "fp32",
+        "model": {"hidden_size": 64, "num_layers": 4, "num_heads": 4, "ffn_hidden_size": 128, "vocab_size": 100},
+    },
     "microbatching": {"global_tokens": 3000, "max_seq_len": 600},
     "cluster": {"device": {"memory_mb": 2000}},
 }
@@ -26,8 +30,13 @@ def make(pp=1, n=120, seed=0, **over):
 
 
 def loaders(cfg, cm, lens, data, dp, pp, **kw):
-    return {(r, s): DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout.of(dp, pp), stage=s,
-                              column=r, seed=7, **kw) for r in range(dp) for s in range(pp)}
+    return {
+        (r, s): DynLoader(
+            data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout.of(dp, pp), stage=s, column=r, seed=7, **kw
+        )
+        for r in range(dp)
+        for s in range(pp)
+    }
 
 
 @pytest.mark.parametrize("dp,pp", [(1, 1), (2, 1), (2, 2), (3, 1)])
@@ -36,12 +45,12 @@ def test_every_sample_exactly_once_per_epoch(dp, pp):
     ls = loaders(cfg, cm, lens, data, dp, pp)
     seen = []
     steps = {k: list(l) for k, l in ls.items()}
-    for (r, s), st in steps.items():
+    for (_, s), st in steps.items():
         for step in st:
             if s == 0:
                 seen += [i for mb in step.sample_ids for i in mb]
     assert sorted(seen) == list(range(len(lens)))
-    for k, st in steps.items():
+    for st in steps.values():
         assert [x.digest for x in st] == [x.digest for x in steps[(0, 0)]]  # all ranks, same plans
         assert all(x.scored_tokens == steps[(0, 0)][i].scored_tokens for i, x in enumerate(st))
     if pp == 2:  # the last stage loads the same micro-batches (labels) as the first
@@ -222,13 +231,13 @@ def test_run_wide_positions_round_trip_across_epochs():
 def test_uneven_micro_batch_counts_refused_under_zero_2():
     """Round-robin batchings can leave one replica a micro-batch short; ZeRO-2/3 would hang."""
     cfg, cm, lens, data = make(microbatching={"global_tokens": 3000, "max_seq_len": 600, "method": "packing_varlen"})
-    loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm,
-        layout=RankLayout(2), column=0, seed=1, zero_stage=2)
+    loader = DynLoader(
+        data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(2), column=0, seed=1, zero_stage=2
+    )
     with pytest.raises(ValueError, match=r"gave the replicas \[.*\] micro-batches, but ZeRO-2 needs the same number"):
         list(loader)
     plugin = make(microbatching={"global_tokens": 3000, "max_seq_len": 600})[0]
     assert list(DynLoader(data, lengths=lens, config=plugin, cost_model=cm, layout=RankLayout(2), seed=1, zero_stage=2))
-
 
 
 def test_recompute_differing_between_replicas_refused_under_zero_3(monkeypatch):
@@ -248,8 +257,9 @@ def test_recompute_differing_between_replicas_refused_under_zero_3(monkeypatch):
         return replace(plan, replicas=(replace(first, micro_batches=redone),) + plan.replicas[1:])
 
     monkeypatch.setattr(methods, "plan_step", mixed)
-    loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm,
-        layout=RankLayout(2), column=0, seed=1, zero_stage=3)
+    loader = DynLoader(
+        data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(2), column=0, seed=1, zero_stage=3
+    )
     with pytest.raises(ValueError, match="ZeRO-3 needs the same recompute at each micro-batch index"):
         list(loader)
     assert list(DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(2), seed=1, zero_stage=2))
@@ -263,12 +273,14 @@ METHODS = ["dynapipe", "fixed_padding", "token_budget", "packing_full", "packing
 def test_loaded_tensors_have_exactly_the_plans_shapes(method, layout):
     """The planner prices a plan's shape and later pipeline stages allocate receive buffers from
     it: every tensor the loader builds must have exactly that shape, for every method."""
-    cfg, cm, lens, data = make(pp=2, microbatching={"global_tokens": 3000, "max_seq_len": 600, "method": method,
-                                                    "layout": layout})
+    cfg, cm, lens, data = make(
+        pp=2, microbatching={"global_tokens": 3000, "max_seq_len": 600, "method": method, "layout": layout}
+    )
     layouts = set()
     for s in (0, 1):  # the first stage loads inputs, the last labels
-        loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout.of(2, 2), stage=s, column=0,
-                           seed=1)
+        loader = DynLoader(
+            data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout.of(2, 2), stage=s, column=0, seed=1
+        )
         for step, _ in zip(loader, range(3)):
             assert step.micro_batches
             for tensors, desc in zip(step.micro_batches, step.loaded):
@@ -284,8 +296,9 @@ def test_loaded_tensors_have_exactly_the_plans_shapes(method, layout):
         assert layouts == {"packed"}
 
 
-@pytest.mark.parametrize("layout,shape", [("packed", (1, 16)), ("packed", (2, 7)), ("padded", (1, 8)),
-                                          ("padded", (3, 8))])
+@pytest.mark.parametrize(
+    "layout,shape", [("packed", (1, 16)), ("packed", (2, 7)), ("padded", (1, 8)), ("padded", (3, 8))]
+)
 def test_collate_refuses_tensors_other_than_the_plans_shape(layout, shape):
     data = [list(range(1, 4)), list(range(1, 10))]  # 3 and 9 tokens
     with pytest.raises(ValueError, match=r"samples \[0, 1\] .* does not fit the plan's shape .*tensor_shape"):
@@ -293,8 +306,9 @@ def test_collate_refuses_tensors_other_than_the_plans_shape(layout, shape):
 
 
 def test_padded_width_follows_pad_multiple():
-    cfg, cm, lens, data = make(microbatching={"global_tokens": 3000, "max_seq_len": 600, "layout": "padded",
-                                              "pad_multiple": 64})
+    cfg, cm, lens, data = make(
+        microbatching={"global_tokens": 3000, "max_seq_len": 600, "layout": "padded", "pad_multiple": 64}
+    )
     step = next(iter(DynLoader(data, lengths=lens, config=cfg, cost_model=cm, seed=1)))
     widths = [mb["input_ids"].shape[1] for mb in step.micro_batches]
     assert all(w % 64 == 0 for w in widths) and any(w % 128 for w in widths), widths
@@ -318,8 +332,9 @@ def test_a_killed_planner_fails_every_waiting_rank_at_once(rank):
 
     store = {"backend": "tcp", "port": free_port(), "namespace": "killed-planner"}
     cfg, cm, lens, data = make(store=store, loader={"planners": 1, "plan_timeout_s": 120})
-    host, other = (DynLoader(data, lengths=lens, config=cfg, cost_model=cm,
-        layout=RankLayout(2), column=r, seed=7) for r in (0, 1))
+    host, other = (
+        DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(2), column=r, seed=7) for r in (0, 1)
+    )
     try:
         _kill_first_planner(host)
         t0 = time.monotonic()
@@ -338,8 +353,15 @@ def test_a_crashed_planner_is_reported_with_its_stderr():
     from dyn_plugin.runtime.planner_pool import PlannerPool
 
     reports = []
-    pool = PlannerPool("{}", '{"backend": "tcp", "port": 1, "namespace": "x"}', num_planners=1, prefetch=1, start=0,
-                       world_size=2, on_failure=reports.append)
+    pool = PlannerPool(
+        "{}",
+        '{"backend": "tcp", "port": 1, "namespace": "x"}',
+        num_planners=1,
+        prefetch=1,
+        start=0,
+        world_size=2,
+        on_failure=reports.append,
+    )
     try:
         deadline = time.monotonic() + 30
         while not reports and time.monotonic() < deadline:

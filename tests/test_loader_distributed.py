@@ -1,20 +1,24 @@
 """DynLoader on 2 gloo ranks: agreement, exactly once, crash and resume, no orphan planners,
 with no store, the embedded TCPStore and a real Redis server."""
+
 import json
 import os
 import time
 
 import pytest
-from redis_server import redis_server  # noqa: F401  (fixture)
 
 from ranks import free_port, run
 from test_loader import make
 
 
-
 def run_ranks(out, mode, store=None, env=None):
-    codes, _ = run("dist_loader_worker.py", out, mode, env={"TEST_STORE": json.dumps(store or {"backend": "none"}),
-                                                          **(env or {})}, timeout=120)
+    codes, _ = run(
+        "dist_loader_worker.py",
+        out,
+        mode,
+        env={"TEST_STORE": json.dumps(store or {"backend": "none"}), **(env or {})},
+        timeout=120,
+    )
     return codes
 
 
@@ -33,7 +37,6 @@ def check_exactly_once(out, n_samples, world=2):
     assert sorted(samples) == list(range(n_samples))
     for recs in steps.values():
         assert len({rec["digest"] for rec in recs.values()}) == 1
-
 
 
 @pytest.mark.parametrize("backend", ["none", "tcp", "redis"])
@@ -76,8 +79,10 @@ def test_a_stale_stop_key_does_not_stop_a_new_runs_planners(redis_server, monkey
         old.put("stop", b"1")  # what every run wrote before stop keys carried the pool's token
     cfg, cm, lens, data = make(store=store, loader={"plan_timeout_s": 15})
     # two ranks without a process group keep the configured namespace as it is
-    loaders = [DynLoader(data, lengths=lens, config=cfg, cost_model=cm,
-        layout=RankLayout(2), column=r, seed=3) for r in range(2)]
+    loaders = [
+        DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(2), column=r, seed=3)
+        for r in range(2)
+    ]
     try:
         assert loaders[0]._store.namespace == store["namespace"]
         steps = [list(l) for l in loaders]
@@ -104,7 +109,9 @@ def _assert_gone(pids, timeout=10.0):
     deadline = time.time() + timeout
     while time.time() < deadline and any(os.path.exists(f"/proc/{p}") and _state(p) != "Z" for p in pids):
         time.sleep(0.1)
-    assert not any(os.path.exists(f"/proc/{p}") and _state(p) != "Z" for p in pids), "planner processes outlived the trainer"
+    assert not any(os.path.exists(f"/proc/{p}") and _state(p) != "Z" for p in pids), (
+        "planner processes outlived the trainer"
+    )
 
 
 def _state(pid) -> str:

@@ -3,6 +3,7 @@
 A packed row of documents must give what each document gives alone: the same logits, per-token
 losses and (summed) gradients. Otherwise packing would change training, not just its speed.
 """
+
 from __future__ import annotations
 
 import copy
@@ -62,11 +63,23 @@ def megatron() -> Iterator[None]:
 def _config(**overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    kwargs = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-                  normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-                  use_cpu_initialization=True, pipeline_dtype=torch.float32, variable_seq_lengths=True,
-                  moe_token_dispatcher_type="alltoall",
-                  hidden_dropout=0.0, attention_dropout=0.0)
+    kwargs = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -81,8 +94,13 @@ def _gpt(core_attention: type | None = None):
         spec = copy.deepcopy(spec)
         spec.submodules.self_attention.submodules.core_attention = core_attention
     torch.manual_seed(0)
-    return GPTModel(config=_config(), transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=64,
-                    position_embedding_type="rope")
+    return GPTModel(
+        config=_config(),
+        transformer_layer_spec=spec,
+        vocab_size=VOCAB,
+        max_sequence_length=64,
+        position_embedding_type="rope",
+    )
 
 
 def _packed(lengths: list[int], max_seqlen: int | None = None):
@@ -177,22 +195,30 @@ def test_core_attention_matches_sdpa_per_document(megatron: None) -> None:
     from megatron.core.transformer.enums import AttnMaskType
 
     cfg = _config(num_layers=4, apply_query_key_layer_scaling=True)
-    attn = PackedDotProductAttention(cfg, layer_number=3, attn_mask_type=AttnMaskType.causal, attention_type="self",
-                                     softmax_scale=0.2)
+    attn = PackedDotProductAttention(
+        cfg, layer_number=3, attn_mask_type=AttnMaskType.causal, attention_type="self", softmax_scale=0.2
+    )
     lengths, pad = [4, 1, 6], [6, 2, 6]  # documents padded to even lengths, as for context parallelism
     t = sum(pad)
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(t, heads, 16, generator=g) for heads in (4, 2, 2))
     cu = torch.tensor([0] + lengths).cumsum(0).int()
     cu_pad = torch.tensor([0] + pad).cumsum(0).int()
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
-                             cu_seqlens_kv_padded=cu_pad, max_seqlen_q=max(pad), max_seqlen_kv=max(pad))
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_pad,
+        cu_seqlens_kv_padded=cu_pad,
+        max_seqlen_q=max(pad),
+        max_seqlen_kv=max(pad),
+    )
     out = attn(q, k, v, None, packed_seq_params=params)
     assert out.shape == (t, 4 * 16)
     expected = torch.zeros(t, 4, 16)
     for start, n in zip(cu_pad[:-1].tolist(), lengths):
-        qd, kd, vd = (x[start:start + n].transpose(0, 1) for x in (q, k, v))
+        qd, kd, vd = (x[start : start + n].transpose(0, 1) for x in (q, k, v))
         kd, vd = kd.repeat_interleave(2, dim=0), vd.repeat_interleave(2, dim=0)
         context = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=0.2)  # 0.2 = (0.2 / 3) * 3
-        expected[start:start + n] = context.transpose(0, 1)
+        expected[start : start + n] = context.transpose(0, 1)
     assert (out - expected.reshape(t, -1)).abs().max().item() < 1e-5

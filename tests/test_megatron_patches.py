@@ -6,6 +6,7 @@ the CPU shims once on the real torch and megatron-core. Megatron-LM (``megatron.
 installed here: a fake of its ``arguments`` module, mimicking its ``parse_args`` and
 ``validate_args``, stands in.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,8 +88,9 @@ def test_revert_restores_every_binding(fake):
     registry = Registry()
     registry.register(Patch("greet", "dp_fake_target.greet", _counting("patched")))
     registry.register(Patch("own", "dp_fake_target.Sub.own", lambda orig: lambda self: "own:" + orig(self)))
-    registry.register(Patch("inherited", "dp_fake_target.Sub.inherited",
-                            lambda orig: lambda self: "over:" + orig(self)))
+    registry.register(
+        Patch("inherited", "dp_fake_target.Sub.inherited", lambda orig: lambda self: "over:" + orig(self))
+    )
     own = fake.Sub.__dict__["own"]
     assert registry.apply(version=VERSION) == ["greet", "own", "inherited"]
     assert fake.user.greet() == "patched"
@@ -122,8 +124,11 @@ def test_revert_reaches_modules_imported_while_patched(fake, monkeypatch):
 def test_a_version_outside_the_range_is_refused(fake):
     registry = Registry()
     registry.register(Patch("greet", "dp_fake_target.greet", _counting("patched"), versions=">=0.16,<0.17"))
-    for refuse in (lambda: registry.apply(version="0.15.0"), lambda: registry.check_version("0.15.0"),
-                   lambda: registry.check_version("0.17.0")):
+    for refuse in (
+        lambda: registry.apply(version="0.15.0"),
+        lambda: registry.check_version("0.15.0"),
+        lambda: registry.check_version("0.17.0"),
+    ):
         with pytest.raises(UnsupportedVersion) as err:
             refuse()
         assert ">=0.16,<0.17" in str(err.value) and ("0.15.0" in str(err.value) or "0.17.0" in str(err.value))
@@ -173,8 +178,12 @@ def test_the_cpu_patches_apply_and_revert_on_the_real_packages():
 
     if getattr(torch.cuda.current_device, MARKER, None):
         pytest.skip("the CPU shims were applied earlier in this process")
-    originals = {"current_device": torch.cuda.current_device, "synchronize": torch.cuda.synchronize,
-                 "get_rng_state": torch.cuda.get_rng_state, "manual_seed": torch.cuda.manual_seed}
+    originals = {
+        "current_device": torch.cuda.current_device,
+        "synchronize": torch.cuda.synchronize,
+        "get_rng_state": torch.cuda.get_rng_state,
+        "manual_seed": torch.cuda.manual_seed,
+    }
     rng = tp_random._get_cuda_rng_state
     registry = Registry()
     for p in cpu_patches():
@@ -211,7 +220,7 @@ def _fake_arguments_module() -> types.ModuleType:
         args.variable_seq_lengths = False  # as Megatron-LM's validate_args does
         return args
 
-    def validate_args(args, defaults={}):
+    def validate_args(args, defaults=None):
         args.variable_seq_lengths = False
         return args
 
@@ -229,16 +238,23 @@ def megatron_lm(monkeypatch):
     initialize = types.ModuleType("megatron.training.initialize")
     initialize.parse_args, initialize.validate_args = arguments.parse_args, arguments.validate_args
     training.arguments, training.initialize = arguments, initialize
-    for name, module in (("megatron.training", training), ("megatron.training.arguments", arguments),
-                         ("megatron.training.initialize", initialize)):
+    for name, module in (
+        ("megatron.training", training),
+        ("megatron.training.arguments", arguments),
+        ("megatron.training.initialize", initialize),
+    ):
         monkeypatch.setitem(sys.modules, name, module)
     runtime = types.ModuleType("megatron_patches.runtime")
     runtime.configured = []
     runtime.configure = runtime.configured.append
     monkeypatch.setitem(sys.modules, "megatron_patches.runtime", runtime)
     monkeypatch.setattr(megatron_patches, "runtime", runtime, raising=False)
-    return types.SimpleNamespace(arguments=arguments, initialize=initialize, runtime=runtime,
-                                 originals=(arguments.parse_args, arguments.validate_args))
+    return types.SimpleNamespace(
+        arguments=arguments,
+        initialize=initialize,
+        runtime=runtime,
+        originals=(arguments.parse_args, arguments.validate_args),
+    )
 
 
 @pytest.fixture
@@ -290,25 +306,37 @@ def test_without_the_patch_the_flag_fails_parsing(megatron_lm, monkeypatch, caps
 # --------------------------------------------------------------------------- the launcher
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--dyn-plugin-config", "c.json", "--", "s.py", "--lr", "1"], ("c.json", "s.py", ["--lr", "1"])),
-    (["--dyn-plugin-config=c.json", "s.py", "x"], ("c.json", "s.py", ["x"])),
-    (["s.py", "--lr", "1", "--dyn-plugin-config", "c.json", "--seed=2"], ("c.json", "s.py", ["--lr", "1", "--seed=2"])),
-    (["--dyn-plugin-config", "c.json", "--", "s.py", "--", "--dyn-plugin-config=c.json"], ("c.json", "s.py", ["--"])),
-    (["--dyn-plugin-config", "c.json", "s.py", "--", "-x"], ("c.json", "s.py", ["--", "-x"])),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--dyn-plugin-config", "c.json", "--", "s.py", "--lr", "1"], ("c.json", "s.py", ["--lr", "1"])),
+        (["--dyn-plugin-config=c.json", "s.py", "x"], ("c.json", "s.py", ["x"])),
+        (
+            ["s.py", "--lr", "1", "--dyn-plugin-config", "c.json", "--seed=2"],
+            ("c.json", "s.py", ["--lr", "1", "--seed=2"]),
+        ),
+        (
+            ["--dyn-plugin-config", "c.json", "--", "s.py", "--", "--dyn-plugin-config=c.json"],
+            ("c.json", "s.py", ["--"]),
+        ),
+        (["--dyn-plugin-config", "c.json", "s.py", "--", "-x"], ("c.json", "s.py", ["--", "-x"])),
+    ],
+)
 def test_the_launcher_strips_its_flag(argv, expected):
     assert launch.split_argv(argv) == expected
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["s.py"], "--dyn-plugin-config FILE is required"),
-    (["--dyn-plugin-config"], "--dyn-plugin-config needs a FILE"),
-    (["--dyn-plugin-config", "c.json"], "no SCRIPT"),
-    (["--dyn-plugin-config", "c.json", "--"], "no SCRIPT"),
-    (["--nproc", "2", "s.py"], "unknown launcher option '--nproc'"),
-    (["--dyn-plugin-config=a.json", "s.py", "--dyn-plugin-config=b.json"], "different files"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["s.py"], "--dyn-plugin-config FILE is required"),
+        (["--dyn-plugin-config"], "--dyn-plugin-config needs a FILE"),
+        (["--dyn-plugin-config", "c.json"], "no SCRIPT"),
+        (["--dyn-plugin-config", "c.json", "--"], "no SCRIPT"),
+        (["--nproc", "2", "s.py"], "unknown launcher option '--nproc'"),
+        (["--dyn-plugin-config=a.json", "s.py", "--dyn-plugin-config=b.json"], "different files"),
+    ],
+)
 def test_bad_launcher_arguments(argv, message):
     with pytest.raises(launch.LaunchError, match=message):
         launch.split_argv(argv)
@@ -323,7 +351,8 @@ def script(tmp_path, monkeypatch):
         "import json, sys\n"
         "import megatron_patches\n"
         "print(json.dumps({'argv': sys.argv, 'applied': megatron_patches.apply.calls, 'path0': sys.path[0],\n"
-        "                  'name': __name__}))\n")
+        "                  'name': __name__}))\n"
+    )
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"dyn_plugin": {}}))
 
@@ -346,8 +375,12 @@ def _run(argv, capsys) -> dict:
 def test_the_launcher_applies_then_runs_the_script(script, monkeypatch, capsys):
     monkeypatch.setattr(launch, "megatron_lm_installed", lambda: False)
     seen = _run(["--dyn-plugin-config", script.config, "--", script.path, "--num-layers", "2", "--", "x"], capsys)
-    assert seen == {"argv": [script.path, "--num-layers", "2", "--", "x"], "applied": [script.config],
-                    "path0": str(launch.os.path.dirname(script.path)), "name": "__main__"}
+    assert seen == {
+        "argv": [script.path, "--num-layers", "2", "--", "x"],
+        "applied": [script.config],
+        "path0": str(launch.os.path.dirname(script.path)),
+        "name": "__main__",
+    }
     seen = _run([script.path, f"--dyn-plugin-config={script.config}", "--lr", "1"], capsys)
     assert seen["argv"] == [script.path, "--lr", "1"]
 
@@ -389,12 +422,25 @@ def _command_args(argv):
 def test_dynplugin_megatron_command_lines(tmp_path):
     config = tmp_path / "ds.json"
     one = megatron_command.command(_command_args(["--dyn-plugin-config", str(config), "--", "s.py", "--lr", "1"]))
-    assert one == [sys.executable, "-m", "megatron_patches.launch", "--dyn-plugin-config", str(config), "--",
-                   "s.py", "--lr", "1"]
-    many = megatron_command.command(_command_args(["--dyn-plugin-config", str(config), "--nproc-per-node", "4",
-                                                   "s.py", "--lr", "1"]))
-    assert many[:7] == [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "-m",
-                        "megatron_patches.launch"] and many[7:] == one[3:]
+    assert one == [
+        sys.executable,
+        "-m",
+        "megatron_patches.launch",
+        "--dyn-plugin-config",
+        str(config),
+        "--",
+        "s.py",
+        "--lr",
+        "1",
+    ]
+    many = megatron_command.command(
+        _command_args(["--dyn-plugin-config", str(config), "--nproc-per-node", "4", "s.py", "--lr", "1"])
+    )
+    assert (
+        many[:7]
+        == [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "-m", "megatron_patches.launch"]
+        and many[7:] == one[3:]
+    )
 
 
 def test_dynplugin_megatron_missing_config_is_a_clear_error(tmp_path, capsys):
@@ -408,7 +454,7 @@ def test_dynplugin_megatron_runs_the_launcher_and_returns_its_exit_code(tmp_path
     calls = []
     monkeypatch.setattr(megatron_command.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 3)
     assert cli_main(["megatron", "--dyn-plugin-config", str(config), "--", "s.py", "--lr", "1"]) == 3
-    (cmd, env), = calls
+    ((cmd, env),) = calls
     assert cmd[1:3] == ["-m", "megatron_patches.launch"] and cmd[-3:] == ["s.py", "--lr", "1"]
     root = launch.os.path.dirname(launch.os.path.dirname(launch.__file__))
     assert env["PYTHONPATH"].split(launch.os.pathsep)[0] == root

@@ -6,6 +6,7 @@ Megatron's own dataset builder (real code in an indexed dataset), the planned sc
 learning-rate schedule counting the documents trained, and the loader's position saved beside
 Megatron's distributed checkpoint and restored from it.
 """
+
 import json
 import os
 import subprocess
@@ -15,15 +16,42 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "megatron_gpt", "train.py")
-CONFIG = {"dyn_plugin": {"cost_model": {"kind": "analytic"}, "microbatching": {"global_tokens": 2048, "max_seq_len": 256},
-                         "cluster": {"devices_per_node": 2, "device": {"memory_mb": 8000}}}}
+EXAMPLE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "megatron_gpt", "train.py"
+)
+CONFIG = {
+    "dyn_plugin": {
+        "cost_model": {"kind": "analytic"},
+        "microbatching": {"global_tokens": 2048, "max_seq_len": 256},
+        "cluster": {"devices_per_node": 2, "device": {"memory_mb": 8000}},
+    }
+}
 
 
 def megatron(tmp_path, *args):
-    cmd = [sys.executable, "-m", "dyn_plugin", "megatron", "--dyn-plugin-config", str(tmp_path / "cfg.json"),
-           "--nproc-per-node", "2", "--", EXAMPLE, "--data", str(tmp_path / "data"),
-           "--seq-length", "256", "--layers", "2", "--hidden", "64", "--ffn", "128", *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dyn_plugin",
+        "megatron",
+        "--dyn-plugin-config",
+        str(tmp_path / "cfg.json"),
+        "--nproc-per-node",
+        "2",
+        "--",
+        EXAMPLE,
+        "--data",
+        str(tmp_path / "data"),
+        "--seq-length",
+        "256",
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--ffn",
+        "128",
+        *map(str, args),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 

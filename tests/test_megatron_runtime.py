@@ -1,4 +1,5 @@
 """The Megatron patches' pieces that need no process group: batches, settings, refusals."""
+
 import pytest
 
 pytest.importorskip("megatron.core")
@@ -14,13 +15,20 @@ from megatron_patches.schedule import _checked_loss  # noqa: E402
 DOCS = {0: list(range(10, 15)), 1: list(range(20, 29)), 2: [7, 8, 9]}
 
 
-@pytest.mark.parametrize("layout,shape", [("packed", (1, 17)), ("padded", (3, 9)),
-                                          ("padded", (1, 17))])
+@pytest.mark.parametrize("layout,shape", [("packed", (1, 17)), ("padded", (3, 9)), ("padded", (1, 17))])
 def test_the_loss_mask_scores_exactly_the_planned_tokens(layout, shape):
     seq_lens = [5, 9, 3]
     mb = collate([0, 1, 2], seq_lens, layout, shape, DOCS.__getitem__)
-    desc = PlannedMicroBatch(sample_ids=(0, 1, 2), seq_lens=tuple(seq_lens), layout=layout, recompute="none",
-                             shape=tuple(shape), checkpointed=(), sp=1, group=0)
+    desc = PlannedMicroBatch(
+        sample_ids=(0, 1, 2),
+        seq_lens=tuple(seq_lens),
+        layout=layout,
+        recompute="none",
+        shape=tuple(shape),
+        checkpointed=(),
+        sp=1,
+        group=0,
+    )
     batch = megatron_batch(desc, mb)
     assert int(batch["loss_mask"].sum()) == scored_tokens(seq_lens)
     tokens, labels, mask = batch["tokens"], batch["labels"], batch["loss_mask"].bool()
@@ -52,8 +60,13 @@ def test_every_transformer_config_gets_variable_shapes_and_the_per_token_loss(pa
     assert c.variable_seq_lengths and c.calculate_per_token_loss and c.moe_token_dispatcher_type == "alltoall"
 
 
-@pytest.mark.parametrize("section,field", [({"sequence_parallel": {"enabled": True}}, "sequence_parallel.enabled"),
-                                           ({"sharding": {"enabled": True}}, "sharding.enabled")])
+@pytest.mark.parametrize(
+    "section,field",
+    [
+        ({"sequence_parallel": {"enabled": True}}, "sequence_parallel.enabled"),
+        ({"sharding": {"enabled": True}}, "sharding.enabled"),
+    ],
+)
 def test_what_megatron_cannot_run_is_refused_naming_the_field(section, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         runtime.configure({"dyn_plugin": section})

@@ -5,9 +5,11 @@ with SGD through Megatron's own schedules, then a single process replays the sam
 document by document (tests/megatron_worker.py). fp32; the reduction order differs from the
 reference, so the bound is 1e-6 (the weights move by ~1e-3 per step).
 """
+
 import json
 
 import pytest
+
 from ranks import run
 
 pytest.importorskip("megatron.core")
@@ -15,8 +17,13 @@ pytest.importorskip("megatron.core")
 BOUND = 1e-6
 CASES = {
     # name: (world, pp, method, recompute, env)
-    "dp2-unequal-counts": (2, 1, "token_budget", "auto",
-                           {"MEGATRON_TEST_GLOBAL_TOKENS": "3500", "MEGATRON_TEST_MEMORY_MB": "9.5"}),
+    "dp2-unequal-counts": (
+        2,
+        1,
+        "token_budget",
+        "auto",
+        {"MEGATRON_TEST_GLOBAL_TOKENS": "3500", "MEGATRON_TEST_MEMORY_MB": "9.5"},
+    ),
     "dp2-packed-no-recompute": (2, 1, "dynapipe", "none", {}),
     "dp2-packed-full-recompute": (2, 1, "dynapipe", "full", {}),
     "dp2-packed-selective-recompute": (2, 1, "dynapipe", "selective", {}),

@@ -1,4 +1,5 @@
 """The DynaPipe partition DP: C++ and Python agree, the plan is valid, and optimal on small inputs."""
+
 import itertools
 
 import numpy as np
@@ -16,8 +17,9 @@ from dyn_plugin.cost.table import evaluate_stage
 from dyn_plugin.plan import microbatch
 from dyn_plugin.plan.microbatch import InfeasibleError, StageMemory, partition
 
-SHAPE = ModelShape(hidden_size=1024, num_layers=8, num_heads=16, ffn_hidden_size=4096, vocab_size=32000,
-                   flash_attention=False)
+SHAPE = ModelShape(
+    hidden_size=1024, num_layers=8, num_heads=16, ffn_hidden_size=4096, vocab_size=32000, flash_attention=False
+)
 COST = analytic_cost_model(SHAPE, DeviceSpec(memory_mb=16000, peak_tflops=100, layer_overhead_ms=0.5))
 RECOMPUTES = ("none", "selective", "full")
 
@@ -91,8 +93,13 @@ def brute_force(lens, layout, stages, memory, dp):
 
 
 @settings(max_examples=60, deadline=None)
-@given(lens=st.lists(st.integers(1, 6000), min_size=1, max_size=7), layout=st.sampled_from(["padded", "packed"]),
-       pp=st.integers(1, 3), dp=st.integers(1, 2), budget=st.floats(4, 40))
+@given(
+    lens=st.lists(st.integers(1, 6000), min_size=1, max_size=7),
+    layout=st.sampled_from(["padded", "packed"]),
+    pp=st.integers(1, 3),
+    dp=st.integers(1, 2),
+    budget=st.floats(4, 40),
+)
 def test_dp_matches_brute_force_on_small_inputs(lens, layout, pp, dp, budget):
     stages, memory = split_layers(8, pp), memory_for(pp, budget)
     want = brute_force(lens, layout, stages, memory, dp)
@@ -141,12 +148,10 @@ def layer_comms(sp, kind="ulysses", cost=SequenceParallelCost()):
 
 @pytest.mark.native
 @settings(max_examples=120, deadline=None)
-@given(**inputs, sp=st.sampled_from([1, 2, 4]), kind=st.sampled_from(["ulysses", "ring"]),
-       priced=st.booleans())
+@given(**inputs, sp=st.sampled_from([1, 2, 4]), kind=st.sampled_from(["ulysses", "ring"]), priced=st.booleans())
 def test_native_and_python_give_the_same_plan_split_over_sp_ranks(lens, layout, pp, dp, budget, sp, kind, priced):
     stages, memory = split_layers(8, pp), memory_for(pp, budget)
-    kw = dict(layout=layout, stages=stages, memory=memory, dp=dp, sp=sp,
-              comm=layer_comms(sp, kind) if priced else None)
+    kw = dict(layout=layout, stages=stages, memory=memory, dp=dp, sp=sp, comm=layer_comms(sp, kind) if priced else None)
     try:
         py = partition(lens, COST, native=False, **kw)
     except ValueError as exc:
@@ -158,8 +163,12 @@ def test_native_and_python_give_the_same_plan_split_over_sp_ranks(lens, layout, 
 
 @pytest.mark.native
 @settings(max_examples=60, deadline=None)
-@given(lens=st.lists(st.integers(1, 6000), min_size=1, max_size=9), layout=st.sampled_from(["padded", "packed"]),
-       sp=st.sampled_from([1, 2, 4, 8]), rc=st.sampled_from(RECOMPUTES))
+@given(
+    lens=st.lists(st.integers(1, 6000), min_size=1, max_size=9),
+    layout=st.sampled_from(["padded", "packed"]),
+    sp=st.sampled_from([1, 2, 4, 8]),
+    rc=st.sampled_from(RECOMPUTES),
+)
 def test_native_features_per_rank_match_python(lens, layout, sp, rc):
     """A micro-batch's per-rank cost in C++ (the row rounded up to sp, a padding document for
     packed rows) is exactly the Python twin's on ``features(..., sp)``."""
@@ -173,14 +182,28 @@ def planner_spec(pp, budget_gb, attention):
     from dyn_plugin.plan.spec import PlannerSpec
     from dyn_plugin.plan.types import LinkSpec
 
-    return PlannerSpec(COST, tuple(split_layers(8, pp)), tuple(memory_for(pp, budget_gb)), dp=4, link=LinkSpec(25.0),
-                       hidden_size=SHAPE.hidden_size, sp_sizes=(1, 2, 4), sp_attention=attention,
-                       sp_link=(LinkSpec(25.0), LinkSpec(12.5)), devices_per_node=8)
+    return PlannerSpec(
+        COST,
+        tuple(split_layers(8, pp)),
+        tuple(memory_for(pp, budget_gb)),
+        dp=4,
+        link=LinkSpec(25.0),
+        hidden_size=SHAPE.hidden_size,
+        sp_sizes=(1, 2, 4),
+        sp_attention=attention,
+        sp_link=(LinkSpec(25.0), LinkSpec(12.5)),
+        devices_per_node=8,
+    )
 
 
 @settings(max_examples=40, deadline=None)
-@given(lens=st.lists(st.integers(1, 6000), min_size=1, max_size=8), layout=st.sampled_from(["padded", "packed"]),
-       pp=st.integers(1, 3), sp=st.sampled_from([2, 4]), attention=st.sampled_from(["ulysses", "ring"]))
+@given(
+    lens=st.lists(st.integers(1, 6000), min_size=1, max_size=8),
+    layout=st.sampled_from(["padded", "packed"]),
+    pp=st.integers(1, 3),
+    sp=st.sampled_from([2, 4]),
+    attention=st.sampled_from(["ulysses", "ring"]),
+)
 def test_runs_cost_what_the_planner_prices_their_micro_batch(lens, layout, pp, sp, attention):
     """Every run the DP considers costs exactly what ``make_micro_batch`` charges the micro-batch it
     becomes, collectives included, in the mode the DP picked for it."""
@@ -189,8 +212,9 @@ def test_runs_cost_what_the_planner_prices_their_micro_batch(lens, layout, pp, s
     spec = planner_spec(pp, 20, attention)
     order = sorted(lens, reverse=True)
     comm = [spec.layer_comm(sp, rc) for rc in RECOMPUTES]
-    times, modes = microbatch.run_costs(np.array(order), COST, layout, RECOMPUTES, spec.stages, spec.memory, sp=sp,
-                                        comm=comm)
+    times, modes = microbatch.run_costs(
+        np.array(order), COST, layout, RECOMPUTES, spec.stages, spec.memory, sp=sp, comm=comm
+    )
     for i, (ts, ms) in enumerate(zip(times, modes)):
         for w, (t, m) in enumerate(zip(ts, ms)):
             mb = make_micro_batch(range(i, i + w + 1), order, spec=spec, layout=layout, recompute=RECOMPUTES[m], sp=sp)
@@ -202,8 +226,9 @@ def test_a_sequence_too_long_for_one_rank_fits_split_over_four():
     with pytest.raises(InfeasibleError, match="length 12000"):
         partition([12000, 100], COST, layout="packed", stages=stages, memory=memory)
     for native in (False, True) if core is not None else (False,):
-        p = partition([12000, 100], COST, layout="packed", stages=stages, memory=memory, sp=4, comm=layer_comms(4),
-                      native=native)
+        p = partition(
+            [12000, 100], COST, layout="packed", stages=stages, memory=memory, sp=4, comm=layer_comms(4), native=native
+        )
         assert p.bounds[-1] == 2 and p.recompute[0] != "none"
     with pytest.raises(ValueError, match="power of two, got sp=3"):
         partition([100], COST, layout="packed", stages=stages, memory=memory, sp=3)

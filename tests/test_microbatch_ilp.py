@@ -1,5 +1,6 @@
 """Stage 2 as an integer program (plan/microbatch_ilp.py): exact on tiny inputs, never worse than
 the DP or an LPT greedy, every sequence once, memory respected, the same answer in every process."""
+
 import hashlib
 import json
 import math
@@ -27,12 +28,17 @@ ROOT = Path(__file__).resolve().parent.parent
 @lru_cache(maxsize=None)
 def spec_for(pp: int, sp: int, tp: int = 1):
     """GPT-6.7B on the measured A100 tables, one pipeline of a 64-GPU cluster (ZeRO-1)."""
-    cost = replace(cost_model_from_profile(load_bundled("a100-gpt-6.7b")), allow_extrapolation=True,
-                   num_heads=32, num_kv_heads=32)
-    cfg = DynPluginConfig.model_validate({
-        "pipeline": {"stages": pp}, "microbatching": {"max_seq_len": 32768, "layout": "packed"},
-        "sequence_parallel": {"enabled": True, "sizes": [1, 2, 4, 8]},
-        "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}}})
+    cost = replace(
+        cost_model_from_profile(load_bundled("a100-gpt-6.7b")), allow_extrapolation=True, num_heads=32, num_kv_heads=32
+    )
+    cfg = DynPluginConfig.model_validate(
+        {
+            "pipeline": {"stages": pp},
+            "microbatching": {"max_seq_len": 32768, "layout": "packed"},
+            "sequence_parallel": {"enabled": True, "sizes": [1, 2, 4, 8]},
+            "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
+        }
+    )
     return replace(planner_spec(cost, cfg, dp=64 // (tp * pp), zero_stage=1, tp=tp), dp=1, sp_sizes=(sp,))
 
 
@@ -70,7 +76,7 @@ def set_partitions(items: list[int]):
     first, rest = items[0], items[1:]
     for part in set_partitions(rest):
         for i in range(len(part)):
-            yield part[:i] + [[first] + part[i]] + part[i + 1:]
+            yield part[:i] + [[first] + part[i]] + part[i + 1 :]
         yield [[first]] + part
 
 
@@ -164,8 +170,12 @@ print(hashlib.sha256(json.dumps([res.groups, res.recompute, res.status]).encode(
 
 def test_same_result_in_every_process():
     code = SOLVE.format(root=str(ROOT))
-    digests = [subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                              cwd=ROOT).stdout.strip() for _ in range(2)]
+    digests = [
+        subprocess.run(
+            [sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip()
+        for _ in range(2)
+    ]
     res = ilp_partition(draw(24, 5, 4, 2), spec_for(4, 2), node_limit=50)
     here = hashlib.sha256(json.dumps([res.groups, res.recompute, res.status]).encode()).hexdigest()
     assert digests == [here, here]

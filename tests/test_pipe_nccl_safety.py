@@ -1,5 +1,6 @@
 """What gloo forgives and NCCL does not: collectives on device tensors, no host read per
 micro-batch, point-to-point exchanges that cannot wait on each other, the training dtype."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -7,8 +8,7 @@ import torch
 import torch.distributed as dist
 
 import deepspeed_ext
-from dyn_plugin.plan.instructions import (ExecutionPlan, LoadMicroBatch, OptimizerStep, PlannedMicroBatch,
-                                          ReduceGrads)
+from dyn_plugin.plan.instructions import ExecutionPlan, LoadMicroBatch, OptimizerStep, PlannedMicroBatch, ReduceGrads
 from dyn_plugin.runtime.collate import collate
 from dyn_plugin.runtime.loader import Step
 
@@ -42,11 +42,28 @@ class FakeEngine:
 
 
 def _step(seq_lens_per_mb):
-    descs = tuple(PlannedMicroBatch(sample_ids=tuple(range(len(lens))), seq_lens=tuple(lens), layout="padded",
-                                    recompute="none", shape=(len(lens), max(lens)), checkpointed=(), sp=1, group=0)
-                  for lens in seq_lens_per_mb)
-    plan = ExecutionPlan(rank=0, column=0, stage=0, num_stages=1, num_buffers=1, micro_batches=descs,
-                         instructions=tuple(LoadMicroBatch(0, m, 0) for m in range(len(descs))) + (ReduceGrads(0), OptimizerStep(0)))
+    descs = tuple(
+        PlannedMicroBatch(
+            sample_ids=tuple(range(len(lens))),
+            seq_lens=tuple(lens),
+            layout="padded",
+            recompute="none",
+            shape=(len(lens), max(lens)),
+            checkpointed=(),
+            sp=1,
+            group=0,
+        )
+        for lens in seq_lens_per_mb
+    )
+    plan = ExecutionPlan(
+        rank=0,
+        column=0,
+        stage=0,
+        num_stages=1,
+        num_buffers=1,
+        micro_batches=descs,
+        instructions=tuple(LoadMicroBatch(0, m, 0) for m in range(len(descs))) + (ReduceGrads(0), OptimizerStep(0)),
+    )
     data = [torch.arange(1, 40)] * 8
     mbs = [collate(d.sample_ids, d.seq_lens, "padded", d.shape, data.__getitem__) for d in descs]
     return Step(0, 0, plan, mbs, [list(d.sample_ids) for d in descs], scored_tokens=50, digest="x", predicted_ms=0.0)
@@ -61,6 +78,7 @@ def test_train_step_keeps_collectives_on_the_device_and_reads_the_host_once(monk
             reads.append(_name)
             # a meta tensor has no value: the one allowed read gets a stand-in
             return 0.0 if self.is_meta and _name == "__float__" else _original(self, *a, **k)
+
         monkeypatch.setattr(torch.Tensor, name, counted)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
@@ -92,9 +110,17 @@ def test_pipeline_engine_takes_a_data_iterator_and_evaluates_forward_only(tmp_pa
     assert r["act_dtype"] == want and r["received_dtypes"] == [[want], [want]], r
 
 
-LLAMA = SimpleNamespace(config=SimpleNamespace(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                               num_key_value_heads=4, intermediate_size=128, vocab_size=100,
-                                               model_type="llama"))
+LLAMA = SimpleNamespace(
+    config=SimpleNamespace(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=128,
+        vocab_size=100,
+        model_type="llama",
+    )
+)
 
 
 def _loaded(ds: dict, cost_model: dict):
@@ -103,8 +129,9 @@ def _loaded(ds: dict, cost_model: dict):
     return load_config({**ds, "dyn_plugin": {"cost_model": cost_model}})
 
 
-@pytest.mark.parametrize("ds, dtype", [({}, "fp32"), ({"bf16": {"enabled": True}}, "bf16"),
-                                       ({"fp16": {"enabled": True}}, "fp16")])
+@pytest.mark.parametrize(
+    "ds, dtype", [({}, "fp32"), ({"bf16": {"enabled": True}}, "bf16"), ({"fp16": {"enabled": True}}, "fp16")]
+)
 def test_the_cost_model_prices_the_precision_deepspeed_trains_in(ds, dtype):
     cost = deepspeed_ext.engine._cost_model(_loaded(ds, {"kind": "analytic"}), LLAMA)
     assert cost.dtype == dtype
@@ -113,21 +140,30 @@ def test_the_cost_model_prices_the_precision_deepspeed_trains_in(ds, dtype):
     assert (stored[0] == stored[1]) == (dtype == "fp32")  # activation bytes per element follow the dtype
 
 
-@pytest.mark.parametrize("ds, dtype, field", [
-    ({"bf16": {"enabled": True}}, "fp32", "bf16.enabled is true"),
-    ({}, "bf16", "neither bf16.enabled nor fp16.enabled is true"),
-])
+@pytest.mark.parametrize(
+    "ds, dtype, field",
+    [
+        ({"bf16": {"enabled": True}}, "fp32", "bf16.enabled is true"),
+        ({}, "bf16", "neither bf16.enabled nor fp16.enabled is true"),
+    ],
+)
 def test_a_cost_model_dtype_other_than_deepspeeds_is_refused(ds, dtype, field):
-    with pytest.raises(ValueError, match=rf"dyn_plugin.cost_model.dtype is '{dtype}' but the DeepSpeed config .*"
-                                         rf"\({field}\).*set it to"):
+    with pytest.raises(
+        ValueError,
+        match=rf"dyn_plugin.cost_model.dtype is '{dtype}' but the DeepSpeed config .*"
+        rf"\({field}\).*set it to",
+    ):
         deepspeed_ext.engine._cost_model(_loaded(ds, {"kind": "analytic", "dtype": dtype}), LLAMA)
 
 
 def test_a_profile_measured_in_another_precision_is_refused():
     profile = {"kind": "profile", "profile": "a100-gpt-6.7b"}  # measured in fp16
     assert deepspeed_ext.engine._cost_model(_loaded({"fp16": {"enabled": True}}, profile), LLAMA).dtype == "fp16"
-    with pytest.raises(ValueError, match=r"'a100-gpt-6.7b' was measured in fp16 \(its model.dtype\), but "
-                                         r"dyn_plugin.cost_model.dtype is 'bf16'"):
+    with pytest.raises(
+        ValueError,
+        match=r"'a100-gpt-6.7b' was measured in fp16 \(its model.dtype\), but "
+        r"dyn_plugin.cost_model.dtype is 'bf16'",
+    ):
         deepspeed_ext.engine._cost_model(_loaded({"bf16": {"enabled": True}}, profile), LLAMA)
 
 
@@ -147,17 +183,27 @@ def test_every_planned_step_is_replayed_without_buffering(monkeypatch):
     from dyn_plugin.cost.from_config import build_cost_model
     from dyn_plugin.runtime.planning import PlanningContext
 
-    cfg = load_config({"dyn_plugin": {"cost_model": {"kind": "profile", "profile": "a100-gpt-6.7b"},
-                                      "pipeline": {"stages": 4}, "cluster": {"device": {"memory_mb": 80000}},
-                                      "microbatching": {"global_tokens": 16384}}}).plugin
+    cfg = load_config(
+        {
+            "dyn_plugin": {
+                "cost_model": {"kind": "profile", "profile": "a100-gpt-6.7b"},
+                "pipeline": {"stages": 4},
+                "cluster": {"device": {"memory_mb": 80000}},
+                "microbatching": {"global_tokens": 16384},
+            }
+        }
+    ).plugin
     lengths = np.random.default_rng(0).integers(16, 2048, size=400)
     ctx = PlanningContext(cfg, build_cost_model(cfg.cost_model, cfg.cluster), lengths, dp=2, pp=4)
     assert len(ctx.plan(0, 0)) == 8
     built = planner.build_execution_plans
 
     def unbatched(*a, **k):  # plans as the engine used to run them, trusting buffered sends
-        return [dataclasses.replace(p, instructions=tuple(dataclasses.replace(i, batch_next=False)
-                                                          for i in p.instructions)) for p in built(*a, **k)]
+        return [
+            dataclasses.replace(p, instructions=tuple(dataclasses.replace(i, batch_next=False) for i in p.instructions))
+            for p in built(*a, **k)
+        ]
+
     monkeypatch.setattr(planner, "build_execution_plans", unbatched)
     with pytest.raises(ValueError, match="rendezvous deadlock"):
         ctx.plan(0, 1)

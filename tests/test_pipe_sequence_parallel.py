@@ -2,6 +2,7 @@
 4 ranks as pp=2 x 2 columns, ZeRO-1, consecutive steps grouping the columns [2], [1, 1], [2],
 padded (Ulysses) and packed (ring, full recompute): parameters and losses equal the single-process
 token-mean reference (tests/ds_pipe_sp_worker.py)."""
+
 import json
 
 from ranks import run

@@ -1,4 +1,5 @@
 """The planner end to end on the measured A100 costs, against the baselines."""
+
 import json
 from dataclasses import replace
 
@@ -122,8 +123,23 @@ def test_model_states_that_do_not_fit_are_a_clear_error():
 
 def test_plan_command(tmp_path, capsys):
     trace, plans_dir, png = tmp_path / "t.json", tmp_path / "plans", tmp_path / "p.png"
-    rc = main(["plan", "--config", "examples/a100_gpt67b.json", "--lengths", "code", "--steps", "1",
-               "--trace", str(trace), "--plans", str(plans_dir), "--plot", str(png)])
+    rc = main(
+        [
+            "plan",
+            "--config",
+            "examples/a100_gpt67b.json",
+            "--lengths",
+            "code",
+            "--steps",
+            "1",
+            "--trace",
+            str(trace),
+            "--plans",
+            str(plans_dir),
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     for name in ("dynapipe", *BASELINES):
@@ -186,12 +202,17 @@ def test_a_sequence_only_the_packed_layout_fits_is_planned_packed():
     step plans it packed instead of failing on the padded layout."""
     mbc = CONFIG.plugin.microbatching.model_copy(update={"pad_multiple": 1024})
     one_stage = CONFIG.plugin.pipeline.model_copy(update={"stages": 1})
-    spec = planner_spec(COST, CONFIG.plugin.model_copy(update={"microbatching": mbc, "pipeline": one_stage}), dp=4,
-                        zero_stage=3)
+    spec = planner_spec(
+        COST, CONFIG.plugin.model_copy(update={"microbatching": mbc, "pipeline": one_stage}), dp=4, zero_stage=3
+    )
     lengths = [5000, 700, 300, 200, 150, 100, 90, 80]
-    least = {layout: min(make_micro_batch([0], lengths, spec=spec, layout=layout, recompute=rc).peak_bytes[0]
-                         for rc in spec.recomputes)
-             for layout in ("padded", "packed")}
+    least = {
+        layout: min(
+            make_micro_batch([0], lengths, spec=spec, layout=layout, recompute=rc).peak_bytes[0]
+            for rc in spec.recomputes
+        )
+        for layout in ("padded", "packed")
+    }
     assert least["padded"] > least["packed"]  # 5000 tokens padded to 5120
     spec = replace(spec, memory=(StageMemory((least["padded"] + least["packed"]) / 2, 1),))
     plan = plan_step(lengths, spec)

@@ -4,8 +4,17 @@ import numpy as np
 import pytest
 
 from dyn_plugin.cost import StageSpec, features
-from dyn_plugin.cost.profile import (SCHEMA, DeviceInfo, ModelInfo, Profile, Sample, cost_model_from_profile,
-                                     fit_tables, load_profile, save_profile)
+from dyn_plugin.cost.profile import (
+    SCHEMA,
+    DeviceInfo,
+    ModelInfo,
+    Profile,
+    Sample,
+    cost_model_from_profile,
+    fit_tables,
+    load_profile,
+    save_profile,
+)
 
 HEAD = (2.0, 0.05, 1e-5)
 LAYER = (0.5, 0.01, 2e-5)
@@ -24,19 +33,43 @@ def synthetic_samples(layout="packed"):
         lens = [int(x) for x in rng.integers(8, 1024, size=rng.integers(1, 6))]
         f = features(lens, layout)
         emb = lin(EMB, f)
-        out.append(Sample(component="embedding", layout=layout, recompute="none", seq_lens=lens,
-                          forward_ms=emb, backward_ms=2 * emb, stored_bytes=0, peak_bytes=0))
+        out.append(
+            Sample(
+                component="embedding",
+                layout=layout,
+                recompute="none",
+                seq_lens=lens,
+                forward_ms=emb,
+                backward_ms=2 * emb,
+                stored_bytes=0,
+                peak_bytes=0,
+            )
+        )
         for depth in (1, 3):
             fwd = emb + lin(HEAD, f) + depth * lin(LAYER, f)
             stored = 100 * f.slots * (1 + depth)
-            out.append(Sample(component="model", num_layers=depth, layout=layout, recompute="none", seq_lens=lens,
-                              forward_ms=fwd, backward_ms=2 * fwd, stored_bytes=stored, peak_bytes=stored + 50 * f.slots))
+            out.append(
+                Sample(
+                    component="model",
+                    num_layers=depth,
+                    layout=layout,
+                    recompute="none",
+                    seq_lens=lens,
+                    forward_ms=fwd,
+                    backward_ms=2 * fwd,
+                    stored_bytes=stored,
+                    peak_bytes=stored + 50 * f.slots,
+                )
+            )
     return out
 
 
 def make_profile(samples, tables=True):
-    p = Profile(model=ModelInfo(name="m", num_layers=4, params={"embedding": 10, "layer": 20, "head": 10}, dtype="fp32"),
-                device=DeviceInfo(type="cpu", name="test"), samples=samples)
+    p = Profile(
+        model=ModelInfo(name="m", num_layers=4, params={"embedding": 10, "layer": 20, "head": 10}, dtype="fp32"),
+        device=DeviceInfo(type="cpu", name="test"),
+        samples=samples,
+    )
     return p.model_copy(update={"tables": fit_tables(samples)}) if tables else p
 
 
@@ -81,9 +114,18 @@ def test_per_component_samples_from_elsewhere():
         for n in (1, 4):
             f = features([s] * n, "padded")
             for comp, c in (("layer", LAYER), ("head", HEAD)):
-                samples.append(Sample(component=comp, layout="padded", recompute="full", seq_lens=[s] * n,
-                                      forward_ms=lin(c, f), backward_ms=lin(c, f) * 3, stored_bytes=10 * f.slots,
-                                      peak_bytes=30 * f.slots))
+                samples.append(
+                    Sample(
+                        component=comp,
+                        layout="padded",
+                        recompute="full",
+                        seq_lens=[s] * n,
+                        forward_ms=lin(c, f),
+                        backward_ms=lin(c, f) * 3,
+                        stored_bytes=10 * f.slots,
+                        peak_bytes=30 * f.slots,
+                    )
+                )
     cm = cost_model_from_profile(make_profile(samples))
     f = features([512] * 4, "padded")
     got = cm.micro_batch_cost([512] * 4, layout="padded", recompute="full", stage=StageSpec(1, True, False))
@@ -97,11 +139,16 @@ def test_collectives_and_heads_round_trip_into_the_cost_model(tmp_path):
     from dyn_plugin.cost.table import TableCostModel
 
     p = make_profile(synthetic_samples())
-    p = p.model_copy(update={
-        "ranks": 2, "model": p.model.model_copy(update={"num_heads": 8, "num_kv_heads": 2}),
-        # on lines: all-to-all 0.2 ms + 1 ms/MB, ring exchange 0.5 ms + 1.5 ms/MB
-        "collectives": CollectiveSamples(alltoall=[(1e3, 0.201), (1e6, 1.2), (4e6, 4.2)],
-                                         p2p=[(1e3, 0.5015), (1e6, 2.0), (4e6, 6.5)])})
+    p = p.model_copy(
+        update={
+            "ranks": 2,
+            "model": p.model.model_copy(update={"num_heads": 8, "num_kv_heads": 2}),
+            # on lines: all-to-all 0.2 ms + 1 ms/MB, ring exchange 0.5 ms + 1.5 ms/MB
+            "collectives": CollectiveSamples(
+                alltoall=[(1e3, 0.201), (1e6, 1.2), (4e6, 4.2)], p2p=[(1e3, 0.5015), (1e6, 2.0), (4e6, 6.5)]
+            ),
+        }
+    )
     path = tmp_path / "p.json"
     save_profile(p, path)
     raw = json.loads(path.read_text())
@@ -121,7 +168,11 @@ def test_profiles_without_collectives_price_them_from_the_link():
     del raw["collectives"]
     for key in ("num_heads", "num_kv_heads"):
         del raw["model"][key]
-    v2 = {**raw, "version": 2, "model": {**raw["model"], "config": {"num_attention_heads": 16, "num_key_value_heads": 4}}}
+    v2 = {
+        **raw,
+        "version": 2,
+        "model": {**raw["model"], "config": {"num_attention_heads": 16, "num_key_value_heads": 4}},
+    }
     cm = cost_model_from_profile(load_profile(v2))
     assert (cm.num_heads, cm.num_kv_heads) == (16, 4)
     assert cm.collectives.alltoall is None and cm.collectives.p2p is None
@@ -183,8 +234,11 @@ def test_bundled_a100_profile_matches_the_measured_tables():
     one_layer = StageSpec(1, first=False, last=False)
     # measured A100 rows (tp=1): [seq, mbs, ms] encoder.forward, recompute none
     for s, b in [(1024, 1), (2048, 1), (4096, 2)]:
-        rows = [x for x in bundled.samples if x.component == "layer" and x.recompute == "none" and x.tp == 1
-                and x.seq_lens == [s] * b]
+        rows = [
+            x
+            for x in bundled.samples
+            if x.component == "layer" and x.recompute == "none" and x.tp == 1 and x.seq_lens == [s] * b
+        ]
         assert rows, (s, b)
         pred = cm.micro_batch_cost([s] * b, layout="padded", stage=one_layer).forward_ms
         assert pred == pytest.approx(rows[0].forward_ms, rel=0.25)
@@ -200,12 +254,19 @@ def test_profile_import_command(tmp_path, capsys):
     from dyn_plugin.cli import main
 
     rows = lambda f: [[s, b, f(s, b)] for s in (128, 512, 2048) for b in (1, 2, 4)]  # noqa: E731
-    table = {"tp": 1, "recompute": "none",
-             "time_ms": {"encoder.forward": rows(lambda s, b: 1 + 1e-3 * s * b), "encoder.backward": rows(lambda s, b: 2 + 2e-3 * s * b),
-                         "postprocess.forward": rows(lambda s, b: 0.5 + 1e-4 * s * b), "postprocess.backward": rows(lambda s, b: 1 + 2e-4 * s * b)},
-             "stored_activation_mb": {"encoder": rows(lambda s, b: 0.01 * s * b)},
-             "peak_activation_mb": {"encoder": rows(lambda s, b: 0.02 * s * b)},
-             "params_mb": {"embedding": 100.0, "encoder": 50.0}}
+    table = {
+        "tp": 1,
+        "recompute": "none",
+        "time_ms": {
+            "encoder.forward": rows(lambda s, b: 1 + 1e-3 * s * b),
+            "encoder.backward": rows(lambda s, b: 2 + 2e-3 * s * b),
+            "postprocess.forward": rows(lambda s, b: 0.5 + 1e-4 * s * b),
+            "postprocess.backward": rows(lambda s, b: 1 + 2e-4 * s * b),
+        },
+        "stored_activation_mb": {"encoder": rows(lambda s, b: 0.01 * s * b)},
+        "peak_activation_mb": {"encoder": rows(lambda s, b: 0.02 * s * b)},
+        "params_mb": {"embedding": 100.0, "encoder": 50.0},
+    }
     src, out = tmp_path / "tables.json", tmp_path / "p.json"
     src.write_text(json.dumps({"name": "toy", "measured_on": "nowhere", "tables": [table]}))
     assert main(["profile", "import", str(src), "--num-layers", "4", "--hidden-size", "256", "--out", str(out)]) == 0

@@ -1,4 +1,5 @@
 """The profiler on a real (tiny) torch model, and the fit's held-out accuracy on this machine."""
+
 import numpy as np
 import pytest
 import torch
@@ -52,8 +53,9 @@ def test_update_measured_with_the_load_gone(profile):
     assert cost.update.optimizer is not None and cost.update.allreduce is not None
     assert cost.update.allgather[1] > 0 and cost.update.reducescatter[1] > 0
     assert TableCostModel.from_dict(cost.to_dict()).update == cost.update
-    left = subprocess.run(["pgrep", "-f", "dyn_plugin.profiling.(shadow|collective)"], capture_output=True,
-                          text=True).stdout
+    left = subprocess.run(
+        ["pgrep", "-f", "dyn_plugin.profiling.(shadow|collective)"], capture_output=True, text=True
+    ).stdout
     assert left == "", f"profiling helpers still running: {left}"
 
 
@@ -109,8 +111,8 @@ def test_varlen_attention_isolates_documents():
     packed = model(input_ids=ids, position_ids=pos).logits
     start = 0
     for n in lens:
-        alone = model(input_ids=ids[:, start:start + n]).logits
-        assert torch.allclose(alone, packed[:, start:start + n], atol=1e-5)
+        alone = model(input_ids=ids[:, start : start + n]).logits
+        assert torch.allclose(alone, packed[:, start : start + n], atol=1e-5)
         start += n
 
 
@@ -153,8 +155,14 @@ def test_load_processes_that_do_not_start_in_time_are_an_error_and_stopped():
 def test_bf16_on_cpu_is_measured_and_recorded_in_bf16(profile):
     from dyn_plugin.profiling.device import Target
 
-    half = run_profile(PRESETS["tiny-llama"], name="tiny-llama", grid=GRID, validate=0, progress=False,
-                       target=Target(torch.device("cpu"), "bf16"))
+    half = run_profile(
+        PRESETS["tiny-llama"],
+        name="tiny-llama",
+        grid=GRID,
+        validate=0,
+        progress=False,
+        target=Target(torch.device("cpu"), "bf16"),
+    )
     assert (half.device.type, half.device.dtype, half.model.dtype) == ("cpu", "bf16", "bf16")
     assert (profile.device.dtype, profile.model.dtype) == ("fp32", "fp32")
 

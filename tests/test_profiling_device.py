@@ -1,11 +1,19 @@
 """The profiler's device and precision: which device and dtype it picks, and how it times and
 weighs a step there (the CUDA side checked against stand-ins for the CUDA runtime)."""
+
 import pytest
 import torch
 
 from dyn_plugin.profiling import device as dev
-from dyn_plugin.profiling.device import (Target, cuda_allocator_memory, cuda_clock, live_memory, measures,
-                                         resolve_target, wall_clock)
+from dyn_plugin.profiling.device import (
+    Target,
+    cuda_allocator_memory,
+    cuda_clock,
+    live_memory,
+    measures,
+    resolve_target,
+    wall_clock,
+)
 
 
 def test_defaults_follow_the_device(monkeypatch):
@@ -105,8 +113,11 @@ def test_step_uses_the_measures_of_its_inputs_device(monkeypatch):
     from dyn_plugin.profiling.workload import timed_step
 
     calls = []
-    monkeypatch.setitem(dev._MEASURES, "cpu", (lambda f, b: calls.append("clock") or (1.0, 2.0),
-                                               lambda f, b: calls.append("memory") or (3.0, 4.0)))
+    monkeypatch.setitem(
+        dev._MEASURES,
+        "cpu",
+        (lambda f, b: calls.append("clock") or (1.0, 2.0), lambda f, b: calls.append("memory") or (3.0, 4.0)),
+    )
     ids = torch.zeros(1, 4, dtype=torch.long)
     assert timed_step(None, ids, None, ids) == (1.0, 2.0)
     assert _memory(None, ids, None, ids) == (3.0, 4.0)

@@ -1,4 +1,5 @@
 """The public surfaces: every name in ``__all__`` resolves, and ``import dyn_plugin`` stays light."""
+
 import importlib
 import subprocess
 import sys

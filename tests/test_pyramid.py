@@ -1,5 +1,6 @@
 """Pyramid checkpointing: a layer count per micro-batch and stage, exact in training, priced as it
 runs, and planned as the fewest checkpointed layers that fit each stage's memory."""
+
 from dataclasses import replace
 
 import numpy as np
@@ -30,9 +31,13 @@ MIXTURE = np.minimum(load_lengths("mixture"), 8192)
 
 
 def a100_spec(pp: int, dp: int, memory_mb: int = 36000, pyramid: bool = True):
-    cfg = DynPluginConfig.model_validate({
-        "pipeline": {"stages": pp}, "sequence_parallel": {"pyramid": pyramid},
-        "cluster": {"devices_per_node": 8, "device": {"memory_mb": memory_mb, "memory_fraction": 1.0}}})
+    cfg = DynPluginConfig.model_validate(
+        {
+            "pipeline": {"stages": pp},
+            "sequence_parallel": {"pyramid": pyramid},
+            "cluster": {"devices_per_node": 8, "device": {"memory_mb": memory_mb, "memory_fraction": 1.0}},
+        }
+    )
     return planner_spec(A100, cfg, dp=dp, zero_stage=1)
 
 
@@ -46,6 +51,7 @@ def one_thread():
 
 
 # ---- the runtime switch ----
+
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -119,9 +125,17 @@ def test_switch_is_idempotent_and_checks_the_count(tiny):
 
 # ---- memory, measured as the profiler measures it ----
 
+
 def test_measured_peak_falls_with_more_checkpointed_layers_as_predicted():
-    grid = ProfileGrid(seq_lens=(128, 512), micro_batch_sizes=(1, 4), max_tokens=512, layouts=("packed",),
-                       recomputes=("none", "full"), repeats=1, warmup=0)
+    grid = ProfileGrid(
+        seq_lens=(128, 512),
+        micro_batch_sizes=(1, 4),
+        max_tokens=512,
+        layouts=("packed",),
+        recomputes=("none", "full"),
+        repeats=1,
+        warmup=0,
+    )
     check = run_profile(PRESETS["tiny-llama"], grid=grid, validate=0, progress=False).pyramid
     assert [c["checkpointed"] for c in check["cases"]] == [0, 2, 4] and check["num_layers"] == 4
     peaks = [c["measured_peak_bytes"] for c in check["cases"]]
@@ -132,6 +146,7 @@ def test_measured_peak_falls_with_more_checkpointed_layers_as_predicted():
 
 
 # ---- the planner pass ----
+
 
 def mixture_batch(index: int, tokens: int = 65536) -> list[int]:
     return [int(MIXTURE[i]) for i in list(global_batches(MIXTURE, tokens, index + 1, seed=0))[index]]
@@ -157,8 +172,14 @@ def test_pass_keeps_micro_batches_and_schedules_and_never_slows(a100_replicas):
             if b.checkpointed:
                 whole = [s.num_layers for s in spec.stages]
                 assert all(0 <= c <= n for c, n in zip(b.checkpointed, whole)) and list(b.checkpointed) != whole
-                assert b == make_micro_batch(b.sample_ids, dict(zip(b.sample_ids, b.seq_lens)), spec=spec,
-                                             layout=b.layout, recompute=b.recompute, checkpointed=b.checkpointed)
+                assert b == make_micro_batch(
+                    b.sample_ids,
+                    dict(zip(b.sample_ids, b.seq_lens)),
+                    spec=spec,
+                    layout=b.layout,
+                    recompute=b.recompute,
+                    checkpointed=b.checkpointed,
+                )
                 lowered += 1
         # priced afresh: every stage within its budget
         sim = simulate(on.micro_batches, on.schedule, spec.link)
@@ -178,9 +199,14 @@ def test_no_stage_could_keep_one_more_layer(a100_replicas):
             for s, c in enumerate(counts):
                 if c == 0:
                     continue
-                fewer = make_micro_batch(mb.sample_ids, dict(zip(mb.sample_ids, mb.seq_lens)), spec=spec,
-                                         layout=mb.layout, recompute=mb.recompute,
-                                         checkpointed=counts[:s] + [c - 1] + counts[s + 1:])
+                fewer = make_micro_batch(
+                    mb.sample_ids,
+                    dict(zip(mb.sample_ids, mb.seq_lens)),
+                    spec=spec,
+                    layout=mb.layout,
+                    recompute=mb.recompute,
+                    checkpointed=counts[:s] + [c - 1] + counts[s + 1 :],
+                )
                 trial = list(rep.micro_batches)
                 trial[i] = fewer
                 slower = fewer.forward_ms[s] + fewer.backward_ms[s] >= mb.forward_ms[s] + mb.backward_ms[s]
@@ -194,8 +220,9 @@ def test_fewest_layers_that_fit_one_micro_batch():
     lengths = {0: 4096, 1: 2048}
     for want in (0, 5, 17, 31):
         fits = make_micro_batch([0, 1], lengths, spec=spec, layout="packed", recompute="full", checkpointed=[want])
-        fewer = make_micro_batch([0, 1], lengths, spec=spec, layout="packed", recompute="full",
-                                 checkpointed=[max(want - 1, 0)])
+        fewer = make_micro_batch(
+            [0, 1], lengths, spec=spec, layout="packed", recompute="full", checkpointed=[max(want - 1, 0)]
+        )
         budget = (fits.peak_bytes[0] + fewer.peak_bytes[0]) / 2 if want else fits.peak_bytes[0] * 2
         tight = replace(spec, memory=(StageMemory(budget, 1),))
         mb = make_micro_batch([0, 1], lengths, spec=tight, layout="packed", recompute="full")

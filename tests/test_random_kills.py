@@ -2,25 +2,27 @@
 checkpoint), resumed each time, with the TCP and the Redis store in turn: no sample lost or
 repeated, and the parameters equal an uninterrupted run's. The long version is marked slow:
 ``pytest -m slow tests/test_random_kills.py``."""
+
 import json
 import time
 
 import numpy as np
 import pytest
 import torch
-from redis_server import redis_server  # noqa: F401  (fixture)
 
-from kill_worker import SEED, initial_params, local_gradient, setup, update
-from ranks import free_port, run
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.runtime.loader import DynLoader
+from kill_worker import SEED, initial_params, local_gradient, setup, update
+from ranks import free_port, run
 
 
 def uninterrupted(epochs: int) -> torch.Tensor:
     """The same training on both ranks' loaders in this process, never killed."""
     cfg, cm, lens, data = setup({"backend": "none"})
-    loaders = [DynLoader(data, lengths=lens, config=cfg, cost_model=cm,
-        layout=RankLayout(2), column=r, seed=SEED) for r in range(2)]
+    loaders = [
+        DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(2), column=r, seed=SEED)
+        for r in range(2)
+    ]
     params = initial_params()
     for _ in range(epochs):
         for steps in zip(*[list(loader) for loader in loaders]):  # whole epochs: zip would stop one loader early
@@ -35,8 +37,11 @@ def train_with_kills(tmp_path, server, *, kills: int, epochs: int, seed: int) ->
     done, killed, launches = False, 0, 0
     while not done:
         if killed < kills:
-            where = ["startup", "before-save", "after-save"][killed % 3] if killed < 3 else \
-                str(rng.choice(["startup", "before-save", "after-save"]))
+            where = (
+                ["startup", "before-save", "after-save"][killed % 3]
+                if killed < 3
+                else str(rng.choice(["startup", "before-save", "after-save"]))
+            )
             kill = where if where == "startup" else f"{int(rng.integers(1, 3))}:{where}"
         else:
             kill = "none"
@@ -46,8 +51,12 @@ def train_with_kills(tmp_path, server, *, kills: int, epochs: int, seed: int) ->
         else:
             store = {"backend": "redis", "url": server.url, "namespace": "kills"}
             env = {"DYN_PLUGIN_REDIS_PASSWORD": server.password}
-        codes, logs = run("kill_worker.py", tmp_path, env={"TEST_STORE": json.dumps(store), "KILL_AT": kill,
-                                                           "EPOCHS": str(epochs), **env}, timeout=120)
+        codes, logs = run(
+            "kill_worker.py",
+            tmp_path,
+            env={"TEST_STORE": json.dumps(store), "KILL_AT": kill, "EPOCHS": str(epochs), **env},
+            timeout=120,
+        )
         launches += 1
         print(f"launch {launches}: {store['backend']} store, kill at {kill}: exit codes {codes}")
         if kill != "none" and codes == [-9, -9]:

@@ -12,9 +12,16 @@ LINK = LinkSpec(gb_per_s=25.0)
 def mb(time, stages, *, stored=0.0, peak=None):
     """Forward ``time``, backward twice that, on every stage."""
     return MicroBatch(
-        sample_ids=(0,), seq_lens=(8,), layout="padded", recompute="none",
-        forward_ms=(time,) * stages, backward_ms=(2 * time,) * stages, stored_bytes=(stored,) * stages,
-        peak_bytes=((stored if peak is None else peak),) * stages, activation_bytes=1e5, shape=(1, 8),
+        sample_ids=(0,),
+        seq_lens=(8,),
+        layout="padded",
+        recompute="none",
+        forward_ms=(time,) * stages,
+        backward_ms=(2 * time,) * stages,
+        stored_bytes=(stored,) * stages,
+        peak_bytes=((stored if peak is None else peak),) * stages,
+        activation_bytes=1e5,
+        shape=(1, 8),
     )
 
 
@@ -58,7 +65,12 @@ def test_max_in_flight_caps_a_stage_and_the_stages_after_it():
 
 @pytest.mark.parametrize(
     "args, message",
-    [((0, 2), "at least one"), ((3, 2, [0, 1, 1]), "permutation"), ((3, 2, None, [1]), "max_in_flight"), ((3, 2, None, [0, 1]), ">= 1")],
+    [
+        ((0, 2), "at least one"),
+        ((3, 2, [0, 1, 1]), "permutation"),
+        ((3, 2, None, [1]), "max_in_flight"),
+        ((3, 2, None, [0, 1]), ">= 1"),
+    ],
 )
 def test_1f1b_rejects_bad_arguments(args, message):
     with pytest.raises(ValueError, match=message):

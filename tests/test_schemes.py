@@ -1,5 +1,6 @@
 """Parallel schemes (tp, pp, sp): calibrated cost models of larger models, each scheme's longest
 sequence and per-sequence times."""
+
 from dataclasses import replace
 
 import numpy as np
@@ -11,10 +12,13 @@ from dyn_plugin.plan.pricing import make_micro_batch, usable
 from dyn_plugin.plan.schemes import Scheme, scheme_costs, scheme_spec
 
 MAX_LEN = 32768
-CONFIG = DynPluginConfig.model_validate({
-    "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
-    "microbatching": {"max_seq_len": MAX_LEN}, "sequence_parallel": {"enabled": True, "sizes": [1, 2, 4, 8]},
-})
+CONFIG = DynPluginConfig.model_validate(
+    {
+        "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
+        "microbatching": {"max_seq_len": MAX_LEN},
+        "sequence_parallel": {"enabled": True, "sizes": [1, 2, 4, 8]},
+    }
+)
 GPT = named_cost_model("gpt-6.7b")
 
 
@@ -51,18 +55,23 @@ def test_time_per_token_follows_the_flops(name, tolerance):
 def test_longest_is_exact_and_grows_with_every_degree(costs_1024):
     assert len(costs_1024) == 64
     for scheme, sc in costs_1024.items():
-        for bigger in (Scheme(2 * scheme.tp, scheme.pp, scheme.sp), Scheme(scheme.tp, 2 * scheme.pp, scheme.sp),
-                       Scheme(scheme.tp, scheme.pp, 2 * scheme.sp)):
+        for bigger in (
+            Scheme(2 * scheme.tp, scheme.pp, scheme.sp),
+            Scheme(scheme.tp, 2 * scheme.pp, scheme.sp),
+            Scheme(scheme.tp, scheme.pp, 2 * scheme.sp),
+        ):
             if bigger in costs_1024:
                 assert all(costs_1024[bigger].by_mode[rc] >= n for rc, n in sc.by_mode.items()), (scheme, bigger)
     for scheme in (Scheme(1, 1, 1), Scheme(2, 2, 2), Scheme(8, 1, 4), Scheme(1, 4, 8)):
         sc = costs_1024[scheme]
         for rc, n in sc.by_mode.items():
-            assert usable(make_micro_batch([0], [n], spec=sc.spec, layout=sc.layout, recompute=rc, sp=scheme.sp),
-                          sc.spec)
+            assert usable(
+                make_micro_batch([0], [n], spec=sc.spec, layout=sc.layout, recompute=rc, sp=scheme.sp), sc.spec
+            )
             if n < MAX_LEN:
-                assert not usable(make_micro_batch([0], [n + 1], spec=sc.spec, layout=sc.layout, recompute=rc,
-                                                   sp=scheme.sp), sc.spec)
+                assert not usable(
+                    make_micro_batch([0], [n + 1], spec=sc.spec, layout=sc.layout, recompute=rc, sp=scheme.sp), sc.spec
+                )
     assert costs_1024[Scheme(8, 8, 8)].longest == MAX_LEN > costs_1024[Scheme(1, 1, 1)].longest
 
 
@@ -77,8 +86,11 @@ def test_sequence_ms_is_the_marginal_cost(costs_1024):
         sc = costs_1024[scheme]
         # long enough per rank that no kernel sits on its table's floor (the fixed cost leaves floors out)
         wide = 2048 * scheme.sp
-        lens = [n for n in sorted({wide, 2 * wide, 16384, sc.by_mode["none"] + 1, *sc.by_mode.values()})
-                if wide <= n <= sc.longest]
+        lens = [
+            n
+            for n in sorted({wide, 2 * wide, 16384, sc.by_mode["none"] + 1, *sc.by_mode.values()})
+            if wide <= n <= sc.longest
+        ]
         assert len(lens) >= 3
         for n, t in zip(lens, sc.sequence_ms(lens)):
             mb, rc = alone(sc, n)
@@ -100,8 +112,9 @@ def test_schemes_that_cannot_run_are_refused_or_skipped():
         scheme_spec(replace(GPT, num_heads=12, num_kv_heads=12), CONFIG, Scheme(8, 1, 1), gpus=64)
     with pytest.raises(ValueError, match="must divide the cluster's 64"):
         scheme_spec(llama, CONFIG, Scheme(8, 8, 2), gpus=64)
-    ulysses = CONFIG.model_copy(update={"sequence_parallel": CONFIG.sequence_parallel.model_copy(
-        update={"attention": "ulysses"})})
+    ulysses = CONFIG.model_copy(
+        update={"sequence_parallel": CONFIG.sequence_parallel.model_copy(update={"attention": "ulysses"})}
+    )
     with pytest.raises(ValueError, match="tp8pp1sp2 .* heads per tensor-parallel rank: .*do not divide by 2"):
         scheme_spec(llama, ulysses, Scheme(8, 1, 2), gpus=64)
     schemes = [sc.scheme for sc in scheme_costs(llama, CONFIG, gpus=64)]

@@ -1,5 +1,6 @@
 """Sequence parallelism's attention collectives per layer, figured by hand from the measured lines
 (or from the link where nothing was measured)."""
+
 import pytest
 
 from dyn_plugin.cost.sequence_parallel import LayerComm, SequenceParallelCost, attention_kind

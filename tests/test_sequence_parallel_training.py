@@ -6,13 +6,14 @@ pyramid layer counts mixed) equal the single-process token-mean reference for Ze
 dropout, every rank of a group draws the same random numbers, and a run killed after a
 checkpoint resumes with the same plans and random state. The unit tests cover the loader's
 padding and sharding, and the refusals."""
+
 import json
 
 import pytest
 import torch
-from ranks import run
 
 from dyn_plugin.runtime.collate import IGNORE, collate, scored_tokens, shard
+from ranks import run
 
 # fp32, a few SGD steps at lr 0.5: the runs differ from the reference only in summation order
 # (measured up to 6e-8); 1e-7 would be flaky.
@@ -50,8 +51,15 @@ def two_ranks(tmp_path_factory):
     """One launch of two ranks for the exact cases and the uninterrupted dropout run: (its output
     directory, its result). Each ZeRO stage: a step on one group of 2, one on two groups of 1, and
     another on a group of 2, in both layouts: a group of 2 runs padded and packed under every stage."""
-    exact = [{"zero": z, "steps": [[TWO, "padded"], [ONES, "packed"], [TWO, "packed"]] if z % 2 == 0 else
-              [[ONES, "padded"], [TWO, "packed"], [TWO, "padded"]]} for z in range(4)]
+    exact = [
+        {
+            "zero": z,
+            "steps": [[TWO, "padded"], [ONES, "packed"], [TWO, "packed"]]
+            if z % 2 == 0
+            else [[ONES, "padded"], [TWO, "packed"], [TWO, "padded"]],
+        }
+        for z in range(4)
+    ]
     out = tmp_path_factory.mktemp("two_ranks")
     return out, launch(out, 2, "full", {"exact": exact, "dropout": "full"})
 
@@ -63,12 +71,24 @@ def test_two_ranks_mix_group_sizes_for_every_zero_stage(two_ranks):
         check_exact(case, 2)
         assert case["kinds"] == {"2": "ulysses"}
     # a group of 2 recomputed whole layers, attention only, and a pyramid's first layer only
-    modes = {(rc, tuple(layers)) for case in result["exact"] for step in case["steps"] if step["grouping"] == TWO
-             for record in step["ranks"] for rc, layers in record["modes"]}
+    modes = {
+        (rc, tuple(layers))
+        for case in result["exact"]
+        for step in case["steps"]
+        if step["grouping"] == TWO
+        for record in step["ranks"]
+        for rc, layers in record["modes"]
+    }
     assert {("full", ()), ("none", ()), ("selective", (1,))} <= modes, modes
     # packed rows of an odd token count carry a padding document to split evenly
-    assert any(whole > real for case in result["exact"] for step in case["steps"] if step["layout"] == "packed"
-               and step["grouping"] == TWO for record in step["ranks"] for _, whole, real in record["widths"])
+    assert any(
+        whole > real
+        for case in result["exact"]
+        for step in case["steps"]
+        if step["layout"] == "packed" and step["grouping"] == TWO
+        for record in step["ranks"]
+        for _, whole, real in record["widths"]
+    )
 
 
 def test_four_ranks_regroup_every_step(tmp_path):
@@ -93,7 +113,7 @@ def test_dropout_is_equal_within_a_group_and_resumes_exactly(two_ranks):
     launch(out, 2, "stop", {"dropout": "stop-after:2"}, expect=-9)  # killed after its checkpoint
     resumed = launch(out, 2, "resume", {"dropout": "resume"})["dropout"]
     for step in full:
-        (size, first, _), = {tuple(s) for s in step[0]["shards"]}
+        ((size, first, _),) = {tuple(s) for s in step[0]["shards"]}
         same = len({tuple(r["drawn"]) for r in step}) == 1
         assert same == (size == 2), step  # a group of 2 draws alike; two groups of 1 draw apart
         assert all(len(r["drawn"]) == len(r["shards"]) for r in step)  # one draw per micro-batch forward
@@ -144,20 +164,34 @@ def test_loader_shards_every_sample_once_and_resumes_with_the_same_plans():
     from dyn_plugin.layout import RankLayout
     from dyn_plugin.runtime.loader import DynLoader
 
-    cfg = DynPluginConfig.model_validate({
-        "cost_model": {"kind": "analytic", "dtype": "fp32", "model": {
-            "hidden_size": 64, "num_layers": 4, "num_heads": 4, "ffn_hidden_size": 128, "vocab_size": 100}},
-        "microbatching": {"global_tokens": 6000, "max_seq_len": 2000},
-        "cluster": {"device": {"memory_mb": 48, "memory_fraction": 1.0}},
-        "sequence_parallel": {"enabled": True, "sizes": [1, 2, 4]}})
+    cfg = DynPluginConfig.model_validate(
+        {
+            "cost_model": {
+                "kind": "analytic",
+                "dtype": "fp32",
+                "model": {
+                    "hidden_size": 64,
+                    "num_layers": 4,
+                    "num_heads": 4,
+                    "ffn_hidden_size": 128,
+                    "vocab_size": 100,
+                },
+            },
+            "microbatching": {"global_tokens": 6000, "max_seq_len": 2000},
+            "cluster": {"device": {"memory_mb": 48, "memory_fraction": 1.0}},
+            "sequence_parallel": {"enabled": True, "sizes": [1, 2, 4]},
+        }
+    )
     rng = np.random.default_rng(0)
     lens = rng.integers(1, 2000, size=40)
     data = [{"input_ids": rng.integers(1, 100, size=int(n))} for n in lens]
     cm = build_cost_model(cfg.cost_model, cfg.cluster)
 
     def loaders():
-        return [DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(4), column=r, seed=2)
-                for r in range(4)]
+        return [
+            DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(4), column=r, seed=2)
+            for r in range(4)
+        ]
 
     epoch = [list(loader) for loader in loaders()]
     sizes, everything = set(), []
@@ -172,8 +206,7 @@ def test_loader_shards_every_sample_once_and_resumes_with_the_same_plans():
                 everything += ids if index == 0 else []
         for (first, m), shards in groups.items():  # the group's shards, side by side, are the whole micro-batch
             desc = steps[first].plan.micro_batches[m]
-            whole = collate(desc.sample_ids, desc.seq_lens, desc.layout, desc.shape, data.__getitem__,
-                            sp=desc.sp)
+            whole = collate(desc.sample_ids, desc.seq_lens, desc.layout, desc.shape, data.__getitem__, sp=desc.sp)
             assert sorted(shards) == list(range(desc.sp))
             assert torch.equal(torch.cat([shards[i] for i in range(desc.sp)], dim=1), whole["input_ids"])
     assert sorted(everything) == list(range(len(lens)))  # every sample of the epoch in exactly one group
@@ -185,10 +218,13 @@ def test_loader_shards_every_sample_once_and_resumes_with_the_same_plans():
     assert [[s.digest for s in loader] for loader in resumed] == [[s.digest for s in steps[1:]] for steps in epoch]
 
 
-@pytest.mark.parametrize("section,fix", [
-    ({"deepspeed": {"sequence_parallel_size": 2}}, "remove it and use dyn_plugin.sequence_parallel"),
-    ({"zero": 2, "sequence_parallel": {"balance": "inter"}}, "ZeRO-2/3 need the same number on every rank"),
-])
+@pytest.mark.parametrize(
+    "section,fix",
+    [
+        ({"deepspeed": {"sequence_parallel_size": 2}}, "remove it and use dyn_plugin.sequence_parallel"),
+        ({"zero": 2, "sequence_parallel": {"balance": "inter"}}, "ZeRO-2/3 need the same number on every rank"),
+    ],
+)
 def test_refused_before_training(section, fix):
     import deepspeed_ext
 

@@ -1,5 +1,6 @@
 """The OSDP search: prices per the contract's semantics, the knapsack against brute force and its
 C++ twin, the search with the planner, the bad budgets, the plan file."""
+
 import itertools
 import json
 import math
@@ -18,8 +19,16 @@ from dyn_plugin.cost.sharding import HOST_KINDS, Links, price, unit_compute
 from dyn_plugin.cost.update import UpdateCost
 from dyn_plugin.plan.knapsack import solve
 from dyn_plugin.plan.shard_plan import MB, Choice, ShardPlan, ShardUnit
-from dyn_plugin.plan.sharding import (BASELINES, choice_columns, search_sharding, select, shard_sizes, smallest,
-                                      typical_step, uniform_plan)
+from dyn_plugin.plan.sharding import (
+    BASELINES,
+    choice_columns,
+    search_sharding,
+    select,
+    shard_sizes,
+    smallest,
+    typical_step,
+    uniform_plan,
+)
 from dyn_plugin.plan.spec import planner_spec
 from dyn_plugin.runtime.planning import PlanningContext
 
@@ -28,16 +37,40 @@ RNG = np.random.default_rng(0)
 LENGTHS = [int(x) for x in np.minimum(RNG.lognormal(5.5, 1.0, 48).astype(int) + 1, 1024)]
 
 
-def config(budget_mb: float | None = None, *, layers: int = 2, nodes: int = 1, per_node: int = 4,
-           inter: float = 12.5, **sharding) -> DynPluginConfig:
-    return DynPluginConfig.model_validate({
-        "cost_model": {"kind": "analytic", "dtype": "fp32", "model": {
-            "hidden_size": H, "num_layers": layers, "num_heads": 4, "ffn_hidden_size": 4 * H, "vocab_size": VOCAB,
-            "gated_mlp": False}},
-        "microbatching": {"global_tokens": 8192, "max_seq_len": 1024},
-        "cluster": {"devices_per_node": per_node, "num_nodes": nodes, "intra_node_gb_per_s": 5.0,
-                    "inter_node_gb_per_s": inter, "device": {"memory_mb": 4000, "peak_tflops": 2.0}},
-        "sharding": {"memory_budget_mb": budget_mb, **sharding}})
+def config(
+    budget_mb: float | None = None,
+    *,
+    layers: int = 2,
+    nodes: int = 1,
+    per_node: int = 4,
+    inter: float = 12.5,
+    **sharding,
+) -> DynPluginConfig:
+    return DynPluginConfig.model_validate(
+        {
+            "cost_model": {
+                "kind": "analytic",
+                "dtype": "fp32",
+                "model": {
+                    "hidden_size": H,
+                    "num_layers": layers,
+                    "num_heads": 4,
+                    "ffn_hidden_size": 4 * H,
+                    "vocab_size": VOCAB,
+                    "gated_mlp": False,
+                },
+            },
+            "microbatching": {"global_tokens": 8192, "max_seq_len": 1024},
+            "cluster": {
+                "devices_per_node": per_node,
+                "num_nodes": nodes,
+                "intra_node_gb_per_s": 5.0,
+                "inter_node_gb_per_s": inter,
+                "device": {"memory_mb": 4000, "peak_tflops": 2.0},
+            },
+            "sharding": {"memory_budget_mb": budget_mb, **sharding},
+        }
+    )
 
 
 def gpt_units(layers: int, h: int = H, vocab: int = VOCAB, tied: bool = False) -> list[ShardUnit]:
@@ -45,8 +78,10 @@ def gpt_units(layers: int, h: int = H, vocab: int = VOCAB, tied: bool = False) -
     untied head (a linear layer, so it can split), the root with the norms."""
     units = [ShardUnit("wte", vocab * h, "embedding")]
     for i in range(layers):
-        units += [ShardUnit(f"h.{i}.attn", 4 * h * h + 4 * h, "layer", i),
-                  ShardUnit(f"h.{i}.mlp", 8 * h * h + 5 * h, "layer", i)]
+        units += [
+            ShardUnit(f"h.{i}.attn", 4 * h * h + 4 * h, "layer", i),
+            ShardUnit(f"h.{i}.mlp", 8 * h * h + 5 * h, "layer", i),
+        ]
     if not tied:
         units.append(ShardUnit("lm_head", vocab * h, "head", -1, vocab))
     return units + [ShardUnit("", 4 * h * layers + 2 * h, "other")]
@@ -130,8 +165,7 @@ def test_knapsack_rejects_bad_input():
         solve(-np.ones((1, 1)), np.zeros((1, 1)), 4)
     if core is not None:
         with pytest.raises(ValueError, match="descending reserve"):
-            core.knapsack(np.zeros((2, 1), np.int64), np.zeros((2, 1)), np.zeros((2, 1), np.uint8),
-                          np.array([1, 2]), 4)
+            core.knapsack(np.zeros((2, 1), np.int64), np.zeros((2, 1)), np.zeros((2, 1), np.uint8), np.array([1, 2]), 4)
 
 
 # ---------------------------------------------------------------- prices
@@ -148,14 +182,31 @@ def ring(line, nbytes, n, passes):
 def test_memory_and_communication_per_choice_follow_the_contract():
     world, n, m = 8, 4, 3  # hybrid: 2 replicas of 4
     units = [ShardUnit("", 100, "other"), ShardUnit("a", 1000, "layer", 0), ShardUnit("b", 4000, "layer", 0, 8)]
-    cols = [Choice("replicate"), Choice("keep"), Choice("grad_op"), Choice("full"), Choice("reshard", reshard_to=2),
-            Choice("split", slices=4, sharded=1), Choice("split", slices=3, sharded=2)]
+    cols = [
+        Choice("replicate"),
+        Choice("keep"),
+        Choice("grad_op"),
+        Choice("full"),
+        Choice("reshard", reshard_to=2),
+        Choice("split", slices=4, sharded=1),
+        Choice("split", slices=3, sharded=2),
+    ]
     links = Links(LINES, devices_per_node=8, intra_gb_per_s=1.0, inter_gb_per_s=1.0, latency_us=0.0)
     zero = np.zeros((3, m))
     for host in ("fsdp2", "fsdp1"):
         hc = [c for c in cols if c.kind in HOST_KINDS[host]]
-        pr = price(units, hc, dtype="fp32", world=world, shard_size=n, forward_ms=zero, backward_ms=zero, links=links,
-                   overlap=1.0, host=host)
+        pr = price(
+            units,
+            hc,
+            dtype="fp32",
+            world=world,
+            shard_size=n,
+            forward_ms=zero,
+            backward_ms=zero,
+            links=links,
+            overlap=1.0,
+            host=host,
+        )
         p, g, o = 4, 4, 8  # fp32
         pgo = p + g + o
         for i, u in enumerate(units):
@@ -165,20 +216,35 @@ def test_memory_and_communication_per_choice_follow_the_contract():
             ar = ring(LINES.allreduce, P * g, world, 2)
             per_step = host == "fsdp2"
             # FSDP2's replicate (a shard group of one) still copies its parameters into an unsharded buffer
-            memory = {"replicate": P * pgo + (P * p if host == "fsdp2" else 0),
-                      "keep": P * pgo / n + P * (p + g), "grad_op": P * pgo / n + P * p,
-                      "full": P * pgo / n, "reshard(2)": P * pgo / n + P * p / 2,
-                      "split(1/4)": 1 / 4 * P * pgo / n + 3 / 4 * (P * pgo / n + P * (p + g)),
-                      "split(2/3)": 2 / 3 * P * pgo / n + 1 / 3 * (P * pgo / n + P * (p + g))}
-            comm = {"replicate": ar if per_step else m * ar, "keep": ag + red if per_step else m * (ag + red),
-                    "grad_op": m * (ag + red), "full": m * (2 * ag + red), "reshard(2)": m * (ag + ag2 + red)}
+            memory = {
+                "replicate": P * pgo + (P * p if host == "fsdp2" else 0),
+                "keep": P * pgo / n + P * (p + g),
+                "grad_op": P * pgo / n + P * p,
+                "full": P * pgo / n,
+                "reshard(2)": P * pgo / n + P * p / 2,
+                "split(1/4)": 1 / 4 * P * pgo / n + 3 / 4 * (P * pgo / n + P * (p + g)),
+                "split(2/3)": 2 / 3 * P * pgo / n + 1 / 3 * (P * pgo / n + P * (p + g)),
+            }
+            comm = {
+                "replicate": ar if per_step else m * ar,
+                "keep": ag + red if per_step else m * (ag + red),
+                "grad_op": m * (ag + red),
+                "full": m * (2 * ag + red),
+                "reshard(2)": m * (ag + ag2 + red),
+            }
 
             def slices(k, s, Pk=P):
                 q = Pk / k
-                full = m * (2 * ring(LINES.allgather, q * p, n, 1) + ring(LINES.reducescatter, q * g, n, 1)
-                            + ring(LINES.allreduce, q * g / n, 2, 2))
-                keep_ = ring(LINES.allgather, q * p, n, 1) + ring(LINES.reducescatter, q * g, n, 1) \
+                full = m * (
+                    2 * ring(LINES.allgather, q * p, n, 1)
+                    + ring(LINES.reducescatter, q * g, n, 1)
                     + ring(LINES.allreduce, q * g / n, 2, 2)
+                )
+                keep_ = (
+                    ring(LINES.allgather, q * p, n, 1)
+                    + ring(LINES.reducescatter, q * g, n, 1)
+                    + ring(LINES.allreduce, q * g / n, 2, 2)
+                )
                 return s * full + (k - s) * (keep_ if per_step else m * keep_)
 
             comm["split(1/4)"], comm["split(2/3)"] = slices(4, 1), slices(3, 2)
@@ -200,8 +266,17 @@ def test_exposed_is_what_the_neighbours_compute_cannot_hide():
     bwd = 2 * fwd
     cols = [Choice("keep"), Choice("full")]
     for overlap in (0.5, 1.0):
-        pr = price(units, cols, dtype="fp32", world=4, shard_size=4, forward_ms=fwd, backward_ms=bwd, links=links,
-                   overlap=overlap)
+        pr = price(
+            units,
+            cols,
+            dtype="fp32",
+            world=4,
+            shard_size=4,
+            forward_ms=fwd,
+            backward_ms=bwd,
+            links=links,
+            overlap=overlap,
+        )
         ag, rs = ring(LINES.allgather, 8e6, 4, 1), ring(LINES.reducescatter, 8e6, 4, 1)
         h = overlap
         # unit a: gathers beside the root's forward (none) and b's backward, reductions beside the root's backward
@@ -260,11 +335,31 @@ def test_select_equals_brute_force_on_a_small_model():
     order = [len(units) - 1] + list(range(len(units) - 1))  # forward order: the root first
     ordered = [units[i] for i in order]
     cols = choice_columns(cfg, "fsdp2", 4)
-    assert [c.label for c in cols] == ["replicate", "keep", "grad_op", "full", "reshard(2)", "split(1/2)",
-                                       "split(1/3)", "split(2/3)", "split(1/4)", "split(2/4)", "split(3/4)"]
+    assert [c.label for c in cols] == [
+        "replicate",
+        "keep",
+        "grad_op",
+        "full",
+        "reshard(2)",
+        "split(1/2)",
+        "split(1/3)",
+        "split(2/3)",
+        "split(1/4)",
+        "split(2/4)",
+        "split(3/4)",
+    ]
     fwd, bwd = unit_compute(ordered, typ.component_ms)
-    pr = price(ordered, cols, dtype="fp32", world=4, shard_size=4, forward_ms=fwd, backward_ms=bwd,
-               links=Links.of(cfg.cluster, cost.update), overlap=0.7)
+    pr = price(
+        ordered,
+        cols,
+        dtype="fp32",
+        world=4,
+        shard_size=4,
+        forward_ms=fwd,
+        backward_ms=bwd,
+        links=Links.of(cfg.cluster, cost.update),
+        overlap=0.7,
+    )
     full_states = smallest(pr)[0]
     for budget in (full_states * 1.05, full_states * 1.6, full_states * 3, pr.memory_bytes.max() * 6):
         unit = budget / 512
@@ -288,8 +383,17 @@ def test_frontier_is_monotone_and_less_memory_means_more_sharding():
     ordered = [units[-1]] + units[:-1]
     cols = choice_columns(cfg, "fsdp2", 4)
     fwd, bwd = unit_compute(ordered, typ.component_ms)
-    pr = price(ordered, cols, dtype="fp32", world=4, shard_size=4, forward_ms=fwd, backward_ms=bwd,
-               links=Links.of(cfg.cluster, cost.update), overlap=1.0)
+    pr = price(
+        ordered,
+        cols,
+        dtype="fp32",
+        world=4,
+        shard_size=4,
+        forward_ms=fwd,
+        backward_ms=bwd,
+        links=Links.of(cfg.cluster, cost.update),
+        overlap=1.0,
+    )
     least = smallest(pr)[0]
     budgets = [pr.memory_bytes[:, 0].sum() * 1.01, least * 3, least * 2, least * 1.3, least * 1.01]
     times, sharded = [], []
@@ -298,8 +402,9 @@ def test_frontier_is_monotone_and_less_memory_means_more_sharding():
         f = sel.frontier[np.isfinite(sel.frontier)]
         assert (np.diff(f) <= 0).all()  # more memory never costs time
         times.append(float(pr.time_ms[np.arange(len(ordered)), sel.choice].sum()))
-        sharded.append(sum(cols[c].kind not in ("replicate", "keep")
-                           for c, u in zip(sel.choice, ordered) if u.params > H))
+        sharded.append(
+            sum(cols[c].kind not in ("replicate", "keep") for c, u in zip(sel.choice, ordered) if u.params > H)
+        )
     assert times == sorted(times) and times[0] < times[-1]
     # at the least memory every unit but the root (its norms: a few KB) gathers on use
     assert sharded == sorted(sharded) and sharded[0] < sharded[-1] == len(ordered) - 1
@@ -364,8 +469,9 @@ def test_hybrid_shard_size_tried_when_a_node_is_smaller_than_the_world():
     cost = build_cost_model(cfg.cost_model, cfg.cluster)
     plan = search_sharding(gpt_units(2), cost, cfg, world=4, lengths=LENGTHS)
     assert plan.shard_size == 2 and plan.replicas == 2
-    forced = search_sharding(gpt_units(2), cost, config(900, nodes=2, per_node=2, inter=0.05, shard_size=4), world=4,
-                             lengths=LENGTHS)
+    forced = search_sharding(
+        gpt_units(2), cost, config(900, nodes=2, per_node=2, inter=0.05, shard_size=4), world=4, lengths=LENGTHS
+    )
     assert forced.shard_size == 4 and forced.step_ms > plan.step_ms
     with pytest.raises(ValueError, match="shard_size = 3 does not divide"):
         shard_sizes(config(shard_size=3), 4)
@@ -402,13 +508,25 @@ def test_planner_takes_the_plans_model_states():
 def test_search_on_48_layers_is_fast():
     """98 units (tied embedding) and an untied head that can split: pricing and the knapsack per
     shard size well under a second (about 10 ms each with the extension; see the report)."""
-    cfg = DynPluginConfig.model_validate({
-        "cost_model": {"kind": "analytic", "dtype": "bf16", "model": {
-            "hidden_size": 1600, "num_layers": 48, "num_heads": 25, "ffn_hidden_size": 6400, "vocab_size": 50257,
-            "gated_mlp": False}},
-        "microbatching": {"global_tokens": 32768, "max_seq_len": 1024},
-        "cluster": {"devices_per_node": 8, "num_nodes": 2, "device": {"memory_mb": 16000, "peak_tflops": 300}},
-        "sharding": {"memory_budget_mb": 6000}})
+    cfg = DynPluginConfig.model_validate(
+        {
+            "cost_model": {
+                "kind": "analytic",
+                "dtype": "bf16",
+                "model": {
+                    "hidden_size": 1600,
+                    "num_layers": 48,
+                    "num_heads": 25,
+                    "ffn_hidden_size": 6400,
+                    "vocab_size": 50257,
+                    "gated_mlp": False,
+                },
+            },
+            "microbatching": {"global_tokens": 32768, "max_seq_len": 1024},
+            "cluster": {"devices_per_node": 8, "num_nodes": 2, "device": {"memory_mb": 16000, "peak_tflops": 300}},
+            "sharding": {"memory_budget_mb": 6000},
+        }
+    )
     cost = build_cost_model(cfg.cost_model, cfg.cluster)
     units = gpt_units(48, h=1600, vocab=50257)
     assert len(units) == 99
@@ -418,8 +536,16 @@ def test_search_on_48_layers_is_fast():
     for n in shard_sizes(cfg, 16):
         cols = choice_columns(cfg, "fsdp2", n)
         t0 = time.perf_counter()
-        pr = price(ordered, cols, dtype="bf16", world=16, shard_size=n, forward_ms=fwd, backward_ms=bwd,
-                   links=Links.of(cfg.cluster, cost.update))
+        pr = price(
+            ordered,
+            cols,
+            dtype="bf16",
+            world=16,
+            shard_size=n,
+            forward_ms=fwd,
+            backward_ms=bwd,
+            links=Links.of(cfg.cluster, cost.update),
+        )
         sel = select(pr, 6000 * MB - typ.activation_bytes)
         assert time.perf_counter() - t0 < 1.0 and sel is not None
 

@@ -1,4 +1,5 @@
 """A test that needs ../shared skips visibly on a user's clone and fails under CI."""
+
 import pytest
 
 from shared_data import REQUIRE, shared_path

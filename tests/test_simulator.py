@@ -16,9 +16,16 @@ def mb(f, b, stages, *, stored=0.0, peak=None, act=0.0, lens=(8,)):
     """A micro-batch with the same cost on every stage (per-stage tuples pass through)."""
     per = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (float(x),) * stages  # noqa: E731
     return MicroBatch(
-        sample_ids=tuple(range(len(lens))), seq_lens=tuple(lens), layout="packed", recompute="none",
-        forward_ms=per(f), backward_ms=per(b), stored_bytes=per(stored),
-        peak_bytes=per(stored if peak is None else peak), activation_bytes=act, shape=(1, sum(lens)),
+        sample_ids=tuple(range(len(lens))),
+        seq_lens=tuple(lens),
+        layout="packed",
+        recompute="none",
+        forward_ms=per(f),
+        backward_ms=per(b),
+        stored_bytes=per(stored),
+        peak_bytes=per(stored if peak is None else peak),
+        activation_bytes=act,
+        shape=(1, sum(lens)),
     )
 
 
@@ -63,7 +70,10 @@ def test_transfers_on_one_link_are_serialised():
     assert r.makespan_ms == pytest.approx(21.0)
     sends = [(e[2], e[3], e[4]) for e in r.events if e[1] != "compute"]
     assert sends == [
-        ("act 0 -> 1", 1.0, 6.0), ("act 1 -> 1", 6.0, 11.0), ("grad 0 -> 0", 9.0, 14.0), ("grad 1 -> 0", 14.0, 19.0)
+        ("act 0 -> 1", 1.0, 6.0),
+        ("act 1 -> 1", 6.0, 11.0),
+        ("grad 0 -> 0", 9.0, 14.0),
+        ("grad 1 -> 0", 14.0, 19.0),
     ]
 
 
@@ -118,7 +128,10 @@ def test_recorded_events_cover_every_op_once():
 
 def test_chrome_trace(tmp_path):
     mbs = [mb(1 + i, 2 * (1 + i), 2, stored=100.0, act=1e6, lens=(3, 5)) for i in range(3)]
-    results = [simulate(mbs, one_f_one_b(3, 2, order=order), LinkSpec(gb_per_s=10), record=True) for order in ((0, 1, 2), (2, 1, 0))]
+    results = [
+        simulate(mbs, one_f_one_b(3, 2, order=order), LinkSpec(gb_per_s=10), record=True)
+        for order in ((0, 1, 2), (2, 1, 0))
+    ]
     traces = [chrome_trace(r, mbs, title="step 7", replica=n) for n, r in enumerate(results)]
     path = tmp_path / "trace.json"
     write_chrome_trace(path, traces)
@@ -133,7 +146,13 @@ def test_chrome_trace(tmp_path):
         for stage, stream, name, start, end in r.events:
             e = by_name[(stage, stream, name)]
             assert e["ts"] == pytest.approx(start * 1e3) and e["dur"] == pytest.approx((end - start) * 1e3)
-        assert spans[0]["args"] == {"sequences": 2, "real_tokens": 8, "shape": [1, 8], "layout": "packed", "recompute": "none"}
+        assert spans[0]["args"] == {
+            "sequences": 2,
+            "real_tokens": 8,
+            "shape": [1, 8],
+            "layout": "packed",
+            "recompute": "none",
+        }
     threads = {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name" and e["pid"] == 0}
     assert {"stage 0 compute", "stage 1 send-bwd"} <= threads
     assert any(e["ph"] == "C" and e["name"] == "stage 1 activations" for e in doc["traceEvents"])

@@ -76,7 +76,7 @@ def test_big_endian_and_strided_inputs_round_trip():
 def _split(data: bytes) -> tuple[dict, bytes]:
     _, _, _, n = wire._PREFIX.unpack_from(data)
     end = wire._PREFIX.size + n
-    return json.loads(data[wire._PREFIX.size:end]), data[end + (-end % 8):]
+    return json.loads(data[wire._PREFIX.size : end]), data[end + (-end % 8) :]
 
 
 def _build(header: dict | bytes, arrays_bytes: bytes = b"", *, version: int = wire.VERSION, flags: int = 0) -> bytes:

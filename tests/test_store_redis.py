@@ -22,7 +22,6 @@ from dyn_plugin.store import (
     open_store,
 )
 from dyn_plugin.store.redis_store import RedisPlanStore
-from redis_server import fresh_redis_server, redis_server  # noqa: F401  (pytest fixtures)
 
 PASSWORD_ENV = "DYN_PLUGIN_REDIS_PASSWORD"
 SECRET = "a-shared-secret-of-32-characters"
@@ -35,8 +34,15 @@ def clean_env(monkeypatch):
 
 
 def _config(server, **kw) -> StoreConfig:
-    fields = {"backend": "redis", "url": server.url, "namespace": f"t{uuid.uuid4().hex[:8]}",
-              "timeout_s": 2.0, "retries": 2, "retry_backoff_s": 0.05, **kw}
+    fields = {
+        "backend": "redis",
+        "url": server.url,
+        "namespace": f"t{uuid.uuid4().hex[:8]}",
+        "timeout_s": 2.0,
+        "retries": 2,
+        "retry_backoff_s": 0.05,
+        **kw,
+    }
     return StoreConfig(**fields)
 
 
@@ -166,7 +172,7 @@ def test_config_never_shows_the_urls_password():
     assert "hunter2" not in str(err.value)
 
 
-def test_server_killed_mid_run(fresh_redis_server, monkeypatch):  # noqa: F811 (the fixture)
+def test_server_killed_mid_run(fresh_redis_server, monkeypatch):
     monkeypatch.setenv(PASSWORD_ENV, fresh_redis_server.password)
     url = f"redis://:{fresh_redis_server.password}@127.0.0.1:{fresh_redis_server.port}/0"
     config = _config(fresh_redis_server, url=url, timeout_s=1.0)
@@ -185,7 +191,14 @@ def test_unreachable_url_fails_quickly():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
-    config = StoreConfig(backend="redis", url=f"redis://127.0.0.1:{port}/0", namespace="n", timeout_s=5.0, retries=2, retry_backoff_s=0.05)
+    config = StoreConfig(
+        backend="redis",
+        url=f"redis://127.0.0.1:{port}/0",
+        namespace="n",
+        timeout_s=5.0,
+        retries=2,
+        retry_backoff_s=0.05,
+    )
     t0 = time.monotonic()
     with pytest.raises(StoreUnavailable, match=f"redis://127.0.0.1:{port}/0 unavailable during ping.*3 attempt"):
         open_store(config, rank=0, world_size=1)

@@ -1,4 +1,5 @@
 """Hydraulis's strategies: the proposal, its JSON and cache, and two-stage steps under it."""
+
 import json
 import subprocess
 import sys
@@ -14,8 +15,17 @@ from dyn_plugin.plan.microbatch import InfeasibleError
 from dyn_plugin.plan.planner import execution_plans
 from dyn_plugin.plan.schemes import Scheme, scheme_costs
 from dyn_plugin.plan.spec import planner_spec
-from dyn_plugin.plan.strategy import (Proposal, Strategy, cached_proposal, neighbours, plan_cluster_step,
-                                      plan_strategy_step, proposal_key, propose, runnable_proposal)
+from dyn_plugin.plan.strategy import (
+    Proposal,
+    Strategy,
+    cached_proposal,
+    neighbours,
+    plan_cluster_step,
+    plan_strategy_step,
+    proposal_key,
+    propose,
+    runnable_proposal,
+)
 from dyn_plugin.runtime.planning import step_digest
 from dyn_plugin.runtime.sampler import global_batches
 
@@ -47,12 +57,13 @@ def test_proposal_is_deterministic_and_keyed_by_its_inputs(setting):
     kinds, _, lengths, proposal, _ = setting
     again = propose(lengths, kinds, gpus=GPUS, tokens=TOKENS, refine=4, batches=1)
     assert again.to_json() == proposal.to_json()
-    assert proposal.key == proposal_key(lengths, kinds, gpus=GPUS, tokens=TOKENS, max_strategies=3, refine=4,
-                                        batches=1)
-    assert proposal.key != proposal_key(lengths, kinds, gpus=GPUS, tokens=2 * TOKENS, max_strategies=3, refine=4,
-                                        batches=1)
-    assert proposal.key != proposal_key(lengths[:-1], kinds, gpus=GPUS, tokens=TOKENS, max_strategies=3, refine=4,
-                                        batches=1)
+    assert proposal.key == proposal_key(lengths, kinds, gpus=GPUS, tokens=TOKENS, max_strategies=3, refine=4, batches=1)
+    assert proposal.key != proposal_key(
+        lengths, kinds, gpus=GPUS, tokens=2 * TOKENS, max_strategies=3, refine=4, batches=1
+    )
+    assert proposal.key != proposal_key(
+        lengths[:-1], kinds, gpus=GPUS, tokens=TOKENS, max_strategies=3, refine=4, batches=1
+    )
 
 
 def test_proposal_json_round_trip_and_cache(setting, tmp_path):
@@ -133,21 +144,35 @@ def test_plan_digests_equal_across_processes(setting, tmp_path):
     path = tmp_path / "proposal.json"
     proposal.save(path)
     lens = ",".join(str(x) for x in batches[0][:120])
-    outs = [subprocess.run([sys.executable, "-c", DIGEST, str(path), lens], capture_output=True, text=True,
-                           check=True).stdout.split() for _ in range(2)]
+    outs = [
+        subprocess.run(
+            [sys.executable, "-c", DIGEST, str(path), lens], capture_output=True, text=True, check=True
+        ).stdout.split()
+        for _ in range(2)
+    ]
     assert outs[0] == outs[1] and len(outs[0]) == 2
     plan, _ = plan_cluster_step(batches[0][:120], proposal.strategies, by_scheme)
     assert outs[0][0] == step_digest(plan)
 
 
 def tiny_spec(zero_stage: int):
-    cfg = DynPluginConfig.model_validate({
-        "cost_model": {"kind": "analytic", "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4,
-                                                     "ffn_hidden_size": 128, "vocab_size": 256}},
-        "microbatching": {"max_seq_len": 512, "layout": "packed"},
-        "sequence_parallel": {"enabled": True, "sizes": [1, 2]},
-        "cluster": {"devices_per_node": 4, "device": {"memory_mb": 60, "memory_fraction": 1.0}},
-    })
+    cfg = DynPluginConfig.model_validate(
+        {
+            "cost_model": {
+                "kind": "analytic",
+                "model": {
+                    "hidden_size": 64,
+                    "num_layers": 2,
+                    "num_heads": 4,
+                    "ffn_hidden_size": 128,
+                    "vocab_size": 256,
+                },
+            },
+            "microbatching": {"max_seq_len": 512, "layout": "packed"},
+            "sequence_parallel": {"enabled": True, "sizes": [1, 2]},
+            "cluster": {"devices_per_node": 4, "device": {"memory_mb": 60, "memory_fraction": 1.0}},
+        }
+    )
     from dyn_plugin.cost.from_config import build_cost_model
 
     return planner_spec(build_cost_model(cfg.cost_model, cfg.cluster), cfg, dp=4, zero_stage=zero_stage)

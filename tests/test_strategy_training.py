@@ -8,18 +8,19 @@ resumed, its plans now made by a background planner process, plans every step as
 uninterrupted run did and ends on its very parameters. The unit tests cover the planning context
 (every step planned by Hydraulis on the proposal's groupings, the proposal carried to planner
 processes as JSON) and the proposals a run refuses at start-up."""
+
 import json
 
 import numpy as np
 import pytest
-from ranks import free_port
-from test_sequence_parallel_training import EXACT, check_exact, launch
 
 from dyn_plugin.config import ConfigError, DynPluginConfig
 from dyn_plugin.cost.from_config import build_cost_model
 from dyn_plugin.plan.schemes import Scheme
 from dyn_plugin.plan.strategy import Proposal, Strategy
 from dyn_plugin.runtime.planning import PlanningContext
+from ranks import free_port
+from test_sequence_parallel_training import EXACT, check_exact, launch
 
 GROUPING = [2, 1, 1]
 PROPOSAL = Proposal((Strategy((Scheme(sp=2), Scheme(), Scheme()), longest=256),), key="two-one-one")
@@ -62,8 +63,9 @@ def test_zero1_and_zero3_equal_the_token_mean_reference(uninterrupted):
 def test_a_killed_run_resumes_with_the_same_plans(uninterrupted):
     out, plugin, result = uninterrupted
     full = result["exact"][0]
-    launch(out, 4, "stop", {"plugin": plugin, "exact": [{"zero": 1, "count": STEPS, "mode": "stop-after:1"}]},
-           expect=-9)  # killed after its checkpoint
+    launch(
+        out, 4, "stop", {"plugin": plugin, "exact": [{"zero": 1, "count": STEPS, "mode": "stop-after:1"}]}, expect=-9
+    )  # killed after its checkpoint
     # resumed with a store: the plans now come from a planner process, which got the proposal as JSON
     store = {"store": {"backend": "tcp", "port": free_port(), "namespace": "strategy"}}
     job = {"plugin": {**plugin, **store}, "exact": [{"zero": 1, "count": STEPS, "mode": "resume"}]}
@@ -76,8 +78,11 @@ def test_a_killed_run_resumes_with_the_same_plans(uninterrupted):
 
 
 CONFIG = {
-    "cost_model": {"kind": "analytic", "dtype": "fp32", "model": {
-        "hidden_size": 64, "num_layers": 4, "num_heads": 4, "ffn_hidden_size": 128, "vocab_size": 100}},
+    "cost_model": {
+        "kind": "analytic",
+        "dtype": "fp32",
+        "model": {"hidden_size": 64, "num_layers": 4, "num_heads": 4, "ffn_hidden_size": 128, "vocab_size": 100},
+    },
     "microbatching": {"global_tokens": 6000, "max_seq_len": 2000},
     # device memory capped so the longest sequences need a group
     "cluster": {"device": {"memory_mb": 48, "memory_fraction": 1.0}},
@@ -118,13 +123,19 @@ def test_every_step_is_planned_by_hydraulis_on_the_proposal(tmp_path, caplog):
     assert json.loads(context({**CONFIG, "strategy": {"enabled": False}}).to_json())["proposal"] is None
 
 
-@pytest.mark.parametrize("pipelines,message", [
-    ((Scheme(tp=2, sp=1),) * 2, r"strategy 0 \(2 x tp2pp1sp1.* has pipelines of \(tp, pp\) \[\(2, 1\)\], but this "
-                                r"run's replicas all have tp=1, pp=1: heterogeneous tensor/pipeline degrees are "
-                                r"simulation-only \(`dynplugin bench strategy`\)"),
-    ((Scheme(sp=2),), r"uses 2 GPUs but the run has 4 data-parallel columns x tp 1 x pp 1 = 4"),
-    ((Scheme(sp=4),), r"group size\(s\) \[4\] outside sequence_parallel.sizes = \[1, 2\]"),
-])
+@pytest.mark.parametrize(
+    "pipelines,message",
+    [
+        (
+            (Scheme(tp=2, sp=1),) * 2,
+            r"strategy 0 \(2 x tp2pp1sp1.* has pipelines of \(tp, pp\) \[\(2, 1\)\], but this "
+            r"run's replicas all have tp=1, pp=1: heterogeneous tensor/pipeline degrees are "
+            r"simulation-only \(`dynplugin bench strategy`\)",
+        ),
+        ((Scheme(sp=2),), r"uses 2 GPUs but the run has 4 data-parallel columns x tp 1 x pp 1 = 4"),
+        ((Scheme(sp=4),), r"group size\(s\) \[4\] outside sequence_parallel.sizes = \[1, 2\]"),
+    ],
+)
 def test_a_proposal_the_run_cannot_execute_is_refused_at_start_up(pipelines, message):
     bad = Proposal((Strategy(pipelines, longest=2000),), key="bad")
     config = {**CONFIG, "sequence_parallel": {"enabled": True, "sizes": [1, 2]}}

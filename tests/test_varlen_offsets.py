@@ -1,5 +1,6 @@
 """Document offsets for the flash varlen path of the per-document attention (CUDA); the kernel
 itself is checked against the per-document loop on a GPU by benchmarks/gpu-2026-11-23/check_varlen.py."""
+
 import torch
 
 from dyn_plugin.models import varlen_attention as va

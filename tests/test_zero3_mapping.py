@@ -1,19 +1,27 @@
 """A sharding plan as ZeRO-3 settings (deepspeed_ext/zero3.py), without ranks: the persistence thresholds
 chosen, hpZ, what is reported lost, the memory the settings imply, and the errors of a plan that cannot
 run (a user key it contradicts, ZeRO stage != 3, another model's plan)."""
+
 import pytest
-from ds_exact_worker import MODEL
-from ds_zero3_plan_worker import CASES, KEPT, hand_plan
 
 import deepspeed_ext
 from deepspeed_ext.zero3 import UNLIMITED, merge_zero_config, persistent_parameters, zero3_memory_bytes, zero3_settings
+from ds_exact_worker import MODEL
+from ds_zero3_plan_worker import CASES, KEPT, hand_plan
 from dyn_plugin.config import load_config
 from dyn_plugin.models.hf import build_causal_lm
 from dyn_plugin.models.shard_units import parameter_units, shard_units
 from dyn_plugin.runtime.sharding import resolve_shard_plan
 
-ALL_KEEP = {"model.embed_tokens": "keep", "model.layers.0.self_attn": "keep", "model.layers.0.mlp": "keep",
-            "model.layers.1.self_attn": "keep", "model.layers.1.mlp": "keep", "lm_head": "keep", "": "keep"}
+ALL_KEEP = {
+    "model.embed_tokens": "keep",
+    "model.layers.0.self_attn": "keep",
+    "model.layers.0.mlp": "keep",
+    "model.layers.1.self_attn": "keep",
+    "model.layers.1.mlp": "keep",
+    "lm_head": "keep",
+    "": "keep",
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +42,10 @@ def test_thresholds_make_exactly_the_kept_units_persistent(model, case):
     # attention weights (<= 1024 elements) by size alone; layer 0 only by cutting the persistent prefix
     # after its MLP, because layer 1's MLP weights are the same size
     expected = {"attention": (1024, UNLIMITED), "layer0": (2048, 3072 + 6144)}[case]
-    assert (mapping.config["stage3_param_persistence_threshold"],
-            mapping.config["stage3_model_persistence_threshold"]) == expected
+    assert (
+        mapping.config["stage3_param_persistence_threshold"],
+        mapping.config["stage3_model_persistence_threshold"],
+    ) == expected
     # full units are released after every use, and one unit (the largest MLP, 6144) is fetched ahead
     assert mapping.config["stage3_max_reuse_distance"] == 0
     assert mapping.config["stage3_prefetch_bucket_size"] == 6144
@@ -45,8 +55,12 @@ def test_thresholds_make_exactly_the_kept_units_persistent(model, case):
 
 
 def test_lost_names_what_zero3_cannot_express(model):
-    plan = hand_plan(model, {"model.layers.0.mlp": "keep", "model.layers.1.self_attn": "grad_op", "": "replicate",
-                             "lm_head": "split(1/4)"}, world=2, host="fsdp2")
+    plan = hand_plan(
+        model,
+        {"model.layers.0.mlp": "keep", "model.layers.1.self_attn": "grad_op", "": "replicate", "lm_head": "split(1/4)"},
+        world=2,
+        host="fsdp2",
+    )
     mapping = zero3_settings(model, plan)
     lost = "\n".join(mapping.lost)
     assert "model.layers.0.mlp -- keep: gradients reduce-scattered every micro-batch" in lost
@@ -60,7 +74,9 @@ def test_lost_names_what_zero3_cannot_express(model):
     assert mapping.lost[-1].startswith("model states per rank: ")
     # a replicated unit kept whole still has its gradients and optimizer states partitioned
     whole_root = zero3_settings(model, hand_plan(model, CASES["attention"], world=2))
-    assert any("(root) -- replicate: ZeRO-3 partitions gradients and optimizer states" in line for line in whole_root.lost)
+    assert any(
+        "(root) -- replicate: ZeRO-3 partitions gradients and optimizer states" in line for line in whole_root.lost
+    )
     # a hybrid plan: ZeRO-3 shards over the whole world
     hybrid = zero3_settings(model, hand_plan(model, {}, world=4, shard_size=2))
     assert any(line.startswith("hybrid sharding over 2 of 4 ranks") for line in hybrid.lost)
@@ -106,40 +122,51 @@ def test_budget_bounds_persistence(model):
 
 def test_merging_refuses_a_user_key_the_plan_contradicts(model):
     mapping = zero3_settings(model, hand_plan(model, CASES["attention"], world=2))
-    merged = merge_zero_config({"zero_optimization": {"stage": 3, "overlap_comm": False}, "train_batch_size": 2}, mapping)
+    merged = merge_zero_config(
+        {"zero_optimization": {"stage": 3, "overlap_comm": False}, "train_batch_size": 2}, mapping
+    )
     assert merged["zero_optimization"] == {"stage": 3, "overlap_comm": False, **mapping.config}
     assert merged["train_batch_size"] == 2
     same = merge_zero_config({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1024}}, mapping)
     assert same["zero_optimization"]["stage3_param_persistence_threshold"] == 1024
     for key in ("stage3_param_persistence_threshold", "param_persistence_threshold"):  # DeepSpeed takes both spellings
-        with pytest.raises(ValueError, match=f"zero_optimization.{key} = 5 conflicts with the sharding plan, which "
-                                             "needs 1024; remove zero_optimization.{key}".replace("{key}", key)):
+        with pytest.raises(
+            ValueError,
+            match=f"zero_optimization.{key} = 5 conflicts with the sharding plan, which "
+            "needs 1024; remove zero_optimization.{key}".replace("{key}", key),
+        ):
             merge_zero_config({"zero_optimization": {"stage": 3, key: 5}}, mapping)
 
 
 def test_sharding_needs_zero3_and_a_plan_for_this_model(model):
     cfg = {"zero_optimization": {"stage": 2}, "dyn_plugin": {"sharding": {"enabled": True}}}
-    with pytest.raises(ValueError, match="only under ZeRO-3; set zero_optimization.stage to 3, or train with the "
-                                         "FSDP entry dyn_plugin.fsdp"):
+    with pytest.raises(
+        ValueError,
+        match="only under ZeRO-3; set zero_optimization.stage to 3, or train with the FSDP entry dyn_plugin.fsdp",
+    ):
         deepspeed_ext.initialize(model=None, config=cfg, dataset=[], lengths=[])
     cfg = {"zero_optimization": {"stage": 3}, "dyn_plugin": {"sharding": {"enabled": True, "host": "fsdp2"}}}
     with pytest.raises(ValueError, match="sharding.host = 'fsdp2' under DeepSpeed"):
         deepspeed_ext.initialize(model=None, config=cfg, dataset=[], lengths=[])
     plan = hand_plan(model, {}, world=2)
     with pytest.raises(ValueError, match="sharding.enabled is false; set it to true"):
-        deepspeed_ext.initialize(model=None, config={"zero_optimization": {"stage": 3}}, dataset=[], lengths=[],
-                                 shard_plan=plan)
+        deepspeed_ext.initialize(
+            model=None, config={"zero_optimization": {"stage": 3}}, dataset=[], lengths=[], shard_plan=plan
+        )
     enabled = load_config({"zero_optimization": {"stage": 3}, "dyn_plugin": {"sharding": {"enabled": True}}})
     cost, lengths = deepspeed_ext.engine._cost_model(enabled, model), [50, 120, 30, 200] * 10
     with pytest.raises(ValueError, match="searched for 2 ranks but 4 are running"):
         resolve_shard_plan(shard_units(model), enabled.plugin, cost, lengths, world=4, host="zero3", plan=plan)
     # without a plan it is searched; a budget below the smallest plan says the minimum
-    tiny = load_config({"zero_optimization": {"stage": 3},
-                        "dyn_plugin": {"sharding": {"enabled": True, "memory_budget_mb": 0.05}}})
+    tiny = load_config(
+        {"zero_optimization": {"stage": 3}, "dyn_plugin": {"sharding": {"enabled": True, "memory_budget_mb": 0.05}}}
+    )
     with pytest.raises(ValueError, match=r"below the smallest possible sharding plan: .* to at least \d+ MB"):
         resolve_shard_plan(shard_units(model), tiny.plugin, cost, lengths, world=2, host="zero3")
     other = build_causal_lm({**MODEL, "num_hidden_layers": 3})
     with pytest.raises(ValueError, match="names modules this model does not have: 'model.layers.2.self_attn'"):
         zero3_settings(model, hand_plan(other, {}, world=2))
-    with pytest.raises(ValueError, match=r"does not decide for units \['model.layers.2.self_attn', 'model.layers.2.mlp'\]"):
+    with pytest.raises(
+        ValueError, match=r"does not decide for units \['model.layers.2.self_attn', 'model.layers.2.mlp'\]"
+    ):
         zero3_settings(other, hand_plan(model, {}, world=2))

@@ -2,6 +2,7 @@
 fully sharded units, applied by deepspeed_ext.initialize (as an argument and from its JSON file),
 trains one planned step of uneven micro-batches exactly like the single-process token-mean
 reference, with the kept units' parameters persistent and the others partitioned."""
+
 import json
 
 from ranks import run

@@ -1,11 +1,21 @@
 """The single-process token-mean reference the multi-rank exactness tests compare against
 (no DeepSpeed import: the FSDP workers use it too)."""
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
-MODEL = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=97, max_position_embeddings=512, tie_word_embeddings=False)
+MODEL = dict(
+    model_type="llama",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=97,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 LR = 0.5
 
 

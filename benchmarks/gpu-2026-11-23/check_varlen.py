@@ -1,5 +1,6 @@
 """On a GPU: the flash varlen path of dyn_varlen attention against its per-document SDPA loop,
 forward and gradients, bf16, packed and padded rows. Exits non-zero past the tolerance."""
+
 import sys
 
 import torch
@@ -24,8 +25,9 @@ def main() -> int:
     for lens, rows in (([700, 31, 1500, 9, 809], 1), ([512], 3)):
         s = sum(lens)
         pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0).cuda()
-        q, k, v = (torch.randn(rows, 16, s, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(rows, 16, s, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+        )
         outs = []
         for flash in (True, False):
             for t in (q, k, v):

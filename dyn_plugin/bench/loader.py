@@ -6,6 +6,7 @@ sleep of ``step_ms``: with steps shorter than planning, a rank that plans for it
 the whole planning time each step, while planners working ahead through a store should hide it
 once ``step_ms`` exceeds planning time / planners.
 """
+
 from __future__ import annotations
 
 import time
@@ -37,20 +38,25 @@ def _loader(store: dict, planners: int, prefetch: int, samples: int | None = Non
     from ..lengths.io import load_lengths
     from ..runtime.loader import DynLoader
 
-    cfg = load_config({"zero_optimization": {"stage": 1}, "dyn_plugin": {
-        # as examples/a100_gpt67b.json
-        "cost_model": {"kind": "profile", "profile": "a100-gpt-6.7b", "dtype": "fp16"},
-        "microbatching": {"global_tokens": 65536, "max_seq_len": MAX_LEN, "truncate": True},
-        "pipeline": {"stages": 4},
-        "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
-        "store": store, "loader": {"planners": planners, "prefetch": prefetch},
-    }})
+    cfg = load_config(
+        {
+            "zero_optimization": {"stage": 1},
+            "dyn_plugin": {
+                # as examples/a100_gpt67b.json
+                "cost_model": {"kind": "profile", "profile": "a100-gpt-6.7b", "dtype": "fp16"},
+                "microbatching": {"global_tokens": 65536, "max_seq_len": MAX_LEN, "truncate": True},
+                "pipeline": {"stages": 4},
+                "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
+                "store": store,
+                "loader": {"planners": planners, "prefetch": prefetch},
+            },
+        }
+    )
     lengths = np.minimum(load_lengths("mixture"), MAX_LEN)
     if samples is not None:  # the same distribution, as many samples as asked for
         lengths = np.random.default_rng(0).choice(lengths, size=samples)
     cost = build_cost_model(cfg.plugin.cost_model, cfg.plugin.cluster)
-    return DynLoader(_Tokens(lengths), lengths=lengths, config=cfg, cost_model=cost, layout=RankLayout.of(2, 4),
-                     seed=0)
+    return DynLoader(_Tokens(lengths), lengths=lengths, config=cfg, cost_model=cost, layout=RankLayout.of(2, 4), seed=0)
 
 
 def bench_loader_scale(samples: int, steps: int = 20) -> dict:
@@ -80,19 +86,38 @@ def bench_loader_scale(samples: int, steps: int = 20) -> dict:
         overhead.append((time.perf_counter() - t0 - loader.plan_wait_s[n] - collate_s[n]) * 1e3)
     state = loader.state_dict()
     t0 = time.perf_counter()
-    fresh = DynLoader(loader.dataset, lengths=loader.lengths, config=loader.config, cost_model=loader.context.cost,
-                      layout=RankLayout.of(2, 4), seed=0)
+    fresh = DynLoader(
+        loader.dataset,
+        lengths=loader.lengths,
+        config=loader.config,
+        cost_model=loader.context.cost,
+        layout=RankLayout.of(2, 4),
+        seed=0,
+    )
     fresh.load_state_dict(state)
     resume = time.perf_counter() - t0
-    return {"benchmark": "loader-scale", "samples": samples, "batches_per_epoch": batches,
-            "startup_ms": startup * 1e3, "overhead_ms_p50": float(np.percentile(overhead, 50)),
-            "overhead_ms_max": float(max(overhead)), "plan_ms_p50": float(np.percentile(loader.plan_wait_s, 50) * 1e3),
-            "collate_ms_p50": float(np.percentile(collate_s, 50) * 1e3), "resume_ms": resume * 1e3,
-            "steps": len(overhead)}
+    return {
+        "benchmark": "loader-scale",
+        "samples": samples,
+        "batches_per_epoch": batches,
+        "startup_ms": startup * 1e3,
+        "overhead_ms_p50": float(np.percentile(overhead, 50)),
+        "overhead_ms_max": float(max(overhead)),
+        "plan_ms_p50": float(np.percentile(loader.plan_wait_s, 50) * 1e3),
+        "collate_ms_p50": float(np.percentile(collate_s, 50) * 1e3),
+        "resume_ms": resume * 1e3,
+        "steps": len(overhead),
+    }
 
 
-def bench_loader(steps: int = 20, step_ms: tuple[float, ...] = (0.0, 50.0, 200.0), planners: int = 2,
-                 prefetch: int = 4, port: int | None = None, redis_url: str | None = None) -> Iterator[dict]:
+def bench_loader(
+    steps: int = 20,
+    step_ms: tuple[float, ...] = (0.0, 50.0, 200.0),
+    planners: int = 2,
+    prefetch: int = 4,
+    port: int | None = None,
+    redis_url: str | None = None,
+) -> Iterator[dict]:
     modes = [("local", {"backend": "none"})]
     modes.append(("tcp-store", {"backend": "tcp", "namespace": f"bench-{time.time_ns()}", "port": port or 0}))
     for mode, store in modes:
@@ -108,11 +133,17 @@ def bench_loader(steps: int = 20, step_ms: tuple[float, ...] = (0.0, 50.0, 200.0
                     time.sleep(ms / 1e3)
                 elapsed = time.perf_counter() - t0
                 waits = np.array(loader.plan_wait_s[1:]) * 1e3  # the first includes planner start-up
-                yield {"benchmark": "loader", "mode": mode, "planners": planners if mode != "local" else 0,
-                       "step_ms": ms, "steps": steps, "steps_per_s": (steps - 1) / elapsed,
-                       "plan_wait_ms_p50": float(np.percentile(waits, 50)),
-                       "plan_wait_ms_p99": float(np.percentile(waits, 99)),
-                       "first_wait_ms": loader.plan_wait_s[0] * 1e3}
+                yield {
+                    "benchmark": "loader",
+                    "mode": mode,
+                    "planners": planners if mode != "local" else 0,
+                    "step_ms": ms,
+                    "steps": steps,
+                    "steps_per_s": (steps - 1) / elapsed,
+                    "plan_wait_ms_p50": float(np.percentile(waits, 50)),
+                    "plan_wait_ms_p99": float(np.percentile(waits, 99)),
+                    "first_wait_ms": loader.plan_wait_s[0] * 1e3,
+                }
             finally:
                 loader.close()
     from .store import bench_stores

@@ -7,6 +7,7 @@ max_seq_len 8192 would. The plugin plans with pyramid checkpointing (the config'
 ``dynapipe_all_or_nothing`` is the same planner with every micro-batch recomputing all of its
 layers or none, and its ``pyramid_speedup`` says how much faster the pyramid plans are.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,11 +44,13 @@ def bench_planner(args: argparse.Namespace) -> Iterator[dict]:
             batches = [[int(lengths[i]) for i in b] for b in global_batches(lengths, tokens, args.batches, args.seed)]
             for par in args.parallel.split(","):
                 pp, dp = (int(x) for x in par.split("x"))
-                cfg = DynPluginConfig.model_validate({
-                    "pipeline": {"stages": pp},
-                    "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
-                    "sequence_parallel": {"pyramid": not args.no_pyramid},
-                })
+                cfg = DynPluginConfig.model_validate(
+                    {
+                        "pipeline": {"stages": pp},
+                        "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
+                        "sequence_parallel": {"pyramid": not args.no_pyramid},
+                    }
+                )
                 base = {"distribution": dist, "global_tokens": tokens, "pp": pp, "dp": dp}
                 try:
                     spec = planner_spec(cost, cfg, dp=dp, zero_stage=1, seed=args.seed)
@@ -61,8 +64,10 @@ def _bench_config(base: dict, batches: list[list[int]], spec, python_batches: in
     ideal = [ideal_ms(b, spec) for b in batches]
     # max(ideal, longest sequence's critical path): what no plan can beat
     bound = [max(i, critical_path_ms(b, spec)) for i, b in zip(ideal, batches)]
-    runs = [("dynapipe", "cpp", lambda b: plan_step(b, spec, native=True), len(batches)),
-            ("dynapipe", "python", lambda b: plan_step(b, spec, native=False), python_batches)]
+    runs = [
+        ("dynapipe", "cpp", lambda b: plan_step(b, spec, native=True), len(batches)),
+        ("dynapipe", "python", lambda b: plan_step(b, spec, native=False), python_batches),
+    ]
     if spec.pyramid:
         whole = replace(spec, pyramid=False)
         runs.append(("dynapipe_all_or_nothing", "cpp", lambda b: plan_step(b, whole, native=True), len(batches)))
@@ -80,8 +85,10 @@ def _bench_config(base: dict, batches: list[list[int]], spec, python_batches: in
         plans, times = zip(*results)
         iters = [p.iteration_ms for p in plans]
         rec.update(
-            plan_ms_p50=float(np.percentile(times, 50)), plan_ms_p99=float(np.percentile(times, 99)),
-            sim_iter_ms=float(np.mean(iters)), ideal_ms=float(np.mean(ideal[:count])),
+            plan_ms_p50=float(np.percentile(times, 50)),
+            plan_ms_p99=float(np.percentile(times, 99)),
+            sim_iter_ms=float(np.mean(iters)),
+            ideal_ms=float(np.mean(ideal[:count])),
             vs_ideal=float(np.mean([i / d for i, d in zip(iters, ideal)])),
             lower_bound_ms=float(np.mean(bound[:count])),
             vs_lower_bound=float(np.mean([i / d for i, d in zip(iters, bound)])),

@@ -9,6 +9,7 @@ micro-batches that were (``extrapolated``). Methods (plan/baselines.py for the b
 checkpointing), ``dynapipe`` (no sequence parallelism; infeasible where a sequence fits no
 device), ``fixed_sp``, ``megatron_hybrid_cp``, ``dcp_bucket``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,26 +36,41 @@ HEADS = 32  # GPT-6.7B: 32 heads of 128
 
 
 def bench_sp(args: argparse.Namespace) -> Iterator[dict]:
-    cost = replace(cost_model_from_profile(load_bundled("a100-gpt-6.7b")), allow_extrapolation=True,
-                   num_heads=HEADS, num_kv_heads=HEADS)
+    cost = replace(
+        cost_model_from_profile(load_bundled("a100-gpt-6.7b")),
+        allow_extrapolation=True,
+        num_heads=HEADS,
+        num_kv_heads=HEADS,
+    )
     for dist in args.distributions.split(","):
         raw = load_lengths(dist)
         for max_len in (int(x) for x in args.max_len.split(",")):
             lengths = np.minimum(raw, max_len)
             for tokens in (int(t) for t in args.global_tokens.split(",")):
-                batches = [[int(lengths[i]) for i in b] for b in global_batches(lengths, tokens, args.batches, args.seed)]
+                batches = [
+                    [int(lengths[i]) for i in b] for b in global_batches(lengths, tokens, args.batches, args.seed)
+                ]
                 for gpus in (int(g) for g in args.gpus.split(",")):
                     for pp in (int(p) for p in args.pp.split(",")):
-                        base = {"distribution": dist, "global_tokens": tokens, "gpus": gpus, "pp": pp, "max_len": max_len}
+                        base = {
+                            "distribution": dist,
+                            "global_tokens": tokens,
+                            "gpus": gpus,
+                            "pp": pp,
+                            "max_len": max_len,
+                        }
                         yield from _bench_config(base, batches, cost, gpus // pp, args)
 
 
 def _spec(cost, dp: int, pp: int, args: argparse.Namespace, max_len: int, *, sp: bool, pyramid: bool = True):
-    cfg = DynPluginConfig.model_validate({
-        "pipeline": {"stages": pp}, "microbatching": {"max_seq_len": max_len},
-        "sequence_parallel": {"enabled": sp, "sizes": [int(k) for k in args.sizes.split(",")], "pyramid": pyramid},
-        "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
-    })
+    cfg = DynPluginConfig.model_validate(
+        {
+            "pipeline": {"stages": pp},
+            "microbatching": {"max_seq_len": max_len},
+            "sequence_parallel": {"enabled": sp, "sizes": [int(k) for k in args.sizes.split(",")], "pyramid": pyramid},
+            "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
+        }
+    )
     return planner_spec(cost, cfg, dp=dp, zero_stage=1, seed=args.seed)
 
 
@@ -67,7 +83,9 @@ def _bench_config(base: dict, batches: list[list[int]], cost, dp: int, args: arg
         return
     methods = {
         "dynamic_sp": lambda b: plan_step(b, sp_spec),
-        "dynamic_sp_whole_stage": lambda b, s=_spec(cost, dp, pp, args, max_len, sp=True, pyramid=False): plan_step(b, s),
+        "dynamic_sp_whole_stage": lambda b, s=_spec(cost, dp, pp, args, max_len, sp=True, pyramid=False): plan_step(
+            b, s
+        ),
         "dynapipe": lambda b, s=_spec(cost, dp, pp, args, max_len, sp=False): plan_step(b, s),
         **{name: (lambda b, n=name: plan_baseline(n, b, sp_spec, max_len)) for name in SP_BASELINES},
     }
@@ -86,8 +104,11 @@ def _bench_config(base: dict, batches: list[list[int]], cost, dp: int, args: arg
         iters = [p.iteration_ms for p in plans]
         sizes = [k for p in plans for k in p.group_sizes]
         yield {
-            **rec, "plan_ms_p50": float(np.percentile(times, 50)), "sim_iter_ms": float(np.mean(iters)),
-            "ideal_ms": float(np.mean(ideal)), "vs_ideal": float(np.mean([i / d for i, d in zip(iters, ideal)])),
+            **rec,
+            "plan_ms_p50": float(np.percentile(times, 50)),
+            "sim_iter_ms": float(np.mean(iters)),
+            "ideal_ms": float(np.mean(ideal)),
+            "vs_ideal": float(np.mean([i / d for i, d in zip(iters, ideal)])),
             "group_sizes": {str(k): sizes.count(k) / len(plans) for k in sorted(set(sizes))},
             "micro_batches": float(np.mean([len(p.micro_batches) for p in plans])),
             "extrapolated": int(sum(p.extrapolated for p in plans)),

@@ -3,6 +3,7 @@
 A training rank pays one ``get`` (or ``wait``) per step on top of the planner's ``put``,
 so put+get of a plan-sized payload is the number that matters.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,7 +42,9 @@ def round_trip_latency(store: PlanStore, *, payload_bytes: int, count: int) -> d
     return {"payload_bytes": payload_bytes, "count": count, "p50_ms": float(p50), "p99_ms": float(p99)}
 
 
-def bench_stores(count: int = 200, payload_bytes: Sequence[int] = (1024, 65536), redis_url: str | None = None) -> list[dict]:
+def bench_stores(
+    count: int = 200, payload_bytes: Sequence[int] = (1024, 65536), redis_url: str | None = None
+) -> list[dict]:
     """Both backends on this machine: a loopback TCPStore and Redis, at ``redis_url`` (its password
     from $DYN_PLUGIN_REDIS_PASSWORD, store.password_env's default) or else a throwaway local
     redis-server. With neither, the Redis row says how to add one instead of failing."""
@@ -55,15 +58,22 @@ def bench_stores(count: int = 200, payload_bytes: Sequence[int] = (1024, 65536),
     def redis_rows(url: str, password: str | None) -> list[dict]:
         config = StoreConfig(backend="redis", url=url, namespace=namespace)
         with RedisPlanStore.open(config, password=password, secret=None) as redis_store:
-            return [{"backend": "redis", **round_trip_latency(redis_store, payload_bytes=n, count=count)}
-                    for n in payload_bytes]
+            return [
+                {"backend": "redis", **round_trip_latency(redis_store, payload_bytes=n, count=count)}
+                for n in payload_bytes
+            ]
 
     if redis_url is not None:
         return rows + redis_rows(redis_url, None)
     try:
         server = RedisServer()  # finds the binary; the with block starts it
     except RedisServerNotFound as exc:
-        return rows + [{"backend": "redis", "skipped": f"{exc}; or measure a running server with "
-                        "`dynplugin bench loader --redis-url redis://HOST:PORT` (password in $DYN_PLUGIN_REDIS_PASSWORD)"}]
+        return rows + [
+            {
+                "backend": "redis",
+                "skipped": f"{exc}; or measure a running server with "
+                "`dynplugin bench loader --redis-url redis://HOST:PORT` (password in $DYN_PLUGIN_REDIS_PASSWORD)",
+            }
+        ]
     with server:
         return rows + redis_rows(server.url, server.password)

@@ -18,6 +18,7 @@ Per (distribution, model, GPUs): the proposal is made once from the distribution
 for homogeneous_best, its one scheme), ``sim_iter_ms`` the mean simulated step; hydraulis and
 seed_stage1 also record their stage-1 makespans on the same batches (``dispatch_ms``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,11 +49,13 @@ def strategy_config(max_len: int):
     """The plugin config strategies of a named model are priced under (A100 cluster, ZeRO-1, packed)."""
     from ..config import DynPluginConfig
 
-    return DynPluginConfig.model_validate({
-        "microbatching": {"max_seq_len": max_len, "layout": "packed"},
-        "sequence_parallel": {"enabled": True, "sizes": [1, 2, 4, 8]},
-        "cluster": A100_CLUSTER,
-    })
+    return DynPluginConfig.model_validate(
+        {
+            "microbatching": {"max_seq_len": max_len, "layout": "packed"},
+            "sequence_parallel": {"enabled": True, "sizes": [1, 2, 4, 8]},
+            "cluster": A100_CLUSTER,
+        }
+    )
 
 
 def bench_strategy(args: argparse.Namespace) -> Iterator[dict]:
@@ -65,25 +68,39 @@ def bench_strategy(args: argparse.Namespace) -> Iterator[dict]:
                 yield from _bench_one(model, cost, cfg, dist, lengths, gpus, args)
 
 
-def _bench_one(model: str, cost, cfg, dist: str, lengths: np.ndarray, gpus: int,
-               args: argparse.Namespace) -> Iterator[dict]:
+def _bench_one(
+    model: str, cost, cfg, dist: str, lengths: np.ndarray, gpus: int, args: argparse.Namespace
+) -> Iterator[dict]:
     tokens = args.tokens_per_gpu * gpus
-    base = {"benchmark": "strategy", "distribution": dist, "model": model, "gpus": gpus, "tokens": tokens,
-            "max_len": args.max_len}
+    base = {
+        "benchmark": "strategy",
+        "distribution": dist,
+        "model": model,
+        "gpus": gpus,
+        "tokens": tokens,
+        "max_len": args.max_len,
+    }
     kinds = scheme_costs(cost, cfg, gpus=gpus)
     by_scheme = {k.scheme: k for k in kinds}
     t = time.perf_counter()
     proposal = propose(lengths, kinds, gpus=gpus, tokens=tokens, max_strategies=args.max_strategies, model=model)
     propose_ms = (time.perf_counter() - t) * 1e3
-    batches = [np.asarray([int(lengths[i]) for i in b]) for b in global_batches(lengths, tokens, args.batches,
-                                                                                  args.seed)]
-    logger.info("%s %s %d GPUs: %d schemes, proposal in %.0f ms: %s", model, dist, gpus, len(kinds), propose_ms,
-                " | ".join(s.describe() for s in proposal.strategies))
+    batches = [
+        np.asarray([int(lengths[i]) for i in b]) for b in global_batches(lengths, tokens, args.batches, args.seed)
+    ]
+    logger.info(
+        "%s %s %d GPUs: %d schemes, proposal in %.0f ms: %s",
+        model,
+        dist,
+        gpus,
+        len(kinds),
+        propose_ms,
+        " | ".join(s.describe() for s in proposal.strategies),
+    )
 
     hydra = _run(batches, lambda lens: plan_cluster_step(lens, proposal.strategies, by_scheme))
     # the seed's 50 trials run in C++ here (the same result as its Python twin, which is timed once below)
-    seed = _run(batches, lambda lens: plan_cluster_step(lens, proposal.strategies, by_scheme,
-                                                        dispatcher=seed_dispatch))
+    seed = _run(batches, lambda lens: plan_cluster_step(lens, proposal.strategies, by_scheme, dispatcher=seed_dispatch))
     # stage 1 alone, the same strategy and batch for both rules
     d_ours, d_seed = [], []
     for i, (lens, s) in enumerate(zip(batches, hydra["strategies"])):
@@ -115,24 +132,45 @@ def _bench_one(model: str, cost, cfg, dist: str, lengths: np.ndarray, gpus: int,
             dyn, dyn_scheme = r, k.scheme
 
     ref = homo["sim"] if homo else None
-    rows = [("hydraulis", hydra, {"propose_ms": propose_ms, "dispatch_ms": float(np.mean(d_ours)),
-                                  "strategies": [s.describe() for s in proposal.strategies],
-                                  "bound_ms": bound_ms(batches, kinds, gpus)}),
-            ("seed_stage1", seed, {"dispatch_ms": float(np.mean(d_seed)), "python_dispatch_ms": seed_python_ms}),
-            ("homogeneous_best", homo, {"scheme": homo_scheme.name} if homo else {}),
-            ("dynapipe", dyn, {"scheme": dyn_scheme.name} if dyn else {})]
+    rows = [
+        (
+            "hydraulis",
+            hydra,
+            {
+                "propose_ms": propose_ms,
+                "dispatch_ms": float(np.mean(d_ours)),
+                "strategies": [s.describe() for s in proposal.strategies],
+                "bound_ms": bound_ms(batches, kinds, gpus),
+            },
+        ),
+        ("seed_stage1", seed, {"dispatch_ms": float(np.mean(d_seed)), "python_dispatch_ms": seed_python_ms}),
+        ("homogeneous_best", homo, {"scheme": homo_scheme.name} if homo else {}),
+        ("dynapipe", dyn, {"scheme": dyn_scheme.name} if dyn else {}),
+    ]
     for method, r, extra in rows:
         if r is None or not r["ok"]:
             yield {**base, "method": method, "infeasible": True}
             continue
-        yield {**base, "method": method, "plan_ms_p50": r["p50"], "plan_ms_p99": r["p99"], "sim_iter_ms": r["sim"],
-               "speedup_vs_homogeneous": ref / r["sim"] if ref else None, **extra}
+        yield {
+            **base,
+            "method": method,
+            "plan_ms_p50": r["p50"],
+            "plan_ms_p99": r["p99"],
+            "sim_iter_ms": r["sim"],
+            "speedup_vs_homogeneous": ref / r["sim"] if ref else None,
+            **extra,
+        }
     if args.plot_dir:
         os.makedirs(args.plot_dir, exist_ok=True)
         path = os.path.join(args.plot_dir, f"strategy-{dist}-{model}-{gpus}.png")
-        plot_strategies(proposal, path, title=f"{dist}, {model}, {gpus} GPUs: hydraulis "
-                        f"{hydra['sim']:,.0f} ms vs homogeneous {homo_scheme.name if homo else '-'} "
-                        f"{ref or float('nan'):,.0f} ms per step (mean)", plan=hydra["plans"][0])
+        plot_strategies(
+            proposal,
+            path,
+            title=f"{dist}, {model}, {gpus} GPUs: hydraulis "
+            f"{hydra['sim']:,.0f} ms vs homogeneous {homo_scheme.name if homo else '-'} "
+            f"{ref or float('nan'):,.0f} ms per step (mean)",
+            plan=hydra["plans"][0],
+        )
         logger.info("plot -> %s", path)
 
 
@@ -142,9 +180,16 @@ def bound_ms(batches: list[np.ndarray], kinds, gpus: int) -> float:
     work spread over every GPU at each sequence's cheapest GPU-time (plus the smallest update)."""
     out = []
     for lens in batches:
-        alone = min((plan_cluster_step(np.array([int(lens.max())]), [Strategy((k.scheme,), k.longest)],
-                                       {k.scheme: k})[0].iteration_ms
-                     for k in kinds if k.longest >= lens.max()), default=float("inf"))
+        alone = min(
+            (
+                plan_cluster_step(np.array([int(lens.max())]), [Strategy((k.scheme,), k.longest)], {k.scheme: k})[
+                    0
+                ].iteration_ms
+                for k in kinds
+                if k.longest >= lens.max()
+            ),
+            default=float("inf"),
+        )
         gpu_ms = np.min(np.stack([k.sequence_ms(lens) * k.scheme.gpus for k in kinds]), axis=0)
         out.append(max(alone, float(gpu_ms.sum()) / gpus + min(k.update_ms for k in kinds)))
     return float(np.mean(out))
@@ -163,9 +208,14 @@ def _run(batches: list[np.ndarray], plan_one) -> dict:
         times.append((time.perf_counter() - t) * 1e3)
         plans.append(plan)
         strategies.append(strategy)
-    return {"ok": True, "strategies": strategies, "p50": float(np.percentile(times, 50)),
-            "p99": float(np.percentile(times, 99)), "sim": float(np.mean([p.iteration_ms for p in plans])),
-            "plans": plans}
+    return {
+        "ok": True,
+        "strategies": strategies,
+        "p50": float(np.percentile(times, 50)),
+        "p99": float(np.percentile(times, 99)),
+        "sim": float(np.mean([p.iteration_ms for p in plans])),
+        "plans": plans,
+    }
 
 
 def plot_strategies(proposal, path: str, *, title: str = "", plan=None) -> None:
@@ -178,19 +228,27 @@ def plot_strategies(proposal, path: str, *, title: str = "", plan=None) -> None:
 
     schemes = sorted({p for s in proposal.strategies for p in s.pipelines}, key=lambda p: (p.gpus, p.tp, p.pp, p.sp))
     colours = {p: plt.cm.tab20(i % 20) for i, p in enumerate(schemes)}
-    fig, axes = plt.subplots(1, 2 if plan is not None else 1, figsize=(13 if plan is not None else 7, 4.5),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        1, 2 if plan is not None else 1, figsize=(13 if plan is not None else 7, 4.5), squeeze=False
+    )
     ax = axes[0][0]
     for x, s in enumerate(proposal.strategies):
         bottom = 0
         for p, n in sorted(s.counts.items(), key=lambda kv: -kv[0].gpus):
-            ax.bar(x, n * p.gpus, bottom=bottom, color=colours[p], edgecolor="white",
-                   label=p.name if x == next(i for i, t in enumerate(proposal.strategies) if p in t.counts) else None)
+            ax.bar(
+                x,
+                n * p.gpus,
+                bottom=bottom,
+                color=colours[p],
+                edgecolor="white",
+                label=p.name if x == next(i for i, t in enumerate(proposal.strategies) if p in t.counts) else None,
+            )
             if n * p.gpus >= 0.06 * s.gpus:
                 ax.text(x, bottom + n * p.gpus / 2, f"{n}x", ha="center", va="center", fontsize=8)
             bottom += n * p.gpus
-    ax.set_xticks(range(len(proposal.strategies)),
-                  [f"<= {s.longest:,}\n{s.estimate_ms:,.0f} ms" for s in proposal.strategies])
+    ax.set_xticks(
+        range(len(proposal.strategies)), [f"<= {s.longest:,}\n{s.estimate_ms:,.0f} ms" for s in proposal.strategies]
+    )
     ax.set_xlabel("strategy (longest sequence it holds; simulated step on its design batches)")
     ax.set_ylabel("GPUs")
     ax.legend(fontsize=7, title="scheme", loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -199,8 +257,9 @@ def plot_strategies(proposal, path: str, *, title: str = "", plan=None) -> None:
         ax = axes[0][1]
         reps = sorted(plan.replicas, key=lambda r: -r.sim.makespan_ms)
         keys = [_scheme_of(r) for r in reps]
-        ax.bar(range(len(reps)), [r.sim.makespan_ms for r in reps], width=1.0,
-               color=[colours.get(k, "grey") for k in keys])
+        ax.bar(
+            range(len(reps)), [r.sim.makespan_ms for r in reps], width=1.0, color=[colours.get(k, "grey") for k in keys]
+        )
         ax.axhline(plan.iteration_ms - plan.update_ms, color="k", lw=0.8, ls="--")
         ax.set_xlabel(f"pipeline (busiest first; {len(reps)} with work)")
         ax.set_ylabel("simulated pipeline time (ms)")

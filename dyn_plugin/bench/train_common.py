@@ -8,6 +8,7 @@ Token ids: a bundled corpus tokenized with the plugin's offline BPE. Rank 0 toke
 (documents truncated to ``max_len`` tokens) and writes an npz (no pickle); every rank then reads
 the same file, so all ranks train on identical ids.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,11 @@ def common_parser(doc: str, out: str, profile_help: str, steps_help: str | None 
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-llama",
-                   help="preset (see dyn_plugin.models.hf.PRESETS) or HF config.json; the one the profile measured")
+    p.add_argument(
+        "--model",
+        default="tiny-llama",
+        help="preset (see dyn_plugin.models.hf.PRESETS) or HF config.json; the one the profile measured",
+    )
 
 
 def use_rank_device() -> torch.device:
@@ -81,15 +85,18 @@ def write_results(out: str, records: list[dict], rows: list[dict]) -> None:
 def batchings_preamble(title: str, args: argparse.Namespace, legend: str, how: str = "") -> str:
     """The batching reports' text above the table: ``title``, the run (``how``: how each step ran),
     what the modes mean (``legend``) and how the prediction is scored."""
-    return (f"{title}\n\nPython standard library source ({args.lengths}), sequences up to {args.max_len} tokens, "
-            f"{args.global_tokens:,} tokens per global batch, {args.steps} steps per mode after {args.warmup} "
-            f"warm-up{how}.\nEffective tokens/s counts non-padding tokens. {legend} Predicted step time: the plan's "
-            f"simulated time ({cost_model_label(args.profile)}), the gradient all-reduce and optimizer step included; "
-            "prediction error: mean absolute percentage error per step.\n\n")
+    return (
+        f"{title}\n\nPython standard library source ({args.lengths}), sequences up to {args.max_len} tokens, "
+        f"{args.global_tokens:,} tokens per global batch, {args.steps} steps per mode after {args.warmup} "
+        f"warm-up{how}.\nEffective tokens/s counts non-padding tokens. {legend} Predicted step time: the plan's "
+        f"simulated time ({cost_model_label(args.profile)}), the gradient all-reduce and optimizer step included; "
+        "prediction error: mean absolute percentage error per step.\n\n"
+    )
 
 
-def finish_batchings(records: list[dict], modes: Iterable[str], baselines: Sequence[str], out: str, preamble: str,
-                     also: str = "") -> None:
+def finish_batchings(
+    records: list[dict], modes: Iterable[str], baselines: Sequence[str], out: str, preamble: str, also: str = ""
+) -> None:
     """The batching benchmarks' end on rank 0: summary rows, records.jsonl, summary.json, report.md
     and report.png written, the report printed (``also``: more files to name after it)."""
     rows = summarize(records, modes, baselines)
@@ -106,7 +113,10 @@ def tokenized_corpus(name: str, max_len: int, out: str) -> tuple[list[np.ndarray
         from ..lengths.corpus import iter_documents
         from ..lengths.tokenizer import get_tokenizer
 
-        ids = [np.asarray(e.ids[:max_len], dtype=np.int32) for e in get_tokenizer().encode_batch(list(iter_documents(name)))]
+        ids = [
+            np.asarray(e.ids[:max_len], dtype=np.int32)
+            for e in get_tokenizer().encode_batch(list(iter_documents(name)))
+        ]
         ids = [x for x in ids if len(x) > 1]
         np.savez(path, flat=np.concatenate(ids), offsets=np.cumsum([0] + [len(x) for x in ids]))
     dist.barrier()
@@ -139,16 +149,20 @@ def summarize(records: list[dict], modes: Iterable[str], baselines: Sequence[str
         if not rs:
             continue
         secs = sum(r["measured_ms"] for r in rs) / 1e3
-        rows.append({
-            "mode": mode, "steps": len(rs),
-            "effective_tokens_per_s": sum(r["real_tokens"] for r in rs) / secs,
-            "padding_fraction": 1 - sum(r["real_tokens"] for r in rs) / sum(r["token_slots"] for r in rs),
-            "measured_step_ms": secs * 1e3 / len(rs),
-            "predicted_step_ms": float(np.mean([r["predicted_ms"] for r in rs])),
-            "prediction_mape": float(np.mean([abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
-                                              for r in rs])),
-            "final_loss": rs[-1]["loss"],
-        })
+        rows.append(
+            {
+                "mode": mode,
+                "steps": len(rs),
+                "effective_tokens_per_s": sum(r["real_tokens"] for r in rs) / secs,
+                "padding_fraction": 1 - sum(r["real_tokens"] for r in rs) / sum(r["token_slots"] for r in rs),
+                "measured_step_ms": secs * 1e3 / len(rs),
+                "predicted_step_ms": float(np.mean([r["predicted_ms"] for r in rs])),
+                "prediction_mape": float(
+                    np.mean([abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rs])
+                ),
+                "final_loss": rs[-1]["loss"],
+            }
+        )
     base = {r["mode"]: r["effective_tokens_per_s"] for r in rows}
     for r in rows:
         for mode in baselines:
@@ -161,16 +175,21 @@ def report(rows: list[dict], out: str, preamble: str, baselines: Sequence[str]) 
     """Write ``out``/report.md (``preamble``, then one table row per mode with its ratios against the
     ``baselines`` that ran) and ``out``/report.png (effective tokens/s per mode); returns the text."""
     shown = [m for m in baselines if any(r["mode"] == m for r in rows)]  # ratios against the modes that ran
-    head = ("| mode | effective tokens/s | " + "".join(f"vs {m} | " for m in shown) + "padding | step ms measured "
-            "| predicted | prediction error | final loss |\n" + "|---" * (7 + len(shown)) + "|\n")
+    head = (
+        "| mode | effective tokens/s | " + "".join(f"vs {m} | " for m in shown) + "padding | step ms measured "
+        "| predicted | prediction error | final loss |\n" + "|---" * (7 + len(shown)) + "|\n"
+    )
 
     def vs(r: dict, mode: str) -> str:
         return f"{r[f'speedup_vs_{mode}']:.2f}x" if f"speedup_vs_{mode}" in r else "-"
 
     body = "".join(
-        f"| {r['mode']} | {r['effective_tokens_per_s']:,.0f} | " + "".join(f"{vs(r, m)} | " for m in shown)
+        f"| {r['mode']} | {r['effective_tokens_per_s']:,.0f} | "
+        + "".join(f"{vs(r, m)} | " for m in shown)
         + f"{r['padding_fraction']:.1%} | {r['measured_step_ms']:,.0f} "
-        f"| {r['predicted_step_ms']:,.0f} | {r['prediction_mape']:.1%} | {r['final_loss']:.3f} |\n" for r in rows)
+        f"| {r['predicted_step_ms']:,.0f} | {r['prediction_mape']:.1%} | {r['final_loss']:.3f} |\n"
+        for r in rows
+    )
     text = preamble + head + body
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(text)
@@ -182,8 +201,11 @@ def report(rows: list[dict], out: str, preamble: str, baselines: Sequence[str]) 
     fig, ax = plt.subplots(figsize=(7, 3.8))
     colors = ["#c44e52", "#dd8452", "#8c8c8c", "#55a868", "#4c72b0", "#8172b3", "#937860", "#da8bc3"]
     bars = ax.bar([r["mode"] for r in rows], [r["effective_tokens_per_s"] for r in rows], color=colors[: len(rows)])
-    ax.bar_label(bars, fontsize=8,
-                 labels=[f"{r['effective_tokens_per_s']:,.0f}\n({vs(r, shown[0]) if shown else '-'})" for r in rows])
+    ax.bar_label(
+        bars,
+        fontsize=8,
+        labels=[f"{r['effective_tokens_per_s']:,.0f}\n({vs(r, shown[0]) if shown else '-'})" for r in rows],
+    )
     ax.set_ylabel("effective tokens/s (non-padding)")
     ax.set_title(f"Same model, same data, {len(rows)} batchings")
     ax.set_ylim(0, max(r["effective_tokens_per_s"] for r in rows) * 1.25)

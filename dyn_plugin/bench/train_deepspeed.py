@@ -17,6 +17,7 @@ the same global batches (the Python standard library's source, tokenized with th
 offline BPE), so only the batching differs. Rank 0 prints one table and writes report.md,
 report.png and records.jsonl.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -90,28 +91,49 @@ def run_mode(mode: str, args, docs, lengths, device: torch.device, dtype: str) -
     section = {
         "cost_model": cost_model_section(args.profile, dtype),
         "microbatching": {"global_tokens": args.global_tokens, "max_seq_len": args.max_len},
-        "cluster": {"devices_per_node": dist.get_world_size(),
-                    "device": {"memory_mb": args.memory_mb or device_memory_mb(device)}},
+        "cluster": {
+            "devices_per_node": dist.get_world_size(),
+            "device": {"memory_mb": args.memory_mb or device_memory_mb(device)},
+        },
     }
     for key, values in MODES[mode].items():
         section[key] = {**section.get(key, {}), **values}
-    config = {"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, **precision_section(dtype),
-              "dyn_plugin": section}
+    config = {
+        "zero_optimization": {"stage": 1},
+        "zero_allow_untested_optimizer": True,
+        **precision_section(dtype),
+        "dyn_plugin": section,
+    }
     torch.manual_seed(0)
     model = build_causal_lm(load_model_config(args.model))
     engine, _, loader, _ = deepspeed_ext.initialize(
-        model=model, config=config, dataset=[{"input_ids": d} for d in docs], lengths=lengths,
-        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), seed=args.seed)
+        model=model,
+        config=config,
+        dataset=[{"input_ids": d} for d in docs],
+        lengths=lengths,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        seed=args.seed,
+    )
     records = []
     total = args.warmup + args.steps
     bar = tqdm(total=total, desc=f"{mode:>12}", disable=dist.get_rank() != 0)
     for n, step in enumerate(loader):
         # on the rank's device: NCCL reduces device tensors only
         # every rank of a sequence-parallel group lists the group's samples: count them on its first shard only
-        real = torch.tensor([sum(sum(len(docs[i]) for i in mb) for mb, (_, _, index) in zip(step.sample_ids, step.shards)
-                                 if index == 0)], dtype=torch.float64, device=device)
-        slots = torch.tensor([sum(int(m["input_ids"].numel()) for m in step.micro_batches)], dtype=torch.float64,
-                             device=device)
+        real = torch.tensor(
+            [
+                sum(
+                    sum(len(docs[i]) for i in mb)
+                    for mb, (_, _, index) in zip(step.sample_ids, step.shards)
+                    if index == 0
+                )
+            ],
+            dtype=torch.float64,
+            device=device,
+        )
+        slots = torch.tensor(
+            [sum(int(m["input_ids"].numel()) for m in step.micro_batches)], dtype=torch.float64, device=device
+        )
         timings: list = []
         synchronize(device)
         dist.barrier()
@@ -126,9 +148,18 @@ def run_mode(mode: str, args, docs, lengths, device: torch.device, dtype: str) -
         if n == args.warmup and mode == "dyn_plugin":
             write_step_trace(step, timings, loader.context.cost, args.out, device)
         if n >= args.warmup:
-            records.append({"mode": mode, "step": n, "measured_ms": ms, "predicted_ms": step.predicted_ms,
-                            "real_tokens": float(real), "token_slots": float(slots), "loss": loss,
-                            "micro_batches": len(step.micro_batches)})
+            records.append(
+                {
+                    "mode": mode,
+                    "step": n,
+                    "measured_ms": ms,
+                    "predicted_ms": step.predicted_ms,
+                    "real_tokens": float(real),
+                    "token_slots": float(slots),
+                    "loss": loss,
+                    "micro_batches": len(step.micro_batches),
+                }
+            )
         if n + 1 == total:
             break
     bar.close()
@@ -175,28 +206,51 @@ def write_step_trace(step, timings: list, cost, out: str, device: torch.device) 
             events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": name}})
         clocks = [0.0, 0.0]
         for m in range((len(vals) - 1) // 4):
-            f, b, pf, pb = vals[4 * m: 4 * m + 4]
+            f, b, pf, pb = vals[4 * m : 4 * m + 4]
             for tid, (fwd, bwd) in enumerate(((f, b), (pf, pb))):
                 for kind, dur in (("F", fwd), ("B", bwd)):
-                    events.append({"ph": "X", "name": f"{kind}{m}", "pid": r, "tid": tid, "ts": clocks[tid] * 1e3,
-                                   "dur": dur * 1e3, "args": {"micro_batch": m}})
+                    events.append(
+                        {
+                            "ph": "X",
+                            "name": f"{kind}{m}",
+                            "pid": r,
+                            "tid": tid,
+                            "ts": clocks[tid] * 1e3,
+                            "dur": dur * 1e3,
+                            "args": {"micro_batch": m},
+                        }
+                    )
                     clocks[tid] += dur
-        events.append({"ph": "X", "name": "optimizer step + all-reduce", "pid": r, "tid": 0, "ts": clocks[0] * 1e3,
-                       "dur": vals[-1] * 1e3})
+        events.append(
+            {
+                "ph": "X",
+                "name": "optimizer step + all-reduce",
+                "pid": r,
+                "tid": 0,
+                "ts": clocks[0] * 1e3,
+                "dur": vals[-1] * 1e3,
+            }
+        )
     with open(os.path.join(out, "step-trace.json"), "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
 def preamble(args) -> str:
     return batchings_preamble(
-        f"# Training demo: {args.model}, DeepSpeed ZeRO-1, {dist.get_world_size()} {args.ranks_on}", args,
+        f"# Training demo: {args.model}, DeepSpeed ZeRO-1, {dist.get_world_size()} {args.ranks_on}",
+        args,
         "packing: rows of the maximum length, documents attending across each other (Megatron's packing; hence its "
-        "slightly different loss); varlen packing: the same rows with per-document attention.")
+        "slightly different loss); varlen packing: the same rows with per-document attention.",
+    )
 
 
 def main() -> None:
-    p = common_parser(__doc__, "out/train", "profile JSON of the model on this machine (dynplugin profile); "
-                                            "without it the analytic cost model prices the plans")
+    p = common_parser(
+        __doc__,
+        "out/train",
+        "profile JSON of the model on this machine (dynplugin profile); "
+        "without it the analytic cost model prices the plans",
+    )
     add_model_argument(p)
     p.add_argument("--modes", default=",".join(m for m in MODES if m not in SP_MODES))
     p.add_argument("--memory-mb", type=float, help="device memory the plans may fill (default: the GPU's, 8000 on CPU)")
@@ -212,8 +266,10 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     if args.memory_mb is None and any(m in SP_MODES for m in args.modes.split(",")):
         if not args.profile:
-            raise SystemExit("the sequence-parallel modes need --profile (measured up to --max-len tokens, recompute "
-                             "none and full) to cap the device memory where the longest sequences need full recompute")
+            raise SystemExit(
+                "the sequence-parallel modes need --profile (measured up to --max-len tokens, recompute "
+                "none and full) to cap the device memory where the longest sequences need full recompute"
+            )
         args.memory_mb = split_memory_mb(args.profile, args.max_len, dist.get_world_size())
     docs, lengths = tokenized_corpus(args.lengths, args.max_len, args.out)
     records = []
@@ -221,8 +277,14 @@ def main() -> None:
         records += run_mode(mode, args, docs, lengths, device, dtype)
         release_device_memory(device, mode)
     if dist.get_rank() == 0:
-        finish_batchings(records, MODES, BASELINES, args.out, preamble(args),
-                         f", one executed step measured vs predicted: {args.out}/step-trace.json")
+        finish_batchings(
+            records,
+            MODES,
+            BASELINES,
+            args.out,
+            preamble(args),
+            f", one executed step measured vs predicted: {args.out}/step-trace.json",
+        )
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # DeepSpeed sometimes aborts in its exit handlers on CPU

@@ -22,6 +22,7 @@ Ranks run on CPU (gloo, fp32) or, where CUDA is available, one GPU each (NCCL) i
 precision (bf16 without a profile). Rank 0 writes records.jsonl (per timed step), summary.json
 (one row per method) and report.md. ``dynplugin bench shard --train`` launches it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,8 +94,9 @@ def first_batch(lengths: np.ndarray, args: argparse.Namespace) -> list[int]:
     return [int(lengths[i]) for i in global_batches(lengths, args.global_tokens, 1, args.seed)[0]]
 
 
-def tightest_budget_mb(units: list[ShardUnit], cost: TableCostModel, plugin: DynPluginConfig, batch: list[int],
-                       world: int) -> int:
+def tightest_budget_mb(
+    units: list[ShardUnit], cost: TableCostModel, plugin: DynPluginConfig, batch: list[int], world: int
+) -> int:
     """The largest whole MB per rank at which no_shard does not fit: 1 MB short of its model states
     plus the longest sequence's activations alone. There the search must choose what to shard,
     while keeping most modules gathered is still within reach."""
@@ -103,8 +105,14 @@ def tightest_budget_mb(units: list[ShardUnit], cost: TableCostModel, plugin: Dyn
     return math.ceil((replicated.state_bytes + least) / MB) - 1
 
 
-def find_plan(method: str, units: list[ShardUnit], cost: TableCostModel, plugin: DynPluginConfig,
-              args: argparse.Namespace, lengths: np.ndarray) -> tuple[ShardPlan | None, float, dict, str]:
+def find_plan(
+    method: str,
+    units: list[ShardUnit],
+    cost: TableCostModel,
+    plugin: DynPluginConfig,
+    args: argparse.Namespace,
+    lengths: np.ndarray,
+) -> tuple[ShardPlan | None, float, dict, str]:
     """(plan or None, milliseconds to find it, the search's timings, why it does not fit). Every
     rank finds the same plan (the search is deterministic), so ranks agree on which methods run."""
     world = dist.get_world_size()
@@ -113,39 +121,76 @@ def find_plan(method: str, units: list[ShardUnit], cost: TableCostModel, plugin:
     t0 = time.perf_counter()
     try:
         if method == "osdp":
-            plan = search_sharding(units, cost, plugin, world=world, lengths=batch, host="fsdp2",
-                                   model=args.model, timings=timings, longest=int(lengths.max()))
+            plan = search_sharding(
+                units,
+                cost,
+                plugin,
+                world=world,
+                lengths=batch,
+                host="fsdp2",
+                model=args.model,
+                timings=timings,
+                longest=int(lengths.max()),
+            )
         else:
-            plan = uniform_plan(units, cost, plugin, BASELINES[method], world=world, lengths=batch,
-                                host="fsdp2", model=args.model, longest=int(lengths.max()))
+            plan = uniform_plan(
+                units,
+                cost,
+                plugin,
+                BASELINES[method],
+                world=world,
+                lengths=batch,
+                host="fsdp2",
+                model=args.model,
+                longest=int(lengths.max()),
+            )
     except ValueError as exc:  # below the smallest plan, or a uniform strategy too big for the budget
         return None, 0.0, timings, str(exc)
     return plan, (time.perf_counter() - t0) * 1e3, timings, ""
 
 
-def timed_runs(plans: dict[str, ShardPlan], cost: TableCostModel, section: dict, args: argparse.Namespace, docs,
-               lengths, device: torch.device, dtype: str) -> list[dict]:
+def timed_runs(
+    plans: dict[str, ShardPlan],
+    cost: TableCostModel,
+    section: dict,
+    args: argparse.Namespace,
+    docs,
+    lengths,
+    device: torch.device,
+    dtype: str,
+) -> list[dict]:
     """Warm-up and timed steps of every method, interleaved: each global batch trains under every
     method in turn (the order rotating per step), so a change in the machine's load (other
     processes on shared cores) falls on all methods alike. A record per method and timed step."""
     runs = {}
     for method, plan in plans.items():
         model, optimizer, loader, plan = initialize(
-            fresh_model(args, device, dtype), {"dyn_plugin": section}, [{"input_ids": d} for d in docs], lengths,
-            plan=plan, fsdp="fsdp2", optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=LR), cost_model=cost,
-            seed=args.seed)
+            fresh_model(args, device, dtype),
+            {"dyn_plugin": section},
+            [{"input_ids": d} for d in docs],
+            lengths,
+            plan=plan,
+            fsdp="fsdp2",
+            optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=LR),
+            cost_model=cost,
+            seed=args.seed,
+        )
         runs[method] = (model, optimizer, loader, iter(loader), plan)
     records = []
     methods = list(runs)
-    bar = tqdm(total=(args.warmup + args.steps) * len(methods), desc="steps (every method in turn)",
-               disable=dist.get_rank() != 0)
+    bar = tqdm(
+        total=(args.warmup + args.steps) * len(methods),
+        desc="steps (every method in turn)",
+        disable=dist.get_rank() != 0,
+    )
     for n in range(args.warmup + args.steps):
-        for method in methods[n % len(methods):] + methods[:n % len(methods)]:
+        for method in methods[n % len(methods) :] + methods[: n % len(methods)]:
             model, optimizer, _, steps, plan = runs[method]
             step = next(steps)  # planned and collated outside the timed region
             # on the rank's device: NCCL reduces device tensors only
-            counts = torch.tensor([sum(sum(d.seq_lens) for d in step.loaded), len(step.micro_batches)],
-                                  dtype=torch.float64, device=device)
+            counts = torch.tensor(
+                [sum(sum(d.seq_lens) for d in step.loaded), len(step.micro_batches)], dtype=torch.float64, device=device
+            )
             synchronize(device)
             dist.barrier()
             t0 = time.perf_counter()
@@ -156,9 +201,17 @@ def timed_runs(plans: dict[str, ShardPlan], cost: TableCostModel, section: dict,
             dist.all_reduce(counts)
             bar.update()
             if n >= args.warmup:
-                records.append({"method": method, "step": n, "measured_ms": ms, "real_tokens": float(counts[0]),
-                                "micro_batches": float(counts[1]) / dist.get_world_size(), "loss": loss,
-                                "loader_predicted_ms": step.predicted_ms})
+                records.append(
+                    {
+                        "method": method,
+                        "step": n,
+                        "measured_ms": ms,
+                        "real_tokens": float(counts[0]),
+                        "micro_batches": float(counts[1]) / dist.get_world_size(),
+                        "loss": loss,
+                        "loader_predicted_ms": step.predicted_ms,
+                    }
+                )
     bar.close()
     for _, _, loader, _, _ in runs.values():
         loader.close()
@@ -167,14 +220,30 @@ def timed_runs(plans: dict[str, ShardPlan], cost: TableCostModel, section: dict,
     return records
 
 
-def memory_run(plan: ShardPlan, cost: TableCostModel, section: dict, args: argparse.Namespace, docs, lengths,
-               device: torch.device, dtype: str) -> dict:
+def memory_run(
+    plan: ShardPlan,
+    cost: TableCostModel,
+    section: dict,
+    args: argparse.Namespace,
+    docs,
+    lengths,
+    device: torch.device,
+    dtype: str,
+) -> dict:
     """Peak memory per rank of wrapping and ``MEMORY_STEPS`` steps, measured and predicted (lists over ranks)."""
     model = fresh_model(args, device, dtype)  # built outside: its unsharded weights are not the plan's
     with measure(device) as mem:
         model, optimizer, loader, plan = initialize(
-            model, {"dyn_plugin": section}, [{"input_ids": d} for d in docs], lengths, plan=plan, fsdp="fsdp2",
-            optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=LR), cost_model=cost, seed=args.seed)
+            model,
+            {"dyn_plugin": section},
+            [{"input_ids": d} for d in docs],
+            lengths,
+            plan=plan,
+            fsdp="fsdp2",
+            optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=LR),
+            cost_model=cost,
+            seed=args.seed,
+        )
         steps = []
         for step in loader:
             train_step(model, optimizer, step, plan)
@@ -188,8 +257,10 @@ def memory_run(plan: ShardPlan, cost: TableCostModel, section: dict, args: argpa
     dist.all_gather(gathered, mine)
     del model, optimizer, loader
     release(device)
-    return {"measured_peak_mb": [float(g[0]) / MB for g in gathered],
-            "predicted_peak_mb": [float(g[1]) / MB for g in gathered]}
+    return {
+        "measured_peak_mb": [float(g[0]) / MB for g in gathered],
+        "predicted_peak_mb": [float(g[1]) / MB for g in gathered],
+    }
 
 
 def release(device: torch.device) -> None:
@@ -199,24 +270,52 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def summary_row(method: str, plan: ShardPlan | None, search_ms: float, timings: dict, reason: str,
-                records: list[dict], memory: dict | None, cost: TableCostModel, args: argparse.Namespace) -> dict:
-    row: dict[str, Any] = {"model": args.model, "layers": cost.num_layers, "gpus": dist.get_world_size(),
-                           "memory_budget_mb": args.budget_mb, "method": method, "fits": plan is not None,
-                           "global_tokens": args.global_tokens, "max_len": args.max_len}
+def summary_row(
+    method: str,
+    plan: ShardPlan | None,
+    search_ms: float,
+    timings: dict,
+    reason: str,
+    records: list[dict],
+    memory: dict | None,
+    cost: TableCostModel,
+    args: argparse.Namespace,
+) -> dict:
+    row: dict[str, Any] = {
+        "model": args.model,
+        "layers": cost.num_layers,
+        "gpus": dist.get_world_size(),
+        "memory_budget_mb": args.budget_mb,
+        "method": method,
+        "fits": plan is not None,
+        "global_tokens": args.global_tokens,
+        "max_len": args.max_len,
+    }
     if plan is None:
         return {**row, "reason": reason}
     secs = sum(r["measured_ms"] for r in records) / 1e3
     peak = max(memory["measured_peak_mb"])
-    return {**row, "search_ms": search_ms, **timings, "sim_iter_ms": plan.step_ms, "compute_ms": plan.compute_ms,
-            "comm_ms": sum(u.comm_ms for u in plan.units), "exposed_ms": plan.exposed_ms,
-            "peak_mem_mb": plan.peak_bytes / MB, "shard_size": plan.shard_size,
-            "choices": dict(sorted(Counter(u.choice.label for u in plan.units).items())),
-            "steps": len(records), "micro_batches": sum(r["micro_batches"] for r in records) / len(records),
-            "effective_tokens_per_s": sum(r["real_tokens"] for r in records) / secs,
-            "measured_step_ms": secs * 1e3 / len(records), "final_loss": records[-1]["loss"],
-            "measured_peak_mb": peak, "predicted_peak_mb": max(memory["predicted_peak_mb"]),
-            "measured_peak_mb_per_rank": memory["measured_peak_mb"], "under_budget": peak < args.budget_mb}
+    return {
+        **row,
+        "search_ms": search_ms,
+        **timings,
+        "sim_iter_ms": plan.step_ms,
+        "compute_ms": plan.compute_ms,
+        "comm_ms": sum(u.comm_ms for u in plan.units),
+        "exposed_ms": plan.exposed_ms,
+        "peak_mem_mb": plan.peak_bytes / MB,
+        "shard_size": plan.shard_size,
+        "choices": dict(sorted(Counter(u.choice.label for u in plan.units).items())),
+        "steps": len(records),
+        "micro_batches": sum(r["micro_batches"] for r in records) / len(records),
+        "effective_tokens_per_s": sum(r["real_tokens"] for r in records) / secs,
+        "measured_step_ms": secs * 1e3 / len(records),
+        "final_loss": records[-1]["loss"],
+        "measured_peak_mb": peak,
+        "predicted_peak_mb": max(memory["predicted_peak_mb"]),
+        "measured_peak_mb_per_rank": memory["measured_peak_mb"],
+        "under_budget": peak < args.budget_mb,
+    }
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -228,8 +327,10 @@ def add_speedups(rows: list[dict]) -> None:
 
 
 def report(rows: list[dict], args: argparse.Namespace, ranks_on: str, load: tuple[list[float], list[float]]) -> str:
-    head = ("| method | fits | choices | micro-batches/step | effective tokens/s | vs full_shard | step ms measured "
-            "| predicted | peak MB measured | predicted | budget |\n" + "|---" * 11 + "|\n")
+    head = (
+        "| method | fits | choices | micro-batches/step | effective tokens/s | vs full_shard | step ms measured "
+        "| predicted | peak MB measured | predicted | budget |\n" + "|---" * 11 + "|\n"
+    )
     body = ""
     for r in rows:
         if not r["fits"]:
@@ -237,36 +338,53 @@ def report(rows: list[dict], args: argparse.Namespace, ranks_on: str, load: tupl
             continue
         choices = ", ".join(f"{n} {label}" for label, n in r["choices"].items())
         vs = f"{r['speedup_vs_full_shard']:.2f}x" if "speedup_vs_full_shard" in r else "-"
-        body += (f"| {r['method']} | yes | {choices} | {r['micro_batches']:.1f} | {r['effective_tokens_per_s']:,.0f} "
-                 f"| {vs} | {r['measured_step_ms']:,.0f} | {r['sim_iter_ms']:,.0f} | {r['measured_peak_mb']:,.1f} "
-                 f"| {r['predicted_peak_mb']:,.1f} | {r['memory_budget_mb']:,.0f} |\n")
+        body += (
+            f"| {r['method']} | yes | {choices} | {r['micro_batches']:.1f} | {r['effective_tokens_per_s']:,.0f} "
+            f"| {vs} | {r['measured_step_ms']:,.0f} | {r['sim_iter_ms']:,.0f} | {r['measured_peak_mb']:,.1f} "
+            f"| {r['predicted_peak_mb']:,.1f} | {r['memory_budget_mb']:,.0f} |\n"
+        )
     missing = "".join(f"- {r['method']} does not fit: {r['reason']}\n" for r in rows if not r["fits"])
-    text = (f"# Sharding plans trained: {args.model}, FSDP2, {dist.get_world_size()} {ranks_on}\n\n"
-            f"Memory budget {args.budget_mb:,.0f} MB per rank (model states + activations; {args.budget_source}). Python standard library "
-            f"source ({args.lengths}), sequences up to {args.max_len} tokens, {args.global_tokens:,} tokens per global "
-            f"batch, {args.steps} timed steps per method after {args.warmup} warm-up, the methods taking turns on each "
-            f"global batch. Effective tokens/s counts real "
-            f"tokens. Predicted step: the plan's priced step ({cost_model_label(args.profile)}, overlap "
-            f"{args.overlap if args.overlap is not None else 'default'}); peak: the largest over ranks of "
-            f"{MEMORY_STEPS} steps (wrap included) in a separate run, measured against the plan's prediction for "
-            f"those steps. Load average (1, 5, 15 min) at start {load[0]}, at end {load[1]}.\n\n" + head + body
-            + ("\n" + missing if missing else ""))
+    text = (
+        f"# Sharding plans trained: {args.model}, FSDP2, {dist.get_world_size()} {ranks_on}\n\n"
+        f"Memory budget {args.budget_mb:,.0f} MB per rank (model states + activations; {args.budget_source}). Python standard library "
+        f"source ({args.lengths}), sequences up to {args.max_len} tokens, {args.global_tokens:,} tokens per global "
+        f"batch, {args.steps} timed steps per method after {args.warmup} warm-up, the methods taking turns on each "
+        f"global batch. Effective tokens/s counts real "
+        f"tokens. Predicted step: the plan's priced step ({cost_model_label(args.profile)}, overlap "
+        f"{args.overlap if args.overlap is not None else 'default'}); peak: the largest over ranks of "
+        f"{MEMORY_STEPS} steps (wrap included) in a separate run, measured against the plan's prediction for "
+        f"those steps. Load average (1, 5, 15 min) at start {load[0]}, at end {load[1]}.\n\n"
+        + head
+        + body
+        + ("\n" + missing if missing else "")
+    )
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write(text)
     return text
 
 
 def main() -> None:
-    p = common_parser(__doc__, "out/shard-train", "profile JSON of the model on this machine (dynplugin profile "
-                                                  "--ranks 2); without it the analytic cost model prices the plans",
-                      steps_help="timed steps per method")
+    p = common_parser(
+        __doc__,
+        "out/shard-train",
+        "profile JSON of the model on this machine (dynplugin profile "
+        "--ranks 2); without it the analytic cost model prices the plans",
+        steps_help="timed steps per method",
+    )
     add_model_argument(p)
-    p.add_argument("--budget-mb", type=float,
-                   help="memory per rank the plans may use, model states and activations (default: the largest whole "
-                        "MB at which no_shard does not fit, its model states plus the longest sequence alone)")
+    p.add_argument(
+        "--budget-mb",
+        type=float,
+        help="memory per rank the plans may use, model states and activations (default: the largest whole "
+        "MB at which no_shard does not fit, its model states plus the longest sequence alone)",
+    )
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--overlap", type=float, help="sharding.overlap: share of the neighbouring module's compute that "
-                                                 "hides a collective (default: the config's)")
+    p.add_argument(
+        "--overlap",
+        type=float,
+        help="sharding.overlap: share of the neighbouring module's compute that "
+        "hides a collective (default: the config's)",
+    )
     args = p.parse_args()
     methods = args.methods.split(",")
     unknown = set(methods) - set(METHODS)
@@ -296,8 +414,19 @@ def main() -> None:
     records = timed_runs(plans, cost, section, args, docs, lengths, device, dtype)
     for method, (plan, search_ms, timings, reason) in found.items():
         memory = memory_run(plan, cost, section, args, docs, lengths, device, dtype) if plan is not None else None
-        rows.append(summary_row(method, plan, search_ms, timings, reason,
-                                [r for r in records if r["method"] == method], memory, cost, args))
+        rows.append(
+            summary_row(
+                method,
+                plan,
+                search_ms,
+                timings,
+                reason,
+                [r for r in records if r["method"] == method],
+                memory,
+                cost,
+                args,
+            )
+        )
     if dist.get_rank() == 0:
         add_speedups(rows)
         text = report(rows, args, ranks_on(device, dtype), (load_start, [round(x, 2) for x in os.getloadavg()]))

@@ -23,6 +23,7 @@ megatron-core: it runs only as the ranks' main module, launched by name in child
 imported by the CLI or the core), so ``dyn_plugin`` itself still runs without Megatron installed
 (tests/test_layers.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,11 +65,13 @@ def load_example() -> dict:
 
 def plugin_config(mode: str, args: argparse.Namespace) -> dict:
     """The run's config: the same sections as train_deepspeed.run_mode builds (fp32 on CPU)."""
-    return {"dyn_plugin": {
-        "cost_model": cost_model_section(args.profile, "fp32"),
-        "microbatching": {"global_tokens": args.global_tokens, "max_seq_len": args.max_len, "method": MODES[mode]},
-        "cluster": {"devices_per_node": dist.get_world_size(), "device": {"memory_mb": args.memory_mb}},
-    }}
+    return {
+        "dyn_plugin": {
+            "cost_model": cost_model_section(args.profile, "fp32"),
+            "microbatching": {"global_tokens": args.global_tokens, "max_seq_len": args.max_len, "method": MODES[mode]},
+            "cluster": {"devices_per_node": dist.get_world_size(), "device": {"memory_mb": args.memory_mb}},
+        }
+    }
 
 
 def run_mode(mode: str, args: argparse.Namespace, ex: dict, docs: list, lengths, device: torch.device) -> list[dict]:
@@ -98,11 +101,18 @@ def run_mode(mode: str, args: argparse.Namespace, ex: dict, docs: list, lengths,
     torch.manual_seed(args.seed)
     model = ex["model_provider"](Namespace(**TINY_LLAMA, seq_length=args.max_len)).to(device)
     config = model.config
-    model = DistributedDataParallel(config=config, module=model, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False))
+    model = DistributedDataParallel(
+        config=config,
+        module=model,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        ),
+    )
     config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad=0.0,
-                                                       use_distributed_optimizer=False), [model])
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad=0.0, use_distributed_optimizer=False),
+        [model],
+    )
     forward_backward = get_forward_backward_func()
     records = []
     total = args.warmup + args.steps
@@ -113,15 +123,23 @@ def run_mode(mode: str, args: argparse.Namespace, ex: dict, docs: list, lengths,
         dist.barrier()
         t0 = time.perf_counter()
         # the micro-batch count and shapes are the plan's: the patched schedule ignores these
-        losses = forward_backward(forward_step_func=ex["forward_step"], data_iterator=iter([]), model=model,
-                                  num_microbatches=1, seq_length=args.max_len, micro_batch_size=1, forward_only=False)
+        losses = forward_backward(
+            forward_step_func=ex["forward_step"],
+            data_iterator=iter([]),
+            model=model,
+            num_microbatches=1,
+            seq_length=args.max_len,
+            micro_batch_size=1,
+            forward_only=False,
+        )
         optimizer.step()
         dist.barrier()
         ms = (time.perf_counter() - t0) * 1e3
         step = run.step
         # every rank of a sequence-parallel group would list the group's samples: count them on its first shard only
-        real = sum(sum(len(docs[i]) for i in mb)
-                   for mb, (_, _, index) in zip(step.sample_ids, step.shards) if index == 0)
+        real = sum(
+            sum(len(docs[i]) for i in mb) for mb, (_, _, index) in zip(step.sample_ids, step.shards) if index == 0
+        )
         slots = sum(int(m["input_ids"].numel()) for m in step.micro_batches)
         sums = torch.tensor([real, slots, 0.0, 0.0], dtype=torch.float64)
         for report in losses:  # (summed loss, scored tokens) of each micro-batch
@@ -129,10 +147,19 @@ def run_mode(mode: str, args: argparse.Namespace, ex: dict, docs: list, lengths,
         dist.all_reduce(sums)
         bar.update()
         if n >= args.warmup:
-            records.append({"mode": mode, "step": n, "measured_ms": ms, "predicted_ms": step.predicted_ms,
-                            "real_tokens": float(sums[0]), "token_slots": float(sums[1]),
-                            "loss": float(sums[2] / sums[3]), "micro_batches": len(step.micro_batches),
-                            "plan_wait_ms": waits[-1]})
+            records.append(
+                {
+                    "mode": mode,
+                    "step": n,
+                    "measured_ms": ms,
+                    "predicted_ms": step.predicted_ms,
+                    "real_tokens": float(sums[0]),
+                    "token_slots": float(sums[1]),
+                    "loss": float(sums[2] / sums[3]),
+                    "micro_batches": len(step.micro_batches),
+                    "plan_wait_ms": waits[-1],
+                }
+            )
     bar.close()
     del model, optimizer
     gc.collect()
@@ -142,15 +169,20 @@ def run_mode(mode: str, args: argparse.Namespace, ex: dict, docs: list, lengths,
 def preamble(args: argparse.Namespace) -> str:
     return batchings_preamble(
         f"# Training demo: megatron-core GPT (tiny-llama shape), Megatron DDP + Adam, {dist.get_world_size()} "
-        "CPU ranks (gloo, fp32)", args,
+        "CPU ranks (gloo, fp32)",
+        args,
         "padded: every sequence padded to the maximum length (Megatron's default); packing: rows of the maximum "
         "length, documents attending across each other (Megatron's packing; hence its slightly different loss).",
-        how=", each through Megatron's get_forward_backward_func under the plugin's patches")
+        how=", each through Megatron's get_forward_backward_func under the plugin's patches",
+    )
 
 
 def main() -> None:
-    p = common_parser(__doc__, "out/train-megatron", "tiny-llama profile of this machine (dynplugin profile); "
-                                                     "without it the analytic cost model prices the plans")
+    p = common_parser(
+        __doc__,
+        "out/train-megatron",
+        "tiny-llama profile of this machine (dynplugin profile); without it the analytic cost model prices the plans",
+    )
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--memory-mb", type=float, default=8000, help="device memory the plans may fill")
     args = p.parse_args()
@@ -162,7 +194,9 @@ def main() -> None:
     ex = load_example()
     device = ex["initialize"](1, 1, args.seed)
     if device.type != "cpu":
-        raise SystemExit("dyn_plugin.bench.train_megatron runs on CPU ranks (gloo, fp32), as the profile it is priced by")
+        raise SystemExit(
+            "dyn_plugin.bench.train_megatron runs on CPU ranks (gloo, fp32), as the profile it is priced by"
+        )
     os.makedirs(args.out, exist_ok=True)
     docs, lengths = tokenized_corpus(args.lengths, args.max_len, args.out)
     records = []

@@ -35,12 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="packed row length and truncation point (default: power of two >= p99, at most token-budget/dp)",
     )
-    parser.add_argument(
-        "--hidden", type=int, default=DEFAULT_HIDDEN, help="model hidden size H (default %(default)s)"
-    )
-    parser.add_argument(
-        "--dp", type=int, default=DEFAULT_DP, help="data-parallel ranks (default %(default)s)"
-    )
+    parser.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN, help="model hidden size H (default %(default)s)")
+    parser.add_argument("--dp", type=int, default=DEFAULT_DP, help="data-parallel ranks (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="shuffle seed (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the analysis as JSON")
 

@@ -1,4 +1,5 @@
 """``dynplugin bench WHAT``: benchmarks that print JSON (figures go into BENCHMARKS.md)."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,12 +7,14 @@ import json
 import platform
 import time
 
-HELP = ("benchmarks that print JSON: cost (cost-model evaluation), planner (plans vs baselines on A100 costs), "
-        "sp (dynamic sequence parallelism vs fixed and bucketed sizes, simulated), "
-        "shard (the per-module sharding search vs FSDP's uniform strategies, simulated), "
-        "strategy (Hydraulis's heterogeneous strategies vs the seed's stage 1, homogeneous and DynaPipe, simulated), "
-        "loader (planning ahead, plan wait, store latency), train (DeepSpeed or Megatron on 2 CPU ranks, batchings "
-        "side by side)")
+HELP = (
+    "benchmarks that print JSON: cost (cost-model evaluation), planner (plans vs baselines on A100 costs), "
+    "sp (dynamic sequence parallelism vs fixed and bucketed sizes, simulated), "
+    "shard (the per-module sharding search vs FSDP's uniform strategies, simulated), "
+    "strategy (Hydraulis's heterogeneous strategies vs the seed's stage 1, homogeneous and DynaPipe, simulated), "
+    "loader (planning ahead, plan wait, store latency), train (DeepSpeed or Megatron on 2 CPU ranks, batchings "
+    "side by side)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,59 +22,97 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cost = sub.add_parser("cost", help="cost-model queries per second, C++ evaluator vs the Python twin")
     cost.add_argument("--queries", type=int, default=20000, help="micro-batches to price (default %(default)s)")
     cost.add_argument("--seed", type=int, default=0)
-    planner = sub.add_parser("planner", help="planning time and simulated step time against the baselines, "
-                                              "A100 GPT-6.7B costs, bundled length distributions")
+    planner = sub.add_parser(
+        "planner",
+        help="planning time and simulated step time against the baselines, "
+        "A100 GPT-6.7B costs, bundled length distributions",
+    )
     planner.add_argument("--distributions", default="code,prose,mixture")
     planner.add_argument("--global-tokens", default="16384,65536,262144")
     planner.add_argument("--parallel", default="1x1,4x2,8x8", help="pp x dp configurations")
     planner.add_argument("--batches", type=int, default=10, help="global batches per configuration")
-    planner.add_argument("--python-batches", type=int, default=2,
-                         help="of those, how many also go through the (slow) pure-Python planner")
+    planner.add_argument(
+        "--python-batches",
+        type=int,
+        default=2,
+        help="of those, how many also go through the (slow) pure-Python planner",
+    )
     planner.add_argument("--seed", type=int, default=0)
-    planner.add_argument("--no-pyramid", action="store_true",
-                         help="plan without pyramid checkpointing (every micro-batch recomputes all of its layers or "
-                              "none); by default the all-or-nothing plans are also run as dynapipe_all_or_nothing")
-    sp = sub.add_parser("sp", help="dynamic sequence parallelism vs fixed sizes, Megatron's hybrid CP and DCP's "
-                                   "buckets: simulated step on A100 GPT-6.7B costs with priced attention collectives")
+    planner.add_argument(
+        "--no-pyramid",
+        action="store_true",
+        help="plan without pyramid checkpointing (every micro-batch recomputes all of its layers or "
+        "none); by default the all-or-nothing plans are also run as dynapipe_all_or_nothing",
+    )
+    sp = sub.add_parser(
+        "sp",
+        help="dynamic sequence parallelism vs fixed sizes, Megatron's hybrid CP and DCP's "
+        "buckets: simulated step on A100 GPT-6.7B costs with priced attention collectives",
+    )
     sp.add_argument("--distributions", default="code,prose,mixture")
     sp.add_argument("--global-tokens", default="65536,262144")
     sp.add_argument("--gpus", default="8,32")
     sp.add_argument("--pp", default="4,1", help="pipeline stages, comma-separated (columns = gpus / pp)")
     sp.add_argument("--max-len", default="8192,32768", help="sequences are capped at each of these")
-    sp.add_argument("--sizes", default="1,2,4,8,16,32", help="sequence-parallel group sizes allowed (those up to "
-                                                             "the column count apply)")
+    sp.add_argument(
+        "--sizes",
+        default="1,2,4,8,16,32",
+        help="sequence-parallel group sizes allowed (those up to the column count apply)",
+    )
     sp.add_argument("--batches", type=int, default=4, help="global batches per configuration")
     sp.add_argument("--seed", type=int, default=0)
-    shard = sub.add_parser("shard", help="the sharding search (osdp) against full_shard, shard_grad_op and no_shard: "
-                                         "search time, simulated step and peak memory on A100 costs")
-    shard.add_argument("--models", default="gpt-6.7b,gpt-48l", help="gpt-6.7b (A100-measured layers), gpt-48l "
-                                                                   "(GPT-2 XL's shape, analytic A100 costs)")
+    shard = sub.add_parser(
+        "shard",
+        help="the sharding search (osdp) against full_shard, shard_grad_op and no_shard: "
+        "search time, simulated step and peak memory on A100 costs",
+    )
+    shard.add_argument(
+        "--models",
+        default="gpt-6.7b,gpt-48l",
+        help="gpt-6.7b (A100-measured layers), gpt-48l (GPT-2 XL's shape, analytic A100 costs)",
+    )
     shard.add_argument("--gpus", default="8,16", help="ranks (8 per node)")
     shard.add_argument("--budgets-mb", default="24000,30000,36000", help="memory budgets per rank")
     shard.add_argument("--tokens-per-gpu", type=int, default=16384, help="global batch = this x gpus tokens")
     shard.add_argument("--max-len", type=int, help="sequences are capped at this (default 8192; 4096 with --train)")
     shard.add_argument("--lengths", default="code")
     shard.add_argument("--seed", type=int, default=0)
-    shard.add_argument("--train", action="store_true",
-                       help="instead, train tiny Llama with FSDP2 on local CPU ranks (a GPU each where there are GPUs) "
-                            "under --budget-mb, every method's plan side by side: measured effective tokens/s and peak "
-                            "memory (dyn_plugin/bench/train_fsdp.py)")
-    shard.add_argument("--budget-mb", type=float, help="with --train: memory per rank (model states + activations) "
-                                                       "the plans are searched for and trained under (default: the "
-                                                       "largest whole MB at which no_shard does not fit)")
-    shard.add_argument("--profile", help="with --train: tiny-llama profile of this machine (dynplugin profile --ranks 2); "
-                                         "without it the analytic cost model prices the plans")
+    shard.add_argument(
+        "--train",
+        action="store_true",
+        help="instead, train tiny Llama with FSDP2 on local CPU ranks (a GPU each where there are GPUs) "
+        "under --budget-mb, every method's plan side by side: measured effective tokens/s and peak "
+        "memory (dyn_plugin/bench/train_fsdp.py)",
+    )
+    shard.add_argument(
+        "--budget-mb",
+        type=float,
+        help="with --train: memory per rank (model states + activations) "
+        "the plans are searched for and trained under (default: the "
+        "largest whole MB at which no_shard does not fit)",
+    )
+    shard.add_argument(
+        "--profile",
+        help="with --train: tiny-llama profile of this machine (dynplugin profile --ranks 2); "
+        "without it the analytic cost model prices the plans",
+    )
     shard.add_argument("--out", default="out/bench-shard-train", help="with --train: report folder")
     shard.add_argument("--steps", type=int, default=4, help="with --train: timed steps per method")
     shard.add_argument("--ranks", type=int, default=2, help="with --train: local ranks")
     shard.add_argument("--global-tokens", type=int, default=16384, help="with --train: tokens per global batch")
     shard.add_argument("--overlap", type=float, help="with --train: sharding.overlap (default: the config's)")
-    strategy = sub.add_parser("strategy", help="heterogeneous strategies (hydraulis) against the seed's stage 1, the best "
-                                               "homogeneous strategy and dynapipe: planning time per step and "
-                                               "simulated step on A100 costs")
+    strategy = sub.add_parser(
+        "strategy",
+        help="heterogeneous strategies (hydraulis) against the seed's stage 1, the best "
+        "homogeneous strategy and dynapipe: planning time per step and "
+        "simulated step on A100 costs",
+    )
     strategy.add_argument("--distributions", default="code,prose,mixture")
-    strategy.add_argument("--models", default="gpt-6.7b", help="gpt-6.7b (measured A100 tables), llama-7b, llama-13b, "
-                                                              "llama-32b (calibrated on them)")
+    strategy.add_argument(
+        "--models",
+        default="gpt-6.7b",
+        help="gpt-6.7b (measured A100 tables), llama-7b, llama-13b, llama-32b (calibrated on them)",
+    )
     strategy.add_argument("--gpus", default="64,1024")
     strategy.add_argument("--tokens-per-gpu", type=int, default=4096, help="global batch = this x gpus tokens")
     strategy.add_argument("--max-len", type=int, default=32768, help="sequences are capped at this")
@@ -79,34 +120,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     strategy.add_argument("--batches", type=int, default=8, help="global batches per configuration")
     strategy.add_argument("--plot-dir", help="a plot per configuration: the strategies and one step's pipeline loads")
     strategy.add_argument("--seed", type=int, default=0)
-    loader = sub.add_parser("loader", help="loader steps/s, time each step waits for its plan (planning locally or "
-                                            "ahead through a store), store round-trip latency")
+    loader = sub.add_parser(
+        "loader",
+        help="loader steps/s, time each step waits for its plan (planning locally or "
+        "ahead through a store), store round-trip latency",
+    )
     loader.add_argument("--steps", type=int, default=20)
     loader.add_argument("--step-ms", default="0,50,200", help="simulated training step times (ms), comma-separated")
     loader.add_argument("--planners", type=int, default=2)
     loader.add_argument("--prefetch", type=int, default=4)
-    loader.add_argument("--samples", type=int, help="instead, the loader's own cost on a dataset of this many samples: "
-                                                    "start-up and per-step overhead, planning and collation left out")
-    loader.add_argument("--redis-url", help="measure this Redis server (password in $DYN_PLUGIN_REDIS_PASSWORD) rather "
-                                            "than a throwaway local redis-server")
-    train = sub.add_parser("train", help="tiny Llama with DeepSpeed on 2 CPU ranks: padded, token budget, fixed-length "
-                                          "and varlen packing, and the plugin side by side (effective tokens/s, "
-                                          "predicted vs measured); with --host megatron, megatron-core's GPT in the "
-                                          "same shape: padded, packing and the plugin")
-    train.add_argument("--host", choices=("deepspeed", "megatron"), default="deepspeed",
-                       help="training framework: deepspeed (dyn_plugin/bench/train_deepspeed.py) or megatron "
-                            "(dyn_plugin/bench/train_megatron.py, Megatron's schedules under the plugin's patches)")
-    train.add_argument("--profile", help="tiny-llama profile of this machine (dynplugin profile); without it the "
-                                         "analytic cost model prices the plans, and every row says so")
+    loader.add_argument(
+        "--samples",
+        type=int,
+        help="instead, the loader's own cost on a dataset of this many samples: "
+        "start-up and per-step overhead, planning and collation left out",
+    )
+    loader.add_argument(
+        "--redis-url",
+        help="measure this Redis server (password in $DYN_PLUGIN_REDIS_PASSWORD) rather "
+        "than a throwaway local redis-server",
+    )
+    train = sub.add_parser(
+        "train",
+        help="tiny Llama with DeepSpeed on 2 CPU ranks: padded, token budget, fixed-length "
+        "and varlen packing, and the plugin side by side (effective tokens/s, "
+        "predicted vs measured); with --host megatron, megatron-core's GPT in the "
+        "same shape: padded, packing and the plugin",
+    )
+    train.add_argument(
+        "--host",
+        choices=("deepspeed", "megatron"),
+        default="deepspeed",
+        help="training framework: deepspeed (dyn_plugin/bench/train_deepspeed.py) or megatron "
+        "(dyn_plugin/bench/train_megatron.py, Megatron's schedules under the plugin's patches)",
+    )
+    train.add_argument(
+        "--profile",
+        help="tiny-llama profile of this machine (dynplugin profile); without it the "
+        "analytic cost model prices the plans, and every row says so",
+    )
     train.add_argument("--out", default="out/bench-train")
     train.add_argument("--steps", type=int, default=4)
     train.add_argument("--ranks", type=int, default=2)
-    train.add_argument("--max-len", type=int, help="sequences are truncated to this many tokens (default 4096; 16384 "
-                                                   "with --sp)")
+    train.add_argument(
+        "--max-len", type=int, help="sequences are truncated to this many tokens (default 4096; 16384 with --sp)"
+    )
     train.add_argument("--global-tokens", type=int, default=16384, help="tokens per global batch")
-    train.add_argument("--sp", action="store_true", help="instead, dynamic sequence parallelism against a fixed size "
-                                                          "of 2 and against full recompute, sequences up to 16384 "
-                                                          "tokens, device memory capped so the longest need one of them")
+    train.add_argument(
+        "--sp",
+        action="store_true",
+        help="instead, dynamic sequence parallelism against a fixed size "
+        "of 2 and against full recompute, sequences up to 16384 "
+        "tokens, device memory capped so the longest need one of them",
+    )
     for p in (cost, planner, sp, shard, strategy, loader, train):
         p.add_argument("--json", action="store_true", help="one JSON object per line, no indentation")
 
@@ -135,8 +201,9 @@ def run(args: argparse.Namespace) -> int:
             from ..models.shard_units import config_units
 
             args.max_len = args.max_len or 8192
-            records = bench_shard(args, {"gpt-6.7b": config_units("examples/gpt-6.7b.json")[1],
-                                         "gpt-48l": config_units(GPT_48L)[1]})
+            records = bench_shard(
+                args, {"gpt-6.7b": config_units("examples/gpt-6.7b.json")[1], "gpt-48l": config_units(GPT_48L)[1]}
+            )
         elif args.samples is not None:
             from ..bench.loader import bench_loader_scale
 
@@ -144,8 +211,13 @@ def run(args: argparse.Namespace) -> int:
         else:
             from ..bench.loader import bench_loader
 
-            records = bench_loader(steps=args.steps, step_ms=tuple(float(x) for x in args.step_ms.split(",")),
-                                   planners=args.planners, prefetch=args.prefetch, redis_url=args.redis_url)
+            records = bench_loader(
+                steps=args.steps,
+                step_ms=tuple(float(x) for x in args.step_ms.split(",")),
+                planners=args.planners,
+                prefetch=args.prefetch,
+                redis_url=args.redis_url,
+            )
         for record in records:
             print(json.dumps({**record, **host}, indent=None if args.json else 2), flush=True)
         return 0
@@ -156,8 +228,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 # GPT-2 XL's shape with Megatron's padded vocabulary and an untied head (the head can then be split)
-GPT_48L = dict(model_type="gpt2", n_embd=1600, n_layer=48, n_head=25, n_inner=6400, vocab_size=50304, n_positions=8192,
-               tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+GPT_48L = dict(
+    model_type="gpt2",
+    n_embd=1600,
+    n_layer=48,
+    n_head=25,
+    n_inner=6400,
+    vocab_size=50304,
+    n_positions=8192,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 
 
 def bench_cost(args: argparse.Namespace) -> dict:
@@ -169,14 +251,15 @@ def bench_cost(args: argparse.Namespace) -> dict:
     from ..cost.model import StageSpec, features
     from ..cost.table import evaluate_stage
 
-    shape = ModelShape(hidden_size=4096, num_layers=32, num_heads=32, ffn_hidden_size=16384, vocab_size=50257,
-                       gated_mlp=False)
+    shape = ModelShape(
+        hidden_size=4096, num_layers=32, num_heads=32, ffn_hidden_size=16384, vocab_size=50257, gated_mlp=False
+    )
     model = analytic_cost_model(shape, DeviceSpec(name="a100", memory_mb=40000, peak_tflops=312))
     rng = np.random.default_rng(args.seed)
     sizes = rng.integers(1, 17, size=args.queries)
     lens = rng.integers(16, 4096, size=int(sizes.sum()))
     offsets = np.concatenate([[0], np.cumsum(sizes)])
-    batches = [lens[offsets[i]:offsets[i + 1]].tolist() for i in range(args.queries)]
+    batches = [lens[offsets[i] : offsets[i + 1]].tolist() for i in range(args.queries)]
     stage = StageSpec(8, first=False, last=False)
     table = model.table("packed", "none")
     out = {"benchmark": "cost", "queries": args.queries, "mean_sequences_per_query": float(sizes.mean())}
@@ -207,23 +290,43 @@ def bench_train(args: argparse.Namespace, host: dict) -> int:
     process never imports train_megatron (the one module of dyn_plugin that imports megatron_patches)."""
     if args.host == "megatron":
         if args.sp:
-            raise SystemExit("bench train --sp runs with --host deepspeed only: under Megatron the plugin does not run "
-                             "sequence parallelism (megatron-core 0.16's context parallelism fixes one group size at "
-                             "initialize_model_parallel); drop --sp or --host megatron")
-        return launch_comparison("dyn_plugin.bench.train_megatron", "train-megatron", args, host,
-                                 ["--max-len", str(args.max_len or 4096), "--global-tokens", str(args.global_tokens)])
+            raise SystemExit(
+                "bench train --sp runs with --host deepspeed only: under Megatron the plugin does not run "
+                "sequence parallelism (megatron-core 0.16's context parallelism fixes one group size at "
+                "initialize_model_parallel); drop --sp or --host megatron"
+            )
+        return launch_comparison(
+            "dyn_plugin.bench.train_megatron",
+            "train-megatron",
+            args,
+            host,
+            ["--max-len", str(args.max_len or 4096), "--global-tokens", str(args.global_tokens)],
+        )
     from ..bench.train_deepspeed import SP_MODES
 
     extra = ["--modes", ",".join(SP_MODES)] if args.sp else []
     max_len = args.max_len or (16384 if args.sp else 4096)
-    return launch_comparison("dyn_plugin.bench.train_deepspeed", "train", args, host,
-                             ["--max-len", str(max_len), "--global-tokens", str(args.global_tokens)] + extra)
+    return launch_comparison(
+        "dyn_plugin.bench.train_deepspeed",
+        "train",
+        args,
+        host,
+        ["--max-len", str(max_len), "--global-tokens", str(args.global_tokens)] + extra,
+    )
 
 
 def bench_shard_train(args: argparse.Namespace, host: dict) -> int:
     """Launch the sharding plans side by side on local ranks (torchrun), then print its summary rows."""
-    extra = ["--max-len", str(args.max_len or 4096), "--global-tokens", str(args.global_tokens), "--lengths",
-             args.lengths, "--seed", str(args.seed)]
+    extra = [
+        "--max-len",
+        str(args.max_len or 4096),
+        "--global-tokens",
+        str(args.global_tokens),
+        "--lengths",
+        args.lengths,
+        "--seed",
+        str(args.seed),
+    ]
     for flag, value in (("--budget-mb", args.budget_mb), ("--overlap", args.overlap)):
         extra += [flag, str(value)] if value is not None else []
     return launch_comparison("dyn_plugin.bench.train_fsdp", "shard-train", args, host, extra)
@@ -238,17 +341,40 @@ def launch_comparison(module: str, benchmark: str, args: argparse.Namespace, hos
 
     from ..bench.train_common import cost_model_label
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", "-m", module,
-           "--out", args.out, "--steps", str(args.steps)] + extra + (["--profile", args.profile] if args.profile else [])
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={args.ranks}",
+            "-m",
+            module,
+            "--out",
+            args.out,
+            "--steps",
+            str(args.steps),
+        ]
+        + extra
+        + (["--profile", args.profile] if args.profile else [])
+    )
     cost_model = cost_model_label(args.profile)
     if not args.json:
-        print(f"cost model: {cost_model}" + ("" if args.profile else "; measure one with `dynplugin profile` and "
-                                                                      "pass --profile for predictions of this machine"))
+        print(
+            f"cost model: {cost_model}"
+            + (
+                ""
+                if args.profile
+                else "; measure one with `dynplugin profile` and pass --profile for predictions of this machine"
+            )
+        )
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL if args.json else None)
     if done.returncode != 0:
         raise RuntimeError(f"{benchmark} comparison failed (exit {done.returncode}): {' '.join(cmd)}")
     with open(os.path.join(args.out, "summary.json")) as f:
         for row in json.load(f):
-            print(json.dumps({"benchmark": benchmark, "cost_model": cost_model, **row, **host},
-                             indent=None if args.json else 2))
+            print(
+                json.dumps(
+                    {"benchmark": benchmark, "cost_model": cost_model, **row, **host}, indent=None if args.json else 2
+                )
+            )
     return 0

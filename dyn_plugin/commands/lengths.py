@@ -18,9 +18,7 @@ NAMES = ("code", "prose", "mixture")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", nargs="?", choices=NAMES, help="distribution to measure")
     parser.add_argument("--out", help="output file, .npy or .json")
-    parser.add_argument(
-        "--bundled", action="store_true", help="copy the bundled lengths instead of tokenizing"
-    )
+    parser.add_argument("--bundled", action="store_true", help="copy the bundled lengths instead of tokenizing")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(

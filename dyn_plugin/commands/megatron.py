@@ -5,6 +5,7 @@ processes per node) in a child process: ``dyn_plugin`` never imports ``megatron_
 (the adapter depends on the planner, not the other way round), and the script's own exit, its
 ``sys.argv`` and its ``sys.path`` stay its own.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,10 @@ import os
 import subprocess
 import sys
 
-HELP = ("run a Megatron training script with the plugin's patches applied (python -m megatron_patches.launch, "
-        "under torchrun for --nproc-per-node > 1)")
+HELP = (
+    "run a Megatron training script with the plugin's patches applied (python -m megatron_patches.launch, "
+    "under torchrun for --nproc-per-node > 1)"
+)
 
 LAUNCHER = "megatron_patches.launch"
 
@@ -23,13 +26,22 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dyn-plugin-config", metavar="FILE", required=True,
-                        help="the run's JSON config (DeepSpeed-style, with a dyn_plugin section)")
-    parser.add_argument("--nproc-per-node", type=int, default=1,
-                        help="processes on this node; above 1 the script runs under torchrun (default %(default)s)")
+    parser.add_argument(
+        "--dyn-plugin-config",
+        metavar="FILE",
+        required=True,
+        help="the run's JSON config (DeepSpeed-style, with a dyn_plugin section)",
+    )
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        help="processes on this node; above 1 the script runs under torchrun (default %(default)s)",
+    )
     parser.add_argument("script", help="the training script (e.g. Megatron-LM's pretrain_gpt.py)")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
-                        help="the script's arguments (after --)")
+    parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's arguments (after --)"
+    )
     parser.epilog = "example: dynplugin megatron --dyn-plugin-config ds.json --nproc-per-node 8 -- pretrain_gpt.py ..."
 
 
@@ -37,11 +49,24 @@ def command(args: argparse.Namespace) -> list[str]:
     """The child's command line."""
     if args.nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node {args.nproc_per_node}: at least 1")
-    launch = [LAUNCHER, "--dyn-plugin-config", os.path.abspath(args.dyn_plugin_config), "--", args.script,
-              *args.script_args]
+    launch = [
+        LAUNCHER,
+        "--dyn-plugin-config",
+        os.path.abspath(args.dyn_plugin_config),
+        "--",
+        args.script,
+        *args.script_args,
+    ]
     if args.nproc_per_node > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc_per_node),
-                "-m", *launch]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(args.nproc_per_node),
+            "-m",
+            *launch,
+        ]
     return [sys.executable, "-m", *launch]
 
 

@@ -1,4 +1,5 @@
 """``dynplugin plan``: plan the global batches of a length file and compare with the baselines."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,12 +14,18 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="DeepSpeed JSON config with a dyn_plugin section")
-    parser.add_argument("--lengths", required=True, help="lengths .npy/.json, or a bundled distribution (code, prose, mixture)")
-    parser.add_argument("--global-tokens", type=int, help="tokens per global batch (default: microbatching.global_tokens)")
+    parser.add_argument(
+        "--lengths", required=True, help="lengths .npy/.json, or a bundled distribution (code, prose, mixture)"
+    )
+    parser.add_argument(
+        "--global-tokens", type=int, help="tokens per global batch (default: microbatching.global_tokens)"
+    )
     parser.add_argument("--steps", type=int, default=3, help="global batches to plan (default %(default)s)")
     parser.add_argument("--dp", type=int, help="data-parallel replicas (default: cluster devices / pipeline stages)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--trace", metavar="JSON", help="Chrome trace of the first step's plan (Perfetto, chrome://tracing)")
+    parser.add_argument(
+        "--trace", metavar="JSON", help="Chrome trace of the first step's plan (Perfetto, chrome://tracing)"
+    )
     parser.add_argument("--plot", metavar="PNG", help="step time per method, as bars")
     parser.add_argument("--plans", metavar="DIR", help="write the first step's execution plans (one JSON per rank)")
     parser.add_argument("--json", action="store_true", help="one JSON record per step and method instead of tables")
@@ -70,20 +77,33 @@ def run(args: argparse.Namespace) -> int:
         first_plan = first_plan or next(iter(plans.values()))
         ideal, bound = ideal_ms(lens, spec), critical_path_ms(lens, spec)
         for method, p in plans.items():
-            records.append({
-                "step": step, "method": method, "sequences": len(lens), "tokens": sum(lens),
-                "micro_batches": len(p.micro_batches), "layout": p.layout, "groups": list(p.group_sizes),
-                "recompute": dict(Counter(mb.recompute for mb in p.micro_batches)),
-                "schedule": sorted({r.schedule.name for r in p.replicas}),
-                "predicted_ms": p.iteration_ms, "bubble": p.bubble_fraction, "peak_mem_bytes": p.peak_bytes,
-                "padding_fraction": p.padding_fraction, "ideal_ms": ideal, "lower_bound_ms": max(ideal, bound),
-            })
+            records.append(
+                {
+                    "step": step,
+                    "method": method,
+                    "sequences": len(lens),
+                    "tokens": sum(lens),
+                    "micro_batches": len(p.micro_batches),
+                    "layout": p.layout,
+                    "groups": list(p.group_sizes),
+                    "recompute": dict(Counter(mb.recompute for mb in p.micro_batches)),
+                    "schedule": sorted({r.schedule.name for r in p.replicas}),
+                    "predicted_ms": p.iteration_ms,
+                    "bubble": p.bubble_fraction,
+                    "peak_mem_bytes": p.peak_bytes,
+                    "padding_fraction": p.padding_fraction,
+                    "ideal_ms": ideal,
+                    "lower_bound_ms": max(ideal, bound),
+                }
+            )
     if args.json:
         for r in records:
             print(json.dumps(r))
     else:
-        print(f"{cost.name}: pp={pp} dp={dp} ZeRO-{cfg.zero_stage}, stages of {[s.num_layers for s in spec.stages]} layers, "
-              f"{tokens:,} tokens per global batch of {args.lengths}")
+        print(
+            f"{cost.name}: pp={pp} dp={dp} ZeRO-{cfg.zero_stage}, stages of {[s.num_layers for s in spec.stages]} layers, "
+            f"{tokens:,} tokens per global batch of {args.lengths}"
+        )
         _print_tables(records)
     if args.trace:
         _write_trace(first_plan, spec.link, args.trace)
@@ -97,19 +117,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_tables(records: list[dict]) -> None:
-    header = (f"{'method':<19}{'mbs':>5}{'layout':>8}  {'groups':<12}{'recompute':<22}{'time ms':>10}{'vs ours':>8}"
-              f"{'bubble':>8}{'peak GiB':>9}{'padding':>8}")
+    header = (
+        f"{'method':<19}{'mbs':>5}{'layout':>8}  {'groups':<12}{'recompute':<22}{'time ms':>10}{'vs ours':>8}"
+        f"{'bubble':>8}{'peak GiB':>9}{'padding':>8}"
+    )
     for step in sorted({r["step"] for r in records}):
         rows = [r for r in records if r["step"] == step]
         ours = rows[0]["predicted_ms"]
-        print(f"\nstep {step}: {rows[0]['sequences']} sequences, {rows[0]['tokens']:,} tokens; ideal {rows[0]['ideal_ms']:.0f} ms, "
-              f"lower bound {rows[0]['lower_bound_ms']:.0f} ms (longest sequence's critical path or ideal)")
+        print(
+            f"\nstep {step}: {rows[0]['sequences']} sequences, {rows[0]['tokens']:,} tokens; ideal {rows[0]['ideal_ms']:.0f} ms, "
+            f"lower bound {rows[0]['lower_bound_ms']:.0f} ms (longest sequence's critical path or ideal)"
+        )
         print(header)
         for r in rows:
             rc = ",".join(f"{k}:{v}" for k, v in sorted(r["recompute"].items()))
             groups = ",".join(map(str, r["groups"]))
-            print(f"{r['method']:<19}{r['micro_batches']:>5}{r['layout']:>8}  {groups:<12}{rc:<22}{r['predicted_ms']:>10.0f}"
-                  f"{r['predicted_ms'] / ours:>7.2f}x{r['bubble']:>8.1%}{r['peak_mem_bytes'] / 2**30:>9.1f}{r['padding_fraction']:>8.1%}")
+            print(
+                f"{r['method']:<19}{r['micro_batches']:>5}{r['layout']:>8}  {groups:<12}{rc:<22}{r['predicted_ms']:>10.0f}"
+                f"{r['predicted_ms'] / ours:>7.2f}x{r['bubble']:>8.1%}{r['peak_mem_bytes'] / 2**30:>9.1f}{r['padding_fraction']:>8.1%}"
+            )
 
 
 def _write_trace(plan, link, path: str) -> None:
@@ -150,7 +176,10 @@ def _plot(records: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(methods)
     for k, m in enumerate(methods):
-        ys = [next((r["predicted_ms"] / 1e3 for r in records if r["step"] == s and r["method"] == m), np.nan) for s in steps]
+        ys = [
+            next((r["predicted_ms"] / 1e3 for r in records if r["step"] == s and r["method"] == m), np.nan)
+            for s in steps
+        ]
         bars = ax.bar(np.arange(len(steps)) + k * width, ys, width, label=m)
         ax.bar_label(bars, fmt="%.1f", fontsize=7)
     bound = [next(r["lower_bound_ms"] / 1e3 for r in records if r["step"] == s) for s in steps]

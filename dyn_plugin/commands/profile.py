@@ -1,11 +1,14 @@
 """``dynplugin profile``: measure a model on this device and write a fitted cost profile."""
+
 from __future__ import annotations
 
 import argparse
 import logging
 
-HELP = ("measure a transformers model (tiny by default, no download) and write a fitted profile JSON; "
-        "`profile import FILE` converts per-layer tables measured elsewhere (e.g. the A100 tables)")
+HELP = (
+    "measure a transformers model (tiny by default, no download) and write a fitted profile JSON; "
+    "`profile import FILE` converts per-layer tables measured elsewhere (e.g. the A100 tables)"
+)
 
 logger = logging.getLogger(__name__)
 
@@ -21,41 +24,71 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", nargs="?", choices=("measure", "import"), default="measure",
-                        help="measure (default) a model here, or import FILE")
+    parser.add_argument(
+        "action",
+        nargs="?",
+        choices=("measure", "import"),
+        default="measure",
+        help="measure (default) a model here, or import FILE",
+    )
     parser.add_argument("source", nargs="?", help="with import: per-layer cost tables JSON (a100-measured format)")
     parser.add_argument("--num-layers", type=int, help="with import: layers of the model the tables describe")
     parser.add_argument("--hidden-size", type=int, help="with import: the model's hidden size")
-    parser.add_argument("--num-heads", type=int, help="with import: the model's attention heads (known for the "
-                                                      "A100 tables gpt-6.7b and t5-11b)")
+    parser.add_argument(
+        "--num-heads",
+        type=int,
+        help="with import: the model's attention heads (known for the A100 tables gpt-6.7b and t5-11b)",
+    )
     parser.add_argument("--num-kv-heads", type=int, help="with import: key/value heads, if fewer than --num-heads")
-    parser.add_argument("--model", default="tiny-llama",
-                        help="preset (tiny-llama, llama-350m, tiny-gpt2) or path to a HF config.json (default: tiny-llama)")
+    parser.add_argument(
+        "--model",
+        default="tiny-llama",
+        help="preset (tiny-llama, llama-350m, tiny-gpt2) or path to a HF config.json (default: tiny-llama)",
+    )
     parser.add_argument("--out", required=True, help="profile JSON to write")
-    parser.add_argument("--device", help="torch device to measure on: cuda (the default where there is one), "
-                                         "cuda:N or cpu")
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
-                        help="training precision to measure in (default: bf16 on CUDA, fp32 on CPU); the "
-                             "DeepSpeed config's precision and cost_model.dtype must match it")
+    parser.add_argument(
+        "--device", help="torch device to measure on: cuda (the default where there is one), cuda:N or cpu"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        help="training precision to measure in (default: bf16 on CUDA, fp32 on CPU); the "
+        "DeepSpeed config's precision and cost_model.dtype must match it",
+    )
     parser.add_argument("--seq-lens", type=_ints, help="sequence lengths to measure, e.g. 16,64,256,1024")
     parser.add_argument("--micro-batch-sizes", type=_ints, help="micro-batch sizes to measure, e.g. 1,4,16")
     parser.add_argument("--max-tokens", type=int, help="skip grid points with more tokens than this")
-    parser.add_argument("--recompute", default="none,selective,full",
-                        help="recompute modes to measure (comma-separated; default all three)")
+    parser.add_argument(
+        "--recompute",
+        default="none,selective,full",
+        help="recompute modes to measure (comma-separated; default all three)",
+    )
     parser.add_argument("--repeats", type=int, help="timed repeats per point (the minimum is kept)")
-    parser.add_argument("--ranks", type=int, default=1,
-                        help="measure as one of N training ranks on this host: on CPU N-1 processes train beside "
-                             "it; the gradient all-reduce, sharded data parallelism's all-gather and "
-                             "reduce-scatter and sequence parallelism's all-to-all and ring exchange are measured "
-                             "among N (on CUDA over NCCL, one GPU each: with fewer GPUs they are "
-                             "priced from the cluster link). Use the ranks per host you train with")
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="measure as one of N training ranks on this host: on CPU N-1 processes train beside "
+        "it; the gradient all-reduce, sharded data parallelism's all-gather and "
+        "reduce-scatter and sequence parallelism's all-to-all and ring exchange are measured "
+        "among N (on CUDA over NCCL, one GPU each: with fewer GPUs they are "
+        "priced from the cluster link). Use the ranks per host you train with",
+    )
     parser.add_argument("--threads", type=int, help="torch intra-op threads (training ranks often run with 1)")
-    parser.add_argument("--validate", type=int, default=16, metavar="N",
-                        help="also time N held-out random micro-batches through the full model and report "
-                             "the fit's error on them (default 16; 0 to skip)")
-    parser.add_argument("--system-allocator", action="store_true",
-                        help="leave glibc malloc's dynamic mmap/trim thresholds alone (the default pins them, "
-                             "which makes CPU step times predictable; see dyn_plugin/profiling/allocator.py)")
+    parser.add_argument(
+        "--validate",
+        type=int,
+        default=16,
+        metavar="N",
+        help="also time N held-out random micro-batches through the full model and report "
+        "the fit's error on them (default 16; 0 to skip)",
+    )
+    parser.add_argument(
+        "--system-allocator",
+        action="store_true",
+        help="leave glibc malloc's dynamic mmap/trim thresholds alone (the default pins them, "
+        "which makes CPU step times predictable; see dyn_plugin/profiling/allocator.py)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -80,16 +113,28 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         raise ValueError(f"--recompute {','.join(bad)}: allowed modes are {', '.join(RECOMPUTES)}")
     grid = ProfileGrid(recomputes=recomputes)
-    overrides = {"seq_lens": args.seq_lens, "micro_batch_sizes": args.micro_batch_sizes,
-                 "max_tokens": args.max_tokens, "repeats": args.repeats}
+    overrides = {
+        "seq_lens": args.seq_lens,
+        "micro_batch_sizes": args.micro_batch_sizes,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+    }
     grid = replace(grid, **{k: v for k, v in overrides.items() if v is not None})
     if not grid.points():
         raise ValueError("the grid is empty: every (seq_len x micro_batch_size) exceeds --max-tokens")
     progress = not args.no_progress
     name = args.model if isinstance(args.model, str) and "/" not in args.model else model_cfg["model_type"]
-    profile = run_profile(model_cfg, name=name, grid=grid, validate=args.validate, threads=args.threads,
-                          fixed_allocator=not args.system_allocator, progress=progress, ranks=args.ranks,
-                          target=target)
+    profile = run_profile(
+        model_cfg,
+        name=name,
+        grid=grid,
+        validate=args.validate,
+        threads=args.threads,
+        fixed_allocator=not args.system_allocator,
+        progress=progress,
+        ranks=args.ranks,
+        target=target,
+    )
     save_profile(profile, args.out)
     print_summary(profile)
     print(f"profile written to {args.out}")
@@ -108,41 +153,57 @@ def print_summary(profile) -> None:
     print(f"{'table':<24}{'fwd MAPE':>10}{'bwd MAPE':>10}{'stored MAPE':>13}  (fit error)")
     for t in profile.tables:
         f = t.fits["layer"]
-        print(f"{t.layout + '/' + t.recompute + '/tp' + str(t.tp):<24}{f['forward_ms'].mape:>10.1%}"
-              f"{f['backward_ms'].mape:>10.1%}{f['stored_bytes'].mape:>13.1%}")
+        print(
+            f"{t.layout + '/' + t.recompute + '/tp' + str(t.tp):<24}{f['forward_ms'].mape:>10.1%}"
+            f"{f['backward_ms'].mape:>10.1%}{f['stored_bytes'].mape:>13.1%}"
+        )
     u = profile.update
     if u is not None and (u.optimizer or u.allreduce):
         params = cost.stage_params()
-        line = f"update of the whole model ({params / 1e6:.1f}M parameters): AdamW step " \
-               f"{cost.update.optimizer_ms(params):.1f} ms"
+        line = (
+            f"update of the whole model ({params / 1e6:.1f}M parameters): AdamW step "
+            f"{cost.update.optimizer_ms(params):.1f} ms"
+        )
         if u.allreduce:
             grad_bytes = params * Precision.of(cost.dtype).grad
-            line += f", {u.backend} all-reduce of its {cost.dtype} gradients among {profile.ranks}: " \
-                    f"{cost.update.allreduce_ms(grad_bytes, profile.ranks, 1.0):.1f} ms"
+            line += (
+                f", {u.backend} all-reduce of its {cost.dtype} gradients among {profile.ranks}: "
+                f"{cost.update.allreduce_ms(grad_bytes, profile.ranks, 1.0):.1f} ms"
+            )
         print(line)
     if u is not None and u.allgather and u.reducescatter:
         layer = cost.params["layer"] * Precision.of(cost.dtype).param
-        print(f"sharded data parallelism, {u.backend} among {profile.ranks}: all-gather of one layer's parameters "
-              f"{cost.update.allgather_ms(layer, profile.ranks, 1.0):.2f} ms, reduce-scatter of its gradients "
-              f"{cost.update.reducescatter_ms(layer, profile.ranks, 1.0):.2f} ms")
+        print(
+            f"sharded data parallelism, {u.backend} among {profile.ranks}: all-gather of one layer's parameters "
+            f"{cost.update.allgather_ms(layer, profile.ranks, 1.0):.2f} ms, reduce-scatter of its gradients "
+            f"{cost.update.reducescatter_ms(layer, profile.ranks, 1.0):.2f} ms"
+        )
     c = profile.collectives
     if c is not None and c.alltoall and c.p2p:
         sp, mib = cost.collectives, 1 << 20
-        print(f"sequence parallelism, {c.backend} among {profile.ranks}: all-to-all of 1 MiB per rank "
-              f"{sp.alltoall[0] + sp.alltoall[1] * mib:.2f} ms, ring exchange of 1 MiB "
-              f"{sp.p2p[0] + sp.p2p[1] * mib:.2f} ms")
+        print(
+            f"sequence parallelism, {c.backend} among {profile.ranks}: all-to-all of 1 MiB per rank "
+            f"{sp.alltoall[0] + sp.alltoall[1] * mib:.2f} ms, ring exchange of 1 MiB "
+            f"{sp.p2p[0] + sp.p2p[1] * mib:.2f} ms"
+        )
     if profile.ranks > 1 and u is not None and not u.allreduce:
-        print(f"all-reduce among {profile.ranks} not measured (fewer {d.type} devices than ranks), nor the "
-              "sharded data-parallel and sequence-parallel collectives: priced from the cluster's link bandwidth")
+        print(
+            f"all-reduce among {profile.ranks} not measured (fewer {d.type} devices than ranks), nor the "
+            "sharded data-parallel and sequence-parallel collectives: priced from the cluster's link bandwidth"
+        )
     v = profile.validation
     if v:
-        print(f"held-out: {v['count']} random micro-batches through the {v['num_layers']}-layer model "
-              f"({v['recompute']} recompute): step-time error mean {v['mape']:.1%}, max {v['max_ape']:.1%}")
+        print(
+            f"held-out: {v['count']} random micro-batches through the {v['num_layers']}-layer model "
+            f"({v['recompute']} recompute): step-time error mean {v['mape']:.1%}, max {v['max_ape']:.1%}"
+        )
     pyr = profile.pyramid
     if pyr:
         counts = "/".join(str(c["checkpointed"]) for c in pyr["cases"])
-        print(f"pyramid: peak memory with {counts} of {pyr['num_layers']} layers under {pyr['recompute']} recompute, "
-              f"predicted within {pyr['max_error']:.1%} of measured")
+        print(
+            f"pyramid: peak memory with {counts} of {pyr['num_layers']} layers under {pyr['recompute']} recompute, "
+            f"predicted within {pyr['max_error']:.1%} of measured"
+        )
 
 
 def run_import(args: argparse.Namespace) -> int:
@@ -151,8 +212,13 @@ def run_import(args: argparse.Namespace) -> int:
 
     if not (args.source and args.num_layers and args.hidden_size):
         raise ValueError("usage: dynplugin profile import FILE --num-layers N --hidden-size H --out profile.json")
-    profile = import_measured_tables(args.source, num_layers=args.num_layers, hidden_size=args.hidden_size,
-                                     num_heads=args.num_heads, num_kv_heads=args.num_kv_heads)
+    profile = import_measured_tables(
+        args.source,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+    )
     save_profile(profile, args.out)
     print_summary(profile)
     print(f"{len(profile.samples)} samples from {args.source} -> {args.out}")

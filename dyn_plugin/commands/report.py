@@ -1,4 +1,5 @@
 """``dynplugin report``: what is installed and active, like DeepSpeed's ds_report."""
+
 from __future__ import annotations
 
 import argparse

@@ -1,10 +1,11 @@
 """``dynplugin shard``: search a per-module sharding plan (OSDP) and print it as a table."""
+
 from __future__ import annotations
 
 import argparse
-import os
 import json
 import logging
+import os
 
 HELP = "search a sharding choice per module under the memory budget (OSDP); print it as a table and write the plan JSON"
 
@@ -12,17 +13,33 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="the model: a preset (tiny-llama, llama-350m, tiny-gpt2) or a "
-                                                       "HF config.json; built on the meta device, no weights")
-    parser.add_argument("--config", required=True, help="DeepSpeed JSON config with a dyn_plugin section "
-                                                        "(sharding.memory_budget_mb, cluster, cost_model)")
-    parser.add_argument("--lengths", default="code", help="lengths .npy/.json or a bundled distribution; one global "
-                                                          "batch of it is the typical step the search prices")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="the model: a preset (tiny-llama, llama-350m, tiny-gpt2) or a "
+        "HF config.json; built on the meta device, no weights",
+    )
+    parser.add_argument(
+        "--config",
+        required=True,
+        help="DeepSpeed JSON config with a dyn_plugin section (sharding.memory_budget_mb, cluster, cost_model)",
+    )
+    parser.add_argument(
+        "--lengths",
+        default="code",
+        help="lengths .npy/.json or a bundled distribution; one global "
+        "batch of it is the typical step the search prices",
+    )
     parser.add_argument("--world", type=int, help="ranks (default: cluster.devices_per_node * cluster.num_nodes)")
-    parser.add_argument("--host", choices=("fsdp2", "fsdp1", "zero3"), help="whose semantics price the choices "
-                                                                             "(default: sharding.host, auto = fsdp2)")
+    parser.add_argument(
+        "--host",
+        choices=("fsdp2", "fsdp1", "zero3"),
+        help="whose semantics price the choices (default: sharding.host, auto = fsdp2)",
+    )
     parser.add_argument("--out", default="shard-plan.json", help="where the plan JSON goes (default %(default)s)")
-    parser.add_argument("--plot", metavar="PNG", help="the memory/time frontier the search explored, with the chosen point")
+    parser.add_argument(
+        "--plot", metavar="PNG", help="the memory/time frontier the search explored, with the chosen point"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
 
@@ -43,8 +60,16 @@ def run(args: argparse.Namespace) -> int:
     name, units = config_units(args.model)
     lengths = cap_lengths(load_lengths(args.lengths), plugin.microbatching.max_seq_len, plugin.microbatching.truncate)
     ids = global_batches(lengths, plugin.microbatching.global_tokens, 1, args.seed)[0]
-    plan = search_sharding(units, cost, plugin, world=world, lengths=[int(lengths[i]) for i in ids], host=host,
-                           model=name, longest=int(lengths.max()))
+    plan = search_sharding(
+        units,
+        cost,
+        plugin,
+        world=world,
+        lengths=[int(lengths[i]) for i in ids],
+        host=host,
+        model=name,
+        longest=int(lengths.max()),
+    )
     plan.save(args.out)
     if args.json:
         print(json.dumps(plan.to_dict()))
@@ -60,19 +85,27 @@ def run(args: argparse.Namespace) -> int:
 def print_plan(plan) -> None:
     """One row per unit, consecutive identical rows of decoder layers folded into one."""
     mb = 1 << 20
-    print(f"{plan.model}: {plan.world} ranks, sharded over {plan.shard_size} ({plan.replicas} replica group(s)), "
-          f"{plan.dtype}, {plan.host}; budget {plan.memory_budget_bytes / mb:,.0f} MB; typical step "
-          f"{plan.micro_batches} micro-batches per rank")
+    print(
+        f"{plan.model}: {plan.world} ranks, sharded over {plan.shard_size} ({plan.replicas} replica group(s)), "
+        f"{plan.dtype}, {plan.host}; budget {plan.memory_budget_bytes / mb:,.0f} MB; typical step "
+        f"{plan.micro_batches} micro-batches per rank"
+    )
     print(f"{'module':<40}{'choice':<14}{'params':>12}{'MB each':>11}{'comm ms':>10}{'exposed ms':>11}")
-    rows = [(u.name or "(root)", u.choice.label, u.params, u.memory_bytes / mb, u.comm_ms, u.exposed_ms) for u in plan.units]
+    rows = [
+        (u.name or "(root)", u.choice.label, u.params, u.memory_bytes / mb, u.comm_ms, u.exposed_ms) for u in plan.units
+    ]
     for name, choice, params, mem, comm, exposed in _fold(rows):
         print(f"{name:<40}{choice:<14}{params:>12,}{mem:>11.1f}{comm:>10.1f}{exposed:>11.1f}")
     print(f"{'gather reserve':<66}{plan.gather_reserve_bytes / mb:>11.1f}")
     print(f"{'activations (typical step peak)':<66}{plan.activation_bytes / mb:>11.1f}")
-    print(f"{'total (predicted peak)':<66}{plan.peak_bytes / mb:>11.1f}{sum(u.comm_ms for u in plan.units):>10.1f}"
-          f"{plan.exposed_ms:>11.1f}")
-    print(f"simulated step: {plan.compute_ms:.1f} ms compute + {plan.exposed_ms:.1f} ms exposed communication = "
-          f"{plan.step_ms:.1f} ms")
+    print(
+        f"{'total (predicted peak)':<66}{plan.peak_bytes / mb:>11.1f}{sum(u.comm_ms for u in plan.units):>10.1f}"
+        f"{plan.exposed_ms:>11.1f}"
+    )
+    print(
+        f"simulated step: {plan.compute_ms:.1f} ms compute + {plan.exposed_ms:.1f} ms exposed communication = "
+        f"{plan.step_ms:.1f} ms"
+    )
 
 
 def _fold(rows: list[tuple]) -> list[tuple]:
@@ -83,8 +116,9 @@ def _fold(rows: list[tuple]) -> list[tuple]:
     groups: dict[tuple, list[str]] = {}
     for row in rows:
         m = re.search(r"\.(\d+)\.", row[0])
-        key = (re.sub(r"\.(\d+)\.", ".#.", row[0], count=1),) + tuple(round(v, 1) if isinstance(v, float) else v
-                                                                   for v in row[1:])
+        key = (re.sub(r"\.(\d+)\.", ".#.", row[0], count=1),) + tuple(
+            round(v, 1) if isinstance(v, float) else v for v in row[1:]
+        )
         groups.setdefault(key, []).append(m.group(1) if m else "")
     folded = []
     for key, idx in groups.items():
@@ -115,9 +149,20 @@ def plot_frontier(plan, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     if plan.frontier:
         xs, ys = zip(*plan.frontier)
-        ax.step(xs, ys, where="post", marker=".", label="frontier: fastest step within each peak memory (memory rounded up per module, as the knapsack counts it)")
-    ax.plot([plan.peak_bytes / mb], [plan.step_ms], "o", color="crimson",
-            label=f"chosen ({plan.peak_bytes / mb:,.0f} MB, {plan.step_ms:,.1f} ms)")
+        ax.step(
+            xs,
+            ys,
+            where="post",
+            marker=".",
+            label="frontier: fastest step within each peak memory (memory rounded up per module, as the knapsack counts it)",
+        )
+    ax.plot(
+        [plan.peak_bytes / mb],
+        [plan.step_ms],
+        "o",
+        color="crimson",
+        label=f"chosen ({plan.peak_bytes / mb:,.0f} MB, {plan.step_ms:,.1f} ms)",
+    )
     ax.axvline(plan.memory_budget_bytes / mb, color="gray", linestyle="--", label="memory budget")
     ax.set_xlabel("predicted peak memory per rank (MB)")
     ax.set_ylabel("simulated step (ms)")

@@ -1,30 +1,45 @@
 """``dynplugin strategy``: propose heterogeneous strategies (Hydraulis) for a length distribution."""
+
 from __future__ import annotations
 
 import argparse
 import logging
 import time
 
-HELP = ("propose heterogeneous parallel strategies (Hydraulis) for a length distribution: pipelines of different "
-        "tensor/pipeline/sequence-parallel schemes; print them and write the proposal JSON")
+HELP = (
+    "propose heterogeneous parallel strategies (Hydraulis) for a length distribution: pipelines of different "
+    "tensor/pipeline/sequence-parallel schemes; print them and write the proposal JSON"
+)
 
 logger = logging.getLogger(__name__)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("lengths", help="lengths .npy/.json or a bundled distribution (code, prose, mixture)")
     parser.add_argument("--gpus", type=int, help="GPUs of the cluster (default: the config's cluster size)")
-    parser.add_argument("--model", help="a model for simulated strategies over every (tp, pp, sp): gpt-6.7b (measured "
-                                        "A100 tables) or llama-7b, llama-13b, llama-32b (calibrated on them)")
-    parser.add_argument("--config", help="instead, a run's DeepSpeed JSON config (dyn_plugin section): strategies it "
-                                         "can run (its tp and pipeline stages; sequence_parallel.sizes), for "
-                                         "dyn_plugin.strategy.proposal")
-    parser.add_argument("--tokens", type=int, help="tokens per step (default: 4096 per GPU, or the config's "
-                                                   "microbatching.global_tokens)")
-    parser.add_argument("--max-len", type=int, default=32768, help="with --model: sequences are capped at this "
-                                                                   "(default %(default)s)")
+    parser.add_argument(
+        "--model",
+        help="a model for simulated strategies over every (tp, pp, sp): gpt-6.7b (measured "
+        "A100 tables) or llama-7b, llama-13b, llama-32b (calibrated on them)",
+    )
+    parser.add_argument(
+        "--config",
+        help="instead, a run's DeepSpeed JSON config (dyn_plugin section): strategies it "
+        "can run (its tp and pipeline stages; sequence_parallel.sizes), for "
+        "dyn_plugin.strategy.proposal",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        help="tokens per step (default: 4096 per GPU, or the config's microbatching.global_tokens)",
+    )
+    parser.add_argument(
+        "--max-len", type=int, default=32768, help="with --model: sequences are capped at this (default %(default)s)"
+    )
     parser.add_argument("--max-strategies", type=int, default=3, help="strategies besides the homogeneous one")
-    parser.add_argument("--cache", help="a directory of proposals keyed by their inputs (JSON): reused when the inputs "
-                                        "match")
+    parser.add_argument(
+        "--cache", help="a directory of proposals keyed by their inputs (JSON): reused when the inputs match"
+    )
     parser.add_argument("--out", default="strategy.json", help="where the proposal JSON goes (default %(default)s)")
     parser.add_argument("--plot", metavar="PNG", help="the strategies' GPUs by scheme")
 
@@ -69,8 +84,9 @@ def model_proposal(lengths, args: argparse.Namespace):
     cfg = strategy_config(args.max_len)
     kinds = scheme_costs(named_cost_model(args.model), cfg, gpus=gpus)
     key = proposal_key(lens, kinds, gpus=gpus, tokens=tokens, max_strategies=args.max_strategies, model=args.model)
-    return (lambda: propose(lens, kinds, gpus=gpus, tokens=tokens, max_strategies=args.max_strategies,
-                            model=args.model)), key
+    return (
+        lambda: propose(lens, kinds, gpus=gpus, tokens=tokens, max_strategies=args.max_strategies, model=args.model)
+    ), key
 
 
 def config_proposal(lengths, args: argparse.Namespace):
@@ -89,15 +105,23 @@ def config_proposal(lengths, args: argparse.Namespace):
     spec = planner_spec(build_cost_model(plugin.cost_model, plugin.cluster), plugin, dp=gpus // pp, zero_stage=1)
     lens = cap_lengths(lengths, plugin.microbatching.max_seq_len, plugin.microbatching.truncate)
     tokens = args.tokens or plugin.microbatching.global_tokens
-    key = proposal_key(lens, [k for k in scheme_kinds(lens, spec) if k.longest > 0], gpus=gpus, tokens=tokens,
-                       max_strategies=args.max_strategies, model=spec.cost.name)
+    key = proposal_key(
+        lens,
+        [k for k in scheme_kinds(lens, spec) if k.longest > 0],
+        gpus=gpus,
+        tokens=tokens,
+        max_strategies=args.max_strategies,
+        model=spec.cost.name,
+    )
     return (lambda: runnable_proposal(lens, spec, tokens=tokens, max_strategies=args.max_strategies)), key
 
 
 def print_proposal(proposal) -> None:
     inp = proposal.inputs
-    print(f"strategies for {inp.get('model', '?')} on {inp.get('gpus', '?')} GPUs, {inp.get('tokens', 0):,} tokens per "
-          f"step, {inp.get('sequences', '?')} lengths up to {inp.get('longest', '?')} (key {proposal.key})")
+    print(
+        f"strategies for {inp.get('model', '?')} on {inp.get('gpus', '?')} GPUs, {inp.get('tokens', 0):,} tokens per "
+        f"step, {inp.get('sequences', '?')} lengths up to {inp.get('longest', '?')} (key {proposal.key})"
+    )
     print(f"{'holds up to':>12}  {'estimate ms':>11}  pipelines")
     for s in proposal.strategies:
         print(f"{s.longest:>12,}  {s.estimate_ms:>11.1f}  {s.describe()}")

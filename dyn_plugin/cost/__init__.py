@@ -1,4 +1,5 @@
 """Cost models: what a micro-batch costs on one pipeline stage, in time and memory."""
+
 from .model import (
     CostModel,
     Layout,
@@ -13,6 +14,16 @@ from .model import (
 from .table import CostTable, LinearFit, TableCostModel
 
 __all__ = [
-    "CostModel", "CostTable", "Layout", "LinearFit", "MicroBatchCost", "ModelStateBytes",
-    "OutOfProfileRange", "Recompute", "StageSpec", "TableCostModel", "features", "split_layers",
+    "CostModel",
+    "CostTable",
+    "Layout",
+    "LinearFit",
+    "MicroBatchCost",
+    "ModelStateBytes",
+    "OutOfProfileRange",
+    "Recompute",
+    "StageSpec",
+    "TableCostModel",
+    "features",
+    "split_layers",
 ]

@@ -7,6 +7,7 @@ follows Korthikanti et al., "Reducing Activation Recomputation in Large Transfor
 mask add 5 bytes per head per query-key pair. Selective recompute drops the attention part,
 full recompute keeps only the layer input (2h bytes per token).
 """
+
 from __future__ import annotations
 
 from ..config import DeviceSpec, ModelShape

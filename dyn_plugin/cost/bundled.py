@@ -6,6 +6,7 @@
 cluster from a machine without one. The profiles folder holds data only: the cost models read
 it by path, so nothing there imports back into ``cost``.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -36,14 +36,15 @@ Checks (tests/test_schemes.py): calibrating the reference's own shape reproduces
 model exactly (every ratio is 1); Llama 7B and GPT 6.7B differ in time per token by what their
 FLOPs differ (the head's vocabulary, the gated MLP), Llama 13B by its larger width and depth.
 """
+
 from __future__ import annotations
 
 import functools
 from dataclasses import replace
 
 from ..config import DeviceSpec, ModelShape
-from .bundled import load_bundled
 from .analytic import analytic_cost_model, param_counts
+from .bundled import load_bundled
 from .profile import cost_model_from_profile
 from .table import CostTable, LinearFit, TableCostModel
 
@@ -52,16 +53,45 @@ REFERENCE = "gpt-6.7b"
 
 MODELS: dict[str, ModelShape] = {
     # the measured model (the DynaPipe artifact's Megatron GPT config)
-    "gpt-6.7b": ModelShape(hidden_size=4096, num_layers=32, num_heads=32, ffn_hidden_size=16384, vocab_size=50257,
-                           gated_mlp=False, flash_attention=False),
-    "llama-7b": ModelShape(hidden_size=4096, num_layers=32, num_heads=32, ffn_hidden_size=11008, vocab_size=32000,
-                           gated_mlp=True, flash_attention=False),
-    "llama-13b": ModelShape(hidden_size=5120, num_layers=40, num_heads=40, ffn_hidden_size=13824, vocab_size=32000,
-                            gated_mlp=True, flash_attention=False),
+    "gpt-6.7b": ModelShape(
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        ffn_hidden_size=16384,
+        vocab_size=50257,
+        gated_mlp=False,
+        flash_attention=False,
+    ),
+    "llama-7b": ModelShape(
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        ffn_hidden_size=11008,
+        vocab_size=32000,
+        gated_mlp=True,
+        flash_attention=False,
+    ),
+    "llama-13b": ModelShape(
+        hidden_size=5120,
+        num_layers=40,
+        num_heads=40,
+        ffn_hidden_size=13824,
+        vocab_size=32000,
+        gated_mlp=True,
+        flash_attention=False,
+    ),
     # a 32B-class model: Qwen2.5-32B's shape, chosen over Llama's 30B/33B (52 heads) because its 40 query and
     # 8 key/value heads split over tensor parallelism of 8
-    "llama-32b": ModelShape(hidden_size=5120, num_layers=64, num_heads=40, num_kv_heads=8, ffn_hidden_size=27648,
-                            vocab_size=152064, gated_mlp=True, flash_attention=False),
+    "llama-32b": ModelShape(
+        hidden_size=5120,
+        num_layers=64,
+        num_heads=40,
+        num_kv_heads=8,
+        ffn_hidden_size=27648,
+        vocab_size=152064,
+        gated_mlp=True,
+        flash_attention=False,
+    ),
 }
 
 
@@ -74,41 +104,65 @@ def _scaled(measured: float, shape_term: float, ref_term: float) -> float:
 
 def _calibrated_fit(measured: LinearFit, shape_fit: LinearFit, ref_fit: LinearFit) -> LinearFit:
     c0, c1, c2 = measured.coef
-    return replace(measured, coef=(c0, _scaled(c1, shape_fit.coef[1], ref_fit.coef[1]),
-                                   _scaled(c2, shape_fit.coef[2], ref_fit.coef[2])))
+    return replace(
+        measured,
+        coef=(c0, _scaled(c1, shape_fit.coef[1], ref_fit.coef[1]), _scaled(c2, shape_fit.coef[2], ref_fit.coef[2])),
+    )
 
 
-def calibrated_cost_model(shape: ModelShape, *, reference: TableCostModel | None = None,
-                          reference_shape: ModelShape = MODELS[REFERENCE], dtype: str = "fp16") -> TableCostModel:
+def calibrated_cost_model(
+    shape: ModelShape,
+    *,
+    reference: TableCostModel | None = None,
+    reference_shape: ModelShape = MODELS[REFERENCE],
+    dtype: str = "fp16",
+) -> TableCostModel:
     """``shape`` priced on the reference's hardware and stack (default: the measured A100 tables of
     ``gpt-6.7b``, whose shape is ``reference_shape``); see the module docstring for the method."""
     if dtype not in ("fp16", "bf16"):
-        raise ValueError(f"dtype {dtype!r}: the measured tables are 16-bit (fp16); an A100 runs bf16 at the same "
-                         "rate, other precisions would need their own measurements")
+        raise ValueError(
+            f"dtype {dtype!r}: the measured tables are 16-bit (fp16); an A100 runs bf16 at the same "
+            "rate, other precisions would need their own measurements"
+        )
     reference = reference if reference is not None else named_cost_model(REFERENCE)
     tps = tuple(sorted({tp for _, _, tp in reference.tables}))
     ours = analytic_cost_model(shape, A100, dtype, tps)
     theirs = analytic_cost_model(reference_shape, A100, dtype, tps)
     tables = {}
     for key, table in reference.tables.items():
-        fits = {comp: {metric: _calibrated_fit(fit, ours.tables[key].fits[comp][metric],
-                                               theirs.tables[key].fits[comp][metric])
-                       for metric, fit in metrics.items()}
-                for comp, metrics in table.fits.items()}
+        fits = {
+            comp: {
+                metric: _calibrated_fit(fit, ours.tables[key].fits[comp][metric], theirs.tables[key].fits[comp][metric])
+                for metric, fit in metrics.items()
+            }
+            for comp, metrics in table.fits.items()
+        }
         tables[key] = CostTable(table.layout, table.recompute, table.tp, fits, table.max_tokens, table.max_len)
     ours_params, theirs_params = param_counts(shape), param_counts(reference_shape)
     params = {c: _scaled(n, ours_params[c], theirs_params[c]) for c, n in reference.params.items()}
-    return replace(reference, name=f"{reference.name}~{shape.hidden_size}x{shape.num_layers}",
-                   num_layers=shape.num_layers, tables=tables, params=params, dtype=dtype,
-                   hidden_size=shape.hidden_size, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads)
+    return replace(
+        reference,
+        name=f"{reference.name}~{shape.hidden_size}x{shape.num_layers}",
+        num_layers=shape.num_layers,
+        tables=tables,
+        params=params,
+        dtype=dtype,
+        hidden_size=shape.hidden_size,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+    )
 
 
 @functools.lru_cache(maxsize=1)
 def _measured() -> TableCostModel:
     shape = MODELS[REFERENCE]
     # a planner extrapolates beyond the tables' 8192 tokens (flagging it); the import does not know the heads
-    return replace(cost_model_from_profile(load_bundled("a100-gpt-6.7b")), allow_extrapolation=True,
-                   num_heads=shape.num_heads, num_kv_heads=shape.num_heads)
+    return replace(
+        cost_model_from_profile(load_bundled("a100-gpt-6.7b")),
+        allow_extrapolation=True,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_heads,
+    )
 
 
 def named_cost_model(name: str) -> TableCostModel:

@@ -1,4 +1,5 @@
 """The cost model a config asks for."""
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,9 @@ def build_cost_model(cfg: CostModelConfig, cluster: ClusterConfig) -> TableCostM
         from .analytic import analytic_cost_model
 
         if cfg.model is None:
-            raise ValueError("dyn_plugin.cost_model.model is required for kind='analytic' (hidden_size, num_layers, ...)")
+            raise ValueError(
+                "dyn_plugin.cost_model.model is required for kind='analytic' (hidden_size, num_layers, ...)"
+            )
         return analytic_cost_model(cfg.model, cluster.device, cfg.dtype)
     from .bundled import load_bundled, names
     from .profile import cost_model_from_profile, load_profile

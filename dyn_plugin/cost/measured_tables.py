@@ -12,6 +12,7 @@ Two documented assumptions, both recorded in the profile's ``grid``:
   comparable to per token; the tables themselves hold padded batches only;
 - MB means 2^20 bytes; the head's memory was not measured and counts as zero.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,14 @@ def _rows(table: dict[str, Any], key: str, name: str) -> dict[tuple[int, int], f
     return {(int(s), int(b)): float(v) for s, b, v in table[key].get(name, [])}
 
 
-def import_measured_tables(source: str | os.PathLike | dict[str, Any], *, num_layers: int, hidden_size: int,
-                           num_heads: int | None = None, num_kv_heads: int | None = None) -> Profile:
+def import_measured_tables(
+    source: str | os.PathLike | dict[str, Any],
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+) -> Profile:
     """The tables hold one layer; the model's depth and width come from the caller, and so do its
     attention heads (default: those of the artifact's models by table name, else unknown)."""
     if isinstance(source, dict):
@@ -53,14 +60,35 @@ def import_measured_tables(source: str | os.PathLike | dict[str, Any], *, num_la
         # Only points with every value: a missing one was not measured (out of memory), not free.
         for key in sorted(fwd.keys() & bwd.keys() & stored.keys() & peak.keys()):
             s, b = key
-            samples.append(Sample(component="layer", layout="padded", recompute=rc, tp=tp, seq_lens=[s] * b,
-                                  forward_ms=fwd[key], backward_ms=bwd[key], stored_bytes=stored[key] * MB,
-                                  peak_bytes=max(peak[key], stored[key]) * MB))
+            samples.append(
+                Sample(
+                    component="layer",
+                    layout="padded",
+                    recompute=rc,
+                    tp=tp,
+                    seq_lens=[s] * b,
+                    forward_ms=fwd[key],
+                    backward_ms=bwd[key],
+                    stored_bytes=stored[key] * MB,
+                    peak_bytes=max(peak[key], stored[key]) * MB,
+                )
+            )
         hf, hb = _rows(t, "time_ms", "postprocess.forward"), _rows(t, "time_ms", "postprocess.backward")
         for key in sorted(hf.keys() & hb.keys()):
             s, b = key
-            samples.append(Sample(component="head", layout="padded", recompute=rc, tp=tp, seq_lens=[s] * b,
-                                  forward_ms=hf[key], backward_ms=hb[key], stored_bytes=0.0, peak_bytes=0.0))
+            samples.append(
+                Sample(
+                    component="head",
+                    layout="padded",
+                    recompute=rc,
+                    tp=tp,
+                    seq_lens=[s] * b,
+                    forward_ms=hf[key],
+                    backward_ms=hb[key],
+                    stored_bytes=0.0,
+                    peak_bytes=0.0,
+                )
+            )
         if tp == 1 and params is None:
             # fp16 parameters: 2 bytes each. The LM head shares the embedding's weights.
             emb = t["params_mb"]["embedding"] * MB / 2
@@ -68,11 +96,19 @@ def import_measured_tables(source: str | os.PathLike | dict[str, Any], *, num_la
     if not samples or params is None:
         raise ValueError(f"{where}: no complete rows (need encoder forward/backward/stored/peak at tp=1)")
     return Profile(
-        schema=SCHEMA, version=VERSION, created="",
-        model=ModelInfo(name=raw.get("name", "imported"), num_layers=num_layers, hidden_size=hidden_size,
-                        num_heads=num_heads or HEADS.get(raw.get("name")), num_kv_heads=num_kv_heads,
-                        params=params, dtype="fp16",
-                        config={"description": raw.get("description", "")}),
+        schema=SCHEMA,
+        version=VERSION,
+        created="",
+        model=ModelInfo(
+            name=raw.get("name", "imported"),
+            num_layers=num_layers,
+            hidden_size=hidden_size,
+            num_heads=num_heads or HEADS.get(raw.get("name")),
+            num_kv_heads=num_kv_heads,
+            params=params,
+            dtype="fp16",
+            config={"description": raw.get("description", "")},
+        ),
         device=DeviceInfo(type="gpu", name=raw.get("measured_on", "unknown").split(",")[0]),
         grid={"source": raw.get("source", ""), "memory_unit": "MB = 2^20 bytes; head memory not measured"},
         packed_from_padded=True,

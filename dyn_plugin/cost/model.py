@@ -11,6 +11,7 @@ micro-batch to two features of its sequence lengths:
 Linear layers scale with ``slots``, attention with ``attn``; that is what makes packing and
 padding comparable under one model.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,8 +68,9 @@ def features(seq_lens: Sequence[int], layout: Layout, pad_multiple: int = 8, sp:
     if layout == "padded":
         return Features(slots=float(rows * width) / sp, attn=float(rows * width * width) / sp, max_len=width)
     fill = width - sum(seq_lens)  # the padding document, a causal block of its own
-    return Features(slots=float(width) / sp, attn=float(sum(x * x for x in seq_lens) + fill * fill) / sp,
-                    max_len=max(seq_lens))
+    return Features(
+        slots=float(width) / sp, attn=float(sum(x * x for x in seq_lens) + fill * fill) / sp, max_len=max(seq_lens)
+    )
 
 
 @dataclass(frozen=True)
@@ -85,9 +87,7 @@ def split_layers(num_layers: int, stages: int) -> list[StageSpec]:
     if stages < 1 or stages > num_layers:
         raise ValueError(f"cannot split {num_layers} layers over {stages} pipeline stages")
     base, extra = divmod(num_layers, stages)
-    return [
-        StageSpec(base + (i < extra), first=i == 0, last=i == stages - 1) for i in range(stages)
-    ]
+    return [StageSpec(base + (i < extra), first=i == 0, last=i == stages - 1) for i in range(stages)]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
 """The optional C++ extension (csrc/), or None where it was not built."""
+
 from __future__ import annotations
 
 import logging

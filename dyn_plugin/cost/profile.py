@@ -6,6 +6,7 @@ docs/profile-format.md). Its
 its ``tables`` are the fits. A profile written elsewhere (another machine, a GPU) may omit
 ``tables``: they are fitted from ``samples`` when it is loaded.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,7 +43,9 @@ class Sample(_Record):
     layout: Literal["padded", "packed"]
     recompute: Literal["none", "selective", "full"]
     tp: int = Field(default=1, gt=0)
-    seq_lens: list[int] = Field(min_length=1, description="padded: the row length repeated per row; packed: document lengths")
+    seq_lens: list[int] = Field(
+        min_length=1, description="padded: the row length repeated per row; packed: document lengths"
+    )
     forward_ms: float = Field(gt=0)
     backward_ms: float = Field(gt=0)
     stored_bytes: float = Field(ge=0)
@@ -63,7 +66,10 @@ class Table(_Record):
     tp: int = Field(gt=0)
     max_tokens: float
     max_len: float
-    fits: dict[Literal["embedding", "layer", "head"], dict[Literal["forward_ms", "backward_ms", "stored_bytes", "peak_bytes"], Fit]]
+    fits: dict[
+        Literal["embedding", "layer", "head"],
+        dict[Literal["forward_ms", "backward_ms", "stored_bytes", "peak_bytes"], Fit],
+    ]
 
 
 class ModelInfo(_Record):
@@ -89,8 +95,10 @@ class DeviceInfo(_Record):
     type: str = Field(description="torch device type the samples were measured on: cpu, cuda (or gpu for imports)")
     name: str
     dtype: Literal["fp32", "fp16", "bf16"] | None = Field(
-        default=None, description="precision the samples were measured in (the config's cost_model.dtype "
-        "literals); absent in version 1 files, where it is the model's dtype")
+        default=None,
+        description="precision the samples were measured in (the config's cost_model.dtype "
+        "literals); absent in version 1 files, where it is the model's dtype",
+    )
     threads: int | None = None
     torch: str | None = None
 
@@ -102,9 +110,11 @@ class UpdateSamples(_Record):
     optimizer: list[tuple[float, float]] = Field(default=[], description="(parameters, ms) of one AdamW step")
     allreduce: list[tuple[float, float]] = Field(default=[], description="(bytes, ms) of an all-reduce among `ranks`")
     allgather: list[tuple[float, float]] = Field(
-        default=[], description="(bytes gathered per rank: the whole buffer, ms) of an all-gather among `ranks`")
+        default=[], description="(bytes gathered per rank: the whole buffer, ms) of an all-gather among `ranks`"
+    )
     reducescatter: list[tuple[float, float]] = Field(
-        default=[], description="(bytes reduced per rank: the whole buffer, ms) of a reduce-scatter among `ranks`")
+        default=[], description="(bytes reduced per rank: the whole buffer, ms) of a reduce-scatter among `ranks`"
+    )
 
 
 class CollectiveSamples(_Record):
@@ -112,10 +122,13 @@ class CollectiveSamples(_Record):
 
     backend: str = "gloo"
     alltoall: list[tuple[float, float]] = Field(
-        default=[], description="(bytes, ms) of an all-to-all of a buffer of that many bytes per rank among `ranks`")
+        default=[], description="(bytes, ms) of an all-to-all of a buffer of that many bytes per rank among `ranks`"
+    )
     p2p: list[tuple[float, float]] = Field(
-        default=[], description="(bytes, ms) of a ring exchange among `ranks`: each sends that many bytes to the "
-        "next rank while it receives as many from the previous one")
+        default=[],
+        description="(bytes, ms) of a ring exchange among `ranks`: each sends that many bytes to the "
+        "next rank while it receives as many from the previous one",
+    )
 
 
 class Profile(_Record):
@@ -135,22 +148,32 @@ class Profile(_Record):
     )
     validation: dict[str, Any] | None = Field(default=None, description="held-out check of the fit, if one was run")
     pyramid: dict[str, Any] | None = Field(
-        default=None, description="peak activation memory of one micro-batch at several checkpointed-layer counts, "
-        "measured against the fit's prediction, if checked")
-    ranks: int = Field(default=1, ge=1, description="processes training side by side while measuring: the profiled "
-                       "one and ranks-1 load processes (ranks on one host slow each other down)")
+        default=None,
+        description="peak activation memory of one micro-batch at several checkpointed-layer counts, "
+        "measured against the fit's prediction, if checked",
+    )
+    ranks: int = Field(
+        default=1,
+        ge=1,
+        description="processes training side by side while measuring: the profiled "
+        "one and ranks-1 load processes (ranks on one host slow each other down)",
+    )
     update: UpdateSamples | None = Field(default=None, description="gradient all-reduce and optimizer step, measured")
     collectives: CollectiveSamples | None = Field(
-        default=None, description="sequence-parallel all-to-all and ring exchange, measured; absent: priced from the "
-        "cluster's link bandwidth")
+        default=None,
+        description="sequence-parallel all-to-all and ring exchange, measured; absent: priced from the "
+        "cluster's link bandwidth",
+    )
 
     @model_validator(mode="after")
     def _measured_dtype(self) -> "Profile":
         if self.device.dtype is None:  # a version 1 file: measured in the model's training dtype
             self.device = self.device.model_copy(update={"dtype": self.model.dtype})
         elif self.device.dtype != self.model.dtype:
-            raise ValueError(f"device.dtype {self.device.dtype!r} differs from model.dtype {self.model.dtype!r}: "
-                             "a profile is measured in the precision it prices")
+            raise ValueError(
+                f"device.dtype {self.device.dtype!r} differs from model.dtype {self.model.dtype!r}: "
+                "a profile is measured in the precision it prices"
+            )
         return self
 
 
@@ -221,12 +244,20 @@ def fit_tables(samples: list[Sample], pad_multiple: int = 8) -> list[Table]:
         fits["embedding"] = embedding
         used = [s for c in by_comp.values() for s in c]
         feats = [features(s.seq_lens, layout, pad_multiple) for s in used]
-        fit_records = {c: {m: Fit(coef=f.coef, mape=f.mape, max_ape=f.max_ape, n=f.n, floor=f.floor)
-                           for m, f in fits[c].items()} for c in COMPONENTS}
-        tables.append(Table(
-            layout=layout, recompute=recompute, tp=tp, fits=fit_records,
-            max_tokens=max(f.slots for f in feats), max_len=max(f.max_len for f in feats),
-        ))
+        fit_records = {
+            c: {m: Fit(coef=f.coef, mape=f.mape, max_ape=f.max_ape, n=f.n, floor=f.floor) for m, f in fits[c].items()}
+            for c in COMPONENTS
+        }
+        tables.append(
+            Table(
+                layout=layout,
+                recompute=recompute,
+                tp=tp,
+                fits=fit_records,
+                max_tokens=max(f.slots for f in feats),
+                max_len=max(f.max_len for f in feats),
+            )
+        )
     return tables
 
 
@@ -239,7 +270,7 @@ def load_profile(source: str | os.PathLike | dict[str, Any]) -> Profile:
         with open(source) as f:
             raw = json.load(f)
     if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
-        raise ValueError(f"{where} is not a dyn_plugin profile (expected \"schema\": \"{SCHEMA}\")")
+        raise ValueError(f'{where} is not a dyn_plugin profile (expected "schema": "{SCHEMA}")')
     if raw.get("version") not in READS:
         raise ValueError(
             f"{where} has profile schema version {raw.get('version')!r}; this dyn-plugin reads versions "
@@ -265,8 +296,10 @@ def save_profile(profile: Profile, path: str | os.PathLike) -> None:
 def cost_model_from_profile(profile: Profile, *, allow_extrapolation: bool = False) -> TableCostModel:
     tables = {}
     for t in profile.tables or fit_tables(profile.samples, profile.pad_multiple):
-        fits = {c: {m: LinearFit(f.coef, f.mape, f.max_ape, f.n, f.floor) for m, f in ms.items()}
-                for c, ms in t.fits.items()}
+        fits = {
+            c: {m: LinearFit(f.coef, f.mape, f.max_ape, f.n, f.floor) for m, f in ms.items()}
+            for c, ms in t.fits.items()
+        }
         layouts = ("padded", "packed") if profile.packed_from_padded and t.layout == "padded" else (t.layout,)
         for layout in layouts:
             tables[(layout, t.recompute, t.tp)] = CostTable(layout, t.recompute, t.tp, fits, t.max_tokens, t.max_len)
@@ -279,14 +312,20 @@ def cost_model_from_profile(profile: Profile, *, allow_extrapolation: bool = Fal
         pad_multiple=profile.pad_multiple,
         allow_extrapolation=allow_extrapolation,
         hidden_size=profile.model.hidden_size,
-        update=UpdateCost.fit(profile.update.optimizer, profile.update.allreduce, max(profile.ranks, 2),
-                              profile.update.allgather, profile.update.reducescatter)
-        if profile.update else UpdateCost(),
+        update=UpdateCost.fit(
+            profile.update.optimizer,
+            profile.update.allreduce,
+            max(profile.ranks, 2),
+            profile.update.allgather,
+            profile.update.reducescatter,
+        )
+        if profile.update
+        else UpdateCost(),
         num_heads=profile.model.num_heads,
         num_kv_heads=profile.model.num_kv_heads,
-        collectives=SequenceParallelCost.fit(profile.collectives.alltoall, profile.collectives.p2p,
-                                             max(profile.ranks, 2))
-        if profile.collectives else SequenceParallelCost(),
+        collectives=SequenceParallelCost.fit(
+            profile.collectives.alltoall, profile.collectives.p2p, max(profile.ranks, 2)
+        )
+        if profile.collectives
+        else SequenceParallelCost(),
     )
-
-

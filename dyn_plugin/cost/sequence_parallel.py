@@ -14,6 +14,7 @@ four numbers the planners (and the C++ evaluator) add per layer. Times come from
 point-to-point exchanges measured by ``dynplugin profile --ranks N`` on the backend training
 uses, scaled to k ranks; without a measurement, from the cluster's link bandwidth and latency.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,8 +68,18 @@ class SequenceParallelCost:
             return latency_us / 1e3, 1.0 / (link_gb_per_s * 1e6)
         return self.p2p
 
-    def layer(self, k: int, kind: AttentionKind, recompute: Recompute, *, hidden: int, kv_hidden: int,
-              act_bytes: int, link_gb_per_s: float, latency_us: float) -> LayerComm:
+    def layer(
+        self,
+        k: int,
+        kind: AttentionKind,
+        recompute: Recompute,
+        *,
+        hidden: int,
+        kv_hidden: int,
+        act_bytes: int,
+        link_gb_per_s: float,
+        latency_us: float,
+    ) -> LayerComm:
         """One transformer layer's collectives for a micro-batch split over ``k`` ranks."""
         if k <= 1:
             return LayerComm()
@@ -97,8 +108,9 @@ class SequenceParallelCost:
         return cls(pair(d.get("alltoall")), pair(d.get("p2p")), int(d.get("ranks", 2)))
 
     @classmethod
-    def fit(cls, alltoall: Sequence[Sequence[float]] | None, p2p: Sequence[Sequence[float]] | None,
-            ranks: int) -> "SequenceParallelCost":
+    def fit(
+        cls, alltoall: Sequence[Sequence[float]] | None, p2p: Sequence[Sequence[float]] | None, ranks: int
+    ) -> "SequenceParallelCost":
         """From measured (bytes, ms) points among ``ranks`` processes: an all-to-all of a buffer of
         that many bytes per rank, and one ring exchange of a block of that many bytes."""
         return cls(fit_line(alltoall), fit_line(p2p), ranks)
@@ -114,10 +126,12 @@ def attention_kind(k: int, wanted: str, num_heads: int | None, num_kv_heads: int
         return "ring" if k > 1 else "ulysses"
     if wanted == "ulysses":
         if not divides:
-            raise ValueError(f"sequence_parallel.attention = 'ulysses' with a group of {k} ranks: Ulysses splits the "
-                             f"heads over the group, and {heads} query / {kv} key-value heads do not divide by {k}; "
-                             "use attention 'ring' or 'auto', or leave size "
-                             f"{k} out of sequence_parallel.sizes")
+            raise ValueError(
+                f"sequence_parallel.attention = 'ulysses' with a group of {k} ranks: Ulysses splits the "
+                f"heads over the group, and {heads} query / {kv} key-value heads do not divide by {k}; "
+                "use attention 'ring' or 'auto', or leave size "
+                f"{k} out of sequence_parallel.sizes"
+            )
         return "ulysses"
     return "ulysses" if divides else "ring"
 
@@ -127,6 +141,8 @@ def group_sizes(columns: int, allowed: Sequence[int]) -> tuple[int, ...]:
     sequence is split (a fixed sequence-parallel size, as DeepSpeed Ulysses runs it)."""
     sizes = tuple(sorted({k for k in allowed if k <= columns}))
     if not sizes:
-        raise ValueError(f"sequence_parallel.sizes = {list(allowed)}: none fits the {columns} data-parallel columns; "
-                         f"allow a size <= {columns}, e.g. [1, 2]")
+        raise ValueError(
+            f"sequence_parallel.sizes = {list(allowed)}: none fits the {columns} data-parallel columns; "
+            f"allow a size <= {columns}, e.g. [1, 2]"
+        )
     return sizes

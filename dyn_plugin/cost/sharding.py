@@ -41,6 +41,7 @@ Collectives are priced from the measured lines of ``UpdateCost`` where the profi
 when the group's ranks fit in one (groups are consecutive ranks: the shard group, the reshard
 group inside it; the replica group strides over them, so it spans the world), else between nodes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -93,8 +94,13 @@ class Links:
 
     @classmethod
     def of(cls, cluster: ClusterConfig, update: UpdateCost) -> "Links":
-        return cls(update, cluster.devices_per_node, cluster.intra_node_gb_per_s, cluster.inter_node_gb_per_s,
-                   cluster.latency_us)
+        return cls(
+            update,
+            cluster.devices_per_node,
+            cluster.intra_node_gb_per_s,
+            cluster.inter_node_gb_per_s,
+            cluster.latency_us,
+        )
 
     def _link(self, span: int) -> float:
         return self.intra_gb_per_s if span <= self.devices_per_node else self.inter_gb_per_s
@@ -128,8 +134,10 @@ class Prices:
         return np.where(self.allowed, self.exposed_ms + self.optimizer_ms, np.inf)
 
 
-def unit_compute(units: Sequence[Unit], component_ms: Mapping[str, tuple[np.ndarray, np.ndarray]],
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def unit_compute(
+    units: Sequence[Unit],
+    component_ms: Mapping[str, tuple[np.ndarray, np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray]:
     """(forward, backward) ms of each unit in each micro-batch, [unit, micro-batch].
 
     ``component_ms``: per component ("embedding", "head", and "layer" for one decoder layer),
@@ -162,9 +170,19 @@ def unit_compute(units: Sequence[Unit], component_ms: Mapping[str, tuple[np.ndar
     return np.array(fwd), np.array(bwd)
 
 
-def price(units: Sequence[Unit], choices: Sequence[ChoiceLike], *, dtype: str, world: int, shard_size: int,
-          forward_ms: np.ndarray, backward_ms: np.ndarray, links: Links, overlap: float = 1.0,
-          host: str = "fsdp2") -> Prices:
+def price(
+    units: Sequence[Unit],
+    choices: Sequence[ChoiceLike],
+    *,
+    dtype: str,
+    world: int,
+    shard_size: int,
+    forward_ms: np.ndarray,
+    backward_ms: np.ndarray,
+    links: Links,
+    overlap: float = 1.0,
+    host: str = "fsdp2",
+) -> Prices:
     """Memory, communication and exposed time of every unit (in forward order) under every choice,
     per rank and step; ``forward_ms``/``backward_ms``: [unit, micro-batch] (``unit_compute``)."""
     if host not in HOST_KINDS:
@@ -173,21 +191,25 @@ def price(units: Sequence[Unit], choices: Sequence[ChoiceLike], *, dtype: str, w
         raise ValueError(f"shard_size {shard_size} does not divide the world of {world} ranks")
     bad = [c.kind for c in choices if c.kind not in HOST_KINDS[host]]
     if bad:
-        raise ValueError(f"{host} cannot run sharding choice(s) {sorted(set(bad))}; it runs "
-                         f"{', '.join(HOST_KINDS[host])}")
+        raise ValueError(
+            f"{host} cannot run sharding choice(s) {sorted(set(bad))}; it runs {', '.join(HOST_KINDS[host])}"
+        )
     prec = Precision.of(dtype)
     p, g, o = prec.param, prec.grad, prec.optimizer
     P = np.array([u.params for u in units], dtype=float)
     fwd, bwd = np.asarray(forward_ms, dtype=float), np.asarray(backward_ms, dtype=float)
     if fwd.shape != bwd.shape or fwd.shape[0] != len(units) or fwd.shape[1] < 1:
-        raise ValueError(f"forward_ms and backward_ms must be [units={len(units)}, micro-batches >= 1]; got "
-                         f"{fwd.shape} and {bwd.shape}")
+        raise ValueError(
+            f"forward_ms and backward_ms must be [units={len(units)}, micro-batches >= 1]; got "
+            f"{fwd.shape} and {bwd.shape}"
+        )
     M = fwd.shape[1]
     N, R = shard_size, world // shard_size
     zero = np.zeros((1, M))
     # per kind of collective, [unit, micro-batch]: the compute beside it
-    hide = overlap * np.stack([np.concatenate([zero, fwd[:-1]]), np.concatenate([bwd[1:], zero]),
-                               np.concatenate([zero, bwd[:-1]])])
+    hide = overlap * np.stack(
+        [np.concatenate([zero, fwd[:-1]]), np.concatenate([bwd[1:], zero]), np.concatenate([zero, bwd[:-1]])]
+    )
     step_once = host != "fsdp1"  # FSDP1 cannot keep a module gathered, or gradients unreduced, across micro-batches
 
     def reduce(params: np.ndarray) -> np.ndarray:
@@ -224,9 +246,13 @@ def price(units: Sequence[Unit], choices: Sequence[ChoiceLike], *, dtype: str, w
             allowed[:, j] = [u.linear_out > 0 and u.linear_out % k == 0 for u in units]
         else:
             a = amounts(c.kind, P, c.reshard_to)
-            memory[:, j] = {"replicate": states + (P * p if host == "fsdp2" else 0.0),
-                            "keep": states / N + P * (p + g), "grad_op": states / N + P * p,
-                            "full": states / N, "reshard": states / N + P * p / max(c.reshard_to, 1)}[c.kind]
+            memory[:, j] = {
+                "replicate": states + (P * p if host == "fsdp2" else 0.0),
+                "keep": states / N + P * (p + g),
+                "grad_op": states / N + P * p,
+                "full": states / N,
+                "reshard": states / N + P * p / max(c.reshard_to, 1),
+            }[c.kind]
         # per micro-batch: every one, plus the first's and the last's (one and the same when M = 1)
         per_mb = np.repeat(a[:, _EVERY, :, None], M, axis=2)
         per_mb[:, :, 0] += a[:, _FIRST]

@@ -5,6 +5,7 @@ micro-batch features: ``y = c0 + c1*tokens + c2*attn``. The analytic model deriv
 coefficients from FLOPs and bytes; the fitted model from measurements. Because the form is
 fixed, the C++ planners evaluate it without calling back into Python.
 """
+
 from __future__ import annotations
 
 import logging
@@ -13,8 +14,20 @@ from typing import Sequence
 
 import numpy as np
 
-from .model import (COMPONENTS, METRICS, Features, Layout, MicroBatchCost, ModelStateBytes, OutOfProfileRange,
-                    Precision, Recompute, StageSpec, features, zero_sharded_states)
+from .model import (
+    COMPONENTS,
+    METRICS,
+    Features,
+    Layout,
+    MicroBatchCost,
+    ModelStateBytes,
+    OutOfProfileRange,
+    Precision,
+    Recompute,
+    StageSpec,
+    features,
+    zero_sharded_states,
+)
 from .native import core
 from .sequence_parallel import SequenceParallelCost
 from .update import UpdateCost
@@ -148,14 +161,26 @@ class TableCostModel:
     def to_dict(self) -> dict:
         """Plain JSON-able form (coefficients only), e.g. for planner processes; see from_dict."""
         return {
-            "name": self.name, "num_layers": self.num_layers, "params": self.params, "dtype": self.dtype,
-            "pad_multiple": self.pad_multiple, "allow_extrapolation": self.allow_extrapolation,
-            "hidden_size": self.hidden_size, "update": self.update.to_dict(), "num_heads": self.num_heads,
-            "num_kv_heads": self.num_kv_heads, "collectives": self.collectives.to_dict(),
+            "name": self.name,
+            "num_layers": self.num_layers,
+            "params": self.params,
+            "dtype": self.dtype,
+            "pad_multiple": self.pad_multiple,
+            "allow_extrapolation": self.allow_extrapolation,
+            "hidden_size": self.hidden_size,
+            "update": self.update.to_dict(),
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "collectives": self.collectives.to_dict(),
             "tables": [
-                {"layout": t.layout, "recompute": t.recompute, "tp": t.tp, "max_tokens": t.max_tokens,
-                 "max_len": t.max_len,
-                 "fits": {c: {m: [*f.coef, f.floor] for m, f in ms.items()} for c, ms in t.fits.items()}}
+                {
+                    "layout": t.layout,
+                    "recompute": t.recompute,
+                    "tp": t.tp,
+                    "max_tokens": t.max_tokens,
+                    "max_len": t.max_len,
+                    "fits": {c: {m: [*f.coef, f.floor] for m, f in ms.items()} for c, ms in t.fits.items()},
+                }
                 for t in self.tables.values()
             ],
         }
@@ -166,12 +191,22 @@ class TableCostModel:
         for t in d["tables"]:
             fits = {c: {m: LinearFit(tuple(v[:3]), floor=v[3]) for m, v in ms.items()} for c, ms in t["fits"].items()}
             tables[(t["layout"], t["recompute"], t["tp"])] = CostTable(
-                t["layout"], t["recompute"], t["tp"], fits, t["max_tokens"], t["max_len"])
-        return cls(name=d["name"], num_layers=d["num_layers"], tables=tables, params=d["params"], dtype=d["dtype"],
-                   pad_multiple=d["pad_multiple"], allow_extrapolation=d["allow_extrapolation"],
-                   hidden_size=d["hidden_size"], update=UpdateCost.from_dict(d.get("update")),
-                   num_heads=d.get("num_heads"), num_kv_heads=d.get("num_kv_heads"),
-                   collectives=SequenceParallelCost.from_dict(d.get("collectives")))
+                t["layout"], t["recompute"], t["tp"], fits, t["max_tokens"], t["max_len"]
+            )
+        return cls(
+            name=d["name"],
+            num_layers=d["num_layers"],
+            tables=tables,
+            params=d["params"],
+            dtype=d["dtype"],
+            pad_multiple=d["pad_multiple"],
+            allow_extrapolation=d["allow_extrapolation"],
+            hidden_size=d["hidden_size"],
+            update=UpdateCost.from_dict(d.get("update")),
+            num_heads=d.get("num_heads"),
+            num_kv_heads=d.get("num_kv_heads"),
+            collectives=SequenceParallelCost.from_dict(d.get("collectives")),
+        )
 
     def with_pad_multiple(self, pad_multiple: int) -> "TableCostModel":
         """The same model pricing padded micro-batches rounded up to ``pad_multiple``: the
@@ -236,18 +271,24 @@ class TableCostModel:
 
     def stage_params(self, stage: StageSpec | None = None, tp: int = 1) -> float:
         stage = stage or StageSpec(self.num_layers)
-        return (self.params["layer"] * stage.num_layers / tp + self.params["embedding"] * stage.first
-                + self.params["head"] * stage.last)
+        return (
+            self.params["layer"] * stage.num_layers / tp
+            + self.params["embedding"] * stage.first
+            + self.params["head"] * stage.last
+        )
 
-    def update_ms(self, stages: Sequence[StageSpec], *, zero_stage: int, dp: int, tp: int, link_gb_per_s: float) -> float:
+    def update_ms(
+        self, stages: Sequence[StageSpec], *, zero_stage: int, dp: int, tp: int, link_gb_per_s: float
+    ) -> float:
         """After the last micro-batch: the gradient all-reduce over dp replicas and the optimizer
         step (on 1/dp of the parameters from ZeRO-1 on), of the slowest stage."""
         grad = Precision.of(self.dtype).grad
 
         def one(stage: StageSpec) -> float:
             n = self.stage_params(stage, tp)
-            return (self.update.allreduce_ms(n * grad, dp, link_gb_per_s)
-                    + self.update.optimizer_ms(n / dp if zero_stage >= 1 else n))
+            return self.update.allreduce_ms(n * grad, dp, link_gb_per_s) + self.update.optimizer_ms(
+                n / dp if zero_stage >= 1 else n
+            )
 
         return max(one(s) for s in stages)
 
@@ -278,8 +319,9 @@ def evaluate_stage(t: CostTable, f: Features, stage: StageSpec, extrapolated: bo
     return MicroBatchCost(fwd, bwd, stored, stored + max(transient, 0.0), extrapolated)
 
 
-def evaluate_checkpointed(t: CostTable, plain: CostTable, f: Features, stage: StageSpec, checkpointed: int,
-                          extrapolated: bool = False) -> MicroBatchCost:
+def evaluate_checkpointed(
+    t: CostTable, plain: CostTable, f: Features, stage: StageSpec, checkpointed: int, extrapolated: bool = False
+) -> MicroBatchCost:
     """A stage where ``checkpointed`` of its layers run under ``t``'s recompute mode and the rest
     under ``plain`` (no recompute): pyramid checkpointing. Per-layer costs add, so the stage costs
     the two parts' sum; its peak holds both parts' stored bytes and the larger transient. The
@@ -294,5 +336,6 @@ def evaluate_checkpointed(t: CostTable, plain: CostTable, f: Features, stage: St
     part = evaluate_stage(t, f, StageSpec(checkpointed, stage.first, stage.last))
     stored = part.stored_bytes + rest.stored_bytes
     transient = max(part.peak_bytes - part.stored_bytes, rest.peak_bytes - rest.stored_bytes)
-    return MicroBatchCost(part.forward_ms + rest.forward_ms, part.backward_ms + rest.backward_ms, stored,
-                          stored + transient, extrapolated)
+    return MicroBatchCost(
+        part.forward_ms + rest.forward_ms, part.backward_ms + rest.backward_ms, stored, stored + transient, extrapolated
+    )

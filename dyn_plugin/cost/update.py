@@ -10,6 +10,7 @@ ring (an all-reduce moves 2 (n-1)/n of the bytes, an all-gather or a reduce-scat
 each of the ring's steps pays the link latency, where one is given) and the optimizer step is
 left out, so the A100 import and the analytic model claim nothing they did not measure.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,19 +56,28 @@ class UpdateCost:
     def from_dict(cls, d: dict | None) -> "UpdateCost":
         d = d or {}
         pair = lambda v: None if v is None else (float(v[0]), float(v[1]))  # noqa: E731
-        return cls(pair(d.get("optimizer")), pair(d.get("allreduce")), int(d.get("ranks", 2)),
-                   pair(d.get("allgather")), pair(d.get("reducescatter")))
+        return cls(
+            pair(d.get("optimizer")),
+            pair(d.get("allreduce")),
+            int(d.get("ranks", 2)),
+            pair(d.get("allgather")),
+            pair(d.get("reducescatter")),
+        )
 
     @classmethod
-    def fit(cls, optimizer: Sequence[Sequence[float]] | None, allreduce: Sequence[Sequence[float]] | None,
-            ranks: int, allgather: Sequence[Sequence[float]] | None = None,
-            reducescatter: Sequence[Sequence[float]] | None = None) -> "UpdateCost":
+    def fit(
+        cls,
+        optimizer: Sequence[Sequence[float]] | None,
+        allreduce: Sequence[Sequence[float]] | None,
+        ranks: int,
+        allgather: Sequence[Sequence[float]] | None = None,
+        reducescatter: Sequence[Sequence[float]] | None = None,
+    ) -> "UpdateCost":
         """From measured (parameters, ms) and (bytes, ms) points: least squares, intercept >= 0."""
         return cls(fit_line(optimizer), fit_line(allreduce), ranks, fit_line(allgather), fit_line(reducescatter))
 
 
-def _ring(measured: Line | None, ranks: int, passes: float, nbytes, n: int, link_gb_per_s: float,
-          latency_us: float):
+def _ring(measured: Line | None, ranks: int, passes: float, nbytes, n: int, link_gb_per_s: float, latency_us: float):
     """A ring collective that moves ``passes * (n-1)/n`` of ``nbytes`` per rank in ``passes * (n-1)``
     steps: the measured line scaled from ``ranks`` to ``n`` by that factor, else the link's time."""
     if n <= 1:

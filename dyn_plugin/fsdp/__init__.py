@@ -2,6 +2,7 @@
 FSDP1 auto-wrap policy (policy.py) or FSDP2 ``fully_shard`` calls (fully_shard.py), and a thin
 training entry with the plugin's loader: ``initialize`` (engine.py) and ``train_step`` (step.py), as
 in deepspeed_ext."""
+
 from .engine import initialize
 from .fully_shard import apply_fully_shard, held_units, plan_mesh
 from .policy import hybrid_groups, policy

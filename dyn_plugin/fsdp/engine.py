@@ -8,6 +8,7 @@ the plugin's loader.
 Every micro-batch's forward gathers sharded parameters, so every rank must run the same number of
 micro-batches: the loader plans equal counts (``zero_stage=3``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,11 +61,15 @@ def initialize(
     if fsdp not in ("fsdp2", "fsdp1"):
         raise ValueError(f"fsdp={fsdp!r}: choose 'fsdp2' (fully_shard) or 'fsdp1' (FullyShardedDataParallel)")
     if plugin.pipeline.stages > 1 or plugin.sequence_parallel.enabled:
-        raise ValueError("the FSDP entry trains data-parallel only: set dyn_plugin.pipeline.stages to 1 and "
-                         "sequence_parallel.enabled to false, or train through deepspeed_ext")
+        raise ValueError(
+            "the FSDP entry trains data-parallel only: set dyn_plugin.pipeline.stages to 1 and "
+            "sequence_parallel.enabled to false, or train through deepspeed_ext"
+        )
     if plugin.microbatching.method != "dynapipe":
-        raise ValueError(f"microbatching.method {plugin.microbatching.method!r}: sharded training needs the same number "
-                         "of micro-batches on every rank (each forward gathers parameters), which only 'dynapipe' plans")
+        raise ValueError(
+            f"microbatching.method {plugin.microbatching.method!r}: sharded training needs the same number "
+            "of micro-batches on every rank (each forward gathers parameters), which only 'dynapipe' plans"
+        )
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -76,20 +81,44 @@ def initialize(
         stable_cpu_allocator()  # the allocator CPU profiles were measured under
     cost = cost_model or live_cost_model(plugin.cost_model, plugin.cluster, model)
     host = fsdp if plugin.sharding.host == "auto" else plugin.sharding.host
-    plan = shard_plan_for_run(shard_units(model), plugin, cost, lengths, host=host,
-                              device=next(model.parameters()).device, model=type(model).__name__, seed=seed, plan=plan)
+    plan = shard_plan_for_run(
+        shard_units(model),
+        plugin,
+        cost,
+        lengths,
+        host=host,
+        device=next(model.parameters()).device,
+        model=type(model).__name__,
+        seed=seed,
+        plan=plan,
+    )
     if plan.host != fsdp:
-        logger.warning("the sharding plan was priced for %s but trains under %s: its predicted memory and "
-                       "communication may not hold (search it with sharding.host = %r)", plan.host, fsdp, fsdp)
+        logger.warning(
+            "the sharding plan was priced for %s but trains under %s: its predicted memory and "
+            "communication may not hold (search it with sharding.host = %r)",
+            plan.host,
+            fsdp,
+            fsdp,
+        )
     if fsdp == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        model = FullyShardedDataParallel(model, auto_wrap_policy=policy(model, plan), use_orig_params=True,
-                                         device_id=next(model.parameters()).device)  # CPU (gloo) must be named
+        model = FullyShardedDataParallel(
+            model, auto_wrap_policy=policy(model, plan), use_orig_params=True, device_id=next(model.parameters()).device
+        )  # CPU (gloo) must be named
     else:
         apply_fully_shard(model, plan)
     optimizer = optimizer_fn(model.parameters())
     # micro-batches are cut for the memory the plan's model states leave
-    loader = DynLoader(dataset, lengths=lengths, config=plugin, cost_model=cost, layout=RankLayout(world), column=rank,
-                       zero_stage=3, seed=seed, state_bytes=plan.planning_state_bytes)
+    loader = DynLoader(
+        dataset,
+        lengths=lengths,
+        config=plugin,
+        cost_model=cost,
+        layout=RankLayout(world),
+        column=rank,
+        zero_stage=3,
+        seed=seed,
+        state_bytes=plan.planning_state_bytes,
+    )
     return model, optimizer, loader, plan

@@ -12,6 +12,7 @@ are all-reduced over the replicate dimension (probed on torch 2.13: units on thi
 the plan's own mesh mix in one model, and train exactly). With ``plan.shard_size`` below the
 world, the plan's mesh is 2-D (replicate, shard): HSDP.
 """
+
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -44,8 +45,10 @@ def apply_fully_shard(model: nn.Module, plan: ShardPlan, *, mesh: DeviceMesh | N
     mesh = mesh or plan_mesh(plan)
     shard = mesh.size(mesh.ndim - 1)
     if mesh.size() != plan.world or shard != plan.shard_size:
-        raise ValueError(f"mesh of shape {tuple(mesh.shape)} does not fit the plan: it needs {plan.world} ranks with a "
-                         f"shard dimension of {plan.shard_size}; pass no mesh to have it built")
+        raise ValueError(
+            f"mesh of shape {tuple(mesh.shape)} does not fit the plan: it needs {plan.world} ranks with a "
+            f"shard dimension of {plan.shard_size}; pass no mesh to have it built"
+        )
     replicated = None
     for t in targets:
         if t.choice.kind == "replicate":
@@ -67,7 +70,9 @@ def reshard_after_forward(choice: Choice) -> bool | int:
 def held_units(model: nn.Module, plan: ShardPlan) -> list[FSDPModule]:
     """The FSDP modules of ``model`` (after ``apply_fully_shard``) that stay gathered, and keep
     unsharded gradients, across a step's micro-batches: keep and replicate units, keep slices."""
-    held = [t.module for u in plan.units for t in unit_targets(model, u.name, u.choice) if u.name and t.choice.kind in HELD]
+    held = [
+        t.module for u in plan.units for t in unit_targets(model, u.name, u.choice) if u.name and t.choice.kind in HELD
+    ]
     root = plan.choices()[""]
     return held + [model] if root.kind in HELD else held
 

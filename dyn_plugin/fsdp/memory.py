@@ -9,6 +9,7 @@ inside the block: the unsharded weights it starts from are not counted.
 Predicted: the plan's model states (every unit's memory and the gather reserve) plus the
 activation peak of the step's own micro-batches, as the cost model prices them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,6 +54,9 @@ def measure(device: torch.device | str = "cpu") -> Iterator[PeakMemory]:
 
 def predicted_peak_bytes(plan: ShardPlan, cost: TableCostModel, steps: list[Step]) -> float:
     """The plan's model states plus the largest activation peak of the steps' micro-batches on this rank."""
-    activations = max(cost.micro_batch_cost(d.seq_lens, layout=d.layout, recompute=d.recompute).peak_bytes
-                      for step in steps for d in step.loaded)
+    activations = max(
+        cost.micro_batch_cost(d.seq_lens, layout=d.layout, recompute=d.recompute).peak_bytes
+        for step in steps
+        for d in step.loaded
+    )
     return plan.state_bytes + activations

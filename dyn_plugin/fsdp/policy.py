@@ -10,6 +10,7 @@ it gathers and reduce-scatters every micro-batch), full -> FULL_SHARD, reshard -
 sharded units are hybrid: sharded inside groups of ``shard_size`` consecutive ranks and
 replicated across them (HYBRID_SHARD, _HYBRID_SHARD_ZERO2), over process groups built once.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,11 +26,17 @@ from .targets import wrap_targets
 
 logger = logging.getLogger(__name__)
 
-STRATEGY = {"replicate": ShardingStrategy.NO_SHARD, "keep": ShardingStrategy.SHARD_GRAD_OP,
-            "grad_op": ShardingStrategy.SHARD_GRAD_OP, "full": ShardingStrategy.FULL_SHARD,
-            "reshard": ShardingStrategy.FULL_SHARD}
-HYBRID = {ShardingStrategy.SHARD_GRAD_OP: ShardingStrategy._HYBRID_SHARD_ZERO2,
-          ShardingStrategy.FULL_SHARD: ShardingStrategy.HYBRID_SHARD}
+STRATEGY = {
+    "replicate": ShardingStrategy.NO_SHARD,
+    "keep": ShardingStrategy.SHARD_GRAD_OP,
+    "grad_op": ShardingStrategy.SHARD_GRAD_OP,
+    "full": ShardingStrategy.FULL_SHARD,
+    "reshard": ShardingStrategy.FULL_SHARD,
+}
+HYBRID = {
+    ShardingStrategy.SHARD_GRAD_OP: ShardingStrategy._HYBRID_SHARD_ZERO2,
+    ShardingStrategy.FULL_SHARD: ShardingStrategy.HYBRID_SHARD,
+}
 _warned: set[str] = set()
 
 
@@ -41,9 +48,11 @@ def policy(model: nn.Module, plan: ShardPlan, *, process_group: dist.ProcessGrou
     targets = wrap_targets(model, plan, world)
     if any(t.choice.kind == "reshard" for t in targets) and "reshard" not in _warned:
         _warned.add("reshard")
-        logger.warning("FSDP1 has no integer reshard_after_forward: 'reshard' units run FULL_SHARD (they gather "
-                       "over all %d ranks in backward); use FSDP2 (apply_fully_shard) for the planned choice",
-                       plan.shard_size)
+        logger.warning(
+            "FSDP1 has no integer reshard_after_forward: 'reshard' units run FULL_SHARD (they gather "
+            "over all %d ranks in backward); use FSDP2 (apply_fully_shard) for the planned choice",
+            plan.shard_size,
+        )
     groups = hybrid_groups(plan.shard_size, process_group) if plan.shard_size < world else None
     kwargs: dict[int, dict[str, Any]] = {}
     for t in targets:
@@ -55,17 +64,20 @@ def policy(model: nn.Module, plan: ShardPlan, *, process_group: dist.ProcessGrou
     return CustomPolicy(lambda m: kwargs.get(id(m), False))
 
 
-def hybrid_groups(shard_size: int, process_group: dist.ProcessGroup | None = None
-                  ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def hybrid_groups(
+    shard_size: int, process_group: dist.ProcessGroup | None = None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(intra, inter) for hybrid sharding: this rank's group of ``shard_size`` consecutive ranks
     (parameters sharded over it) and its group of the ranks holding the same shard (replicas).
     Every rank creates every group, as ``new_group`` requires."""
-    ranks = dist.get_process_group_ranks(process_group) if process_group is not None else list(range(dist.get_world_size()))
+    ranks = (
+        dist.get_process_group_ranks(process_group) if process_group is not None else list(range(dist.get_world_size()))
+    )
     me = dist.get_rank()
     intra = inter = None
     for start in range(0, len(ranks), shard_size):
-        group = dist.new_group(ranks[start:start + shard_size])
-        if me in ranks[start:start + shard_size]:
+        group = dist.new_group(ranks[start : start + shard_size])
+        if me in ranks[start : start + shard_size]:
             intra = group
     for offset in range(shard_size):
         group = dist.new_group(ranks[offset::shard_size])

@@ -5,6 +5,7 @@ The host core's token-mean step (dyn_plugin.host.token_mean) with FSDP's own gra
 (scored tokens of the whole global batch); FSDP averages gradients over the world, so the update is
 that of the global batch's token-mean loss whatever the micro-batches.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step, p
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    host = HostHooks(forward=model, device=next(model.parameters()).device, recompute=recompute_switch(model),
-                     boundary=boundary, backward=lambda loss: loss.backward(), optimizer_step=optimizer_step)
+    host = HostHooks(
+        forward=model,
+        device=next(model.parameters()).device,
+        recompute=recompute_switch(model),
+        boundary=boundary,
+        backward=lambda loss: loss.backward(),
+        optimizer_step=optimizer_step,
+    )
     return token_mean_step(step, host, dist.get_world_size())
 
 
@@ -48,4 +55,3 @@ def _held_units(model: nn.Module, plan: ShardPlan) -> list[FSDPModule]:
     if cached is None or cached[0] is not plan:
         cached = model._dyn_plugin_held = (plan, held_units(model, plan) if isinstance(model, FSDPModule) else [])
     return cached[1]
-

@@ -5,6 +5,7 @@ the same way and cut the same linears: a plan made for another model, another wo
 another precision is refused before anything is wrapped, and every ``split`` unit is replaced
 by its ``SplitLinear`` whose first ``sharded`` slices run ``full`` and the rest ``keep``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,14 +35,20 @@ def wrap_targets(model: nn.Module, plan: ShardPlan, world: int) -> list[Target]:
     plan.check_world(world)
     dtypes = {DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in model.parameters()}
     if dtypes != {plan.dtype}:
-        raise ValueError(f"sharding plan was priced in {plan.dtype} but the model's parameters are "
-                         f"{', '.join(sorted(dtypes))}: cast the model to {plan.dtype} or search the plan in its precision")
+        raise ValueError(
+            f"sharding plan was priced in {plan.dtype} but the model's parameters are "
+            f"{', '.join(sorted(dtypes))}: cast the model to {plan.dtype} or search the plan in its precision"
+        )
     targets, root = [], []
     for unit in plan.units:
         choice = unit.choice
-        if choice.kind == "reshard" and not (choice.reshard_to < plan.shard_size and plan.shard_size % choice.reshard_to == 0):
-            raise ValueError(f"unit {unit.name!r}: reshard({choice.reshard_to}) must be a divisor of shard_size "
-                             f"{plan.shard_size} other than 1 and itself (FSDP2's integer reshard_after_forward)")
+        if choice.kind == "reshard" and not (
+            choice.reshard_to < plan.shard_size and plan.shard_size % choice.reshard_to == 0
+        ):
+            raise ValueError(
+                f"unit {unit.name!r}: reshard({choice.reshard_to}) must be a divisor of shard_size "
+                f"{plan.shard_size} other than 1 and itself (FSDP2's integer reshard_after_forward)"
+            )
         if unit.name == "":
             if choice.kind == "split":
                 raise ValueError("the root unit '' cannot be split: it is not one linear layer")
@@ -58,5 +65,7 @@ def unit_targets(model: nn.Module, name: str, choice: Choice) -> list[Target]:
     module = model.get_submodule(name)
     if choice.kind != "split":
         return [Target(name, module, choice)]
-    return [Target(f"{name}.slices.{i}", part, Choice("full" if i < choice.sharded else "keep"))
-            for i, part in enumerate(module.slices)]
+    return [
+        Target(f"{name}.slices.{i}", part, Choice("full" if i < choice.sharded else "keep"))
+        for i, part in enumerate(module.slices)
+    ]

@@ -4,6 +4,7 @@ JSON, not a pickle: the position (epoch, step, what identifies the plan) is smal
 safe to load. Written to a temporary file and moved into place, so a crash mid-write leaves the
 previous file whole.
 """
+
 from __future__ import annotations
 
 import json

@@ -3,6 +3,7 @@
 The launchers (torchrun, deepspeed, Megatron's) tell each process its rank on its node through
 ``LOCAL_RANK``; the precision names are the config's ``cost_model.dtype`` literals.
 """
+
 from __future__ import annotations
 
 import os

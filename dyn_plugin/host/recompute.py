@@ -5,6 +5,7 @@ rather than build another per step. They are cached here, keyed weakly by the mo
 as attributes stuck onto the host's objects (engines, FSDP modules, Megatron chunks): the cache
 goes when the module does.
 """
+
 from __future__ import annotations
 
 import weakref

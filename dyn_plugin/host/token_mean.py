@@ -11,6 +11,7 @@ calls ``engine.backward(..., scale_wrt_gas=False)`` and ``engine.step()`` and ru
 micro-batch in its sequence-parallel context; FSDP turns gradient sync of its held units on for
 the last micro-batch, calls ``loss.backward()`` and ``optimizer.step()`` + ``zero_grad``.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -71,9 +71,7 @@ def next_power_of_two(x: float) -> int:
     return 1 << max(0, int(np.ceil(np.log2(max(x, 1)))))
 
 
-def default_max_len(
-    lengths: np.ndarray, token_budget: int = DEFAULT_TOKEN_BUDGET, dp: int = DEFAULT_DP
-) -> int:
+def default_max_len(lengths: np.ndarray, token_budget: int = DEFAULT_TOKEN_BUDGET, dp: int = DEFAULT_DP) -> int:
     """The power of two at or above p99, capped at one rank's share of the global batch.
 
     A row longer than ``token_budget / dp`` could not be given to ranks in equal token counts.
@@ -196,9 +194,7 @@ class MethodResult:
     dp_imbalance: float
 
 
-def evaluate(
-    name: str, description: str, units: Units, *, token_budget: int, dp: int, seed: int
-) -> MethodResult:
+def evaluate(name: str, description: str, units: Units, *, token_budget: int, dp: int, seed: int) -> MethodResult:
     slots, tokens = int(units.slots.sum()), int(units.tokens.sum())
     flops, useful = float(units.flops.sum()), float(units.useful.sum())
     return MethodResult(
@@ -350,9 +346,7 @@ def plot_analysis(lengths, a: Analysis, path: str | Path, name: str = "lengths")
     tokens_fmt = FuncFormatter(
         lambda x, _: f"{x:,.0f}" if x < 1e4 else f"{x / 1e3:,.0f}K" if x < 1e6 else f"{x / 1e6:,.1f}M"
     )
-    fig, (ax_hist, ax_cdf, ax_bar) = plt.subplots(
-        1, 3, figsize=(19, 5.8), gridspec_kw={"width_ratios": [1, 1, 1.25]}
-    )
+    fig, (ax_hist, ax_cdf, ax_bar) = plt.subplots(1, 3, figsize=(19, 5.8), gridspec_kw={"width_ratios": [1, 1, 1.25]})
     fig.suptitle(
         f"{name}: {s['count']:,} samples, {s['total_tokens'] / 1e6:,.2f}M tokens "
         f"(FLOPs/layer = 24·H²·s + 4·H·s², H={a.hidden})",

@@ -172,9 +172,7 @@ def docstrings(files: Iterable[SourceFile]) -> list[str]:
     # strip(): `inspect.cleandoc` keeps a whitespace-only last line, which is indentation, not text.
     out = []
     for f in files:
-        out += [
-            d.strip() for d in [f.module_docstring, *(x.docstring for x in f.definitions)] if _nonempty(d)
-        ]
+        out += [d.strip() for d in [f.module_docstring, *(x.docstring for x in f.definitions)] if _nonempty(d)]
     return out
 
 
@@ -288,16 +286,12 @@ def _first_paragraph(doc: str) -> str:
     return doc.strip().split("\n\n", 1)[0].strip()
 
 
-def mixture_pools(
-    files: Sequence[SourceFile], topics: Sequence[str], manuals: Sequence[str]
-) -> dict[str, list[str]]:
+def mixture_pools(files: Sequence[SourceFile], topics: Sequence[str], manuals: Sequence[str]) -> dict[str, list[str]]:
     """The real text behind each mixture task (see ``MIXTURE_WEIGHTS``)."""
     defs = [d for f in files for d in f.definitions]
     return {
         "qa": [
-            f"Q: What does {d.name} do?\nA: {_first_paragraph(d.docstring)}"
-            for d in defs
-            if _nonempty(d.docstring)
+            f"Q: What does {d.name} do?\nA: {_first_paragraph(d.docstring)}" for d in defs if _nonempty(d.docstring)
         ],
         "signature": [d.header.strip() for d in defs if _nonempty(d.header)],
         "docstring": docstrings(files),
@@ -352,4 +346,3 @@ def iter_documents(name: str) -> Iterator[str]:
     """The texts behind a distribution, in ``lengths.compute_lengths`` order (for real token ids later)."""
     for _, text in labeled_documents(name):
         yield text
-

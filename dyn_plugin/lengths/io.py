@@ -25,10 +25,24 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import ArrayLike
 
-from dyn_plugin.lengths.corpus import (DISTRIBUTIONS, MAN_PAGES_PER_FAMILY, MIXTURE_SEED, MIXTURE_SIZE, MIXTURE_WEIGHTS,
-                                       SKIP_DIRS, iter_documents, labeled_documents)
-from dyn_plugin.lengths.tokenizer import (get_tokenizer, token_lengths, tokenizer_corpus, tokenizer_digest,
-                                          tokenizer_settings, train_tokenizer)
+from dyn_plugin.lengths.corpus import (
+    DISTRIBUTIONS,
+    MAN_PAGES_PER_FAMILY,
+    MIXTURE_SEED,
+    MIXTURE_SIZE,
+    MIXTURE_WEIGHTS,
+    SKIP_DIRS,
+    iter_documents,
+    labeled_documents,
+)
+from dyn_plugin.lengths.tokenizer import (
+    get_tokenizer,
+    token_lengths,
+    tokenizer_corpus,
+    tokenizer_digest,
+    tokenizer_settings,
+    train_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +81,11 @@ def cap_lengths(lengths: np.ndarray, max_len: int, truncate: bool) -> np.ndarray
         return lengths
     i = int(too_long[0])
     if not truncate:
-        raise ValueError(f"lengths[{i}] = {int(lengths[i])} exceeds microbatching.max_seq_len = {max_len} "
-                         f"({len(too_long)} samples do); set microbatching.truncate = true to cut them, "
-                         "or raise max_seq_len")
+        raise ValueError(
+            f"lengths[{i}] = {int(lengths[i])} exceeds microbatching.max_seq_len = {max_len} "
+            f"({len(too_long)} samples do); set microbatching.truncate = true to cut them, "
+            "or raise max_seq_len"
+        )
     logger.info("truncating %d of %d samples to max_seq_len %d", len(too_long), len(lengths), max_len)
     return np.minimum(lengths, max_len)
 
@@ -104,9 +120,7 @@ def load_lengths(source: str | os.PathLike) -> np.ndarray:
     if isinstance(source, str) and source in DISTRIBUTIONS:
         path = BUNDLED_DIR / f"{source}.npy"
         if not path.exists():
-            raise FileNotFoundError(
-                f"bundled {path} is missing; regenerate: dynplugin lengths --update-bundled"
-            )
+            raise FileNotFoundError(f"bundled {path} is missing; regenerate: dynplugin lengths --update-bundled")
         return validate_lengths(np.load(path))
     path = Path(source)
     if path.suffix not in (".npy", ".json"):

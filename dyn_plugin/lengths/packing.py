@@ -4,6 +4,7 @@ The one packer of the project: the waste analysis measures what its rows cost, t
 ``packing_full``/``packing_varlen`` baselines run them, and the planner tries them as one
 candidate (with its own recompute, balancing and schedule search on top).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -23,7 +24,9 @@ def pack_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
         return []
     if lengths.max() > row_len:
         i = int(np.argmax(lengths > row_len))
-        raise ValueError(f"sequence {i} (length {lengths[i]}) is longer than the packing row ({row_len}); truncate first")
+        raise ValueError(
+            f"sequence {i} (length {lengths[i]}) is longer than the packing row ({row_len}); truncate first"
+        )
     free = np.empty(len(lengths), dtype=np.int64)  # at most one row per sample
     rows: list[list[int]] = []
     for i in np.argsort(-lengths, kind="stable"):

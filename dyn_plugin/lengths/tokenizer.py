@@ -140,4 +140,3 @@ def token_lengths(
             out[start : start + len(chunk)] = [len(e.ids) for e in encodings]
             bar.update(len(chunk))
     return out
-

@@ -1,4 +1,5 @@
 """Build small transformers models from a config, offline (no hub download)."""
+
 from __future__ import annotations
 
 import json
@@ -9,18 +10,37 @@ from typing import Any
 # cores; llama-350m is for a GPU.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": dict(
-        model_type="llama", hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=8192, max_position_embeddings=8192,
+        model_type="llama",
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=8192,
+        max_position_embeddings=8192,
         tie_word_embeddings=False,
     ),
     # A real Llama shape (~375M parameters, TinyLlama/OpenLLaMA-style widths) for GPU profiles.
     "llama-350m": dict(
-        model_type="llama", hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
-        num_attention_heads=16, num_key_value_heads=16, vocab_size=32000, max_position_embeddings=8192,
+        model_type="llama",
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+        max_position_embeddings=8192,
         tie_word_embeddings=False,
     ),
     "tiny-gpt2": dict(
-        model_type="gpt2", n_embd=128, n_layer=4, n_head=4, vocab_size=8192, n_positions=8192, bos_token_id=0, eos_token_id=0,
+        model_type="gpt2",
+        n_embd=128,
+        n_layer=4,
+        n_head=4,
+        vocab_size=8192,
+        n_positions=8192,
+        bos_token_id=0,
+        eos_token_id=0,
     ),
 }
 
@@ -35,9 +55,7 @@ def load_model_config(spec: str | os.PathLike | dict[str, Any]) -> dict[str, Any
         with open(spec) as f:
             cfg = json.load(f)
     else:
-        raise ValueError(
-            f"model {spec!r}: not a preset ({', '.join(PRESETS)}) and no such config file"
-        )
+        raise ValueError(f"model {spec!r}: not a preset ({', '.join(PRESETS)}) and no such config file")
     if "model_type" not in cfg:
         raise ValueError(f"model config {spec!r} has no 'model_type' (e.g. 'llama' or 'gpt2')")
     return cfg

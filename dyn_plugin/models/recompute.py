@@ -8,6 +8,7 @@ so one model runs every micro-batch in its own mode; with a layer count (pyramid
 only that many of the layers run in the mode, the others keep their activations. The profiler measures through the same
 switch, so the profile prices exactly what training executes.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,7 +22,9 @@ from ..plan.instructions import PlannedMicroBatch
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """Transformer blocks: the modules that own an attention block (``self_attn`` or ``attn``)."""
-    return [m for m in model.modules() if isinstance(getattr(m, "self_attn", None) or getattr(m, "attn", None), nn.Module)]
+    return [
+        m for m in model.modules() if isinstance(getattr(m, "self_attn", None) or getattr(m, "attn", None), nn.Module)
+    ]
 
 
 def _attention(layer: nn.Module) -> nn.Module:
@@ -34,8 +37,9 @@ class RecomputeSwitch:
     def __init__(self, model: nn.Module) -> None:
         self.layers = decoder_layers(model)
         if not self.layers:
-            raise ValueError(f"{type(model).__name__} has no transformer blocks (modules with self_attn or attn) to "
-                             "recompute")
+            raise ValueError(
+                f"{type(model).__name__} has no transformer blocks (modules with self_attn or attn) to recompute"
+            )
         self.mode = "none"
         self.count = len(self.layers)  # layers under ``mode``
         self._modes = ["none"] * len(self.layers)  # what each layer runs now
@@ -47,8 +51,10 @@ class RecomputeSwitch:
             raise ValueError(f"recompute mode {mode!r}; known: {', '.join(RECOMPUTES)}")
         count = len(self.layers) if layers is None else layers
         if not 0 <= count <= len(self.layers):
-            raise ValueError(f"checkpointed layers = {layers}: this module has {len(self.layers)} decoder layers; "
-                             "the plan was made for another pipeline split")
+            raise ValueError(
+                f"checkpointed layers = {layers}: this module has {len(self.layers)} decoder layers; "
+                "the plan was made for another pipeline split"
+            )
         if (mode, count) == (self.mode, self.count):
             return
         for i, layer in enumerate(self.layers):

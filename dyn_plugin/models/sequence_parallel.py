@@ -19,6 +19,7 @@ The group travels with the micro-batch: the runtime enters ``sharded(shard)`` ar
 micro-batch's forward and around its backward, so activation recompute in backward re-runs
 attention with its own forward's group; the autograd functions keep their group from forward.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,15 +56,20 @@ class SequenceShard:
         if self.kind not in KINDS:
             raise ValueError(f"SequenceShard.kind is {self.kind!r}; known: {', '.join(KINDS)}")
         if dist.get_world_size(self.group) != self.size:
-            raise ValueError(f"SequenceShard.size is {self.size} but its group has "
-                             f"{dist.get_world_size(self.group)} ranks")
+            raise ValueError(
+                f"SequenceShard.size is {self.size} but its group has {dist.get_world_size(self.group)} ranks"
+            )
         if dist.get_rank(self.group) != self.index:
-            raise ValueError(f"SequenceShard.index is {self.index} but this rank is {dist.get_rank(self.group)} in "
-                             "its group (-1: not a member); the index is the rank's position in the group")
+            raise ValueError(
+                f"SequenceShard.index is {self.index} but this rank is {dist.get_rank(self.group)} in "
+                "its group (-1: not a member); the index is the rank's position in the group"
+            )
         if self.position_ids.dim() != 2 or self.position_ids.shape[1] % self.size:
-            raise ValueError(f"SequenceShard.position_ids must be [rows, width] with width a multiple of size "
-                             f"{self.size}; got shape {tuple(self.position_ids.shape)} (pad the rows to a multiple "
-                             "of k)")
+            raise ValueError(
+                f"SequenceShard.position_ids must be [rows, width] with width a multiple of size "
+                f"{self.size}; got shape {tuple(self.position_ids.shape)} (pad the rows to a multiple "
+                "of k)"
+            )
 
     @functools.cached_property
     def documents(self) -> torch.Tensor:
@@ -91,29 +97,43 @@ def current() -> SequenceShard | None:
     return _current
 
 
-def attention(shard: SequenceShard, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              local: LocalAttention, dropout: float = 0.0, scaling: float | None = None) -> torch.Tensor:
+def attention(
+    shard: SequenceShard,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    local: LocalAttention,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+) -> torch.Tensor:
     """query: [b, heads, s/k, d], key/value: [b, kv_heads, s/k, d], this rank's positions; returns
     this rank's output [b, s/k, heads, d]. ``local`` is the per-document kernel Ulysses runs."""
     heads, kv_heads, width = query.shape[1], key.shape[1], shard.position_ids.shape[1]
     if query.shape[2] * shard.size != width:
-        raise ValueError(f"sequence-parallel attention got {query.shape[2]} positions per rank, but the shard's "
-                         f"position_ids hold {width} = {shard.size} x {width // shard.size}: the shard must describe "
-                         "the micro-batch being run")
+        raise ValueError(
+            f"sequence-parallel attention got {query.shape[2]} positions per rank, but the shard's "
+            f"position_ids hold {width} = {shard.size} x {width // shard.size}: the shard must describe "
+            "the micro-batch being run"
+        )
     if shard.kind == "ulysses":
         if heads % shard.size or kv_heads % shard.size:
-            raise ValueError(f"Ulysses attention splits heads over the group: {heads} query and {kv_heads} key/value "
-                             f"heads must both divide by the group size {shard.size}; set sequence_parallel.attention "
-                             "to 'ring' or 'auto' (ring where they do not divide)")
+            raise ValueError(
+                f"Ulysses attention splits heads over the group: {heads} query and {kv_heads} key/value "
+                f"heads must both divide by the group size {shard.size}; set sequence_parallel.attention "
+                "to 'ring' or 'auto' (ring where they do not divide)"
+            )
         return _ulysses(shard, query, key, value, local, dropout, scaling)
     if dropout > 0:
-        raise ValueError(f"ring attention has no attention dropout (got {dropout}): set the model's attention "
-                         "dropout to 0, or use Ulysses (sequence_parallel.attention 'ulysses')")
+        raise ValueError(
+            f"ring attention has no attention dropout (got {dropout}): set the model's attention "
+            "dropout to 0, or use Ulysses (sequence_parallel.attention 'ulysses')"
+        )
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     return _RingAttention.apply(query, key, value, shard.documents, shard.group, shard.index, shard.size, scale)
 
 
 # --- Ulysses -----------------------------------------------------------------------------------
+
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """x[j] goes to rank j; returns y with y[j] from rank j (leading dimension = group size)."""
@@ -158,12 +178,15 @@ def _ulysses(shard: SequenceShard, query, key, value, local: LocalAttention, dro
 
 # --- Ring --------------------------------------------------------------------------------------
 
+
 def _pass_on(send: torch.Tensor, group: dist.ProcessGroup, index: int, size: int) -> tuple[torch.Tensor, list]:
     """Start sending ``send`` to the next rank of the ring and receiving the previous rank's; the
     send and the receive are posted together (NCCL sends rendezvous with the peer's receive)."""
     recv = torch.empty_like(send)
-    ops = [dist.P2POp(dist.isend, send, group=group, group_peer=(index + 1) % size),
-           dist.P2POp(dist.irecv, recv, group=group, group_peer=(index - 1) % size)]
+    ops = [
+        dist.P2POp(dist.isend, send, group=group, group_peer=(index + 1) % size),
+        dist.P2POp(dist.irecv, recv, group=group, group_peer=(index - 1) % size),
+    ]
     return recv, dist.batch_isend_irecv(ops)
 
 
@@ -178,7 +201,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, docs: torch.Tensor, index: int, bl
     or before its global position; earlier blocks are before it, so only the diagonal block needs
     the causal triangle."""
     n = q.shape[3]
-    seen = docs[:, index * n:(index + 1) * n, None] == docs[:, None, block * n:(block + 1) * n]
+    seen = docs[:, index * n : (index + 1) * n, None] == docs[:, None, block * n : (block + 1) * n]
     if block == index:
         seen &= torch.ones(n, n, dtype=torch.bool, device=seen.device).tril()
     s = q @ k.to(q.dtype).unsqueeze(2).transpose(-1, -2)

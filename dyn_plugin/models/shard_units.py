@@ -5,6 +5,7 @@ an untied LM head are units of their own; the root (name "") owns every paramete
 (norms, the final norm). Units do not nest, apart from the root, so wrapping them bottom-up
 gives every parameter exactly one owner.
 """
+
 from __future__ import annotations
 
 from torch import nn

@@ -12,6 +12,7 @@ layer's up to float rounding (the order of one sum changes), not bit for bit.
 The seed split along input features instead, which changes every output's summation order
 and could not carry a bias.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,19 +41,33 @@ def slice_sizes(features: int, slices: int) -> list[int]:
 class SplitLinear(nn.Module):
     """``nn.Linear(in_features, out_features)`` as ``len(slices)`` child linears, outputs concatenated."""
 
-    def __init__(self, in_features: int, out_features: int, slices: int, bias: bool = True,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        slices: int,
+        bias: bool = True,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.slices = nn.ModuleList(nn.Linear(in_features, n, bias=bias, device=device, dtype=dtype)
-                                    for n in slice_sizes(out_features, slices))
+        self.slices = nn.ModuleList(
+            nn.Linear(in_features, n, bias=bias, device=device, dtype=dtype) for n in slice_sizes(out_features, slices)
+        )
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, slices: int) -> "SplitLinear":
         """The same layer, split: each slice gets a copy of its rows of the weight and bias."""
         w = linear.weight
-        split = cls(linear.in_features, linear.out_features, slices, bias=linear.bias is not None,
-                    device=w.device, dtype=w.dtype)
+        split = cls(
+            linear.in_features,
+            linear.out_features,
+            slices,
+            bias=linear.bias is not None,
+            device=w.device,
+            dtype=w.dtype,
+        )
         with torch.no_grad():
             start = 0
             for part in split.slices:
@@ -79,8 +94,10 @@ def split_linear(model: nn.Module, name: str, slices: int) -> SplitLinear:
     if isinstance(module, SplitLinear) and len(module.slices) == slices:
         return module
     if type(module) is not nn.Linear:
-        raise ValueError(f"module {name!r} is a {type(module).__name__}, not an nn.Linear: only linear layers can be "
-                         "split; choose another sharding for it")
+        raise ValueError(
+            f"module {name!r} is a {type(module).__name__}, not an nn.Linear: only linear layers can be "
+            "split; choose another sharding for it"
+        )
     split = SplitLinear.from_linear(module, slices)
     setattr(parent, attr, split)
     return split

@@ -8,6 +8,7 @@ launch-bound: two kernels per document per layer). It reads document boundaries 
 ``position_ids`` resets, the same signal HF's flash-attention path uses, so packed micro-batches
 need no mask at all.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -25,8 +26,11 @@ try:
 except ImportError:  # torch < 2.10
     varlen_attn = None
 # Causal masking is window_size=(-1, 0) from torch 2.11 on, is_causal=True in 2.10.
-_CAUSAL = ({"window_size": (-1, 0)} if varlen_attn is not None and "window_size" in inspect.signature(varlen_attn).parameters
-           else {"is_causal": True})
+_CAUSAL = (
+    {"window_size": (-1, 0)}
+    if varlen_attn is not None and "window_size" in inspect.signature(varlen_attn).parameters
+    else {"is_causal": True}
+)
 
 
 def document_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
@@ -38,8 +42,9 @@ def document_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
-def cumulative_offsets(position_ids: torch.Tensor | None, batch: int, seq: int,
-                       device: torch.device | None = None) -> tuple[torch.Tensor, int]:
+def cumulative_offsets(
+    position_ids: torch.Tensor | None, batch: int, seq: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, int]:
     """(cu_seqlens, longest document) of ``batch`` rows of ``seq`` tokens flattened into one:
     a document starts at every position-id reset and at every row's start."""
     starts = torch.zeros(batch, seq, dtype=torch.bool, device=device)
@@ -62,8 +67,10 @@ class _OffsetsCache:
 
     def get(self, position_ids: torch.Tensor | None, batch: int, seq: int, device: torch.device):
         key = (batch, seq, device)
-        if key == self.key and ((position_ids is None and self.ids is None) or
-                                (position_ids is not None and self.ids is not None and self.ids() is position_ids)):
+        if key == self.key and (
+            (position_ids is None and self.ids is None)
+            or (position_ids is not None and self.ids is not None and self.ids() is position_ids)
+        ):
             return self.value
         self.value = cumulative_offsets(position_ids, batch, seq, device)
         self.key, self.ids = key, None if position_ids is None else weakref.ref(position_ids)
@@ -97,8 +104,13 @@ def document_attention(
     [b, kv_heads, s, d]; position_ids: [rows, s] (rows = b, or 1 standing for every row), or None
     for one document per row. Returns [b, s, heads, d]."""
     gqa = key.shape[1] != query.shape[1]
-    if (varlen_attn is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
-            and not gqa and dropout == 0.0):  # what torch's flash varlen kernel takes
+    if (
+        varlen_attn is not None
+        and query.is_cuda
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and not gqa
+        and dropout == 0.0
+    ):  # what torch's flash varlen kernel takes
         return _flash_varlen(query, key, value, position_ids, scaling)
     rows = []
     for b in range(query.shape[0]):
@@ -107,8 +119,13 @@ def document_attention(
         bounds = [(0, q.shape[2])] if row is None else document_bounds(row)
         parts = [
             F.scaled_dot_product_attention(
-                q[:, :, s:e], k[:, :, s:e], v[:, :, s:e],
-                dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa,
+                q[:, :, s:e],
+                k[:, :, s:e],
+                v[:, :, s:e],
+                dropout_p=dropout,
+                is_causal=True,
+                scale=scaling,
+                enable_gqa=gqa,
             )
             for s, e in bounds
         ]

@@ -5,6 +5,7 @@ one micro-batch more waits forever for the others. Within that constraint the re
 total times are balanced (longest-processing-time first onto the least-loaded replica that
 still has room), then improved by pairwise swaps between the heaviest and lightest replica.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -49,8 +50,9 @@ def _improve_by_swaps(groups: list[list[int]], load: list[float], times: Sequenc
         load[lo] += d
 
 
-def split_for_replicas(groups: Sequence[Sequence[int]], lengths: Sequence[int], dp: int, *,
-                       equal_counts: bool) -> list[list[int]]:
+def split_for_replicas(
+    groups: Sequence[Sequence[int]], lengths: Sequence[int], dp: int, *, equal_counts: bool
+) -> list[list[int]]:
     """Split the groups holding the most tokens in two (alternate members) until every one of ``dp``
     replicas can get a group, and with ``equal_counts`` until the count divides by ``dp``.
 
@@ -62,8 +64,10 @@ def split_for_replicas(groups: Sequence[Sequence[int]], lengths: Sequence[int], 
         big = max((g for g in out if len(g) > 1), key=lambda g: (sum(lengths[i] for i in g), -g[0]), default=None)
         if big is None:
             need = f"a multiple of {dp}" if equal_counts else f"at least {dp}"
-            raise ValueError(f"{sum(map(len, out))} sequences cannot be cut into {need} micro-batches "
-                             f"for {dp} data-parallel replicas")
+            raise ValueError(
+                f"{sum(map(len, out))} sequences cannot be cut into {need} micro-batches "
+                f"for {dp} data-parallel replicas"
+            )
         out.remove(big)
         out += [big[0::2], big[1::2]]
     return out

@@ -26,6 +26,7 @@ as a user would configure it; micro-batches go to replicas round-robin and every
 plain 1F1B in loader order, as the host frameworks do. Sizes (sequences per micro-batch, token
 budget, rows per micro-batch) are the largest that fit memory: the baselines at their best.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,14 +46,21 @@ from .spec import PlannerSpec
 from .types import MicroBatch, StepPlan
 
 
-def _uniform(groups: list[list[int]], lengths: Sequence[int], spec: PlannerSpec, layout: Layout,
-             method: str, sp: Sequence[int] | None = None) -> list[MicroBatch]:
+def _uniform(
+    groups: list[list[int]],
+    lengths: Sequence[int],
+    spec: PlannerSpec,
+    layout: Layout,
+    method: str,
+    sp: Sequence[int] | None = None,
+) -> list[MicroBatch]:
     """Price the groups (split over ``sp[i]`` ranks each) with the cheapest recompute mode in which all of them fit."""
     sp = sp or [1] * len(groups)
     for rc in spec.recomputes:
         try:
-            mbs = [make_micro_batch(g, lengths, spec=spec, layout=layout, recompute=rc, sp=k)
-                   for g, k in zip(groups, sp)]
+            mbs = [
+                make_micro_batch(g, lengths, spec=spec, layout=layout, recompute=rc, sp=k) for g, k in zip(groups, sp)
+            ]
         except ValueError:
             continue
         if all(usable(mb, spec) for mb in mbs):
@@ -82,12 +90,21 @@ def fixed_padding(lengths: Sequence[int], spec: PlannerSpec, max_len: int) -> St
     n = _largest(lambda k: _fits_somehow(spec, [max_len] * k, "padded"), 1, len(lengths))
     if n == 0:
         raise InfeasibleError(f"fixed_padding: one sequence padded to {max_len} does not fit")
-    groups = split_for_replicas([list(range(i, min(i + n, len(lengths)))) for i in range(0, len(lengths), n)],
-                                lengths, spec.dp, equal_counts=False)
+    groups = split_for_replicas(
+        [list(range(i, min(i + n, len(lengths)))) for i in range(0, len(lengths), n)],
+        lengths,
+        spec.dp,
+        equal_counts=False,
+    )
     padded = [max_len] * len(lengths)  # every sequence padded to max_len, not to its micro-batch's longest
     mbs = _uniform(groups, padded, spec, "padded", "fixed_padding")
-    return schedule_replicas([_relabel(mb, g, lengths) for mb, g in zip(mbs, groups)], spec=spec,
-                             method="fixed_padding", balance=False, adaptive=False)
+    return schedule_replicas(
+        [_relabel(mb, g, lengths) for mb, g in zip(mbs, groups)],
+        spec=spec,
+        method="fixed_padding",
+        balance=False,
+        adaptive=False,
+    )
 
 
 def budget_groups(lengths: Sequence[int], budget: int, max_batch_size: int | None = None) -> list[list[int]]:
@@ -109,6 +126,7 @@ def token_budget(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
     """The largest ``max_tokens`` whose micro-batches, each padded to its longest, all fit: the
     value a user would tune it to; where none does (a long sequence grouped with another no
     longer fits), the batch size is capped too, as ``max_batch_size`` lets a user do."""
+
     def groups_for(budget: int, cap: int | None) -> list[list[int]]:
         return split_for_replicas(budget_groups(lengths, budget, cap), lengths, spec.dp, equal_counts=False)
 
@@ -162,8 +180,12 @@ def megatron_hybrid_cp(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
     # max_seqlen_per_dp_cp_rank as a user would tune it: the largest per-rank capacity whose rows fit
     for capacity in sorted({max(1, int(limits.longest[1] * f)) for f in (1.0, 0.75, 0.5, 0.375, 0.25)}, reverse=True):
         # Megatron's rule counts tokens only; where quadratic attention memory needs more ranks, give them
-        cp = [_allowed(max(1 << max(0, math.ceil(math.log2(s / capacity))), limits.smallest(s) or spec.sp_sizes[-1]),
-                       spec) for s in lens.tolist()]
+        cp = [
+            _allowed(
+                max(1 << max(0, math.ceil(math.log2(s / capacity))), limits.smallest(s) or spec.sp_sizes[-1]), spec
+            )
+            for s in lens.tolist()
+        ]
         work = (lens.astype(float) ** 2) / np.asarray(cp)
 
         def rows(k: int, ids: list[int], capacity: int = capacity) -> list[list[int]]:
@@ -180,8 +202,9 @@ def _allowed(k: int, spec: PlannerSpec) -> int:
     """The smallest allowed group size of at least ``k`` (the same sizes every method may use)."""
     size = next((a for a in spec.sp_sizes if a >= k), None)
     if size is None:
-        raise InfeasibleError(f"a sequence needs a group of {k} ranks; sequence_parallel.sizes allows at most "
-                              f"{spec.sp_sizes[-1]}")
+        raise InfeasibleError(
+            f"a sequence needs a group of {k} ranks; sequence_parallel.sizes allows at most {spec.sp_sizes[-1]}"
+        )
     return size
 
 
@@ -201,8 +224,9 @@ def dcp_bucket(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
         size[bucket == b] = k
         per_seq[bucket == b] = times[k] / k
         batch[int(b)] = _largest(lambda n: _fits_somehow(spec, [top] * n, "packed", sp=k), 1, 64)
-    return _sized_plan(lens, size.tolist(), per_seq, lambda k, ids: _buckets_in_batches(ids, bucket, batch), spec,
-                       "dcp_bucket")
+    return _sized_plan(
+        lens, size.tolist(), per_seq, lambda k, ids: _buckets_in_batches(ids, bucket, batch), spec, "dcp_bucket"
+    )
 
 
 def _buckets_in_batches(ids: list[int], bucket: np.ndarray, batch: dict[int, int]) -> list[list[int]]:
@@ -210,12 +234,18 @@ def _buckets_in_batches(ids: list[int], bucket: np.ndarray, batch: dict[int, int
     out = []
     for b in sorted({int(bucket[i]) for i in ids}, reverse=True):
         members = [i for i in ids if bucket[i] == b]
-        out += [members[j:j + batch[b]] for j in range(0, len(members), batch[b])]
+        out += [members[j : j + batch[b]] for j in range(0, len(members), batch[b])]
     return out
 
 
-def _sized_plan(lens: np.ndarray, size: Sequence[int], work: np.ndarray, cut: Callable[[int, list[int]], list[list[int]]],
-                spec: PlannerSpec, method: str) -> StepPlan:
+def _sized_plan(
+    lens: np.ndarray,
+    size: Sequence[int],
+    work: np.ndarray,
+    cut: Callable[[int, list[int]], list[list[int]]],
+    spec: PlannerSpec,
+    method: str,
+) -> StepPlan:
     """A size per sequence: columns shared out by each size's work (times its size), sequences of a
     size spread over its groups by work (largest first onto the least loaded), each group's cut
     into micro-batches by ``cut``, one recompute mode for the step, plain 1F1B in order."""
@@ -245,8 +275,10 @@ def _sized_plan(lens: np.ndarray, size: Sequence[int], work: np.ndarray, cut: Ca
     cuts = [(k, cut(k, ids)) for k, ids in zip(grouping, members)]
     flat = [row for _, rows in cuts for row in rows]
     priced = iter(_uniform(flat, lens, spec, "packed", method, sp=[k for k, rows in cuts for _ in rows]))
-    replicas = [schedule_replica([next(priced) for _ in rows], spec=spec, first=first, size=k, adaptive=False)
-                for (k, rows), first in zip(cuts, aligned_firsts(grouping))]
+    replicas = [
+        schedule_replica([next(priced) for _ in rows], spec=spec, first=first, size=k, adaptive=False)
+        for (k, rows), first in zip(cuts, aligned_firsts(grouping))
+    ]
     return StepPlan(method, "packed", tuple(replicas), spec.update_ms)
 
 
@@ -267,8 +299,9 @@ REGISTRY: dict[str, Baseline] = {
     "packing_full": Baseline(lambda lengths, *, spec, max_len: packing(lengths, spec, max_len, varlen=False)),
     "packing_varlen": Baseline(lambda lengths, *, spec, max_len: packing(lengths, spec, max_len, varlen=True)),
     "fixed_sp": Baseline(lambda lengths, *, spec, max_len: fixed_sp(lengths, spec), sequence_parallel=True),
-    "megatron_hybrid_cp": Baseline(lambda lengths, *, spec, max_len: megatron_hybrid_cp(lengths, spec),
-                                   sequence_parallel=True),
+    "megatron_hybrid_cp": Baseline(
+        lambda lengths, *, spec, max_len: megatron_hybrid_cp(lengths, spec), sequence_parallel=True
+    ),
     "dcp_bucket": Baseline(lambda lengths, *, spec, max_len: dcp_bucket(lengths, spec), sequence_parallel=True),
 }
 BASELINES = tuple(name for name, b in REGISTRY.items() if not b.sequence_parallel)

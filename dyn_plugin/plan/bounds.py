@@ -1,6 +1,7 @@
 """Bounds on a step no plan can beat, to measure plans against: the sequences' own work spread
 perfectly over every device (``ideal_ms``), and the longest sequence's path through the
 pipeline (``critical_path_ms``)."""
+
 from __future__ import annotations
 
 from typing import Sequence

@@ -15,6 +15,7 @@ of its empty ones: the greedy costs O(n kinds log pipelines), not O(n pipelines)
 csrc/dispatch.hpp is the C++ twin of both: the same choices, ties and moves, the same
 floating-point operations in the same order, so the two give bit-identical results.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -52,9 +53,17 @@ class Dispatch:
         return max(self.finish_ms, default=0.0)
 
 
-def dispatch(times: np.ndarray, kinds: Sequence[int], fill: Sequence[float], lengths: np.ndarray, *,
-             improve: bool = True, native: bool = True, seed: int = 0,
-             trials: int | None = None) -> Dispatch:
+def dispatch(
+    times: np.ndarray,
+    kinds: Sequence[int],
+    fill: Sequence[float],
+    lengths: np.ndarray,
+    *,
+    improve: bool = True,
+    native: bool = True,
+    seed: int = 0,
+    trials: int | None = None,
+) -> Dispatch:
     """Longest first (stable by ``lengths``), each sequence onto the pipeline where it would
     finish earliest; the greedy also in the first ``trials`` (default TRIALS where n * TRIALS <=
     TRIAL_PLACEMENTS, else 0: longest-first alone) of the random orders
@@ -83,8 +92,16 @@ def dispatch(times: np.ndarray, kinds: Sequence[int], fill: Sequence[float], len
     return _run(t, k, f, lens, best, rounds, native)
 
 
-def seed_dispatch(times: np.ndarray, kinds: Sequence[int], fill: Sequence[float], lengths: np.ndarray, *,
-                  trials: int = 50, seed: int = 0, native: bool = False) -> Dispatch:
+def seed_dispatch(
+    times: np.ndarray,
+    kinds: Sequence[int],
+    fill: Sequence[float],
+    lengths: np.ndarray,
+    *,
+    trials: int = 50,
+    seed: int = 0,
+    native: bool = False,
+) -> Dispatch:
     """The seed's stage 1 (Hydraulis), as the baseline: ``trials`` random orders of the
     sequences, each dispatched greedily (every sequence onto the pipeline where it would finish
     earliest, ties to the lowest index), and the order with the smallest makespan kept (ties:
@@ -118,8 +135,10 @@ def _checked(times, kinds, fill, lengths) -> tuple[np.ndarray, np.ndarray, np.nd
     f = np.ascontiguousarray(fill, dtype=np.float64)
     lens = np.ascontiguousarray(lengths, dtype=np.int64)
     if t.ndim != 2 or lens.shape != (t.shape[1],) or f.shape != (t.shape[0],) or k.ndim != 1:
-        raise ValueError(f"times must be [kinds, sequences], lengths [sequences], fill [kinds], kinds [pipelines]; "
-                         f"got {t.shape}, {lens.shape}, {f.shape}, {k.shape}")
+        raise ValueError(
+            f"times must be [kinds, sequences], lengths [sequences], fill [kinds], kinds [pipelines]; "
+            f"got {t.shape}, {lens.shape}, {f.shape}, {k.shape}"
+        )
     if len(k) == 0 or ((k < 0) | (k >= len(f))).any():
         raise ValueError(f"need at least one pipeline, each of a kind in [0, {len(f)}); got {k.tolist()}")
     if np.isnan(t).any() or (t < 0).any() or not (np.isfinite(f) & (f >= 0)).all():
@@ -127,8 +146,15 @@ def _checked(times, kinds, fill, lengths) -> tuple[np.ndarray, np.ndarray, np.nd
     return t, k, f, lens
 
 
-def _run(times: np.ndarray, kinds: np.ndarray, fill: np.ndarray, lengths: np.ndarray, order: np.ndarray,
-         rounds: int, native: bool) -> Dispatch:
+def _run(
+    times: np.ndarray,
+    kinds: np.ndarray,
+    fill: np.ndarray,
+    lengths: np.ndarray,
+    order: np.ndarray,
+    rounds: int,
+    native: bool,
+) -> Dispatch:
     if native and core is not None:
         bad, members, finish = core.dispatch(times, kinds, fill, order, rounds)
     else:
@@ -136,13 +162,16 @@ def _run(times: np.ndarray, kinds: np.ndarray, fill: np.ndarray, lengths: np.nda
     if bad >= 0:
         present = np.isfinite(times[np.unique(kinds)]).any(axis=0)
         longest = int(lengths[present].max()) if present.any() else 0
-        raise InfeasibleError(f"a sequence of {int(lengths[bad])} tokens fits no pipeline of this strategy "
-                              f"(the longest any pipeline holds here: {longest})")
+        raise InfeasibleError(
+            f"a sequence of {int(lengths[bad])} tokens fits no pipeline of this strategy "
+            f"(the longest any pipeline holds here: {longest})"
+        )
     return Dispatch(tuple(tuple(m) for m in members), tuple(finish))
 
 
-def _dispatch(times: np.ndarray, kinds: np.ndarray, fill: np.ndarray, order: np.ndarray,
-              rounds: int) -> tuple[int, list[list[int]], list[float]]:
+def _dispatch(
+    times: np.ndarray, kinds: np.ndarray, fill: np.ndarray, order: np.ndarray, rounds: int
+) -> tuple[int, list[list[int]], list[float]]:
     """(sequence that fits nowhere or -1, members, finishes): the greedy in ``order``, then up
     to ``rounds`` improvement rounds."""
     state = _greedy(times, kinds.tolist(), fill.tolist(), order.tolist())
@@ -155,8 +184,9 @@ def _dispatch(times: np.ndarray, kinds: np.ndarray, fill: np.ndarray, order: np.
     return -1, members, [load[p] + f[k] * top1[p] for p, k in enumerate(kinds.tolist())]
 
 
-def _greedy(times: np.ndarray, kinds: list[int], fill: list[float],
-            order: list[int]) -> tuple[list[float], list[float], list[list[int]]] | int:
+def _greedy(
+    times: np.ndarray, kinds: list[int], fill: list[float], order: list[int]
+) -> tuple[list[float], list[float], list[list[int]]] | int:
     """Each sequence in ``order`` onto the pipeline where it would finish earliest.
 
     For a sequence of time x on kind t, the kind's candidates are: among its used pipelines
@@ -195,7 +225,7 @@ def _greedy(times: np.ndarray, kinds: list[int], fill: list[float],
                         best_f, best_p = finish, p
             else:
                 a_key, a_p, b_load, b_p, low = math.inf, -1, math.inf, -1, math.inf
-                for p in of_kind[t][:used[t]]:
+                for p in of_kind[t][: used[t]]:
                     low = min(low, top1[p])
                     if top1[p] >= x:
                         key = load[p] + f * top1[p]
@@ -236,8 +266,15 @@ def _second(times: np.ndarray, kind: int, members: list[int]) -> float:
     return float(v[-2])
 
 
-def _improve(times: np.ndarray, kinds: np.ndarray, fill: np.ndarray, load: list[float], top1: list[float],
-             members: list[list[int]], rounds: int) -> None:
+def _improve(
+    times: np.ndarray,
+    kinds: np.ndarray,
+    fill: np.ndarray,
+    load: list[float],
+    top1: list[float],
+    members: list[list[int]],
+    rounds: int,
+) -> None:
     """Local improvement, in place. Each round takes the pipeline s with the largest finish M
     (ties: the lowest index) and, over every sequence j on s, every move of j to another
     pipeline d and every swap of j with a sequence k on another pipeline, the one with the

@@ -23,6 +23,7 @@ in groups of one, where they pay no collectives. Per step:
 DynaPipe's plan (every group one column wide) is one candidate of ``plan_step``, so turning
 sequence parallelism on never plans a slower step than leaving it off.
 """
+
 from __future__ import annotations
 
 import math
@@ -83,8 +84,10 @@ def aligned_firsts(grouping: Sequence[int]) -> list[int]:
     firsts, col = [], 0
     for k in grouping:
         if col % k:
-            raise ValueError(f"grouping {tuple(grouping)}: a group of {k} would start at column {col}; groups start at "
-                             "a multiple of their size (list larger groups first, or pair groups of one)")
+            raise ValueError(
+                f"grouping {tuple(grouping)}: a group of {k} would start at column {col}; groups start at "
+                "a multiple of their size (list larger groups first, or pair groups of one)"
+            )
         firsts.append(col)
         col += k
     return firsts
@@ -92,8 +95,10 @@ def aligned_firsts(grouping: Sequence[int]) -> list[int]:
 
 def size_limits(lengths: np.ndarray, spec: PlannerSpec, layout: Layout) -> SizeLimits:
     """Per group size and recompute mode, the longest of the batch's sequences that fits alone."""
-    return SizeLimits(tuple(spec.sp_sizes), {(k, rc): _longest_alone(lengths, k, rc, spec, layout)
-                                              for k in spec.sp_sizes for rc in spec.recomputes})
+    return SizeLimits(
+        tuple(spec.sp_sizes),
+        {(k, rc): _longest_alone(lengths, k, rc, spec, layout) for k in spec.sp_sizes for rc in spec.recomputes},
+    )
 
 
 def sequence_ms(lengths: np.ndarray, k: int, spec: PlannerSpec, layout: Layout, limits: SizeLimits) -> np.ndarray:
@@ -142,8 +147,9 @@ def _marginal_ms(lengths: np.ndarray, k: int, rc: str, spec: PlannerSpec, layout
     return worst
 
 
-def dispatch(lengths: np.ndarray, grouping: Sequence[int], times: dict[int, np.ndarray], pp: int, *,
-             native: bool = True) -> tuple[float, list[list[int]]] | None:
+def dispatch(
+    lengths: np.ndarray, grouping: Sequence[int], times: dict[int, np.ndarray], pp: int, *, native: bool = True
+) -> tuple[float, list[list[int]]] | None:
     """Stage 1 (``plan.dispatch``) with the groups as pipelines, one kind per group size:
     longest first, each sequence onto the group where it would finish earliest (the group's work
     so far, its time there, and (pp - 1) times the group's longest sequence for the pipeline's
@@ -155,8 +161,15 @@ def dispatch(lengths: np.ndarray, grouping: Sequence[int], times: dict[int, np.n
     sizes = sorted(set(grouping))
     table = np.stack([times[k] for k in sizes])
     try:
-        got = stage1(table, [sizes.index(k) for k in grouping], [pp - 1.0] * len(sizes), lengths,
-                     improve=False, native=native, trials=0)
+        got = stage1(
+            table,
+            [sizes.index(k) for k in grouping],
+            [pp - 1.0] * len(sizes),
+            lengths,
+            improve=False,
+            native=native,
+            trials=0,
+        )
     except InfeasibleError:
         return None
     if any(not m for m in got.members):
@@ -178,8 +191,9 @@ def fluid_ms(grouping: Sequence[int], times: dict[int, np.ndarray], pp: int) -> 
     return max(float(best.sum()) / sum(grouping), pp * float(largest.max()))
 
 
-def plan_groups(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True,
-                grouping: Sequence[int] | None = None) -> StepPlan:
+def plan_groups(
+    lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True, grouping: Sequence[int] | None = None
+) -> StepPlan:
     """The fastest step over groupings of the columns (or the one ``grouping`` given, sizes in
     column order). Raises InfeasibleError when no grouping can run the batch."""
     lens = np.asarray(lengths, dtype=np.int64)
@@ -198,8 +212,11 @@ def plan_groups(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = Tru
         ranked = sorted(candidates, key=lambda g: fluid_ms(g, times, spec.pp))[:ESTIMATED]
         # one size for every group is planned whatever the estimates say: a fixed size is never better
         uniform = [g for g in candidates if len(set(g)) == 1 and g not in ranked]
-        dispatched = [d for d in ((g, dispatch(lens, g, times, spec.pp, native=native)) for g in ranked + uniform)
-                      if d[1] is not None]
+        dispatched = [
+            d
+            for d in ((g, dispatch(lens, g, times, spec.pp, native=native)) for g in ranked + uniform)
+            if d[1] is not None
+        ]
         dispatched.sort(key=lambda d: d[1][0])
         chosen = dispatched[:PLANNED] + [d for d in dispatched[PLANNED:] if len(set(d[0])) == 1]
         for g, (_, members) in chosen:
@@ -208,15 +225,19 @@ def plan_groups(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = Tru
                 best = plan
     if best is None:
         what = f"grouping {tuple(grouping)}" if grouping is not None else f"any grouping of sizes {spec.sp_sizes}"
-        raise InfeasibleError(f"no plan runs this batch (longest sequence {int(lens.max())}) with {what} over "
-                              f"{spec.dp} columns: it fits in no group, or a group gets no sequence; allow larger "
-                              "sequence_parallel.sizes, raise the memory, or cap microbatching.max_seq_len")
+        raise InfeasibleError(
+            f"no plan runs this batch (longest sequence {int(lens.max())}) with {what} over "
+            f"{spec.dp} columns: it fits in no group, or a group gets no sequence; allow larger "
+            "sequence_parallel.sizes, raise the memory, or cap microbatching.max_seq_len"
+        )
     return best
 
 
-def _plan_grouping(lens: np.ndarray, grouping: Sequence[int], members: list[list[int]], spec: PlannerSpec,
-                   layout: Layout, native: bool) -> StepPlan | None:
+def _plan_grouping(
+    lens: np.ndarray, grouping: Sequence[int], members: list[list[int]], spec: PlannerSpec, layout: Layout, native: bool
+) -> StepPlan | None:
     """DynaPipe's DP within each group at its size; equal counts enforced by splitting micro-batches."""
     pipelines = [Pipeline(spec, k, first) for k, first in zip(grouping, aligned_firsts(grouping))]
-    return plan_members(lens, members, pipelines, layout, method="dynamic_sp", native=native,
-                        equal_counts=spec.equal_counts)
+    return plan_members(
+        lens, members, pipelines, layout, method="dynamic_sp", native=native, equal_counts=spec.equal_counts
+    )

@@ -16,6 +16,7 @@ forward and backward of a sequence-parallel micro-batch as collectives of its gr
 that stage (attention spans them), so the group's collectives and the pipeline's transfers are
 proven not to wait on each other either.
 """
+
 from __future__ import annotations
 
 import json
@@ -81,7 +82,17 @@ EXCHANGES = (SendActivation, RecvActivation, SendGrad, RecvGrad)  # point-to-poi
 
 INSTRUCTIONS: dict[str, type[Instruction]] = {
     cls.__name__: cls
-    for cls in (LoadMicroBatch, ForwardPass, BackwardPass, SendActivation, RecvActivation, SendGrad, RecvGrad, ReduceGrads, OptimizerStep)
+    for cls in (
+        LoadMicroBatch,
+        ForwardPass,
+        BackwardPass,
+        SendActivation,
+        RecvActivation,
+        SendGrad,
+        RecvGrad,
+        ReduceGrads,
+        OptimizerStep,
+    )
 }
 
 
@@ -111,11 +122,20 @@ class PlannedMicroBatch:
         """Read one back (plan_from_json); a missing or unknown field is refused."""
         names = {f.name for f in fields(cls)}
         if set(doc) != names:
-            raise ValueError(f"malformed micro-batch {dict(doc)}: unknown fields {sorted(set(doc) - names)}, "
-                             f"missing fields {sorted(names - set(doc))}")
-        return cls(sample_ids=tuple(doc["sample_ids"]), seq_lens=tuple(doc["seq_lens"]), layout=doc["layout"],
-                   recompute=doc["recompute"], shape=tuple(doc["shape"]), checkpointed=tuple(doc["checkpointed"]),
-                   sp=doc["sp"], group=doc["group"])
+            raise ValueError(
+                f"malformed micro-batch {dict(doc)}: unknown fields {sorted(set(doc) - names)}, "
+                f"missing fields {sorted(names - set(doc))}"
+            )
+        return cls(
+            sample_ids=tuple(doc["sample_ids"]),
+            seq_lens=tuple(doc["seq_lens"]),
+            layout=doc["layout"],
+            recompute=doc["recompute"],
+            shape=tuple(doc["shape"]),
+            checkpointed=tuple(doc["checkpointed"]),
+            sp=doc["sp"],
+            group=doc["group"],
+        )
 
 
 @dataclass(frozen=True)
@@ -158,9 +178,16 @@ def build_execution_plans(
     if len(stage_ranks) != num_stages:
         raise ValueError(f"stage_ranks needs {num_stages} entries (one per stage), got {len(stage_ranks)}")
     described = tuple(
-        PlannedMicroBatch(sample_ids=tuple(mb.sample_ids), seq_lens=tuple(mb.seq_lens), layout=mb.layout,
-                          recompute=mb.recompute, shape=tuple(mb.shape), checkpointed=tuple(mb.checkpointed),
-                          sp=mb.sp, group=group)
+        PlannedMicroBatch(
+            sample_ids=tuple(mb.sample_ids),
+            seq_lens=tuple(mb.seq_lens),
+            layout=mb.layout,
+            recompute=mb.recompute,
+            shape=tuple(mb.shape),
+            checkpointed=tuple(mb.checkpointed),
+            sp=mb.sp,
+            group=group,
+        )
         for mb in micro_batches
     )
     return [
@@ -196,20 +223,29 @@ def _stage_plan(
                 _exchange(out, RecvActivation(stage, mb, buf, hidden, prev))
             if stage == 0 or stage == last:
                 out.append(LoadMicroBatch(stage, mb, buf, ((rows, row_len),)))
-            out.append(ForwardPass(stage, mb, buf, hidden if nxt is not None else ((),)))  # the last stage yields the loss
+            out.append(
+                ForwardPass(stage, mb, buf, hidden if nxt is not None else ((),))
+            )  # the last stage yields the loss
             if nxt is not None:
                 out.append(SendActivation(stage, mb, buf, hidden, nxt))
         else:
             buf = slots.pop(mb)
             if nxt is not None:
                 _exchange(out, RecvGrad(stage, mb, buf, hidden, nxt))
-            out.append(BackwardPass(stage, mb, buf, hidden if prev is not None else ()))  # stage 0's input needs no gradient
+            out.append(
+                BackwardPass(stage, mb, buf, hidden if prev is not None else ())
+            )  # stage 0's input needs no gradient
             if prev is not None:
                 out.append(SendGrad(stage, mb, buf, hidden, prev))
     out += [ReduceGrads(stage), OptimizerStep(stage)]
     return ExecutionPlan(
-        rank=stage_ranks[stage], column=column, stage=stage, num_stages=len(stage_ranks),
-        num_buffers=num_buffers, instructions=tuple(out), micro_batches=described,
+        rank=stage_ranks[stage],
+        column=column,
+        stage=stage,
+        num_stages=len(stage_ranks),
+        num_buffers=num_buffers,
+        instructions=tuple(out),
+        micro_batches=described,
     )
 
 
@@ -250,7 +286,9 @@ def plan_from_json(text: str) -> ExecutionPlan:
             raise ValueError(f"malformed {op} instruction {entry}: {e}") from None
     micro_batches = tuple(PlannedMicroBatch.from_json(mb) for mb in doc["micro_batches"])
     plan_fields = {f.name for f in fields(ExecutionPlan)} - {"instructions", "micro_batches"}
-    return ExecutionPlan(**{k: doc[k] for k in plan_fields}, instructions=tuple(instructions), micro_batches=micro_batches)
+    return ExecutionPlan(
+        **{k: doc[k] for k in plan_fields}, instructions=tuple(instructions), micro_batches=micro_batches
+    )
 
 
 def check_plans(plans: Sequence[ExecutionPlan], *, rendezvous: bool = False) -> None:
@@ -275,7 +313,9 @@ def check_plans(plans: Sequence[ExecutionPlan], *, rendezvous: bool = False) -> 
             if not isinstance(i, (SendActivation, SendGrad, RecvActivation, RecvGrad)):
                 continue
             if i.peer not in by_rank:
-                raise ValueError(f"rank {plan.rank}: {type(i).__name__} of micro-batch {i.mb} names rank {i.peer}, which has no plan")
+                raise ValueError(
+                    f"rank {plan.rank}: {type(i).__name__} of micro-batch {i.mb} names rank {i.peer}, which has no plan"
+                )
             kind = "activation" if isinstance(i, (SendActivation, RecvActivation)) else "grad"
             if isinstance(i, (SendActivation, SendGrad)):
                 sent.setdefault((plan.rank, i.peer, kind), []).append((i.mb, i.shapes))
@@ -306,8 +346,9 @@ class _Post:
     needs: tuple[tuple, ...]
 
 
-def _waits(plan: ExecutionPlan, stage_ranks: dict[int, list[int]],
-           column_ranks: dict[tuple[int, int], int]) -> list[list[_Post]]:
+def _waits(
+    plan: ExecutionPlan, stage_ranks: dict[int, list[int]], column_ranks: dict[tuple[int, int], int]
+) -> list[list[_Post]]:
     """The points where ``plan``'s rank blocks, in order: each a batch of operations posted together.
 
     NCCL matches point-to-point messages per (sender, receiver) pair in posting order, whatever
@@ -335,8 +376,10 @@ def _waits(plan: ExecutionPlan, stage_ranks: dict[int, list[int]],
             key = (plan.stage, desc.group, ins.mb, type(ins).__name__)
             columns = range(desc.group, desc.group + desc.sp)
             if any((plan.stage, c) not in column_ranks for c in columns):
-                raise ValueError(f"rank {plan.rank}: micro-batch {ins.mb} runs on the sequence-parallel group of "
-                                 f"columns {list(columns)}, but some of them have no plan at stage {plan.stage}")
+                raise ValueError(
+                    f"rank {plan.rank}: micro-batch {ins.mb} runs on the sequence-parallel group of "
+                    f"columns {list(columns)}, but some of them have no plan at stage {plan.stage}"
+                )
             members = [column_ranks[(plan.stage, c)] for c in columns]
             waits.append([_Post(n, ("group", plan.rank, *key), tuple(("group", r, *key) for r in members))])
             continue
@@ -378,8 +421,11 @@ def _replay_rendezvous(plans: Sequence[ExecutionPlan]) -> None:
     ins = by_rank[rank].instructions[post.index]
     peer = next(_rank_of(need) for need in post.needs if need not in posted)
     there = by_rank[peer].instructions[waits[peer][at[peer]][0].index] if at[peer] < len(waits[peer]) else None
-    blocked = f"its instruction {waits[peer][at[peer]][0].index} {type(there).__name__} of micro-batch {there.mb}" \
-        if there is not None else "the end of its plan"
+    blocked = (
+        f"its instruction {waits[peer][at[peer]][0].index} {type(there).__name__} of micro-batch {there.mb}"
+        if there is not None
+        else "the end of its plan"
+    )
     raise ValueError(
         f"rendezvous deadlock: rank {rank} (stage {by_rank[rank].stage}) waits forever at instruction {post.index} "
         f"{type(ins).__name__} of micro-batch {ins.mb} with peer rank {peer}, which is blocked at {blocked}; "
@@ -413,10 +459,15 @@ def _check_one(plan: ExecutionPlan) -> None:
             wrong = sorted(set(seen) ^ set(want) | {mb for mb in seen if seen[mb] > 1}, key=str)
             raise ValueError(f"{where}: {cls.__name__} of micro-batches {wrong} missing, repeated or unexpected")
     for n, i in enumerate(plan.instructions):
-        if i.batch_next and not (isinstance(i, EXCHANGES) and n + 1 < len(plan.instructions)
-                                 and isinstance(plan.instructions[n + 1], EXCHANGES)):
-            raise ValueError(f"{where}: instruction {n} {type(i).__name__} of micro-batch {i.mb} is batched with the "
-                             "next, but only a send or receive followed by another can be")
+        if i.batch_next and not (
+            isinstance(i, EXCHANGES)
+            and n + 1 < len(plan.instructions)
+            and isinstance(plan.instructions[n + 1], EXCHANGES)
+        ):
+            raise ValueError(
+                f"{where}: instruction {n} {type(i).__name__} of micro-batch {i.mb} is batched with the "
+                "next, but only a send or receive followed by another can be"
+            )
     tail = [type(i) for i in plan.instructions if isinstance(i, (ReduceGrads, OptimizerStep))]
     if tail != [ReduceGrads, OptimizerStep] or type(plan.instructions[-1]) is not OptimizerStep:
         raise ValueError(f"{where}: must end with one ReduceGrads then one OptimizerStep")

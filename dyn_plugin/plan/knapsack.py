@@ -11,6 +11,7 @@ vectorised over the capacity in numpy; csrc/knapsack.hpp is the C++ twin (same c
 the same order, one addition each, the first least one kept: the lowest choice index, then the
 fewest units), used when the extension is built.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,8 +32,15 @@ class Knapsack:
         return float(self.frontier[-1])
 
 
-def solve(weights: np.ndarray, times: np.ndarray, capacity: int, *, opens: np.ndarray | None = None,
-          reserve: np.ndarray | None = None, native: bool = True) -> Knapsack | None:
+def solve(
+    weights: np.ndarray,
+    times: np.ndarray,
+    capacity: int,
+    *,
+    opens: np.ndarray | None = None,
+    reserve: np.ndarray | None = None,
+    native: bool = True,
+) -> Knapsack | None:
     """Least sum of ``times[i, c_i]`` with ``sum(weights[i, c_i])`` plus the largest ``reserve[i]``
     of the items whose choice ``opens`` within ``capacity``; None when nothing fits.
 

@@ -4,6 +4,7 @@
 ``REGISTRY``, those without sequence parallelism), for side-by-side comparisons. The config's
 Literal of method names is checked against ``METHODS`` (tests/test_config.py).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Sequence

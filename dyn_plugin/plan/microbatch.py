@@ -22,6 +22,7 @@ its group: a run is priced per rank (``features(..., sp)``) plus, per transforme
 stage, its attention collectives (``LayerComm``: a + b * token slots per rank), as
 ``pricing.make_micro_batch`` prices the micro-batch it becomes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -66,8 +67,9 @@ class StageMemory:
         return self.in_flight * stored + (peak - stored) <= self.budget
 
 
-def run_features(count: int, total: int, square: int, longest: int, layout: Layout, pad_multiple: int,
-                 sp: int = 1) -> Features:
+def run_features(
+    count: int, total: int, square: int, longest: int, layout: Layout, pad_multiple: int, sp: int = 1
+) -> Features:
     """``features(lens, layout, pad_multiple, sp)`` of a run of ``count`` sequences from its running
     sums (tokens ``total``, squares ``square``): the twin of ``CostTable::from_sums`` in
     csrc/cost_table.hpp, integer sums converted once, so both compute the same doubles."""
@@ -80,8 +82,14 @@ def run_features(count: int, total: int, square: int, longest: int, layout: Layo
 
 
 def run_costs(
-    lens: np.ndarray, cost: TableCostModel, layout: Layout, recomputes: Sequence[Recompute],
-    stages: Sequence[StageSpec], memory: Sequence[StageMemory], tp: int = 1, sp: int = 1,
+    lens: np.ndarray,
+    cost: TableCostModel,
+    layout: Layout,
+    recomputes: Sequence[Recompute],
+    stages: Sequence[StageSpec],
+    memory: Sequence[StageMemory],
+    tp: int = 1,
+    sp: int = 1,
     comm: Sequence[LayerComm] | None = None,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """For each start i: times and mode indices of runs [i, i+1), [i, i+2), ... while feasible,
@@ -174,9 +182,18 @@ def partition_dp(times: list[np.ndarray], t_max: float, dp: int) -> tuple[float,
 
 
 def partition(
-    lens: Sequence[int], cost: TableCostModel, *, layout: Layout, stages: Sequence[StageSpec],
-    memory: Sequence[StageMemory], dp: int = 1, recomputes: Sequence[Recompute] = ("none", "selective", "full"),
-    tp: int = 1, native: bool = True, sp: int = 1, comm: Sequence[LayerComm] | None = None,
+    lens: Sequence[int],
+    cost: TableCostModel,
+    *,
+    layout: Layout,
+    stages: Sequence[StageSpec],
+    memory: Sequence[StageMemory],
+    dp: int = 1,
+    recomputes: Sequence[Recompute] = ("none", "selective", "full"),
+    tp: int = 1,
+    native: bool = True,
+    sp: int = 1,
+    comm: Sequence[LayerComm] | None = None,
 ) -> Partition:
     """The DP over the longest-first order (C++ when built and ``native``; same result either way).
 
@@ -187,12 +204,16 @@ def partition(
     if arr.ndim != 1 or len(arr) == 0:
         raise ValueError("a global batch needs at least one sequence")
     if len(arr) < dp:
-        raise ValueError(f"a global batch of {len(arr)} sequences cannot give each of {dp} data-parallel ranks a micro-batch")
+        raise ValueError(
+            f"a global batch of {len(arr)} sequences cannot give each of {dp} data-parallel ranks a micro-batch"
+        )
     if sp < 1 or sp & (sp - 1):
         raise ValueError(f"a sequence-parallel size must be a power of two, got sp={sp}")
     if comm is not None and len(comm) != len(recomputes):
-        raise ValueError(f"comm has {len(comm)} entries; it needs one LayerComm per recompute mode "
-                         f"({len(recomputes)}: {', '.join(recomputes)})")
+        raise ValueError(
+            f"comm has {len(comm)} entries; it needs one LayerComm per recompute mode "
+            f"({len(recomputes)}: {', '.join(recomputes)})"
+        )
     order = np.argsort(-arr, kind="stable")
     sorted_lens = arr[order]
     pp = len(stages)
@@ -206,7 +227,9 @@ def partition(
             _infeasible(arr, order, bad, layout, memory)
         if not ok:
             _no_even_split(len(arr), dp)
-        return Partition(tuple(int(x) for x in order), tuple(bounds), tuple(recomputes[m] for m in modes), layout, t_max, obj)
+        return Partition(
+            tuple(int(x) for x in order), tuple(bounds), tuple(recomputes[m] for m in modes), layout, t_max, obj
+        )
     times, modes = run_costs(sorted_lens, cost, layout, recomputes, stages, memory, tp, sp, comm)
     for i, t in enumerate(times):
         if len(t) == 0:

@@ -40,6 +40,7 @@ handed to HiGHS as its starting solution and returned whenever HiGHS finds nothi
 the result is never worse than either on ``pipeline_time_ms`` (exact pricing by
 ``make_micro_batch``, the planner's own).
 """
+
 from __future__ import annotations
 
 import logging
@@ -67,9 +68,16 @@ TIME_METRICS = ("forward_ms", "backward_ms")
 # The starting solution stands in for HiGHS's primal heuristics and the program's own rows break the
 # micro-batches' symmetry; strong branching, cuts below the root and restarts each cost more time than
 # they save at this size (measured: 3-10x fewer seconds per node budget, no worse objectives).
-OPTIONS = {"mip_heuristic_run_feasibility_jump": False, "mip_heuristic_run_rins": False,
-           "mip_heuristic_run_rens": False, "mip_heuristic_run_root_reduced_cost": False, "mip_detect_symmetry": False,
-           "mip_pscost_minreliable": 0, "mip_allow_cut_separation_at_nodes": False, "mip_allow_restart": False}
+OPTIONS = {
+    "mip_heuristic_run_feasibility_jump": False,
+    "mip_heuristic_run_rins": False,
+    "mip_heuristic_run_rens": False,
+    "mip_heuristic_run_root_reduced_cost": False,
+    "mip_detect_symmetry": False,
+    "mip_pscost_minreliable": 0,
+    "mip_allow_cut_separation_at_nodes": False,
+    "mip_allow_restart": False,
+}
 TOKENS, SQUARES = 1e3, 1e6  # the program counts tokens in thousands and squares in millions: rows of order 1
 
 
@@ -89,8 +97,9 @@ class IlpResult:
     nodes: int = 0
 
 
-def pipeline_time_ms(groups: Sequence[Sequence[int]], lengths: Sequence[int], spec: PlannerSpec,
-                     recompute: Sequence[str] | None = None) -> float:
+def pipeline_time_ms(
+    groups: Sequence[Sequence[int]], lengths: Sequence[int], spec: PlannerSpec, recompute: Sequence[str] | None = None
+) -> float:
     """The 1F1B estimate of one pipeline running ``groups`` as packed micro-batches at its group
     size: sum of the micro-batches' slowest-stage times plus (pp - 1) times the longest one.
     ``recompute``: each group's mode; None takes each group's cheapest mode that fits
@@ -114,9 +123,18 @@ def pipeline_time_ms(groups: Sequence[Sequence[int]], lengths: Sequence[int], sp
 def dp_groups(lengths: Sequence[int], spec: PlannerSpec) -> list[list[int]]:
     """The DynaPipe DP's micro-batches for one pipeline at its group size: the default stage 2."""
     k = _group_size(spec)
-    part = partition(lengths, spec.cost, layout="packed", stages=spec.stages, memory=spec.memory, dp=1,
-                     recomputes=spec.recomputes, tp=spec.tp, sp=k,
-                     comm=[spec.layer_comm(k, rc) for rc in spec.recomputes])
+    part = partition(
+        lengths,
+        spec.cost,
+        layout="packed",
+        stages=spec.stages,
+        memory=spec.memory,
+        dp=1,
+        recomputes=spec.recomputes,
+        tp=spec.tp,
+        sp=k,
+        comm=[spec.layer_comm(k, rc) for rc in spec.recomputes],
+    )
     return [list(part.order[a:b]) for a, b in zip(part.bounds, part.bounds[1:])]
 
 
@@ -153,12 +171,14 @@ class _Model:
                 # StageMemory.fits: in_flight * stored + max(0, max_c (peak_c - stored_c)) <= budget; every
                 # stored_c keeps a non-negative coefficient (in_flight * count >= 1), so bounding each fit from
                 # above (floor added, padding document included) keeps the rows safe
-                upper = {c: (self._upper(fits[c]["stored_bytes"]), self._upper(fits[c]["peak_bytes"]))
-                         for c in COMPONENTS}
+                upper = {
+                    c: (self._upper(fits[c]["stored_bytes"]), self._upper(fits[c]["peak_bytes"])) for c in COMPONENTS
+                }
                 stored = mem.in_flight * sum(n[c] * upper[c][0] for c in COMPONENTS)
                 rows = [stored] + [stored + upper[c][1] - upper[c][0] for c in COMPONENTS if n[c]]
-                memory += [(float(r[0]) / mem.budget - 1.0, float(r[1]) / mem.budget, float(r[2]) / mem.budget)
-                           for r in rows]  # over the budget: rows of order 1 for the solver
+                memory += [
+                    (float(r[0]) / mem.budget - 1.0, float(r[1]) / mem.budget, float(r[2]) / mem.budget) for r in rows
+                ]  # over the budget: rows of order 1 for the solver
             if not cost.allow_extrapolation:  # the measured range: slots (with padding) <= max_tokens
                 memory.append((-1.0, 1.0 / table.max_tokens, 0.0))
             self.max_len.append(math.inf if cost.allow_extrapolation else table.max_len)
@@ -184,8 +204,10 @@ class _Model:
         """The modelled slowest-stage time."""
         slots, attn = self.features(tokens, squares)
         ys = [max(f, c0 + c1 * slots + c2 * attn) for f, c0, c1, c2 in self.floored[r]]
-        return max(a + b * slots + c * attn + sum(w * y for w, y in zip(ws, ys))
-                   for (a, b, c), ws in zip(self.linear[r], self.weight[r]))
+        return max(
+            a + b * slots + c * attn + sum(w * y for w, y in zip(ws, ys))
+            for (a, b, c), ws in zip(self.linear[r], self.weight[r])
+        )
 
     def best(self, tokens: float, squares: float, longest: int) -> tuple[float, int]:
         """(time, mode) of the cheapest mode that fits; (inf, -1) if none."""
@@ -221,9 +243,15 @@ def _lpt(lens: np.ndarray, model: _Model, count: int) -> list[list[int]] | None:
     return groups if all(groups) else None
 
 
-def ilp_partition(lengths: Sequence[int], spec: PlannerSpec, *, incumbent: Sequence[Sequence[int]] | None = None,
-                  node_limit: int = NODE_LIMIT, time_limit_s: float | None = None,
-                  counts: Sequence[int] | None = None) -> IlpResult:
+def ilp_partition(
+    lengths: Sequence[int],
+    spec: PlannerSpec,
+    *,
+    incumbent: Sequence[Sequence[int]] | None = None,
+    node_limit: int = NODE_LIMIT,
+    time_limit_s: float | None = None,
+    counts: Sequence[int] | None = None,
+) -> IlpResult:
     """The micro-batches of one pipeline's ``lengths`` by the integer program (module docstring).
 
     ``incumbent``: a grouping to beat (default: ``dp_groups``); ``counts``: the micro-batch counts
@@ -245,7 +273,8 @@ def ilp_partition(lengths: Sequence[int], spec: PlannerSpec, *, incumbent: Seque
             f"sequence {longest} (length {int(lens[longest])}) does not fit in a packed micro-batch on its own at "
             f"sequence-parallel size {k}, even with full recompute: activation memory per stage is limited to "
             f"{budget / 2**20:.0f} MiB after model states (or it is longer than the cost model measured); use a "
-            "larger group, more pipeline stages or more memory, or cap microbatching.max_seq_len")
+            "larger group, more pipeline stages or more memory, or cap microbatching.max_seq_len"
+        )
     if incumbent is None:
         incumbent = dp_groups(lens, spec)
     incumbent = [sorted(int(i) for i in g) for g in incumbent]
@@ -267,20 +296,24 @@ def ilp_partition(lengths: Sequence[int], spec: PlannerSpec, *, incumbent: Seque
     deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
     for lo, hi in _runs(allowed):
         left = None if deadline is None else deadline - time.perf_counter()
-        groups, status, used = _solve(lens, model, spec.pp, lo, hi, start if start and lo <= len(start) <= hi else None,
-                                      node_limit, left)
+        groups, status, used = _solve(
+            lens, model, spec.pp, lo, hi, start if start and lo <= len(start) <= hi else None, node_limit, left
+        )
         nodes += used
         statuses.append(status)
         if groups is not None:
             ms = pipeline_time_ms(groups, lens, spec)
             if math.isinf(ms):  # the memory rows bound every fit from above: a modelling error, not a limit
-                logger.warning("the micro-batch ILP's grouping %s does not fit when priced exactly; keeping %s",
-                               groups, start)
+                logger.warning(
+                    "the micro-batch ILP's grouping %s does not fit when priced exactly; keeping %s", groups, start
+                )
             if ms < best_ms:
                 best_ms, best = ms, groups
     if best is None:
-        raise InfeasibleError(f"no grouping of the {n} sequences into {allowed} micro-batches fits in memory; "
-                              "allow other counts, more stages or more memory")
+        raise InfeasibleError(
+            f"no grouping of the {n} sequences into {allowed} micro-batches fits in memory; "
+            "allow other counts, more stages or more memory"
+        )
     improved = best is not start
     if all(s == "optimal" for s in statuses):
         status = "optimal"
@@ -293,8 +326,14 @@ def ilp_partition(lengths: Sequence[int], spec: PlannerSpec, *, incumbent: Seque
     pos[order] = np.arange(n)
     groups = sorted((sorted(g, key=lambda i: pos[i]) for g in best), key=lambda g: pos[g[0]])
     mbs = cheapest_feasible(groups, lens, spec=spec, layout="packed", sp=k)
-    return IlpResult(tuple(tuple(int(i) for i in g) for g in groups), tuple(mb.recompute for mb in mbs), best_ms,
-                     start_ms, status, nodes)
+    return IlpResult(
+        tuple(tuple(int(i) for i in g) for g in groups),
+        tuple(mb.recompute for mb in mbs),
+        best_ms,
+        start_ms,
+        status,
+        nodes,
+    )
 
 
 def _runs(allowed: list[int]) -> list[tuple[int, int]]:
@@ -337,14 +376,28 @@ def _quiet_highs() -> highspy.Highs:
         os.close(saved)
 
 
-def _solve(lens: np.ndarray, model: _Model, pp: int, lo: int, hi: int, start: list[list[int]] | None,
-           node_limit: int, time_limit_s: float | None) -> tuple[list[list[int]] | None, str, int]:
+def _solve(
+    lens: np.ndarray,
+    model: _Model,
+    pp: int,
+    lo: int,
+    hi: int,
+    start: list[list[int]] | None,
+    node_limit: int,
+    time_limit_s: float | None,
+) -> tuple[list[list[int]] | None, str, int]:
     """Solve the program for lo..hi non-empty micro-batches from ``start``; (groups or None, status, nodes)."""
     order = np.argsort(-lens, kind="stable")
     lp, cols = _program([int(lens[i]) for i in order], model, pp, lo, hi)
     h = _quiet_highs()
-    for name, val in (("output_flag", False), ("threads", 1), ("random_seed", SEED), ("mip_max_nodes", node_limit),
-                      ("mip_rel_gap", REL_GAP), *OPTIONS.items()):
+    for name, val in (
+        ("output_flag", False),
+        ("threads", 1),
+        ("random_seed", SEED),
+        ("mip_max_nodes", node_limit),
+        ("mip_rel_gap", REL_GAP),
+        *OPTIONS.items(),
+    ):
         h.setOptionValue(name, val)
     if time_limit_s is not None:
         h.setOptionValue("time_limit", max(float(time_limit_s), 0.0))
@@ -357,8 +410,11 @@ def _solve(lens: np.ndarray, model: _Model, pp: int, lo: int, hi: int, start: li
             h.setSolution(sol)
     h.run()
     nodes = int(h.getInfo().mip_node_count)
-    name = {highspy.HighsModelStatus.kOptimal: "optimal", highspy.HighsModelStatus.kTimeLimit: "time_limit",
-            highspy.HighsModelStatus.kSolutionLimit: "node_limit"}.get(h.getModelStatus(), "incumbent")
+    name = {
+        highspy.HighsModelStatus.kOptimal: "optimal",
+        highspy.HighsModelStatus.kTimeLimit: "time_limit",
+        highspy.HighsModelStatus.kSolutionLimit: "node_limit",
+    }.get(h.getModelStatus(), "incumbent")
     if h.getInfo().primal_solution_status != highspy.SolutionStatus.kSolutionStatusFeasible:
         return None, name, nodes
     values = np.asarray(h.getSolution().col_value)
@@ -397,8 +453,12 @@ def _program(s: list[int], model: _Model, pp: int, lo: int, hi: int) -> tuple[hi
     def slots(j: int, r: int, a: float) -> tuple[int, float]:
         return (W[j, r], a) if k > 1 else (S[j, r], a * TOKENS)
 
-    y = {(j, r, q): col(0.0, 0.0, math.inf, False) for j in range(v) for r in range(R)
-         for q in range(len(model.floored[r]))}
+    y = {
+        (j, r, q): col(0.0, 0.0, math.inf, False)
+        for j in range(v)
+        for r in range(R)
+        for q in range(len(model.floored[r]))
+    }
     t = [col(1.0, 0.0, math.inf, False) for _ in range(v)]
     # the longest sequence's micro-batch takes at least as long as the sequence alone in its cheapest mode
     alone, _ = model.best(s[0], s[0] * s[0], s[0])
@@ -424,7 +484,7 @@ def _program(s: list[int], model: _Model, pp: int, lo: int, hi: int) -> tuple[hi
     for j in range(v):
         members = range(j, n)
         row([(S[j, r], 1.0) for r in range(R)] + [(x[p, j], -s[p] / TOKENS) for p in members], 0.0, 0.0)
-        row([(Q[j, r], 1.0) for r in range(R)] + [(x[p, j], -s[p] ** 2 / SQUARES) for p in members], 0.0, 0.0)
+        row([(Q[j, r], 1.0) for r in range(R)] + [(x[p, j], -(s[p] ** 2) / SQUARES) for p in members], 0.0, 0.0)
         row([(z[j, r], 1.0) for r in range(R)], -inf, 1.0)
         for p in members:  # a member needs a mode it fits in alone
             row([(x[p, j], 1.0)] + [(z[j, r], -1.0) for r in range(R) if fit[p][r]], -inf, 0.0)
@@ -459,13 +519,17 @@ def _program(s: list[int], model: _Model, pp: int, lo: int, hi: int) -> tuple[hi
     lp.row_lower_, lp.row_upper_ = np.array(rows_lo), np.array(rows_hi)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
     lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = (
-        np.array(starts, dtype=np.int32), np.array(index, dtype=np.int32), np.array(value))
+        np.array(starts, dtype=np.int32),
+        np.array(index, dtype=np.int32),
+        np.array(value),
+    )
     lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in integer]
     return lp, _Columns(x, z, S, Q, W, y, t, M)
 
 
-def _start_values(start: list[list[int]], lens: np.ndarray, order: np.ndarray, model: _Model, ncol: int,
-                  cols: _Columns) -> np.ndarray | None:
+def _start_values(
+    start: list[list[int]], lens: np.ndarray, order: np.ndarray, model: _Model, ncol: int, cols: _Columns
+) -> np.ndarray | None:
     """Every column's value at a grouping (micro-batches renumbered by their longest sequence, each
     in its cheapest modelled mode); None if the model rejects one of its micro-batches."""
     pos = np.empty(len(lens), dtype=np.int64)
@@ -495,6 +559,8 @@ def _start_values(start: list[list[int]], lens: np.ndarray, order: np.ndarray, m
 
 def _group_size(spec: PlannerSpec) -> int:
     if len(spec.sp_sizes) != 1:
-        raise ValueError(f"plan one pipeline at a time: its spec needs one sequence-parallel size (sp_sizes=(k,)), "
-                         f"got {spec.sp_sizes}")
+        raise ValueError(
+            f"plan one pipeline at a time: its spec needs one sequence-parallel size (sp_sizes=(k,)), "
+            f"got {spec.sp_sizes}"
+        )
     return int(spec.sp_sizes[0])

@@ -8,6 +8,7 @@ micro-batches over the data-parallel replicas (assign.py), picks each replica's 
 schedule by simulation (schedule.py) and keeps the layout whose simulated step is shortest.
 Baselines (baselines.py) go through the same pricing and simulation, so they compare fairly.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -35,24 +36,37 @@ def execution_plans(plan: StepPlan, hidden_size: int) -> dict[tuple[int, int], E
     out = {}
     dp = plan.num_columns
     if len({(r.tp, len(r.schedule.stages)) for r in plan.replicas}) > 1:
-        raise ValueError(f"{plan.method}: its pipelines mix tensor/pipeline degrees "
-                         f"{sorted({(r.tp, len(r.schedule.stages)) for r in plan.replicas})}; DeepSpeed and Megatron "
-                         "build uniform replicas, so such a strategy is simulated only (dynplugin bench strategy)")
+        raise ValueError(
+            f"{plan.method}: its pipelines mix tensor/pipeline degrees "
+            f"{sorted({(r.tp, len(r.schedule.stages)) for r in plan.replicas})}; DeepSpeed and Megatron "
+            "build uniform replicas, so such a strategy is simulated only (dynplugin bench strategy)"
+        )
     for rep in plan.replicas:
         if rep.first % rep.size:
-            raise ValueError(f"a sequence-parallel group of {rep.size} columns starts at column {rep.first}: groups "
-                             "must be aligned (start at a multiple of their size) to match the process groups")
+            raise ValueError(
+                f"a sequence-parallel group of {rep.size} columns starts at column {rep.first}: groups "
+                "must be aligned (start at a multiple of their size) to match the process groups"
+            )
         pp = len(rep.schedule.stages)
         for c in rep.columns:
             ranks = RankLayout.of(dp, pp).column_ranks(c)
-            for s, ep in enumerate(build_execution_plans(rep.micro_batches, rep.schedule, column=c, stage_ranks=ranks,
-                                                         hidden_size=hidden_size, group=rep.first)):
+            for s, ep in enumerate(
+                build_execution_plans(
+                    rep.micro_batches,
+                    rep.schedule,
+                    column=c,
+                    stage_ranks=ranks,
+                    hidden_size=hidden_size,
+                    group=rep.first,
+                )
+            ):
                 out[(c, s)] = ep
     return out
 
 
-def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True,
-              grouping: Sequence[int] | None = None) -> StepPlan:
+def plan_step(
+    lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True, grouping: Sequence[int] | None = None
+) -> StepPlan:
     """The plugin's plan for one global batch.
 
     Candidates: the DP partition for each allowed layout and, with packing allowed, fixed-length
@@ -76,13 +90,26 @@ def plan_step(lengths: Sequence[int], spec: PlannerSpec, *, native: bool = True,
     infeasible: InfeasibleError | None = None
     for layout in spec.layouts:
         try:
-            part = partition(lengths, spec.cost, layout=layout, stages=spec.stages, memory=spec.memory, dp=spec.dp,
-                             recomputes=spec.recomputes, tp=spec.tp, native=native)
+            part = partition(
+                lengths,
+                spec.cost,
+                layout=layout,
+                stages=spec.stages,
+                memory=spec.memory,
+                dp=spec.dp,
+                recomputes=spec.recomputes,
+                tp=spec.tp,
+                native=native,
+            )
         except InfeasibleError as exc:  # padding holds more than packing: the longest sequence may fit one layout only
             infeasible = infeasible or exc
             continue
-        candidates.append([make_micro_batch(part.order[a:b], lengths, spec=spec, layout=layout, recompute=rc)
-                           for a, b, rc in zip(part.bounds, part.bounds[1:], part.recompute)])
+        candidates.append(
+            [
+                make_micro_batch(part.order[a:b], lengths, spec=spec, layout=layout, recompute=rc)
+                for a, b, rc in zip(part.bounds, part.bounds[1:], part.recompute)
+            ]
+        )
     if "packed" in spec.layouts and spec.row_len and max(lengths) <= spec.row_len:
         try:
             rows = split_for_replicas(pack_rows(lengths, spec.row_len), lengths, spec.dp, equal_counts=True)

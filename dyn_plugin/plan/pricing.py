@@ -5,6 +5,7 @@
 group's cheapest recompute mode; ``relax_recompute`` and ``same_recompute`` change recompute
 modes on a fixed schedule (less where memory is spare; alike on every replica for ZeRO-3).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -18,8 +19,14 @@ from .types import MicroBatch, Schedule, SimResult, StepPlan
 
 
 def make_micro_batch(
-    sample_ids: Sequence[int], lengths: Sequence[int], *, spec: PlannerSpec, layout: Layout, recompute: Recompute,
-    sp: int = 1, checkpointed: Sequence[int] | None = None,
+    sample_ids: Sequence[int],
+    lengths: Sequence[int],
+    *,
+    spec: PlannerSpec,
+    layout: Layout,
+    recompute: Recompute,
+    sp: int = 1,
+    checkpointed: Sequence[int] | None = None,
 ) -> MicroBatch:
     """Price one micro-batch on every stage, per rank of a group of ``sp``, on exactly the tensors
     the collate will build. ``checkpointed``: per stage, the layers run under ``recompute``
@@ -46,10 +53,19 @@ def make_micro_batch(
     shape = tensor_shape(lens, layout, spec.cost.pad_multiple, sp)
     act = shape[0] * shape[1] // sp * spec.hidden_size * ACT_BYTES.get(spec.cost.dtype, 2) / spec.tp
     return MicroBatch(
-        sample_ids=tuple(int(i) for i in sample_ids), seq_lens=lens, layout=layout, recompute=recompute,
-        forward_ms=tuple(fwd), backward_ms=tuple(bwd),
-        stored_bytes=tuple(c.stored_bytes for c in costs), peak_bytes=tuple(c.peak_bytes for c in costs),
-        activation_bytes=act, shape=shape, sp=sp, checkpointed=() if whole else counts, extrapolated=extrapolated,
+        sample_ids=tuple(int(i) for i in sample_ids),
+        seq_lens=lens,
+        layout=layout,
+        recompute=recompute,
+        forward_ms=tuple(fwd),
+        backward_ms=tuple(bwd),
+        stored_bytes=tuple(c.stored_bytes for c in costs),
+        peak_bytes=tuple(c.peak_bytes for c in costs),
+        activation_bytes=act,
+        shape=shape,
+        sp=sp,
+        checkpointed=() if whole else counts,
+        extrapolated=extrapolated,
     )
 
 
@@ -75,15 +91,18 @@ def relax_recompute(
     for i in sorted(range(len(current)), key=lambda i: -current[i].time_ms):
         for rc in cheaper[current[i].recompute]:
             old = current[i]
-            candidate = make_micro_batch(old.sample_ids, _lengths_of(old), spec=spec, layout=old.layout, recompute=rc,
-                                         sp=old.sp)
+            candidate = make_micro_batch(
+                old.sample_ids, _lengths_of(old), spec=spec, layout=old.layout, recompute=rc, sp=old.sp
+            )
             if not in_range(candidate, spec):
                 continue
-            trial = current[:i] + [candidate] + current[i + 1:]
+            trial = current[:i] + [candidate] + current[i + 1 :]
             if any(stage_peak_bytes(trial, ops, s) > budget[s] for s, ops in enumerate(schedule.stages)):
                 continue
-            if all(nf <= f and nb <= b for nf, f, nb, b in zip(candidate.forward_ms, old.forward_ms,
-                                                               candidate.backward_ms, old.backward_ms)):
+            if all(
+                nf <= f and nb <= b
+                for nf, f, nb, b in zip(candidate.forward_ms, old.forward_ms, candidate.backward_ms, old.backward_ms)
+            ):
                 current, stale = trial, True
                 break
             if stale:
@@ -103,9 +122,7 @@ def in_range(mb: MicroBatch, spec: PlannerSpec) -> bool:
 
 def usable(mb: MicroBatch, spec: PlannerSpec) -> bool:
     """In range, and within every stage's activation budget with the 1F1B in-flight count."""
-    return in_range(mb, spec) and all(
-        m.fits(st, pk) for m, st, pk in zip(spec.memory, mb.stored_bytes, mb.peak_bytes)
-    )
+    return in_range(mb, spec) and all(m.fits(st, pk) for m, st, pk in zip(spec.memory, mb.stored_bytes, mb.peak_bytes))
 
 
 def _lengths_of(mb: MicroBatch) -> dict[int, int]:
@@ -143,15 +160,29 @@ def same_recompute(plan: StepPlan, *, spec: PlannerSpec) -> StepPlan:
         if all(mb.recompute == mode for mb in mbs):
             counts = [max(c) for c in zip(*(checkpointed_layers(mb, spec) for mb in mbs))]
         for r, (mb, o) in enumerate(zip(mbs, orders)):
-            new[r][o[pos]] = make_micro_batch(mb.sample_ids, _lengths_of(mb), spec=spec, layout=mb.layout,
-                                              recompute=mode, sp=mb.sp, checkpointed=counts)
-    replicas = tuple(replace(r, micro_batches=tuple(m), sim=simulate(m, r.schedule, spec.link))
-                     for r, m in zip(plan.replicas, new))
+            new[r][o[pos]] = make_micro_batch(
+                mb.sample_ids,
+                _lengths_of(mb),
+                spec=spec,
+                layout=mb.layout,
+                recompute=mode,
+                sp=mb.sp,
+                checkpointed=counts,
+            )
+    replicas = tuple(
+        replace(r, micro_batches=tuple(m), sim=simulate(m, r.schedule, spec.link)) for r, m in zip(plan.replicas, new)
+    )
     return replace(plan, replicas=replicas)
 
 
-def cheapest_feasible(groups: Sequence[Sequence[int]], lengths: Sequence[int], *, spec: PlannerSpec,
-                      layout: Layout = "packed", sp: int = 1) -> list[MicroBatch] | None:
+def cheapest_feasible(
+    groups: Sequence[Sequence[int]],
+    lengths: Sequence[int],
+    *,
+    spec: PlannerSpec,
+    layout: Layout = "packed",
+    sp: int = 1,
+) -> list[MicroBatch] | None:
     """Each group in its cheapest recompute mode that fits; None if one fits in none."""
     out = []
     for g in groups:

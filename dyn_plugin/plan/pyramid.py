@@ -17,6 +17,7 @@ Per layer taken out of recompute a micro-batch saves the same time and costs the
 in order of time saved per byte, each as far as the slack at every op where it is alive allows:
 the fractional-knapsack rule, exact up to integrality for one constraint, a greedy for several.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,8 +60,13 @@ def fewest_checkpointed(
         if result.makespan_ms <= sim.makespan_ms and all(p <= l for p, l in zip(result.peak_bytes, limits)):
             return current, result
     # cannot happen by the argument above; if it does, the plan as it was stays valid
-    logger.warning("pyramid checkpointing left out: it would take the step from %.3f to %.3f ms or the peaks to %s, "
-                   "over %s", sim.makespan_ms, result.makespan_ms, result.peak_bytes, limits)
+    logger.warning(
+        "pyramid checkpointing left out: it would take the step from %.3f to %.3f ms or the peaks to %s, over %s",
+        sim.makespan_ms,
+        result.makespan_ms,
+        result.peak_bytes,
+        limits,
+    )
     return mbs, sim
 
 
@@ -89,14 +95,23 @@ def _search(mbs: tuple[MicroBatch, ...], schedule: Schedule, spec: PlannerSpec, 
             per_layer = (bare.stored_bytes[s] - mb.stored_bytes[s]) / counts[s]
             f, b = spans[s]
             # estimate: every op where it is alive gains per_layer bytes a layer, its transient unchanged
-            slack = budget[s] - float(during[s][f:b + 1].max())
+            slack = budget[s] - float(during[s][f : b + 1].max())
             drop = counts[s] if per_layer <= 0 else min(counts[s], max(0, math.floor(slack / per_layer)))
             target[s] = counts[s] - drop
         # the estimate ignores the transient's change: check each stage exactly and back off where it fails
         while target != counts:
-            trial = make_micro_batch(mb.sample_ids, dict(zip(mb.sample_ids, mb.seq_lens)), spec=spec, layout=mb.layout,
-                                     recompute=mb.recompute, sp=mb.sp, checkpointed=target)
-            over = [s for s in stages if target[s] != counts[s] and not _fits(during[s], spans[s], mb, trial, s, budget[s])]
+            trial = make_micro_batch(
+                mb.sample_ids,
+                dict(zip(mb.sample_ids, mb.seq_lens)),
+                spec=spec,
+                layout=mb.layout,
+                recompute=mb.recompute,
+                sp=mb.sp,
+                checkpointed=target,
+            )
+            over = [
+                s for s in stages if target[s] != counts[s] and not _fits(during[s], spans[s], mb, trial, s, budget[s])
+            ]
             if not over:
                 for s in stages:
                     _apply(during[s], spans[s], mb, trial, s)
@@ -107,7 +122,9 @@ def _search(mbs: tuple[MicroBatch, ...], schedule: Schedule, spec: PlannerSpec, 
     return tuple(current)
 
 
-def _candidates(mbs: list[MicroBatch], spec: PlannerSpec, strict: bool) -> list[tuple[float, int, MicroBatch, list[int]]]:
+def _candidates(
+    mbs: list[MicroBatch], spec: PlannerSpec, strict: bool
+) -> list[tuple[float, int, MicroBatch, list[int]]]:
     """(time saved per byte, index, the micro-batch with no layer checkpointed, the stages to lower)
     of every micro-batch that recomputes some layer and could recompute fewer in the measured range."""
     out = []
@@ -115,8 +132,15 @@ def _candidates(mbs: list[MicroBatch], spec: PlannerSpec, strict: bool) -> list[
         counts = list(checkpointed_layers(mb, spec))
         if mb.recompute == "none" or not any(counts):
             continue
-        bare = make_micro_batch(mb.sample_ids, dict(zip(mb.sample_ids, mb.seq_lens)), spec=spec, layout=mb.layout,
-                                recompute=mb.recompute, sp=mb.sp, checkpointed=[0] * spec.pp)
+        bare = make_micro_batch(
+            mb.sample_ids,
+            dict(zip(mb.sample_ids, mb.seq_lens)),
+            spec=spec,
+            layout=mb.layout,
+            recompute=mb.recompute,
+            sp=mb.sp,
+            checkpointed=[0] * spec.pp,
+        )
         if not in_range(bare, spec):
             continue
         lowered = [s for s in range(spec.pp) if counts[s] and _gains(mb, bare, s, strict)]
@@ -140,7 +164,7 @@ def _fits(during: np.ndarray, span: tuple[int, int], old: MicroBatch, new: Micro
     f, b = span
     stored = new.stored_bytes[s] - old.stored_bytes[s]
     peak = new.peak_bytes[s] - old.peak_bytes[s]
-    inner = during[f + 1:b]
+    inner = during[f + 1 : b]
     ends = during[[f, b]]
     return bool(np.all(inner + stored <= np.maximum(budget, inner)) and np.all(ends + peak <= np.maximum(budget, ends)))
 
@@ -149,5 +173,5 @@ def _apply(during: np.ndarray, span: tuple[int, int], old: MicroBatch, new: Micr
     """Update stage s's bytes per op for ``new`` replacing ``old`` (memory_steps' accounting:
     its stored bytes between its ops, its peak while they run)."""
     f, b = span
-    during[f + 1:b] += new.stored_bytes[s] - old.stored_bytes[s]
+    during[f + 1 : b] += new.stored_bytes[s] - old.stored_bytes[s]
     during[[f, b]] += new.peak_bytes[s] - old.peak_bytes[s]

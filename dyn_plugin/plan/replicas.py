@@ -1,5 +1,6 @@
 """Scheduling replicas: micro-batches spread over the data-parallel replicas, and each replica's
 pipeline schedule searched by simulation within memory, recompute then relaxed where it can be."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -14,7 +15,12 @@ from .types import MicroBatch, ReplicaPlan, StepPlan
 
 
 def schedule_replicas(
-    micro_batches: Sequence[MicroBatch], *, spec: PlannerSpec, method: str, balance: bool = True, adaptive: bool = True,
+    micro_batches: Sequence[MicroBatch],
+    *,
+    spec: PlannerSpec,
+    method: str,
+    balance: bool = True,
+    adaptive: bool = True,
 ) -> StepPlan:
     """Spread micro-batches over replicas (balanced, or round-robin as host frameworks do) and
     schedule each replica's pipeline (searched, or plain 1F1B in the given order)."""
@@ -26,20 +32,29 @@ def schedule_replicas(
     for r, g in enumerate(groups):
         mbs = tuple(micro_batches[i] for i in g)
         if not mbs:
-            raise ValueError(f"{method}: a data-parallel replica got no micro-batch ({len(micro_batches)} for dp={spec.dp})")
+            raise ValueError(
+                f"{method}: a data-parallel replica got no micro-batch ({len(micro_batches)} for dp={spec.dp})"
+            )
         replicas.append(schedule_replica(mbs, spec=spec, first=r, adaptive=adaptive))
     return StepPlan(method, micro_batches[0].layout, tuple(replicas), spec.update_ms)
 
 
-def schedule_replica(mbs: Sequence[MicroBatch], *, spec: PlannerSpec, first: int, size: int = 1,
-                     adaptive: bool = True) -> ReplicaPlan:
+def schedule_replica(
+    mbs: Sequence[MicroBatch], *, spec: PlannerSpec, first: int, size: int = 1, adaptive: bool = True
+) -> ReplicaPlan:
     """One replica's pipeline: the schedule searched by simulation within the memory budget,
     then recompute relaxed where it leaves memory spare, by whole micro-batches and then (pyramid
     checkpointing) by layers; or plain 1F1B in the given order."""
     mbs = tuple(mbs)
     if adaptive:
-        schedule, sim = choose_schedule(mbs, spec.link, memory_budget=[m.budget for m in spec.memory], seed=spec.seed,
-                                        candidates=4, policy=spec.schedule)
+        schedule, sim = choose_schedule(
+            mbs,
+            spec.link,
+            memory_budget=[m.budget for m in spec.memory],
+            seed=spec.seed,
+            candidates=4,
+            policy=spec.schedule,
+        )
         mbs, sim = relax_recompute(mbs, schedule, sim, spec=spec)
         if spec.pyramid:
             mbs, sim = fewest_checkpointed(mbs, schedule, sim, spec)

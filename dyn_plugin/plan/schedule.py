@@ -5,6 +5,7 @@ stalls every stage behind it, so the order (and how many micro-batches each stag
 flight) decides the bubble. ``choose_schedule`` simulates a few orders and keeps the fastest
 that fits memory. Everything here is deterministic so that every rank derives the same plan.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -122,7 +123,7 @@ def _stage_ops(forwards: list[Op], backwards: list[Op], warmup: int) -> tuple[Op
     ops = forwards[:warmup]
     for i in range(m - warmup):
         ops += (forwards[warmup + i], backwards[i])
-    return tuple(ops + backwards[m - warmup:])
+    return tuple(ops + backwards[m - warmup :])
 
 
 def _fit(
@@ -146,7 +147,9 @@ def _fit(
         warmup = m
         for s in range(num_stages):
             warmup = min(warmup, num_stages - s - 1)
-            while (need := stage_peak_bytes(micro_batches, _stage_ops(forwards, backwards, warmup), s)) > memory_budget[s]:
+            while (need := stage_peak_bytes(micro_batches, _stage_ops(forwards, backwards, warmup), s)) > memory_budget[
+                s
+            ]:
                 if warmup == 0:  # one micro-batch in flight needs the same on every order
                     raise ValueError(
                         f"stage {s} exceeds its activation memory budget by {need - memory_budget[s]:.0f} bytes "

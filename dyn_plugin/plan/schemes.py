@@ -8,6 +8,7 @@ ZeRO-sharded over the whole cluster's data-parallel ranks. ``SchemeCost`` holds 
 proposal and stage 1 need from it: the longest sequence it can hold (from the memory model,
 per recompute mode), each sequence's marginal time on it and the fixed cost of a micro-batch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,8 +55,9 @@ class Scheme:
         return cls(int(d["tp"]), int(d["pp"]), int(d["sp"]))
 
 
-def scheme_spec(cost: TableCostModel, config: DynPluginConfig, scheme: Scheme, *, gpus: int,
-                zero_stage: int = 1) -> PlannerSpec:
+def scheme_spec(
+    cost: TableCostModel, config: DynPluginConfig, scheme: Scheme, *, gpus: int, zero_stage: int = 1
+) -> PlannerSpec:
     """One pipeline of ``scheme`` on a cluster of ``gpus``: model states and the update are those
     of ZeRO-``zero_stage`` over the cluster's gpus / (tp * pp) data-parallel ranks; the spec plans
     one pipeline (dp = 1) at group size ``scheme.sp``. The stage split is balanced (the config's
@@ -65,8 +67,9 @@ def scheme_spec(cost: TableCostModel, config: DynPluginConfig, scheme: Scheme, *
     tp, pp, sp = scheme.tp, scheme.pp, scheme.sp
     what = f"scheme {scheme.name} ({cost.name}, {gpus} GPUs)"
     if min(tp, pp, sp) < 1 or gpus % scheme.gpus:
-        raise ValueError(f"{what}: its {scheme.gpus} GPUs must divide the cluster's {gpus}; pick degrees whose "
-                         "product divides it")
+        raise ValueError(
+            f"{what}: its {scheme.gpus} GPUs must divide the cluster's {gpus}; pick degrees whose product divides it"
+        )
     heads, kv = cost.num_heads, cost.num_kv_heads or cost.num_heads
     if not heads:
         raise ValueError(f"{what}: the cost model does not know the attention heads; set num_heads")
@@ -74,25 +77,36 @@ def scheme_spec(cost: TableCostModel, config: DynPluginConfig, scheme: Scheme, *
     if tp not in measured:
         raise ValueError(f"{what}: the cost model has no tables at tp={tp}; use tp in {measured}")
     if heads % tp or kv % tp:
-        raise ValueError(f"{what}: tensor parallelism splits the heads, and {heads} query / {kv} key-value heads do "
-                         f"not divide by tp={tp}; use a tp dividing both")
+        raise ValueError(
+            f"{what}: tensor parallelism splits the heads, and {heads} query / {kv} key-value heads do "
+            f"not divide by tp={tp}; use a tp dividing both"
+        )
     if pp > cost.num_layers:
-        raise ValueError(f"{what}: {cost.num_layers} layers cannot fill {pp} pipeline stages; "
-                         f"use pp <= {cost.num_layers}")
+        raise ValueError(
+            f"{what}: {cost.num_layers} layers cannot fill {pp} pipeline stages; use pp <= {cost.num_layers}"
+        )
     if sp & (sp - 1):
-        raise ValueError(f"{what}: sequence-parallel groups are aligned blocks of a power of two columns; use sp "
-                         "1, 2, 4, ...")
+        raise ValueError(
+            f"{what}: sequence-parallel groups are aligned blocks of a power of two columns; use sp 1, 2, 4, ..."
+        )
     try:  # a tensor-parallel rank holds heads / tp of them: those are what Ulysses splits over the group
         attention_kind(sp, config.sequence_parallel.attention, heads // tp, kv // tp)
     except ValueError as exc:
         raise ValueError(f"{what}, heads per tensor-parallel rank: {exc}") from None
-    cfg = config.model_copy(update={
-        "pipeline": config.pipeline.model_copy(update={"stages": pp, "layers_per_stage": None}),
-        "sequence_parallel": config.sequence_parallel.model_copy(update={"sizes": [sp]}),
-    })
+    cfg = config.model_copy(
+        update={
+            "pipeline": config.pipeline.model_copy(update={"stages": pp, "layers_per_stage": None}),
+            "sequence_parallel": config.sequence_parallel.model_copy(update={"sizes": [sp]}),
+        }
+    )
     try:
-        spec = planner_spec(replace(cost, num_heads=heads // tp, num_kv_heads=kv // tp), cfg,
-                            dp=gpus // (tp * pp), zero_stage=zero_stage, tp=tp)
+        spec = planner_spec(
+            replace(cost, num_heads=heads // tp, num_kv_heads=kv // tp),
+            cfg,
+            dp=gpus // (tp * pp),
+            zero_stage=zero_stage,
+            tp=tp,
+        )
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}; or a scheme of larger tp or pp (both split the model states)") from None
     return replace(spec, dp=1, sp_sizes=(sp,))
@@ -136,8 +150,9 @@ class SchemeCost:
         worst = 0.0
         for stage in spec.stages:
             counts = {"embedding": int(stage.first), "layer": stage.num_layers, "head": int(stage.last)}
-            t = sum(n * table.fits[comp][m].coef[0]
-                    for comp, n in counts.items() for m in ("forward_ms", "backward_ms"))
+            t = sum(
+                n * table.fits[comp][m].coef[0] for comp, n in counts.items() for m in ("forward_ms", "backward_ms")
+            )
             worst = max(worst, t + stage.num_layers * (comm.forward[0] + rerun.backward[0]))
         return worst
 
@@ -164,13 +179,21 @@ def longest_alone(spec: PlannerSpec, layout: Layout, recompute: str, sp: int, ma
 def scheme_cost(spec: PlannerSpec, scheme: Scheme, max_len: int) -> SchemeCost:
     """``scheme`` priced on its ``scheme_spec``: per recompute mode, the longest sequence up to ``max_len``."""
     layout: Layout = "packed" if "packed" in spec.layouts else spec.layouts[0]  # a sequence alone packs unpadded
-    return SchemeCost(scheme, spec, {rc: longest_alone(spec, layout, rc, scheme.sp, max_len) for rc in spec.recomputes},
-                      layout)
+    return SchemeCost(
+        scheme, spec, {rc: longest_alone(spec, layout, rc, scheme.sp, max_len) for rc in spec.recomputes}, layout
+    )
 
 
-def scheme_costs(cost: TableCostModel, config: DynPluginConfig, *, gpus: int, zero_stage: int = 1,
-                 tps: Sequence[int] = DEGREES, pps: Sequence[int] = DEGREES,
-                 sps: Sequence[int] = DEGREES) -> list[SchemeCost]:
+def scheme_costs(
+    cost: TableCostModel,
+    config: DynPluginConfig,
+    *,
+    gpus: int,
+    zero_stage: int = 1,
+    tps: Sequence[int] = DEGREES,
+    pps: Sequence[int] = DEGREES,
+    sps: Sequence[int] = DEGREES,
+) -> list[SchemeCost]:
     """Every scheme of the given degrees that divides ``gpus``, can hold its model states and fits
     some sequence, in (tp, pp, sp) order; the others are skipped (logged at debug level)."""
     out = []

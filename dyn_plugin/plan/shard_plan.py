@@ -28,6 +28,7 @@ across ``world / shard_size`` such groups; FSDP2's 2-D mesh, FSDP1's HYBRID_SHAR
 Plans are versioned JSON, like the execution plans; ``check_units`` refuses a plan made for
 another model by naming the units it does not have.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,10 +57,13 @@ class Choice:
         if self.kind not in KINDS:
             raise ValueError(f"sharding choice {self.kind!r} is unknown; choose one of {', '.join(KINDS)}")
         if self.kind == "reshard" and self.reshard_to < 2:
-            raise ValueError(f"'reshard' needs reshard_to >= 2 (ranks the parameters stay sharded over), got {self.reshard_to}")
+            raise ValueError(
+                f"'reshard' needs reshard_to >= 2 (ranks the parameters stay sharded over), got {self.reshard_to}"
+            )
         if self.kind == "split" and not (self.slices >= 2 and 0 < self.sharded < self.slices):
-            raise ValueError(f"'split' needs slices >= 2 and 0 < sharded < slices, got slices={self.slices}, "
-                             f"sharded={self.sharded}")
+            raise ValueError(
+                f"'split' needs slices >= 2 and 0 < sharded < slices, got slices={self.slices}, sharded={self.sharded}"
+            )
 
     @property
     def label(self) -> str:
@@ -167,20 +171,28 @@ class ShardPlan:
         have = set(names)
         unknown = [u.name for u in self.units if u.name not in have]
         if unknown:
-            shown = ", ".join(repr(n) for n in unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
-            raise ValueError(f"sharding plan for model {self.model!r} names modules this model does not have: {shown}; "
-                             "search a plan for this model (`dynplugin shard`)")
+            shown = ", ".join(repr(n) for n in unknown[:8]) + (
+                f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
+            )
+            raise ValueError(
+                f"sharding plan for model {self.model!r} names modules this model does not have: {shown}; "
+                "search a plan for this model (`dynplugin shard`)"
+            )
         planned = {u.name for u in self.units}
         undecided = [n for n in names if n not in planned]
         if undecided:
-            raise ValueError(f"sharding plan for model {self.model!r} does not decide for units {undecided} of this "
-                             "model; search a plan for this model (`dynplugin shard`)")
+            raise ValueError(
+                f"sharding plan for model {self.model!r} does not decide for units {undecided} of this "
+                "model; search a plan for this model (`dynplugin shard`)"
+            )
 
     def check_world(self, world: int) -> None:
         """Refuse a plan searched for another number of ranks."""
         if self.world != world:
-            raise ValueError(f"sharding plan for model {self.model!r} was searched for {self.world} ranks but {world} are "
-                             f"running; search it for {world} (`dynplugin shard --world {world}`)")
+            raise ValueError(
+                f"sharding plan for model {self.model!r} was searched for {self.world} ranks but {world} are "
+                f"running; search it for {world} (`dynplugin shard --world {world}`)"
+            )
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -193,8 +205,10 @@ class ShardPlan:
         if d.get("schema") != SCHEMA:
             raise ValueError(f"not a sharding plan: schema {d.get('schema')!r}, expected {SCHEMA!r}")
         if d.get("version") != VERSION:
-            raise ValueError(f"sharding plan version {d.get('version')} is not readable by this version "
-                             f"(reads {VERSION}); search the plan again with `dynplugin shard`")
+            raise ValueError(
+                f"sharding plan version {d.get('version')} is not readable by this version "
+                f"(reads {VERSION}); search the plan again with `dynplugin shard`"
+            )
         d = {k: v for k, v in d.items() if k != "schema"}
         units = tuple(UnitPlan(**{**u, "choice": Choice.parse(u["choice"])}) for u in d.pop("units"))
         frontier = tuple(tuple(p) for p in d.pop("frontier", ()))

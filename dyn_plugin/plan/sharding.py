@@ -22,6 +22,7 @@ the same choice) among the candidates, so it is never slower than one strategy f
 Shard sizes tried: ``sharding.shard_size`` if set, else the world and, where it divides the
 world and is smaller, a node (hybrid sharding: gathers stay inside the node).
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,8 @@ from ..cost.table import TableCostModel
 from .knapsack import solve
 from .planner import plan_step
 from .pricing import in_range, make_micro_batch
-from .spec import PlannerSpec, planner_spec
 from .shard_plan import MB, Choice, ShardPlan, ShardUnit, UnitPlan, uniform_choice_units
+from .spec import PlannerSpec, planner_spec
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,10 @@ def shard_sizes(config: DynPluginConfig, world: int) -> list[int]:
     size = config.sharding.shard_size
     if size is not None:
         if world % size:
-            raise ValueError(f"sharding.shard_size = {size} does not divide the world of {world} ranks; "
-                             "choose a divisor (a node's ranks for hybrid sharding)")
+            raise ValueError(
+                f"sharding.shard_size = {size} does not divide the world of {world} ranks; "
+                "choose a divisor (a node's ranks for hybrid sharding)"
+            )
         return [size]
     node = config.cluster.devices_per_node
     return [world] + ([node] if node < world and world % node == 0 else [])
@@ -96,18 +99,29 @@ def choice_columns(config: DynPluginConfig, host: str, shard_size: int) -> list[
     cols = []
     for kind in kinds:
         if kind == "reshard":
-            cols += [Choice("reshard", reshard_to=r) for r in range(2, shard_size)
-                     if shard_size % r == 0 and r <= config.cluster.devices_per_node]
+            cols += [
+                Choice("reshard", reshard_to=r)
+                for r in range(2, shard_size)
+                if shard_size % r == 0 and r <= config.cluster.devices_per_node
+            ]
         elif kind == "split":
-            cols += [Choice("split", slices=k, sharded=s)
-                     for k in range(2, sharding.max_slices + 1) for s in range(1, k)]
+            cols += [
+                Choice("split", slices=k, sharded=s) for k in range(2, sharding.max_slices + 1) for s in range(1, k)
+            ]
         else:
             cols.append(Choice(kind))  # type: ignore[arg-type]
     return cols
 
 
-def typical_step(lengths: Sequence[int], cost: TableCostModel, config: DynPluginConfig, *, world: int,
-                 state_bytes: float, native: bool = True) -> TypicalStep:
+def typical_step(
+    lengths: Sequence[int],
+    cost: TableCostModel,
+    config: DynPluginConfig,
+    *,
+    world: int,
+    state_bytes: float,
+    native: bool = True,
+) -> TypicalStep:
     """Plan ``lengths`` (one global batch) on ``world`` ranks with ``state_bytes`` of model states
     per rank, with ZeRO-3's rules (equal micro-batch counts, the same recompute per index)."""
     spec = planner_spec(cost, config, dp=world, zero_stage=3, state_bytes=state_bytes)
@@ -132,16 +146,26 @@ def smallest_activation(lengths: Sequence[int], spec: PlannerSpec) -> float:
     """The least activation peak any plan of ``lengths`` has: its longest sequence alone, in the
     layout and recompute mode that keep the least."""
     longest = int(np.argmax(lengths))
-    peaks = [mb.peak_bytes[0] for mb in (make_micro_batch([longest], lengths, spec=spec, layout=layout, recompute=rc)
-                                         for layout in spec.layouts for rc in spec.recomputes) if in_range(mb, spec)]
+    peaks = [
+        mb.peak_bytes[0]
+        for mb in (
+            make_micro_batch([longest], lengths, spec=spec, layout=layout, recompute=rc)
+            for layout in spec.layouts
+            for rc in spec.recomputes
+        )
+        if in_range(mb, spec)
+    ]
     if not peaks:
-        raise ValueError(f"the longest sequence ({lengths[longest]} tokens) is beyond what cost model "
-                         f"{spec.cost.name!r} measured; profile longer sequences or allow extrapolation")
+        raise ValueError(
+            f"the longest sequence ({lengths[longest]} tokens) is beyond what cost model "
+            f"{spec.cost.name!r} measured; profile longer sequences or allow extrapolation"
+        )
     return min(peaks)
 
 
-def select(prices: Prices, state_budget: float, *, resolution: int = RESOLUTION, native: bool = True
-           ) -> Selection | None:
+def select(
+    prices: Prices, state_budget: float, *, resolution: int = RESOLUTION, native: bool = True
+) -> Selection | None:
     """The fastest choice per unit whose model states (and the reserve) fit in ``state_budget``
     bytes; None if none does. Memory is counted in ``resolution`` units of the budget, rounded up
     per unit and choice (so the answer fits in bytes); where that rounding alone leaves nothing,
@@ -152,15 +176,21 @@ def select(prices: Prices, state_budget: float, *, resolution: int = RESOLUTION,
     over = resolution + 1  # any weight past the capacity is as good as infinite (and stays an int64)
     weights = np.where(prices.allowed, np.minimum(np.ceil(prices.memory_bytes / unit), over), 0).astype(np.int64)
     reserve = np.minimum(np.ceil(prices.reserve_bytes / unit), over).astype(np.int64)
-    ks = solve(weights, prices.time_ms, resolution, opens=np.broadcast_to(prices.opens, weights.shape),
-               reserve=reserve, native=native)
+    ks = solve(
+        weights,
+        prices.time_ms,
+        resolution,
+        opens=np.broadcast_to(prices.opens, weights.shape),
+        reserve=reserve,
+        native=native,
+    )
     if ks is not None:
         return Selection(tuple(int(c) for c in ks.choice), unit, ks.frontier)
     least, choice = smallest(prices)
     if least > state_budget:
         return None
     frontier = np.full(resolution + 1, np.inf)
-    frontier[min(math.ceil(least / unit), resolution):] = float(prices.time_ms[np.arange(len(choice)), choice].sum())
+    frontier[min(math.ceil(least / unit), resolution) :] = float(prices.time_ms[np.arange(len(choice)), choice].sum())
     return Selection(tuple(int(c) for c in choice), unit, frontier)
 
 
@@ -185,9 +215,20 @@ def smallest(prices: Prices) -> tuple[float, np.ndarray]:
 class _Search:
     """One model, cluster and global batch: typical steps by model states, prices by shard size."""
 
-    def __init__(self, units: Sequence[ShardUnit], cost: TableCostModel, config: DynPluginConfig, *, world: int,
-                 lengths: Sequence[int], host: str, model: str, native: bool, resolution: int,
-                 longest: int | None = None) -> None:
+    def __init__(
+        self,
+        units: Sequence[ShardUnit],
+        cost: TableCostModel,
+        config: DynPluginConfig,
+        *,
+        world: int,
+        lengths: Sequence[int],
+        host: str,
+        model: str,
+        native: bool,
+        resolution: int,
+        longest: int | None = None,
+    ) -> None:
         if not units:
             raise ValueError("a sharding search needs the model's units (models.shard_units.shard_units)")
         self.units, self.cost, self.config, self.world = list(units), cost, config, world
@@ -202,7 +243,8 @@ class _Search:
         # every step must fit the run's longest sequence alone, not only the typical batch's
         self.longest = max(longest or 0, max(self.lengths))
         self.least_activation = smallest_activation(
-            [self.longest], planner_spec(cost, config, dp=world, zero_stage=3, state_bytes=0.0))
+            [self.longest], planner_spec(cost, config, dp=world, zero_stage=3, state_bytes=0.0)
+        )
         self._steps: dict[float, TypicalStep] = {}
         self._prices: dict[tuple[float, int, tuple[Choice, ...]], Prices] = {}
         optimizer = cost.update.optimizer
@@ -213,8 +255,9 @@ class _Search:
     def step(self, state_bytes: float) -> TypicalStep:
         if state_bytes not in self._steps:
             t0 = time.perf_counter()
-            self._steps[state_bytes] = typical_step(self.lengths, self.cost, self.config, world=self.world,
-                                                    state_bytes=state_bytes, native=self.native)
+            self._steps[state_bytes] = typical_step(
+                self.lengths, self.cost, self.config, world=self.world, state_bytes=state_bytes, native=self.native
+            )
             self.seconds["planning"] += time.perf_counter() - t0
         return self._steps[state_bytes]
 
@@ -236,35 +279,73 @@ class _Search:
                 fwd = bwd = np.zeros((len(ordered), 1))
             else:
                 fwd, bwd = unit_compute(ordered, typ.component_ms)
-            self._prices[key] = price(ordered, cols, dtype=self.cost.dtype, world=self.world, shard_size=shard_size,
-                                      forward_ms=fwd, backward_ms=bwd, links=self.links,
-                                      overlap=self.config.sharding.overlap, host=self.host)
+            self._prices[key] = price(
+                ordered,
+                cols,
+                dtype=self.cost.dtype,
+                world=self.world,
+                shard_size=shard_size,
+                forward_ms=fwd,
+                backward_ms=bwd,
+                links=self.links,
+                overlap=self.config.sharding.overlap,
+                host=self.host,
+            )
             self.seconds["pricing"] += time.perf_counter() - t0
         return self._prices[key]
 
-    def shard_plan(self, choice: Sequence[int], cols: Sequence[Choice], prices: Prices, typ: TypicalStep | None,
-                   shard_size: int, selection: Selection | None = None) -> ShardPlan:
+    def shard_plan(
+        self,
+        choice: Sequence[int],
+        cols: Sequence[Choice],
+        prices: Prices,
+        typ: TypicalStep | None,
+        shard_size: int,
+        selection: Selection | None = None,
+    ) -> ShardPlan:
         """The plan of one column per unit (forward order), priced on ``typ``."""
         rows = np.arange(len(choice))
         chosen = np.asarray(choice)
         opened = prices.opens[chosen]
         reserve = float(prices.reserve_bytes[opened].max()) if opened.any() else 0.0
         at = {i: r for r, i in enumerate(self.order)}  # unit index -> its row in forward order
-        units = tuple(UnitPlan(u.name, u.params, cols[c], float(prices.memory_bytes[r, c]), float(prices.comm_ms[r, c]),
-                               float(prices.exposed_ms[r, c]))
-                      for u, r, c in ((u, at[i], chosen[at[i]]) for i, u in enumerate(self.units)))
-        compute = ((typ.compute_ms if typ else 0.0) + self.optimizer_fixed_ms
-                   + float(prices.optimizer_ms[rows, chosen].sum()))
+        units = tuple(
+            UnitPlan(
+                u.name,
+                u.params,
+                cols[c],
+                float(prices.memory_bytes[r, c]),
+                float(prices.comm_ms[r, c]),
+                float(prices.exposed_ms[r, c]),
+            )
+            for u, r, c in ((u, at[i], chosen[at[i]]) for i, u in enumerate(self.units))
+        )
+        compute = (
+            (typ.compute_ms if typ else 0.0) + self.optimizer_fixed_ms + float(prices.optimizer_ms[rows, chosen].sum())
+        )
         frontier: tuple[tuple[float, float], ...] = ()
         if selection is not None and typ is not None:
             f = selection.frontier
             base = typ.compute_ms + self.optimizer_fixed_ms
             steps = [m for m in range(len(f)) if f[m] < np.inf and (m == 0 or f[m] < f[m - 1])]
-            frontier = tuple(((m * selection.unit_bytes + typ.activation_bytes) / MB, base + float(f[m]))
-                             for m in steps)
-        return ShardPlan(self.model, self.world, shard_size, self.cost.dtype, self.host, self.budget,
-                         typ.micro_batches if typ else 0, typ.activation_bytes if typ else 0.0, reserve, compute, units,
-                         frontier, typ.state_bytes if typ else 0.0)
+            frontier = tuple(
+                ((m * selection.unit_bytes + typ.activation_bytes) / MB, base + float(f[m])) for m in steps
+            )
+        return ShardPlan(
+            self.model,
+            self.world,
+            shard_size,
+            self.cost.dtype,
+            self.host,
+            self.budget,
+            typ.micro_batches if typ else 0,
+            typ.activation_bytes if typ else 0.0,
+            reserve,
+            compute,
+            units,
+            frontier,
+            typ.state_bytes if typ else 0.0,
+        )
 
     def minimum_error(self, least_states: float) -> ValueError:
         need = (least_states + self.least_activation) / MB
@@ -274,10 +355,12 @@ class _Search:
             f"{need:.0f} MB ({least_states / MB:.0f} MB of model states with every module sharded as far as "
             f"{self.host} can, {self.least_activation / MB:.0f} MB of activations for the longest sequence, "
             f"{longest} tokens, alone); raise sharding.memory_budget_mb (or cluster.device.memory_mb) to at least "
-            f"{math.ceil(need)} MB, or train on more ranks")
+            f"{math.ceil(need)} MB, or train on more ranks"
+        )
 
-    def chain(self, shard_size: int, cols: list[Choice], choice: tuple[int, ...], state_bytes: float,
-              rounds: int) -> list[tuple[ShardPlan, tuple[int, ...]]]:
+    def chain(
+        self, shard_size: int, cols: list[Choice], choice: tuple[int, ...], state_bytes: float, rounds: int
+    ) -> list[tuple[ShardPlan, tuple[int, ...]]]:
         """Plan, search, plan again with the states found, ...: each round's plan (and its choice)
         is the previous round's choices priced on the step planned with exactly their states."""
         out = []
@@ -288,9 +371,17 @@ class _Search:
             found = self.select(prices, self.budget - max(typ.activation_bytes, self.least_activation))
             plan = self.shard_plan(choice, cols, prices, typ, shard_size, found)
             out.append((plan, choice))
-            logger.debug("sharding search, shard size %d, round %d: %d micro-batches, activations %.0f MB, model "
-                         "states %.0f MB, step %.1f ms (exposed %.1f ms)", shard_size, k, typ.micro_batches,
-                         typ.activation_bytes / MB, plan.state_bytes / MB, plan.step_ms, plan.exposed_ms)
+            logger.debug(
+                "sharding search, shard size %d, round %d: %d micro-batches, activations %.0f MB, model "
+                "states %.0f MB, step %.1f ms (exposed %.1f ms)",
+                shard_size,
+                k,
+                typ.micro_batches,
+                typ.activation_bytes / MB,
+                plan.state_bytes / MB,
+                plan.step_ms,
+                plan.exposed_ms,
+            )
             if found is None or found.choice == choice:
                 break
             choice = found.choice
@@ -302,10 +393,15 @@ class _Search:
         holds (less room for activations, which it still fits in): where the planner, given the
         room, cuts more micro-batches than the communication is worth."""
         n = plan.shard_size
-        return [self.shard_plan(choice, cols, self.prices(typ, n, cols), typ, n)
-                for typ in list(self._steps.values()) if typ.state_bytes > plan.state_bytes]
+        return [
+            self.shard_plan(choice, cols, self.prices(typ, n, cols), typ, n)
+            for typ in list(self._steps.values())
+            if typ.state_bytes > plan.state_bytes
+        ]
 
-    def ladder(self, shard_size: int, cols: list[Choice], least_state: float) -> list[tuple[ShardPlan, tuple[int, ...]]]:
+    def ladder(
+        self, shard_size: int, cols: list[Choice], least_state: float
+    ) -> list[tuple[ShardPlan, tuple[int, ...]]]:
         """The step planner given activation budgets on a ladder (the least any plan needs, times
         sqrt(2) per rung, up to what the smallest model states leave), and the fastest choices
         whose states fit beside each: the search over how the budget splits between model states
@@ -333,7 +429,9 @@ class _Search:
             state = self.shard_plan(choice, cols, memory, None, shard_size).state_bytes
             if state + self.least_activation <= self.budget:
                 typ = self.step(state)
-                plans.append((self.shard_plan(choice, cols, self.prices(typ, shard_size, cols), typ, shard_size), choice))
+                plans.append(
+                    (self.shard_plan(choice, cols, self.prices(typ, shard_size, cols), typ, shard_size), choice)
+                )
         return plans
 
     def run(self, rounds: int) -> ShardPlan:
@@ -359,18 +457,40 @@ class _Search:
             raise self.minimum_error(least)
         candidates += [(p, c, cols) for plan, c, cols in list(candidates) for p in self.on_tighter_steps(plan, c, cols)]
         best = min((p for p, _, _ in candidates), key=lambda p: p.step_ms)
-        logger.info("sharding plan for %s on %d ranks (shard size %d, %s): %d micro-batches, peak %.0f of %.0f MB, "
-                    "step %.1f ms (compute %.1f, exposed communication %.1f); %d candidates from %d planned steps",
-                    self.model or "the model", self.world, best.shard_size, self.host, best.micro_batches,
-                    best.peak_bytes / MB, self.budget / MB, best.step_ms, best.compute_ms, best.exposed_ms,
-                    len(candidates), len(self._steps))
+        logger.info(
+            "sharding plan for %s on %d ranks (shard size %d, %s): %d micro-batches, peak %.0f of %.0f MB, "
+            "step %.1f ms (compute %.1f, exposed communication %.1f); %d candidates from %d planned steps",
+            self.model or "the model",
+            self.world,
+            best.shard_size,
+            self.host,
+            best.micro_batches,
+            best.peak_bytes / MB,
+            self.budget / MB,
+            best.step_ms,
+            best.compute_ms,
+            best.exposed_ms,
+            len(candidates),
+            len(self._steps),
+        )
         return best
 
 
-def search_sharding(units: Sequence[ShardUnit], cost: TableCostModel, config: DynPluginConfig, *, world: int,
-                    lengths: Sequence[int], host: str = "fsdp2", model: str = "", native: bool = True,
-                    resolution: int = RESOLUTION, rounds: int = ROUNDS, timings: dict | None = None,
-                    longest: int | None = None) -> ShardPlan:
+def search_sharding(
+    units: Sequence[ShardUnit],
+    cost: TableCostModel,
+    config: DynPluginConfig,
+    *,
+    world: int,
+    lengths: Sequence[int],
+    host: str = "fsdp2",
+    model: str = "",
+    native: bool = True,
+    resolution: int = RESOLUTION,
+    rounds: int = ROUNDS,
+    timings: dict | None = None,
+    longest: int | None = None,
+) -> ShardPlan:
     """The fastest sharding plan of ``units`` on ``world`` ranks within the memory budget
     (``sharding.memory_budget_mb``, else the device's memory times its fraction), for global
     batches like ``lengths``; ``host``: fsdp2 | fsdp1 | zero3, whose semantics price the choices;
@@ -378,8 +498,18 @@ def search_sharding(units: Sequence[ShardUnit], cost: TableCostModel, config: Dy
     every plan leaves room for. A budget below the smallest possible plan is a ValueError that says the minimum. ``timings``,
     if given, receives the milliseconds spent planning typical steps, pricing and in the knapsack,
     and how many knapsacks were solved."""
-    search = _Search(units, cost, config, world=world, lengths=lengths, host=host, model=model, native=native,
-                     resolution=resolution, longest=longest)
+    search = _Search(
+        units,
+        cost,
+        config,
+        world=world,
+        lengths=lengths,
+        host=host,
+        model=model,
+        native=native,
+        resolution=resolution,
+        longest=longest,
+    )
     try:
         return search.run(rounds)
     finally:
@@ -387,14 +517,35 @@ def search_sharding(units: Sequence[ShardUnit], cost: TableCostModel, config: Dy
             timings.update({f"{k}_ms": v * 1e3 for k, v in search.seconds.items()}, knapsack_solves=search.solves)
 
 
-def uniform_plan(units: Sequence[ShardUnit], cost: TableCostModel, config: DynPluginConfig, choice: Choice, *,
-                 world: int, lengths: Sequence[int], host: str = "fsdp2", model: str = "",
-                 shard_size: int | None = None, native: bool = True, longest: int | None = None) -> ShardPlan:
+def uniform_plan(
+    units: Sequence[ShardUnit],
+    cost: TableCostModel,
+    config: DynPluginConfig,
+    choice: Choice,
+    *,
+    world: int,
+    lengths: Sequence[int],
+    host: str = "fsdp2",
+    model: str = "",
+    shard_size: int | None = None,
+    native: bool = True,
+    longest: int | None = None,
+) -> ShardPlan:
     """Every unit the same ``choice`` (``BASELINES``: FSDP's FULL_SHARD, SHARD_GRAD_OP, NO_SHARD),
     priced as the search prices its plans, on the step planned with its model states; sharded
     over ``shard_size`` ranks (default the world). A ValueError when it does not fit the budget."""
-    search = _Search(units, cost, config, world=world, lengths=lengths, host=host, model=model, native=native,
-                     resolution=RESOLUTION, longest=longest)
+    search = _Search(
+        units,
+        cost,
+        config,
+        world=world,
+        lengths=lengths,
+        host=host,
+        model=model,
+        native=native,
+        resolution=RESOLUTION,
+        longest=longest,
+    )
     n = shard_size or world
     per_unit = uniform_choice_units(units, choice)
     cols = sorted(set(per_unit.values()), key=lambda c: c.label)
@@ -402,13 +553,28 @@ def uniform_plan(units: Sequence[ShardUnit], cost: TableCostModel, config: DynPl
     memory = search.prices(None, n, cols)
     state = search.shard_plan(forward, cols, memory, None, n).state_bytes
     if state + search.least_activation > search.budget:
-        raise ValueError(f"every module {choice.label} over {n} ranks does not fit: {state / MB:.0f} MB of model "
-                         f"states and at least {search.least_activation / MB:.0f} MB of activations (the longest "
-                         f"sequence alone) exceed the memory budget of {search.budget / MB:.0f} MB per rank "
-                         "(sharding.memory_budget_mb)")
+        raise ValueError(
+            f"every module {choice.label} over {n} ranks does not fit: {state / MB:.0f} MB of model "
+            f"states and at least {search.least_activation / MB:.0f} MB of activations (the longest "
+            f"sequence alone) exceed the memory budget of {search.budget / MB:.0f} MB per rank "
+            "(sharding.memory_budget_mb)"
+        )
     typ = search.step(state)
     return search.shard_plan(forward, cols, search.prices(typ, n, cols), typ, n)
 
 
-__all__ = ["BASELINES", "RESOLUTION", "ROUNDS", "Selection", "TypicalStep", "choice_columns", "search_sharding",
-           "select", "shard_sizes", "smallest", "smallest_activation", "typical_step", "uniform_plan"]
+__all__ = [
+    "BASELINES",
+    "RESOLUTION",
+    "ROUNDS",
+    "Selection",
+    "TypicalStep",
+    "choice_columns",
+    "search_sharding",
+    "select",
+    "shard_sizes",
+    "smallest",
+    "smallest_activation",
+    "typical_step",
+    "uniform_plan",
+]

@@ -6,6 +6,7 @@ gradients) in its own op order, the link's queue order is that op order: every s
 from the dependencies alone, so a worklist over stages replaces a global event queue and the
 result does not depend on which stage the worklist advances first.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -93,9 +94,7 @@ def simulate(
 
     blocked = [s for s in range(num_stages) if pos[s] < len(ops[s])]
     if blocked:
-        waits = ", ".join(
-            f"stage {s} at {'F' if ops[s][pos[s]][0] else 'B'}{ops[s][pos[s]][1]}" for s in blocked
-        )
+        waits = ", ".join(f"stage {s} at {'F' if ops[s][pos[s]][0] else 'B'}{ops[s][pos[s]][1]}" for s in blocked)
         raise ValueError(f"schedule deadlocks: stages wait on each other in a cycle ({waits})")
 
     makespan = max(clock)

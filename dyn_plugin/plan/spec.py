@@ -4,6 +4,7 @@
 pipeline stages (``balanced_split`` by default), each stage's activation budget after model
 states, the links, and the layouts, recompute modes and sequence-parallel sizes allowed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -60,9 +61,15 @@ class PlannerSpec:
             link = self.sp_link[0] if sp * self.tp <= self.devices_per_node else self.sp_link[1]
             kind = attention_kind(sp, self.sp_attention, self.cost.num_heads, self.cost.num_kv_heads)
             self._comm[key] = self.cost.collectives.layer(
-                sp, kind, recompute, hidden=self.hidden_size // self.tp,
+                sp,
+                kind,
+                recompute,
+                hidden=self.hidden_size // self.tp,
                 kv_hidden=(self.cost.kv_hidden_size or self.hidden_size) // self.tp,
-                act_bytes=ACT_BYTES.get(self.cost.dtype, 2), link_gb_per_s=link.gb_per_s, latency_us=link.latency_us)
+                act_bytes=ACT_BYTES.get(self.cost.dtype, 2),
+                link_gb_per_s=link.gb_per_s,
+                latency_us=link.latency_us,
+            )
         return self._comm[key]
 
     def __post_init__(self) -> None:
@@ -70,8 +77,15 @@ class PlannerSpec:
 
 
 def planner_spec(
-    cost: TableCostModel, config: DynPluginConfig, *, dp: int, zero_stage: int = 0, tp: int = 1,
-    hidden_size: int | None = None, seed: int = 0, state_bytes: float | None = None,
+    cost: TableCostModel,
+    config: DynPluginConfig,
+    *,
+    dp: int,
+    zero_stage: int = 0,
+    tp: int = 1,
+    hidden_size: int | None = None,
+    seed: int = 0,
+    state_bytes: float | None = None,
 ) -> PlannerSpec:
     """Build the spec from the plugin config: stages, per-stage activation budget after model
     states (ZeRO stage and dp), the link between stages, allowed layouts and recompute modes.
@@ -87,25 +101,34 @@ def planner_spec(
     cost = cost.with_pad_multiple(mb.pad_multiple)
     if pipe.layers_per_stage:
         if sum(pipe.layers_per_stage) != cost.num_layers:
-            raise ValueError(f"pipeline.layers_per_stage sums to {sum(pipe.layers_per_stage)}, the model has {cost.num_layers} layers")
+            raise ValueError(
+                f"pipeline.layers_per_stage sums to {sum(pipe.layers_per_stage)}, the model has {cost.num_layers} layers"
+            )
         stages = tuple(StageSpec(n, i == 0, i == pipe.stages - 1) for i, n in enumerate(pipe.layers_per_stage))
     else:
         stages = balanced_split(cost, pipe.stages, tp=tp)
     device_bytes = cluster.device.memory_mb * MB * cluster.device.memory_fraction
     if state_bytes is not None:
         if len(stages) > 1:
-            raise ValueError(f"a sharding plan's model states (state_bytes) are those of the whole model: they need "
-                             f"pipeline.stages = 1, not {len(stages)}")
+            raise ValueError(
+                f"a sharding plan's model states (state_bytes) are those of the whole model: they need "
+                f"pipeline.stages = 1, not {len(stages)}"
+            )
         budget = config.sharding.memory_budget_mb
         device_bytes = budget * MB if budget else device_bytes
         if state_bytes >= device_bytes:
-            raise ValueError(f"the sharding plan's model states take {state_bytes / MB:.0f} MB of the "
-                             f"{device_bytes / MB:.0f} MB per rank (sharding.memory_budget_mb, else the device's "
-                             "memory): none is left for activations; search the plan for this budget")
+            raise ValueError(
+                f"the sharding plan's model states take {state_bytes / MB:.0f} MB of the "
+                f"{device_bytes / MB:.0f} MB per rank (sharding.memory_budget_mb, else the device's "
+                "memory): none is left for activations; search the plan for this budget"
+            )
     memory = []
     for i, s in enumerate(stages):
-        states = state_bytes if state_bytes is not None else \
-            cost.model_state_bytes(stage=s, zero_stage=zero_stage, dp=dp, tp=tp).total
+        states = (
+            state_bytes
+            if state_bytes is not None
+            else cost.model_state_bytes(stage=s, zero_stage=zero_stage, dp=dp, tp=tp).total
+        )
         if states >= device_bytes:
             raise ValueError(
                 f"pipeline stage {i} needs {states / MB:.0f} MB for model states (ZeRO-{zero_stage}, dp={dp}) but "
@@ -118,27 +141,62 @@ def planner_spec(
     if not hidden:
         raise ValueError("the planner needs the model's hidden size (cost_model.model.hidden_size)")
     # Only what the cost model can price: a profile may measure fewer modes than exist.
-    layouts = tuple(l for l in (LAYOUTS if mb.layout == "auto" else (mb.layout,))
-                    if any((l, r, tp) in cost.tables for r in RECOMPUTES))
-    recomputes = tuple(r for r in (RECOMPUTES if mb.recompute == "auto" else (mb.recompute,))
-                       if all((l, r, tp) in cost.tables for l in layouts))
+    layouts = tuple(
+        l
+        for l in (LAYOUTS if mb.layout == "auto" else (mb.layout,))
+        if any((l, r, tp) in cost.tables for r in RECOMPUTES)
+    )
+    recomputes = tuple(
+        r
+        for r in (RECOMPUTES if mb.recompute == "auto" else (mb.recompute,))
+        if all((l, r, tp) in cost.tables for l in layouts)
+    )
     if not layouts or not recomputes:
         have = ", ".join(f"{l}/{r}/tp{t}" for l, r, t in sorted(cost.tables))
-        raise ValueError(f"cost model {cost.name!r} cannot price microbatching.layout={mb.layout!r}, "
-                         f"recompute={mb.recompute!r} at tp={tp} (it has {have}); profile those or change the config")
+        raise ValueError(
+            f"cost model {cost.name!r} cannot price microbatching.layout={mb.layout!r}, "
+            f"recompute={mb.recompute!r} at tp={tp} (it has {have}); profile those or change the config"
+        )
     dp_same_node = dp * len(stages) * tp <= cluster.devices_per_node
-    update = cost.update_ms(stages, zero_stage=zero_stage, dp=dp, tp=tp,
-                            link_gb_per_s=cluster.intra_node_gb_per_s if dp_same_node else cluster.inter_node_gb_per_s)
+    update = cost.update_ms(
+        stages,
+        zero_stage=zero_stage,
+        dp=dp,
+        tp=tp,
+        link_gb_per_s=cluster.intra_node_gb_per_s if dp_same_node else cluster.inter_node_gb_per_s,
+    )
     sp = config.sequence_parallel
     sizes = group_sizes(dp, sp.sizes) if sp.enabled else (1,)
     for k in sizes:
         attention_kind(k, sp.attention, cost.num_heads, cost.num_kv_heads)  # a size Ulysses cannot split: say so now
     sharded = zero_stage >= 3 or state_bytes is not None  # modules gathered in step on every rank
     equal = zero_stage >= 2 or sharded or (sp.enabled and sp.balance == "intra")
-    sp_link = (LinkSpec(cluster.intra_node_gb_per_s, cluster.latency_us), LinkSpec(cluster.inter_node_gb_per_s, cluster.latency_us))
-    return PlannerSpec(cost, stages, tuple(memory), dp, link, hidden, layouts, recomputes, tp, seed, mb.max_seq_len,
-                       pipe.schedule, update, sizes, sp.attention, sp.pyramid and "none" in recomputes, equal,
-                       sharded, sp_link, cluster.devices_per_node)
+    sp_link = (
+        LinkSpec(cluster.intra_node_gb_per_s, cluster.latency_us),
+        LinkSpec(cluster.inter_node_gb_per_s, cluster.latency_us),
+    )
+    return PlannerSpec(
+        cost,
+        stages,
+        tuple(memory),
+        dp,
+        link,
+        hidden,
+        layouts,
+        recomputes,
+        tp,
+        seed,
+        mb.max_seq_len,
+        pipe.schedule,
+        update,
+        sizes,
+        sp.attention,
+        sp.pyramid and "none" in recomputes,
+        equal,
+        sharded,
+        sp_link,
+        cluster.devices_per_node,
+    )
 
 
 def balanced_split(cost: TableCostModel, num_stages: int, *, tokens: int = 4096, tp: int = 1) -> tuple[StageSpec, ...]:

@@ -30,6 +30,7 @@ than the homogeneous strategy would be where that one is among the finalists.
 Proposals are JSON (never pickle), keyed by a digest of their inputs (``proposal_key``), cached
 under that key by ``cached_proposal``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -121,8 +122,11 @@ class Strategy:
         return " + ".join(f"{n} x {s.name}" for s, n in self.counts.items())
 
     def to_json(self) -> dict:
-        return {"pipelines": [[s.to_json(), n] for s, n in self.counts.items()], "longest": self.longest,
-                "estimate_ms": self.estimate_ms}
+        return {
+            "pipelines": [[s.to_json(), n] for s, n in self.counts.items()],
+            "longest": self.longest,
+            "estimate_ms": self.estimate_ms,
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> "Strategy":
@@ -139,15 +143,25 @@ class Proposal:
     inputs: dict = field(default_factory=dict, compare=False)
 
     def to_json(self) -> str:
-        return json.dumps({"schema": PROPOSAL_SCHEMA, "version": PROPOSAL_VERSION, "key": self.key,
-                           "inputs": self.inputs, "strategies": [s.to_json() for s in self.strategies]}, indent=1)
+        return json.dumps(
+            {
+                "schema": PROPOSAL_SCHEMA,
+                "version": PROPOSAL_VERSION,
+                "key": self.key,
+                "inputs": self.inputs,
+                "strategies": [s.to_json() for s in self.strategies],
+            },
+            indent=1,
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "Proposal":
         d = json.loads(text)
         if d.get("schema") != PROPOSAL_SCHEMA or d.get("version") != PROPOSAL_VERSION:
-            raise ValueError(f"not a strategy proposal of version {PROPOSAL_VERSION} (schema {d.get('schema')!r}, "
-                             f"version {d.get('version')!r}); write one with `dynplugin strategy`")
+            raise ValueError(
+                f"not a strategy proposal of version {PROPOSAL_VERSION} (schema {d.get('schema')!r}, "
+                f"version {d.get('version')!r}); write one with `dynplugin strategy`"
+            )
         if not d["strategies"]:
             raise ValueError("a strategy proposal needs at least one strategy")
         return cls(tuple(Strategy.from_json(s) for s in d["strategies"]), d["key"], d.get("inputs", {}))
@@ -166,9 +180,18 @@ def _ordered(pipes: Sequence[Scheme]) -> tuple[Scheme, ...]:
     return tuple(sorted(pipes, key=lambda s: (-s.gpus, -s.sp, -s.tp, -s.pp)))
 
 
-def proposal_key(lengths: np.ndarray, kinds: Sequence[KindCost], *, gpus: int, tokens: int,
-                 max_strategies: int, model: str = "", refine: int = REFINE, batches: int = DESIGN_BATCHES,
-                 seed: int = 0) -> str:
+def proposal_key(
+    lengths: np.ndarray,
+    kinds: Sequence[KindCost],
+    *,
+    gpus: int,
+    tokens: int,
+    max_strategies: int,
+    model: str = "",
+    refine: int = REFINE,
+    batches: int = DESIGN_BATCHES,
+    seed: int = 0,
+) -> str:
     """A digest of everything a proposal depends on: the lengths, the schemes with their costs
     (coefficients and memory limits, through their specs), the cluster size and the step's tokens."""
     h = hashlib.sha256()
@@ -180,9 +203,19 @@ def proposal_key(lengths: np.ndarray, kinds: Sequence[KindCost], *, gpus: int, t
     return h.hexdigest()[:16]
 
 
-def propose(lengths: Sequence[int], kinds: Sequence[KindCost], *, gpus: int, tokens: int, max_strategies: int = 3,
-            model: str = "", refine: int = REFINE, batches: int = DESIGN_BATCHES, seed: int = 0,
-            progress: bool = False) -> Proposal:
+def propose(
+    lengths: Sequence[int],
+    kinds: Sequence[KindCost],
+    *,
+    gpus: int,
+    tokens: int,
+    max_strategies: int = 3,
+    model: str = "",
+    refine: int = REFINE,
+    batches: int = DESIGN_BATCHES,
+    seed: int = 0,
+    progress: bool = False,
+) -> Proposal:
     """Strategies for a length distribution (see the module docstring). Raises ValueError naming
     the longest sequence when no scheme holds it. ``refine``: simulated neighbours tried per
     design point; ``batches``: design batches each candidate is simulated on."""
@@ -194,9 +227,11 @@ def propose(lengths: Sequence[int], kinds: Sequence[KindCost], *, gpus: int, tok
     longest = int(lens[-1])
     if not any(k.longest >= longest for k in kinds):
         best = max(k.longest for k in kinds)
-        raise ValueError(f"the longest sequence ({longest} tokens) fits no scheme (the widest holds {best}); allow "
-                         "wider schemes (tensor, pipeline or sequence parallel), raise the memory, or cap "
-                         "microbatching.max_seq_len")
+        raise ValueError(
+            f"the longest sequence ({longest} tokens) fits no scheme (the widest holds {best}); allow "
+            "wider schemes (tensor, pipeline or sequence parallel), raise the memory, or cap "
+            "microbatching.max_seq_len"
+        )
     by_scheme = {k.scheme: k for k in kinds}
     per_step = tokens / float(lens.mean())  # sequences in a step
     # Beyond DESIGN_GPUS the strategies are designed and simulated for one unit of that many GPUs
@@ -222,8 +257,9 @@ def propose(lengths: Sequence[int], kinds: Sequence[KindCost], *, gpus: int, tok
         bar.update()
     # the best homogeneous strategy for every step, by simulation among the fluid estimate's best few
     x, _, sample = points[0]
-    homo = sorted(homogeneous_all(lens, kinds, gpus=unit, tokens=unit_tokens, times=times),
-                  key=lambda s: s.estimate_ms)[:HOMOGENEOUS_TRIED]
+    homo = sorted(
+        homogeneous_all(lens, kinds, gpus=unit, tokens=unit_tokens, times=times), key=lambda s: s.estimate_ms
+    )[:HOMOGENEOUS_TRIED]
     scored = [(simulated_ms(h, sample, by_scheme), h) for h in homo]
     ms, h = min(scored, key=lambda t: t[0])
     if h.pipelines not in {f.pipelines for f in found}:
@@ -231,11 +267,27 @@ def propose(lengths: Sequence[int], kinds: Sequence[KindCost], *, gpus: int, tok
     bar.update()
     bar.close()
     found = [replace(f, pipelines=_ordered(f.pipelines * copies)) for f in found]
-    key = proposal_key(lens, kinds, gpus=gpus, tokens=tokens, max_strategies=max_strategies, model=model,
-                       refine=refine, batches=batches, seed=seed)
-    inputs = {"model": model, "gpus": gpus, "tokens": tokens, "sequences": int(len(lens)), "longest": longest,
-              "schemes": [k.scheme.name for k in kinds], "design_longest": [p[0] for p in points],
-              "design_gpus": unit}
+    key = proposal_key(
+        lens,
+        kinds,
+        gpus=gpus,
+        tokens=tokens,
+        max_strategies=max_strategies,
+        model=model,
+        refine=refine,
+        batches=batches,
+        seed=seed,
+    )
+    inputs = {
+        "model": model,
+        "gpus": gpus,
+        "tokens": tokens,
+        "sequences": int(len(lens)),
+        "longest": longest,
+        "schemes": [k.scheme.name for k in kinds],
+        "design_longest": [p[0] for p in points],
+        "design_gpus": unit,
+    }
     return Proposal(tuple(sorted(found, key=lambda s: (s.longest, s.estimate_ms))), key, inputs)
 
 
@@ -271,15 +323,22 @@ def dispatched_ms(strategy: Strategy, batches: Sequence[np.ndarray], kinds: dict
     for b in batches:
         times = np.stack([kinds[k].sequence_ms(b) for k in order])
         try:
-            total += dispatch(times, [order.index(p) for p in strategy.pipelines], [k.pp - 1 for k in order], b,
-                              improve=False).makespan_ms
+            total += dispatch(
+                times, [order.index(p) for p in strategy.pipelines], [k.pp - 1 for k in order], b, improve=False
+            ).makespan_ms
         except InfeasibleError:
             return math.inf
     return total / len(batches) + update
 
 
-def refined(cands: Sequence[Strategy], batches: Sequence[np.ndarray], kinds: Sequence[KindCost],
-            by_scheme: dict[Scheme, KindCost], *, budget: int) -> Strategy | None:
+def refined(
+    cands: Sequence[Strategy],
+    batches: Sequence[np.ndarray],
+    kinds: Sequence[KindCost],
+    by_scheme: dict[Scheme, KindCost],
+    *,
+    budget: int,
+) -> Strategy | None:
     """The DP's candidates simulated on the design batches, then the best improved by local search:
     a neighbour trades GPUs between schemes the candidates use and their sequence-parallel siblings
     (one pipeline split into narrower ones, narrower ones merged into one, or one pipeline of
@@ -291,8 +350,10 @@ def refined(cands: Sequence[Strategy], batches: Sequence[np.ndarray], kinds: Seq
         return None
     best_ms, best = min(scored, key=lambda t: t[0])
     used = {p for c in cands for p in c.pipelines}
-    pool = sorted({k.scheme for k in kinds if any(k.scheme.tp == u.tp and k.scheme.pp == u.pp for u in used)},
-                  key=lambda s: (s.gpus, s.tp, s.pp, s.sp))
+    pool = sorted(
+        {k.scheme for k in kinds if any(k.scheme.tp == u.tp and k.scheme.pp == u.pp for u in used)},
+        key=lambda s: (s.gpus, s.tp, s.pp, s.sp),
+    )
     tried = {c.pipelines for c in cands}
     while budget > 0:
         fresh = [n for n in neighbours(best, pool) if n not in tried]
@@ -301,8 +362,9 @@ def refined(cands: Sequence[Strategy], batches: Sequence[np.ndarray], kinds: Seq
             break
         ranked = sorted(fresh, key=lambda n: dispatched_ms(Strategy(n, 0), batches, by_scheme))[:NEIGHBOURS]
         budget -= len(ranked)
-        trial = [(simulated_ms(Strategy(n, max(by_scheme[p].longest for p in n)), batches, by_scheme), n)
-                 for n in ranked]
+        trial = [
+            (simulated_ms(Strategy(n, max(by_scheme[p].longest for p in n)), batches, by_scheme), n) for n in ranked
+        ]
         ms, n = min(trial, key=lambda t: t[0])
         if ms >= best_ms:
             break
@@ -331,8 +393,9 @@ def neighbours(strategy: Strategy, pool: Sequence[Scheme]) -> list[tuple[Scheme,
     return list(dict.fromkeys(_ordered([s for s, c in d.items() for _ in range(c)]) for d in out))
 
 
-def candidates(lens: np.ndarray, times: np.ndarray, kinds: Sequence[KindCost], *, gpus: int,
-               tokens: int) -> list[Strategy]:
+def candidates(
+    lens: np.ndarray, times: np.ndarray, kinds: Sequence[KindCost], *, gpus: int, tokens: int
+) -> list[Strategy]:
     """The proposal's DP for one design batch: ``lens`` sorted ascending, ``times[k, i]`` sequence
     i's time on kind k (inf where it does not fit); one strategy per update level.
 
@@ -357,8 +420,9 @@ def effective_ms(lens: np.ndarray, times: np.ndarray, kinds: Sequence[KindCost])
     return times + fixed[:, None] * lens[None, :].astype(float)
 
 
-def _design_within(lens: np.ndarray, times: np.ndarray, kinds: Sequence[KindCost], *, gpus: int,
-                   tokens: int) -> Strategy | None:
+def _design_within(
+    lens: np.ndarray, times: np.ndarray, kinds: Sequence[KindCost], *, gpus: int, tokens: int
+) -> Strategy | None:
     n = len(lens)
     weight = tokens / float(lens.sum())  # expected copies of each sequence in a step
     edges = np.unique(np.linspace(0, n, min(BUCKETS, n) + 1).round().astype(np.int64))
@@ -419,12 +483,16 @@ def _design_within(lens: np.ndarray, times: np.ndarray, kinds: Sequence[KindCost
         counts[i] += 1
         left -= size[runs[i][2]]
     pipes = [kinds[k].scheme for (_, _, k, _), c in zip(runs, counts) for _ in range(c)]
-    return Strategy(_ordered(pipes), max(int(kinds[k].longest) for _, _, k, _ in runs),
-                    float(max(finish(i) for i in range(len(runs)))))
+    return Strategy(
+        _ordered(pipes),
+        max(int(kinds[k].longest) for _, _, k, _ in runs),
+        float(max(finish(i) for i in range(len(runs)))),
+    )
 
 
-def homogeneous_all(lengths: Sequence[int], kinds: Sequence[KindCost], *, gpus: int, tokens: int,
-                    times: np.ndarray | None = None) -> list[Strategy]:
+def homogeneous_all(
+    lengths: Sequence[int], kinds: Sequence[KindCost], *, gpus: int, tokens: int, times: np.ndarray | None = None
+) -> list[Strategy]:
     """Every homogeneous strategy holding the longest sequence (one scheme, as many of its
     pipelines as the GPUs hold; the seed's and most systems' one strategy for every step), with
     the fluid estimate of its step."""
@@ -449,42 +517,80 @@ def scheme_kinds(lengths: Sequence[int], spec: PlannerSpec) -> list[SchemeCost]:
     size, priced on its spec, their limits found over the run's distinct lengths."""
     lens = np.unique(np.asarray(lengths, dtype=np.int64))
     limits = size_limits(lens, spec, "packed")
-    return [SchemeCost(Scheme(spec.tp, spec.pp, k), replace(spec, sp_sizes=(k,)),
-                       {rc: limits.by_mode[(k, rc)] for rc in spec.recomputes}) for k in spec.sp_sizes]
+    return [
+        SchemeCost(
+            Scheme(spec.tp, spec.pp, k),
+            replace(spec, sp_sizes=(k,)),
+            {rc: limits.by_mode[(k, rc)] for rc in spec.recomputes},
+        )
+        for k in spec.sp_sizes
+    ]
 
 
 def runnable_proposal(lengths: Sequence[int], spec: PlannerSpec, *, tokens: int, max_strategies: int = 3) -> Proposal:
     """Strategies a DeepSpeed run can execute: its data-parallel columns grouped by sequence-parallel
     size (one tensor and pipeline degree), proposed from the run's lengths."""
     if "packed" not in spec.layouts:
-        raise ValueError("strategies cut packed micro-batches (Hydraulis packs each pipeline's sequences); "
-                         "set microbatching.layout to 'packed' or 'auto'")
+        raise ValueError(
+            "strategies cut packed micro-batches (Hydraulis packs each pipeline's sequences); "
+            "set microbatching.layout to 'packed' or 'auto'"
+        )
     kinds = [k for k in scheme_kinds(lengths, spec) if k.longest > 0]
-    return propose(lengths, kinds, gpus=spec.dp * spec.tp * spec.pp, tokens=tokens, max_strategies=max_strategies,
-                   model=spec.cost.name)
+    return propose(
+        lengths,
+        kinds,
+        gpus=spec.dp * spec.tp * spec.pp,
+        tokens=tokens,
+        max_strategies=max_strategies,
+        model=spec.cost.name,
+    )
 
 
-def plan_strategy_step(lengths: Sequence[int], spec: PlannerSpec, proposal: Proposal, *,
-                       stage2: Stage2Options = Stage2Options(), native: bool = True) -> StepPlan:
+def plan_strategy_step(
+    lengths: Sequence[int],
+    spec: PlannerSpec,
+    proposal: Proposal,
+    *,
+    stage2: Stage2Options = Stage2Options(),
+    native: bool = True,
+) -> StepPlan:
     """A step of a real run under the proposal: its strategies must be runnable (one tensor and
     pipeline degree, ``spec.dp`` columns); every group must get work, with ZeRO-2/3's equal counts
     and ZeRO-3's same recompute per micro-batch index when the spec asks for them."""
     kinds = {k.scheme: k for k in scheme_kinds(lengths, spec)}
     for s in proposal.strategies:
         if not s.runnable(spec.tp, spec.pp) or sum(p.sp for p in s.pipelines) != spec.dp:
-            raise ValueError(f"strategy {s.describe()} does not run on {spec.dp} data-parallel columns of "
-                             f"tp={spec.tp}, pp={spec.pp}: heterogeneous tensor/pipeline degrees are simulated only "
-                             "(dynplugin bench strategy)")
-    plan, _ = plan_cluster_step(lengths, proposal.strategies, kinds, stage2=stage2, native=native,
-                                equal_counts=spec.equal_counts, every_pipeline=True)
+            raise ValueError(
+                f"strategy {s.describe()} does not run on {spec.dp} data-parallel columns of "
+                f"tp={spec.tp}, pp={spec.pp}: heterogeneous tensor/pipeline degrees are simulated only "
+                "(dynplugin bench strategy)"
+            )
+    plan, _ = plan_cluster_step(
+        lengths,
+        proposal.strategies,
+        kinds,
+        stage2=stage2,
+        native=native,
+        equal_counts=spec.equal_counts,
+        every_pipeline=True,
+    )
     return same_recompute(plan, spec=spec)
 
 
-def plan_cluster_step(lengths: Sequence[int], strategies: Sequence[Strategy], kinds: dict[Scheme, KindCost], *,
-                      stage2: Stage2Options = Stage2Options(), dispatcher: Callable[..., Dispatch] = dispatch,
-                      native: bool = True, equal_counts: bool = False, every_pipeline: bool = False,
-                      method: str = "hydraulis", planned: int = PLANNED,
-                      rebalance: bool | None = None) -> tuple[StepPlan, Strategy]:
+def plan_cluster_step(
+    lengths: Sequence[int],
+    strategies: Sequence[Strategy],
+    kinds: dict[Scheme, KindCost],
+    *,
+    stage2: Stage2Options = Stage2Options(),
+    dispatcher: Callable[..., Dispatch] = dispatch,
+    native: bool = True,
+    equal_counts: bool = False,
+    every_pipeline: bool = False,
+    method: str = "hydraulis",
+    planned: int = PLANNED,
+    rebalance: bool | None = None,
+) -> tuple[StepPlan, Strategy]:
     """The fastest simulated step, and the strategy it runs, over the strategies that hold the
     batch's longest sequence: each dispatched (stage 1), the ``planned`` best by dispatch makespan
     (plus the strategy's largest update) cut (stage 2) and simulated.
@@ -504,8 +610,11 @@ def plan_cluster_step(lengths: Sequence[int], strategies: Sequence[Strategy], ki
     dispatched = []
     for s in fitting:
         order = list(dict.fromkeys(s.pipelines))
-        stage1 = (np.stack([kinds[k].sequence_ms(lens) for k in order]), [order.index(p) for p in s.pipelines],
-                  [k.pp - 1 for k in order])
+        stage1 = (
+            np.stack([kinds[k].sequence_ms(lens) for k in order]),
+            [order.index(p) for p in s.pipelines],
+            [k.pp - 1 for k in order],
+        )
         try:
             d = dispatcher(*stage1, lens, native=native)
         except InfeasibleError:
@@ -526,27 +635,50 @@ def plan_cluster_step(lengths: Sequence[int], strategies: Sequence[Strategy], ki
             ratio = np.where((est > 0) & (sim > 0), sim / np.where(est > 0, est, 1.0), 1.0)
             again = dispatcher(times * ratio[:, None], kind_of, fill, lens, native=native)
             if again.members != d.members and not (every_pipeline and not all(again.members)):
-                other = _cut(lens, s, again, kinds, method=method, stage2=stage2, native=native,
-                             equal_counts=equal_counts)
+                other = _cut(
+                    lens, s, again, kinds, method=method, stage2=stage2, native=native, equal_counts=equal_counts
+                )
                 if other is not None and other.iteration_ms < plan.iteration_ms:
                     plan = other
         if plan is not None and (best is None or plan.iteration_ms < best[0].iteration_ms):
             best = plan, s
     if best is None:
-        raise InfeasibleError(f"no strategy runs this batch (longest sequence {longest}): "
-                              f"{len(fitting)} of {len(strategies)} hold it, and none could give every pipeline "
-                              "sequences that fit its memory; propose strategies for longer sequences or more GPUs")
+        raise InfeasibleError(
+            f"no strategy runs this batch (longest sequence {longest}): "
+            f"{len(fitting)} of {len(strategies)} hold it, and none could give every pipeline "
+            "sequences that fit its memory; propose strategies for longer sequences or more GPUs"
+        )
     return best
 
 
-def _cut(lens: np.ndarray, strategy: Strategy, d: Dispatch, kinds: dict[Scheme, KindCost], *, method: str,
-         stage2: Stage2Options, native: bool, equal_counts: bool) -> StepPlan | None:
+def _cut(
+    lens: np.ndarray,
+    strategy: Strategy,
+    d: Dispatch,
+    kinds: dict[Scheme, KindCost],
+    *,
+    method: str,
+    stage2: Stage2Options,
+    native: bool,
+    equal_counts: bool,
+) -> StepPlan | None:
     """Stage 2 for a dispatch: its busy pipelines at their columns (idle ones sit the step out)."""
     firsts = np.cumsum([0] + [p.sp for p in strategy.pipelines[:-1]]).tolist()
-    busy = [(Pipeline(kinds[p].spec, p.sp, first), ids) for p, first, ids in zip(strategy.pipelines, firsts, d.members)
-            if ids]
-    return plan_members(lens, [ids for _, ids in busy], [p for p, _ in busy], "packed", method=method, stage2=stage2,
-                        native=native, equal_counts=equal_counts)
+    busy = [
+        (Pipeline(kinds[p].spec, p.sp, first), ids)
+        for p, first, ids in zip(strategy.pipelines, firsts, d.members)
+        if ids
+    ]
+    return plan_members(
+        lens,
+        [ids for _, ids in busy],
+        [p for p, _ in busy],
+        "packed",
+        method=method,
+        stage2=stage2,
+        native=native,
+        equal_counts=equal_counts,
+    )
 
 
 def cached_proposal(key: str, directory: str | os.PathLike, make: Callable[[], Proposal]) -> Proposal:

@@ -3,6 +3,7 @@
 One process per data-parallel replica, one thread per stage and stream, memory as a counter per
 stage, so a planned step can be compared with a profiler trace of the real one.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,7 @@ STREAMS = ("compute", "send-fwd", "send-bwd")
 _MB_ID = re.compile(r"\d+")
 
 
-def chrome_trace(
-    result: SimResult, micro_batches: Sequence[MicroBatch], *, title: str = "", replica: int = 0
-) -> dict:
+def chrome_trace(result: SimResult, micro_batches: Sequence[MicroBatch], *, title: str = "", replica: int = 0) -> dict:
     """Trace of one replica from a ``simulate(..., record=True)`` result."""
     if not result.events:
         raise ValueError("the result has no events: simulate with record=True")
@@ -33,23 +32,41 @@ def chrome_trace(
     for stage in stages:
         for stream in STREAMS:
             tid = _tid(stage, stream)
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": f"stage {stage} {stream}"}})
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": f"stage {stage} {stream}"}}
+            )
             events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
     for stage, stream, op, start, end in result.events:
         mb = micro_batches[int(_MB_ID.search(op).group())]
-        events.append({
-            "ph": "X", "name": op, "cat": stream, "pid": pid, "tid": _tid(stage, stream),
-            "ts": start * 1e3, "dur": (end - start) * 1e3,
-            "args": {
-                "sequences": len(mb.seq_lens), "real_tokens": mb.real_tokens, "shape": list(mb.shape),
-                "layout": mb.layout, "recompute": mb.recompute,
-            },
-        })
+        events.append(
+            {
+                "ph": "X",
+                "name": op,
+                "cat": stream,
+                "pid": pid,
+                "tid": _tid(stage, stream),
+                "ts": start * 1e3,
+                "dur": (end - start) * 1e3,
+                "args": {
+                    "sequences": len(mb.seq_lens),
+                    "real_tokens": mb.real_tokens,
+                    "shape": list(mb.shape),
+                    "layout": mb.layout,
+                    "recompute": mb.recompute,
+                },
+            }
+        )
     for stage, time_ms, nbytes in memory_timeline(micro_batches, result):
-        events.append({
-            "ph": "C", "name": f"stage {stage} activations", "pid": pid, "tid": _tid(stage, "compute"),
-            "ts": time_ms * 1e3, "args": {"MiB": nbytes / 2**20},
-        })
+        events.append(
+            {
+                "ph": "C",
+                "name": f"stage {stage} activations",
+                "pid": pid,
+                "tid": _tid(stage, "compute"),
+                "ts": time_ms * 1e3,
+                "args": {"MiB": nbytes / 2**20},
+            }
+        )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

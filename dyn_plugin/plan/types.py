@@ -1,5 +1,6 @@
 """The plan dataclasses every planner produces and every runtime piece consumes: micro-batches,
 schedules, and the replica and step plans built from them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -7,6 +7,7 @@ cost model can predict. Fixing the mmap and trim thresholds (what MALLOC_MMAP_TH
 MALLOC_TRIM_THRESHOLD_ do) keeps freed memory in the heap for reuse. The profiler and the
 training runtime both call this, so measured and predicted steps run under the same allocator.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -16,6 +16,7 @@ NCCL (one GPU per rank); rank 0 prints {op: [(bytes, ms), ...]} as JSON. The ops
 - ``p2p``: one ring exchange: every rank sends a block of that many bytes to rank+1 while it
   receives one from rank-1, posted together (``batch_isend_irecv``) as ring attention does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,15 @@ import numpy as np
 OPS = ("allreduce", "allgather", "reducescatter", "alltoall", "p2p")
 
 
-def measure_collectives(ranks: int, sizes: Mapping[str, Sequence[int]], *, repeats: int = 5,
-                        threads: int | None = None, timeout_s: float = 120,
-                        backend: str = "gloo") -> dict[str, list[tuple[float, float]]]:
+def measure_collectives(
+    ranks: int,
+    sizes: Mapping[str, Sequence[int]],
+    *,
+    repeats: int = 5,
+    threads: int | None = None,
+    timeout_s: float = 120,
+    backend: str = "gloo",
+) -> dict[str, list[tuple[float, float]]]:
     """(bytes, ms) per size of each op in ``sizes`` (keys from ``OPS``) among ``ranks`` local
     processes on ``backend``; every op is measured in the same processes, one start-up for all."""
     from ..child import free_port
@@ -42,12 +49,28 @@ def measure_collectives(ranks: int, sizes: Mapping[str, Sequence[int]], *, repea
     if unknown:
         raise ValueError(f"unknown collectives {sorted(unknown)}; measurable: {', '.join(OPS)}")
     port = free_port()
-    cmd = [sys.executable, "-m", "dyn_plugin.profiling.collective", "--world", str(ranks), "--port", str(port),
-           "--sizes", json.dumps({op: [int(b) for b in s] for op, s in sizes.items()}), "--repeats", str(repeats),
-           "--parent", str(os.getpid()), "--backend", backend]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dyn_plugin.profiling.collective",
+        "--world",
+        str(ranks),
+        "--port",
+        str(port),
+        "--sizes",
+        json.dumps({op: [int(b) for b in s] for op, s in sizes.items()}),
+        "--repeats",
+        str(repeats),
+        "--parent",
+        str(os.getpid()),
+        "--backend",
+        backend,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads or 1)}
-    procs = [subprocess.Popen(cmd + ["--rank", str(r)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
-             for r in range(ranks)]
+    procs = [
+        subprocess.Popen(cmd + ["--rank", str(r)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
+        for r in range(ranks)
+    ]
     try:
         outs = [p.communicate(timeout=timeout_s)[0] for p in procs]
     finally:
@@ -55,8 +78,9 @@ def measure_collectives(ranks: int, sizes: Mapping[str, Sequence[int]], *, repea
             if p.poll() is None:
                 p.kill()
     if any(p.returncode for p in procs):
-        raise RuntimeError(f"collective measurement ({', '.join(sizes)}) failed: exit codes "
-                           f"{[p.returncode for p in procs]}")
+        raise RuntimeError(
+            f"collective measurement ({', '.join(sizes)}) failed: exit codes {[p.returncode for p in procs]}"
+        )
     measured = json.loads(outs[0].decode().strip().splitlines()[-1])
     return {op: [tuple(pt) for pt in points] for op, points in measured.items()}
 
@@ -115,8 +139,9 @@ def _rank_main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", args.rank)
         torch.cuda.set_device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
-                            world_size=args.world)
+    dist.init_process_group(
+        args.backend, init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world
+    )
     measured: dict[str, list[tuple[float, float]]] = {}
     for op, sizes in json.loads(args.sizes).items():
         measured[op] = []

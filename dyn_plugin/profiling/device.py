@@ -4,6 +4,7 @@ CPU: wall clock, and live tensor bytes from :class:`~dyn_plugin.profiling.memory
 (CPU has no allocator statistics). CUDA: CUDA events (kernels run asynchronously, so a host
 clock would time their launch, not their run) and the caching allocator's statistics.
 """
+
 from __future__ import annotations
 
 import platform
@@ -38,8 +39,9 @@ class Target:
             name = torch.cuda.get_device_name(self.device)
         else:
             name = platform.processor() or platform.machine()
-        return DeviceInfo(type=self.device.type, name=name, dtype=self.dtype, threads=torch.get_num_threads(),
-                          torch=torch.__version__)
+        return DeviceInfo(
+            type=self.device.type, name=name, dtype=self.dtype, threads=torch.get_num_threads(), torch=torch.__version__
+        )
 
     def synchronize(self) -> None:
         """Wait for the device's queued work (before reading a host clock)."""
@@ -51,8 +53,7 @@ def resolve_target(device: str | None = None, dtype: str | None = None) -> Targe
     """``device`` defaults to cuda when there is one, else cpu; ``dtype`` to bf16 on CUDA, fp32 on CPU."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: this torch ({torch.__version__}) sees no CUDA device; "
-                         "use --device cpu")
+        raise ValueError(f"--device {device}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     measures(dev.type)  # refuse a device the profiler cannot measure before building anything
@@ -123,5 +124,7 @@ def measures(device_type: str) -> tuple[Clock, MemoryProbe]:
     try:
         return _MEASURES[device_type]
     except KeyError:
-        raise ValueError(f"the profiler measures on {' or '.join(_MEASURES)}, not {device_type!r}; "
-                         "pass --device cpu or --device cuda") from None
+        raise ValueError(
+            f"the profiler measures on {' or '.join(_MEASURES)}, not {device_type!r}; "
+            "pass --device cpu or --device cuda"
+        ) from None

@@ -9,6 +9,7 @@ Storages resized in place are followed too: FSDP2 frees a unit's gathered parame
 ``untyped_storage().resize_(0)`` and re-allocates them the same way, which no op reports, so
 ``UntypedStorage.resize_`` is wrapped while the mode is active.
 """
+
 from __future__ import annotations
 
 from typing import Iterator

@@ -1,4 +1,5 @@
 """One optimizer step, measured: the cost model's update term (``dyn_plugin.cost.update``)."""
+
 from __future__ import annotations
 
 import time

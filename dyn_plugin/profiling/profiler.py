@@ -9,6 +9,7 @@ Timings are the minimum over repeats: on a shared CPU, interference only ever ad
 Memory is measured in a separate pass: on CPU by :class:`~dyn_plugin.profiling.memory.LiveMemory`
 (it slows ops down), on CUDA from the allocator's statistics (device.py).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,17 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..cost.model import Layout, Precision, Recompute, StageSpec, features, round_up
-from ..cost.profile import (SCHEMA, VERSION, CollectiveSamples, ModelInfo, Profile, Sample, UpdateSamples,
-                            cost_model_from_profile, fit_tables)
+from ..cost.profile import (
+    SCHEMA,
+    VERSION,
+    CollectiveSamples,
+    ModelInfo,
+    Profile,
+    Sample,
+    UpdateSamples,
+    cost_model_from_profile,
+    fit_tables,
+)
 from ..cost.table import evaluate_checkpointed
 from ..models.recompute import RecomputeSwitch, decoder_layers
 from .allocator import stable_cpu_allocator
@@ -59,8 +69,9 @@ class Job:
         return timed_step(self.model, *self.inputs)
 
 
-def time_round_robin(jobs: list[Job], *, warmup: int, repeats: int, seed: int = 0,
-                     bar=None) -> list[tuple[float, float]]:
+def time_round_robin(
+    jobs: list[Job], *, warmup: int, repeats: int, seed: int = 0, bar=None
+) -> list[tuple[float, float]]:
     """(forward, backward) ms of each job: the minimum over ``repeats`` rounds.
 
     Each round runs every job once, in a fresh random order, so a slow spell of a shared
@@ -81,9 +92,18 @@ def time_round_robin(jobs: list[Job], *, warmup: int, repeats: int, seed: int = 
     return best
 
 
-def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = ProfileGrid(),
-                validate: int = 16, threads: int | None = None, fixed_allocator: bool = True,
-                progress: bool = True, ranks: int = 1, target: Target | None = None) -> Profile:
+def run_profile(
+    model_cfg: dict,
+    *,
+    name: str = "model",
+    grid: ProfileGrid = ProfileGrid(),
+    validate: int = 16,
+    threads: int | None = None,
+    fixed_allocator: bool = True,
+    progress: bool = True,
+    ranks: int = 1,
+    target: Target | None = None,
+) -> Profile:
     """Profile the model described by a HF config dict on ``target`` (default: CPU, fp32).
 
     On CUDA the models and inputs live on the GPU in the target's dtype; a half-precision
@@ -140,69 +160,127 @@ def run_profile(model_cfg: dict, *, name: str = "model", grid: ProfileGrid = Pro
         torch.manual_seed(grid.seed)
         full = _on(build_causal_lm(model_cfg).train(), target)
         RecomputeSwitch(full).set(grid.recomputes[0])
-        held_jobs = [Job(full, _inputs_on(make_inputs(c["seq_lens"], c["layout"], vocab, pad, rng), target))
-                     for c in held_out]
+        held_jobs = [
+            Job(full, _inputs_on(make_inputs(c["seq_lens"], c["layout"], vocab, pad, rng), target)) for c in held_out
+        ]
     else:
         held_jobs = []
-    bar = tqdm(total=grid.repeats, desc=f"profiling {len(jobs) + len(held_jobs)} micro-batches", unit="round",
-               disable=not progress)
+    bar = tqdm(
+        total=grid.repeats,
+        desc=f"profiling {len(jobs) + len(held_jobs)} micro-batches",
+        unit="round",
+        disable=not progress,
+    )
     # GPU ranks do not share their device, so only CPU ranks are measured beside a load.
-    load = ShadowLoad(model_cfg, grid, count=ranks - 1, threads=threads) if ranks > 1 and not cuda \
+    load = (
+        ShadowLoad(model_cfg, grid, count=ranks - 1, threads=threads)
+        if ranks > 1 and not cuda
         else contextlib.nullcontext()
+    )
     with load:
         times = time_round_robin(jobs + held_jobs, warmup=grid.warmup, repeats=grid.repeats, seed=grid.seed, bar=bar)
         bar.close()
-        optimizer = measure_optimizer([models[(l1, grid.recomputes[0])], models[(l2, grid.recomputes[0])]],
-                                      grid.repeats, target=target)
+        optimizer = measure_optimizer(
+            [models[(l1, grid.recomputes[0])], models[(l2, grid.recomputes[0])]], grid.repeats, target=target
+        )
     params = _param_counts(ref, l1)
     # the full-depth model's gradients, whether or not a full-depth model was built
-    grad_bytes = Precision.of(target.dtype).grad * (params["embedding"] + params["head"]
-                                                    + params["layer"] * _full_depth(model_cfg))
+    grad_bytes = Precision.of(target.dtype).grad * (
+        params["embedding"] + params["head"] + params["layer"] * _full_depth(model_cfg)
+    )
     backend = "nccl" if cuda else "gloo"
     measured = {}
     if ranks > 1 and cuda and torch.cuda.device_count() < ranks:
-        logger.warning("collectives not measured: they need %d GPUs on this host (one per rank), %d found; the "
-                       "cost model prices them from the cluster's link bandwidth", ranks, torch.cuda.device_count())
+        logger.warning(
+            "collectives not measured: they need %d GPUs on this host (one per rank), %d found; the "
+            "cost model prices them from the cluster's link bandwidth",
+            ranks,
+            torch.cuda.device_count(),
+        )
     elif ranks > 1:
         # attention collectives move a few activations' worth per layer: tens of KB to MBs per rank
         attention = [1 << 16, 1 << 20, 4 << 20]
         # sharded data parallelism gathers and reduces one module's parameters at a time: up to a few layers' worth
         layer_bytes = int(Precision.of(target.dtype).grad * params["layer"])
         sharded = [1 << 20, 4 << 20, max(layer_bytes, 8 << 20)]
-        measured = measure_collectives(ranks, {"allreduce": [1 << 20, 4 << 20, int(grad_bytes)],
-                                               "allgather": sharded, "reducescatter": sharded,
-                                               "alltoall": attention, "p2p": attention},
-                                       repeats=grid.repeats, threads=threads, backend=backend)
+        measured = measure_collectives(
+            ranks,
+            {
+                "allreduce": [1 << 20, 4 << 20, int(grad_bytes)],
+                "allgather": sharded,
+                "reducescatter": sharded,
+                "alltoall": attention,
+                "p2p": attention,
+            },
+            repeats=grid.repeats,
+            threads=threads,
+            backend=backend,
+        )
     samples: list[Sample] = []
     for (layout, lens, rc, depth), job, (fwd, bwd) in zip(keys, jobs, times):
         stored, peak = _memory(job.model, *job.inputs)
-        samples.append(Sample(component="model", num_layers=depth, layout=layout, recompute=rc, seq_lens=lens,
-                              forward_ms=fwd, backward_ms=bwd, stored_bytes=stored, peak_bytes=peak))
+        samples.append(
+            Sample(
+                component="model",
+                num_layers=depth,
+                layout=layout,
+                recompute=rc,
+                seq_lens=lens,
+                forward_ms=fwd,
+                backward_ms=bwd,
+                stored_bytes=stored,
+                peak_bytes=peak,
+            )
+        )
         if depth == l1:
             efwd, ebwd = embedding[(layout, tuple(lens))]
-            samples.append(Sample(component="embedding", layout=layout, recompute=rc, seq_lens=lens,
-                                  forward_ms=efwd, backward_ms=ebwd, stored_bytes=0.0, peak_bytes=0.0))
+            samples.append(
+                Sample(
+                    component="embedding",
+                    layout=layout,
+                    recompute=rc,
+                    seq_lens=lens,
+                    forward_ms=efwd,
+                    backward_ms=ebwd,
+                    stored_bytes=0.0,
+                    peak_bytes=0.0,
+                )
+            )
     profile = Profile(
         schema=SCHEMA,
         version=VERSION,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        model=ModelInfo(name=name, num_layers=_full_depth(model_cfg), hidden_size=ref.config.hidden_size,
-                        num_heads=ref.config.num_attention_heads,
-                        num_kv_heads=getattr(ref.config, "num_key_value_heads", None),
-                        params=params, dtype=target.dtype, config=model_cfg),
+        model=ModelInfo(
+            name=name,
+            num_layers=_full_depth(model_cfg),
+            hidden_size=ref.config.hidden_size,
+            num_heads=ref.config.num_attention_heads,
+            num_kv_heads=getattr(ref.config, "num_key_value_heads", None),
+            params=params,
+            dtype=target.dtype,
+            config=model_cfg,
+        ),
         device=target.info(),
         pad_multiple=pad,
         grid={k: list(v) if isinstance(v, tuple) else v for k, v in asdict(grid).items()},
         samples=samples,
         tables=fit_tables(samples, pad),
         ranks=ranks,
-        update=UpdateSamples(backend=backend, optimizer=optimizer, allreduce=measured.get("allreduce", []),
-                             allgather=measured.get("allgather", []), reducescatter=measured.get("reducescatter", [])),
+        update=UpdateSamples(
+            backend=backend,
+            optimizer=optimizer,
+            allreduce=measured.get("allreduce", []),
+            allgather=measured.get("allgather", []),
+            reducescatter=measured.get("reducescatter", []),
+        ),
         collectives=CollectiveSamples(backend=backend, alltoall=measured["alltoall"], p2p=measured["p2p"])
-        if measured else None,
+        if measured
+        else None,
     )
     if held_out:
-        profile = profile.model_copy(update={"validation": _score(profile, held_out, times[len(jobs):], grid.recomputes[0])})
+        profile = profile.model_copy(
+            update={"validation": _score(profile, held_out, times[len(jobs) :], grid.recomputes[0])}
+        )
     if "none" in grid.recomputes and len(grid.recomputes) > 1:
         profile = profile.model_copy(update={"pyramid": _pyramid_check(profile, model_cfg, grid, target, rng, pad)})
     return profile
@@ -235,12 +313,19 @@ def _score(profile: Profile, cases: list[dict], times: list[tuple[float, float]]
         p = cost.micro_batch_cost(case["seq_lens"], layout=case["layout"], recompute=recompute).time_ms
         case.update(measured_ms=round(m, 3), predicted_ms=round(p, 3), error=round(abs(p - m) / m, 4))
     errors = [c["error"] for c in cases]
-    return {"recompute": recompute, "num_layers": profile.model.num_layers, "count": len(cases),
-            "mape": float(np.mean(errors)), "max_ape": float(np.max(errors)), "cases": cases}
+    return {
+        "recompute": recompute,
+        "num_layers": profile.model.num_layers,
+        "count": len(cases),
+        "mape": float(np.mean(errors)),
+        "max_ape": float(np.max(errors)),
+        "cases": cases,
+    }
 
 
-def _pyramid_check(profile: Profile, model_cfg: dict, grid: ProfileGrid, target: Target, rng: np.random.Generator,
-                   pad: int) -> dict:
+def _pyramid_check(
+    profile: Profile, model_cfg: dict, grid: ProfileGrid, target: Target, rng: np.random.Generator, pad: int
+) -> dict:
     """Peak activation memory of one micro-batch through the full-depth model with 0, n/2 and n
     of its n layers checkpointed (through the RecomputeSwitch training uses), against what
     ``evaluate_checkpointed`` predicts from the fitted tables: pyramid plans are priced by
@@ -266,16 +351,37 @@ def _pyramid_check(profile: Profile, model_cfg: dict, grid: ProfileGrid, target:
     for count in sorted({0, depth // 2, depth}):
         switch.set(mode, count)
         stored, peak = _memory(model, *inputs)
-        predicted = evaluate_checkpointed(cost.table(layout, mode), cost.table(layout, "none"), f, StageSpec(depth), count)
-        cases.append({"checkpointed": count, "measured_peak_bytes": peak, "predicted_peak_bytes": predicted.peak_bytes,
-                      "measured_stored_bytes": stored, "predicted_stored_bytes": predicted.stored_bytes,
-                      "error": round(abs(predicted.peak_bytes - peak) / peak, 4)})
+        predicted = evaluate_checkpointed(
+            cost.table(layout, mode), cost.table(layout, "none"), f, StageSpec(depth), count
+        )
+        cases.append(
+            {
+                "checkpointed": count,
+                "measured_peak_bytes": peak,
+                "predicted_peak_bytes": predicted.peak_bytes,
+                "measured_stored_bytes": stored,
+                "predicted_stored_bytes": predicted.stored_bytes,
+                "error": round(abs(predicted.peak_bytes - peak) / peak, 4),
+            }
+        )
     worst = max(c["error"] for c in cases)
-    logger.info("pyramid checkpointing check (%s, %d tokens, %s of %d layers checkpointed): peak memory predicted "
-                "within %.1f%% of measured", mode, int(f.slots), "/".join(str(c["checkpointed"]) for c in cases),
-                depth, 100 * worst)
-    return {"recompute": mode, "layout": layout, "seq_lens": lens, "num_layers": depth, "max_error": worst,
-            "cases": cases}
+    logger.info(
+        "pyramid checkpointing check (%s, %d tokens, %s of %d layers checkpointed): peak memory predicted "
+        "within %.1f%% of measured",
+        mode,
+        int(f.slots),
+        "/".join(str(c["checkpointed"]) for c in cases),
+        depth,
+        100 * worst,
+    )
+    return {
+        "recompute": mode,
+        "layout": layout,
+        "seq_lens": lens,
+        "num_layers": depth,
+        "max_error": worst,
+        "cases": cases,
+    }
 
 
 def _full_depth(cfg: dict) -> int:

@@ -10,6 +10,7 @@ the profile is measured under the load training creates.
 
 is one such process.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,10 @@ class ShadowLoad:
         self.procs: list[subprocess.Popen] = []
 
     def __enter__(self) -> "ShadowLoad":
-        self.procs = [subprocess.Popen(self._cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-                      for _ in range(self.count)]
+        self.procs = [
+            subprocess.Popen(self._cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+            for _ in range(self.count)
+        ]
         deadline = time.monotonic() + self.timeout_s
         for p in self.procs:  # measuring starts once every shadow is busy
             ready, _, _ = select.select([p.stdout], [], [], max(deadline - time.monotonic(), 0))
@@ -78,8 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(grid.seed + 1)
     model = build_causal_lm(spec["model"]).train()
     vocab = model.config.vocab_size
-    inputs = [make_inputs(micro_batch_lengths(layout, s, n, rng), layout, vocab, 8, rng)
-              for layout in grid.layouts for s, n in grid.points()]
+    inputs = [
+        make_inputs(micro_batch_lengths(layout, s, n, rng), layout, vocab, 8, rng)
+        for layout in grid.layouts
+        for s, n in grid.points()
+    ]
     timed_step(model, *inputs[0])
     print(READY, flush=True)
     while os.getppid() == args.parent:

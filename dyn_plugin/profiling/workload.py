@@ -3,6 +3,7 @@
 The profiler (profiler.py) and the shadow ranks that load the host beside it (shadow.py) run
 the same workload, so it lives here, below both.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -22,6 +22,7 @@ every row, labels shifted first: the label of a shard's last token is the next s
 ``scored_tokens`` counts the labels a causal LM actually scores (length - 1 per sequence), the
 denominator of an exact token-mean loss.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -57,8 +58,14 @@ def position_ids(seq_lens: Sequence[int], layout: str, shape: Sequence[int]) -> 
 
 
 def collate(
-    sample_ids: Sequence[int], seq_lens: Sequence[int], layout: str, shape: Sequence[int],
-    fetch: Callable[[int], Any], *, pad_id: int = 0, sp: int = 1,
+    sample_ids: Sequence[int],
+    seq_lens: Sequence[int],
+    layout: str,
+    shape: Sequence[int],
+    fetch: Callable[[int], Any],
+    *,
+    pad_id: int = 0,
+    sp: int = 1,
 ) -> dict[str, Any]:
     """Build the micro-batch; ``fetch(i)`` returns dataset item i, checked against its planned length.
     ``sp``: the sequence-parallel size the plan's ``shape`` was rounded for (the whole micro-batch
@@ -67,8 +74,10 @@ def collate(
     for i, s in zip(sample_ids, seq_lens):
         ids = sample_tokens(fetch(i))
         if len(ids) < s:
-            raise ValueError(f"dataset[{i}] has {len(ids)} tokens but its length was given as {s}; "
-                             "lengths must be the token counts of the dataset's samples")
+            raise ValueError(
+                f"dataset[{i}] has {len(ids)} tokens but its length was given as {s}; "
+                "lengths must be the token counts of the dataset's samples"
+            )
         seqs.append(ids[:s])  # longer only when the config asked for truncation
     rows, width = int(shape[0]), int(shape[1])
     if layout == "padded" and rows == 1 and len(seqs) > 1:
@@ -100,13 +109,21 @@ def collate(
         if fill:
             labels[0, -fill:] = IGNORE
         longest = max(len(ids) for ids in seqs)
-        return {"input_ids": input_ids, "position_ids": position_ids(seq_lens, layout, shape), "labels": labels,
-                "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+        return {
+            "input_ids": input_ids,
+            "position_ids": position_ids(seq_lens, layout, shape),
+            "labels": labels,
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": longest,
+            "max_length_k": longest,
+        }
     raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
 
 
-def _check_shape(seqs: list[torch.Tensor], layout: str, shape: tuple[int, int], sample_ids: Sequence[int],
-                 sp: int) -> None:
+def _check_shape(
+    seqs: list[torch.Tensor], layout: str, shape: tuple[int, int], sample_ids: Sequence[int], sp: int
+) -> None:
     """The tensors about to be built must have exactly the plan's ``shape``: the planner priced
     that shape and later pipeline stages size their receive buffers by it, so a mismatch is a
     wrong price at best and a failed or hung send/receive at worst."""
@@ -118,7 +135,8 @@ def _check_shape(seqs: list[torch.Tensor], layout: str, shape: tuple[int, int], 
     if not ok:
         raise ValueError(
             f"micro-batch of samples {list(sample_ids)} ({layout}, sequence lengths {lens}, sp {sp}) does not fit the plan's shape "
-            f"{tuple(shape)}; plans must take their shapes from dyn_plugin.cost.model.tensor_shape, as the planner does")
+            f"{tuple(shape)}; plans must take their shapes from dyn_plugin.cost.model.tensor_shape, as the planner does"
+        )
 
 
 def shard(batch: dict[str, Any], sp: int, index: int) -> dict[str, torch.Tensor]:
@@ -134,12 +152,18 @@ def shard(batch: dict[str, Any], sp: int, index: int) -> dict[str, torch.Tensor]
     input_ids, labels = batch["input_ids"], batch["labels"]
     rows, width = input_ids.shape
     if width % sp or not 0 <= index < sp:
-        raise ValueError(f"cannot give shard {index} of {sp} of a micro-batch {width} tokens wide: plans round the "
-                         "width up to a multiple of the group size (dyn_plugin.cost.model.tensor_shape)")
+        raise ValueError(
+            f"cannot give shard {index} of {sp} of a micro-batch {width} tokens wide: plans round the "
+            "width up to a multiple of the group size (dyn_plugin.cost.model.tensor_shape)"
+        )
     positions = batch.get("position_ids")
     if positions is None:
         positions = torch.arange(width).expand(rows, width)
     shifted = torch.cat([labels[:, 1:], labels.new_full((rows, 1), IGNORE)], dim=1)
     cols = slice(index * (width // sp), (index + 1) * (width // sp))
-    return {"input_ids": input_ids[:, cols].contiguous(), "position_ids": positions[:, cols].contiguous(),
-            "shift_labels": shifted[:, cols].contiguous(), "sequence_position_ids": positions}
+    return {
+        "input_ids": input_ids[:, cols].contiguous(),
+        "position_ids": positions[:, cols].contiguous(),
+        "shift_labels": shifted[:, cols].contiguous(),
+        "sequence_position_ids": positions,
+    }

@@ -24,6 +24,7 @@ when the step is handed out, and checked when a later step is asked for (without
 device: a gather not finished yet is checked later) and, blocking, at the first step and at the
 end of each epoch. Ranks that disagree raise :class:`PlanMismatch`, naming them and what differs.
 """
+
 from __future__ import annotations
 
 import collections
@@ -113,15 +114,18 @@ class DynLoader:
         self.config = config
         layout = layout or RankLayout.of(1, config.pipeline.stages)
         if layout.stages != config.pipeline.stages:
-            raise ValueError(f"the layout has {layout.stages} stages but dyn_plugin.pipeline.stages = "
-                             f"{config.pipeline.stages}; they must match")
+            raise ValueError(
+                f"the layout has {layout.stages} stages but dyn_plugin.pipeline.stages = "
+                f"{config.pipeline.stages}; they must match"
+            )
         layout.rank_of(stage, column)  # refuses a place outside the layout
         self.dataset = dataset
         self.layout, self.stage, self.column = layout, stage, column
         self.seed, self.pad_id = seed, pad_id
         self.lengths = self._checked_lengths(lengths)
-        self.context = PlanningContext(config, cost_model, self.lengths, layout.columns, layout.stages, zero_stage or 0,
-                                       tp, seed, state_bytes)
+        self.context = PlanningContext(
+            config, cost_model, self.lengths, layout.columns, layout.stages, zero_stage or 0, tp, seed, state_bytes
+        )
         self.epoch, self.step = 0, 0
         self.plan_wait_s: list[float] = []  # per step, how long this rank waited for its plan
         # hashed once (8 MB at 1M samples), for the resume check and the plan check alike
@@ -155,7 +159,8 @@ class DynLoader:
             raise ValueError(
                 f"store.namespace is unset and the {self.layout.world} ranks have no torch.distributed "
                 "process group to agree on a run id: call torch.distributed.init_process_group before creating the "
-                "DynLoader, or set dyn_plugin.store.namespace to an id unique to this run")
+                "DynLoader, or set dyn_plugin.store.namespace to an id unique to this run"
+            )
         self._store = open_store(cfg, rank=self.layout.rank_of(self.stage, self.column), world_size=self.layout.world)
         # planner processes connect to the very port the host bound (it may have picked a free one)
         self._store_cfg = cfg.model_copy(update={"port": self._store.port}) if cfg.backend == "tcp" else cfg
@@ -182,18 +187,25 @@ class DynLoader:
         self._store.put(CURSOR_KEY, str(position).encode())
         plan_cfg = self.config.loader
         store = self._store
-        self._pool = PlannerPool(self.context.to_json(), self._store_cfg.model_dump_json(exclude_unset=True),
-                                 num_planners=plan_cfg.planners, prefetch=plan_cfg.prefetch, start=position,
-                                 world_size=self.layout.world,
-                                 on_failure=lambda why: store.put(ERROR_KEY, why.encode()))
+        self._pool = PlannerPool(
+            self.context.to_json(),
+            self._store_cfg.model_dump_json(exclude_unset=True),
+            num_planners=plan_cfg.planners,
+            prefetch=plan_cfg.prefetch,
+            start=position,
+            world_size=self.layout.world,
+            on_failure=lambda why: store.put(ERROR_KEY, why.encode()),
+        )
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _close, self._store, self._pool)
 
     def _checked_lengths(self, lengths: Sequence[int]) -> np.ndarray:
         arr = validate_lengths(lengths)
         if len(arr) != len(self.dataset):
-            raise ValueError(f"lengths has {len(arr)} entries but the dataset has {len(self.dataset)} samples; "
-                             "give one length (token count) per sample")
+            raise ValueError(
+                f"lengths has {len(arr)} entries but the dataset has {len(self.dataset)} samples; "
+                "give one length (token count) per sample"
+            )
         mb = self.config.microbatching
         arr = cap_lengths(arr, mb.max_seq_len, mb.truncate)
         return arr
@@ -288,26 +300,39 @@ class DynLoader:
             except StoreTimeout:
                 why = self._store.get(ERROR_KEY)
                 if why is not None:
-                    raise PlannerError(f"rank (column {self.column}, stage {self.stage}) waiting for the plan of epoch "
-                                       f"{epoch} step {step}: {why.decode(errors='replace')}") from None
+                    raise PlannerError(
+                        f"rank (column {self.column}, stage {self.stage}) waiting for the plan of epoch "
+                        f"{epoch} step {step}: {why.decode(errors='replace')}"
+                    ) from None
                 if time.monotonic() >= deadline:
-                    raise StoreTimeout(f"no plan for epoch {epoch} step {step} under '{key}' on {self._store.address} "
-                                       f"after {timeout:g} s (loader.plan_timeout_s); the planner processes run on "
-                                       "the rank at stage 0, column 0: check it is alive and not overloaded") from None
+                    raise StoreTimeout(
+                        f"no plan for epoch {epoch} step {step} under '{key}' on {self._store.address} "
+                        f"after {timeout:g} s (loader.plan_timeout_s); the planner processes run on "
+                        "the rank at stage 0, column 0: check it is alive and not overloaded"
+                    ) from None
         self._store.delete(key)
         meta, _ = decode(data, max_bytes=int(self.config.store.max_payload_mb * 2**20), schema=RANK_PLAN_SCHEMA)
         rp = RankPlan.from_meta(meta)
         if (rp.epoch, rp.step) != (epoch, step):
-            raise RuntimeError(f"store key {key} held the plan of epoch {rp.epoch} step {rp.step}, "
-                               f"expected epoch {epoch} step {step}: another run shares the store namespace")
+            raise RuntimeError(
+                f"store key {key} held the plan of epoch {rp.epoch} step {rp.step}, "
+                f"expected epoch {epoch} step {step}: another run shares the store namespace"
+            )
         return rp
 
     def _build(self, rp: RankPlan) -> Step:
         tensors, ids = [], []
         for m in rp.plan.loads:
             desc = rp.plan.micro_batches[m]
-            batch = collate(desc.sample_ids, desc.seq_lens, desc.layout, desc.shape,
-                            self.dataset.__getitem__, pad_id=self.pad_id, sp=desc.sp)
+            batch = collate(
+                desc.sample_ids,
+                desc.seq_lens,
+                desc.layout,
+                desc.shape,
+                self.dataset.__getitem__,
+                pad_id=self.pad_id,
+                sp=desc.sp,
+            )
             if desc.sp > 1:
                 batch = shard(batch, desc.sp, rp.plan.column - desc.group)
             tensors.append(batch)
@@ -315,15 +340,22 @@ class DynLoader:
         return Step(rp.epoch, rp.step, rp.plan, tensors, ids, rp.scored_tokens, rp.digest, rp.predicted_ms)
 
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "epoch": self.epoch, "step": self.step, "seed": self.seed,
-                "fingerprint": self._state_fingerprint}
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "step": self.step,
+            "seed": self.seed,
+            "fingerprint": self._state_fingerprint,
+        }
 
     def load_state_dict(self, state: Mapping) -> None:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"loader state version {state.get('version')!r}; this dyn-plugin reads {STATE_VERSION}")
         if state["fingerprint"] != self._state_fingerprint:
-            raise ValueError("loader state was saved for different lengths, seed, token budget or parallel sizes; "
-                             "resume with the same dataset and dyn_plugin config")
+            raise ValueError(
+                "loader state was saved for different lengths, seed, token budget or parallel sizes; "
+                "resume with the same dataset and dyn_plugin config"
+            )
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
 
     def _fingerprint(self, h: "hashlib._Hash") -> str:
@@ -365,8 +397,11 @@ def _as_int63(hex_digest: str) -> int:
 def _fingerprints(lengths_hash: bytes, cost: TableCostModel, config: DynPluginConfig, sizes: tuple) -> list[int]:
     """Fingerprints of what a plan depends on, in CHECKED order after the digest. The store and
     loader sections are left out: they change where plans travel, not what they are."""
-    parts = [lengths_hash, json.dumps(cost.to_dict(), sort_keys=True).encode(),
-             (config.model_dump_json(exclude={"store", "loader"}) + repr(sizes)).encode()]
+    parts = [
+        lengths_hash,
+        json.dumps(cost.to_dict(), sort_keys=True).encode(),
+        (config.model_dump_json(exclude={"store", "loader"}) + repr(sizes)).encode(),
+    ]
     return [_as_int63(hashlib.sha256(p).hexdigest()) for p in parts]
 
 
@@ -379,9 +414,13 @@ def _mismatch_message(epoch: int, step: int, rows: list[list[int]]) -> str:
         values = ", ".join(f"rank {r}: {row[i]:016x}" for r, row in enumerate(rows))
         lines.append(f"  {name}: {values}")
     if differs:
-        lines.append(f"likely cause: different {' and '.join(differs)} on those ranks; give every rank the same "
-                     "dataset lengths, profile/cost model and dyn_plugin config")
+        lines.append(
+            f"likely cause: different {' and '.join(differs)} on those ranks; give every rank the same "
+            "dataset lengths, profile/cost model and dyn_plugin config"
+        )
     else:
-        lines.append("likely cause: the same lengths, cost model and config planned differently: check every rank "
-                     "runs the same dyn-plugin version and C++ extension build")
+        lines.append(
+            "likely cause: the same lengths, cost model and config planned differently: check every rank "
+            "runs the same dyn-plugin version and C++ extension build"
+        )
     return "\n".join(lines)

@@ -17,6 +17,7 @@ failure and hands ``on_failure`` the reason (exit code or signal, the last lines
 planner's stderr) within ~0.1 s; the loader publishes it under ``ERROR_KEY`` for every rank, so
 no rank sits out ``plan_timeout_s`` waiting for a plan that will never come.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,8 +49,17 @@ class PlannerError(RuntimeError):
 
 
 class PlannerPool:
-    def __init__(self, context_json: str, store_json: str, *, num_planners: int, prefetch: int, start: int,
-                 world_size: int, on_failure: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        context_json: str,
+        store_json: str,
+        *,
+        num_planners: int,
+        prefetch: int,
+        start: int,
+        world_size: int,
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
         self._dir = tempfile.mkdtemp(prefix="dynplugin-planners-")
         path = os.path.join(self._dir, "context.json")
         with open(path, "w") as f:
@@ -58,10 +68,29 @@ class PlannerPool:
         self.procs: list[subprocess.Popen] = []
         self._stderr: list[str] = []
         for k in range(num_planners):
-            cmd = [sys.executable, "-m", "dyn_plugin.runtime.planner_worker", "--context", path, "--store", store_json,
-                   "--worker", str(k), "--workers", str(num_planners), "--prefetch", str(prefetch),
-                   "--start", str(start), "--parent", str(os.getpid()), "--world", str(world_size),
-                   "--stop-key", self.stop_key]
+            cmd = [
+                sys.executable,
+                "-m",
+                "dyn_plugin.runtime.planner_worker",
+                "--context",
+                path,
+                "--store",
+                store_json,
+                "--worker",
+                str(k),
+                "--workers",
+                str(num_planners),
+                "--prefetch",
+                str(prefetch),
+                "--start",
+                str(start),
+                "--parent",
+                str(os.getpid()),
+                "--world",
+                str(world_size),
+                "--stop-key",
+                self.stop_key,
+            ]
             # stderr to a file, not a pipe: nobody has to drain it, and its tail explains a failure
             self._stderr.append(os.path.join(self._dir, f"planner{k}.stderr"))
             with open(self._stderr[-1], "wb") as err:
@@ -69,8 +98,12 @@ class PlannerPool:
         logger.info("started %d planner processes (pids %s)", num_planners, [p.pid for p in self.procs])
         self._closing = threading.Event()
         # the thread holds no reference to the pool, so the pool can still be garbage-collected
-        threading.Thread(target=_watch, args=(list(self.procs), list(self._stderr), self._closing, on_failure),
-                         name="dynplugin-planner-watch", daemon=True).start()
+        threading.Thread(
+            target=_watch,
+            args=(list(self.procs), list(self._stderr), self._closing, on_failure),
+            name="dynplugin-planner-watch",
+            daemon=True,
+        ).start()
         self._finalizer = weakref.finalize(self, _shutdown, list(self.procs), self._dir, self._closing)
 
     def stopping(self) -> None:
@@ -94,8 +127,9 @@ def describe_exit(k: int, proc: subprocess.Popen, stderr_path: str) -> str:
     return f"planner process {k} (pid {proc.pid}) {how} while training still needed plans{last}"
 
 
-def _watch(procs: list[subprocess.Popen], stderr: list[str], closing: threading.Event,
-           on_failure: Callable[[str], None] | None) -> None:
+def _watch(
+    procs: list[subprocess.Popen], stderr: list[str], closing: threading.Event, on_failure: Callable[[str], None] | None
+) -> None:
     while not closing.wait(_WATCH_S):
         for k, p in enumerate(procs):
             if p.poll() is not None and not closing.is_set():

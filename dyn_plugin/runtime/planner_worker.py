@@ -1,4 +1,5 @@
 """One background planner process (started by planner_pool.PlannerPool)."""
+
 from __future__ import annotations
 
 import argparse

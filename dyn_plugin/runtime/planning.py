@@ -5,6 +5,7 @@ config, the cost model's coefficients, the lengths, the strategy proposal. Every
 planner process, derives the same plan for the same (epoch, step), so nothing but the result
 crosses a store.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -44,13 +45,25 @@ class RankPlan:
     predicted_ms: float  # the simulated step time of the whole plan
 
     def to_meta(self) -> dict:
-        return {"epoch": self.epoch, "step": self.step, "scored_tokens": self.scored_tokens, "digest": self.digest,
-                "predicted_ms": self.predicted_ms, "plan": json.loads(plan_to_json(self.plan))}
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "scored_tokens": self.scored_tokens,
+            "digest": self.digest,
+            "predicted_ms": self.predicted_ms,
+            "plan": json.loads(plan_to_json(self.plan)),
+        }
 
     @classmethod
     def from_meta(cls, meta: dict) -> "RankPlan":
-        return cls(meta["epoch"], meta["step"], plan_from_json(json.dumps(meta["plan"])), int(meta["scored_tokens"]),
-                   meta["digest"], float(meta["predicted_ms"]))
+        return cls(
+            meta["epoch"],
+            meta["step"],
+            plan_from_json(json.dumps(meta["plan"])),
+            int(meta["scored_tokens"]),
+            meta["digest"],
+            float(meta["predicted_ms"]),
+        )
 
 
 def step_digest(plan: StepPlan) -> str:
@@ -79,13 +92,26 @@ class PlanningContext:
     proposal: Proposal | None = None  # with strategy.enabled: the strategies steps are planned under (else built)
 
     def __post_init__(self) -> None:
-        self.spec: PlannerSpec = planner_spec(self.cost, self.config, dp=self.dp, zero_stage=self.zero_stage,
-                                              tp=self.tp, seed=self.seed, state_bytes=self.state_bytes)
+        self.spec: PlannerSpec = planner_spec(
+            self.cost,
+            self.config,
+            dp=self.dp,
+            zero_stage=self.zero_stage,
+            tp=self.tp,
+            seed=self.seed,
+            state_bytes=self.state_bytes,
+        )
         if self.config.strategy.enabled:
             if self.proposal is None:
                 self.proposal = self._build_proposal()
-            check_runnable(self.proposal, columns=self.dp, tp=self.tp, pp=self.pp,
-                           sizes=self.config.sequence_parallel.sizes, source=self.config.strategy.proposal)
+            check_runnable(
+                self.proposal,
+                columns=self.dp,
+                tp=self.tp,
+                pp=self.pp,
+                sizes=self.config.sequence_parallel.sizes,
+                source=self.config.strategy.proposal,
+            )
         self._epochs: dict[int, list[list[int]]] = {}
         self._offsets: dict[int, int] = {0: 0}  # run-wide position of each epoch's first batch
         self._extrapolated = 0  # steps planned with costs beyond the measured range so far
@@ -93,8 +119,15 @@ class PlanningContext:
     def batches(self, epoch: int) -> list[list[int]]:
         """The epoch's global batches (sample indices), cached: every step of it needs them."""
         if epoch not in self._epochs:
-            self._epochs = {epoch: epoch_batches(self.lengths, self.config.microbatching.global_tokens,
-                                                 seed=self.seed, epoch=epoch, min_sequences=self.dp)}
+            self._epochs = {
+                epoch: epoch_batches(
+                    self.lengths,
+                    self.config.microbatching.global_tokens,
+                    seed=self.seed,
+                    epoch=epoch,
+                    min_sequences=self.dp,
+                )
+            }
         return self._epochs[epoch]
 
     def position(self, epoch: int, step: int) -> int:
@@ -119,12 +152,19 @@ class PlanningContext:
             try:
                 return Proposal.load(st.proposal)
             except FileNotFoundError:
-                raise ConfigError(f"strategy.proposal = {st.proposal!r} does not exist; write one with `dynplugin "
-                                  "strategy`, or unset it to propose at start-up") from None
-        proposal = runnable_proposal(self.lengths, self.spec, tokens=self.config.microbatching.global_tokens,
-                                     max_strategies=st.max_strategies)
-        logger.info("strategy proposal %s from the run's %d lengths: %s", proposal.key, len(self.lengths),
-                    "; ".join(_describe(s) for s in proposal.strategies))
+                raise ConfigError(
+                    f"strategy.proposal = {st.proposal!r} does not exist; write one with `dynplugin "
+                    "strategy`, or unset it to propose at start-up"
+                ) from None
+        proposal = runnable_proposal(
+            self.lengths, self.spec, tokens=self.config.microbatching.global_tokens, max_strategies=st.max_strategies
+        )
+        logger.info(
+            "strategy proposal %s from the run's %d lengths: %s",
+            proposal.key,
+            len(self.lengths),
+            "; ".join(_describe(s) for s in proposal.strategies),
+        )
         return proposal
 
     def plan_batch(self, lens: list[int]) -> StepPlan:
@@ -148,57 +188,99 @@ class PlanningContext:
         sharded = self.state_bytes is not None
         who = "a sharding plan" if sharded else f"ZeRO-{self.zero_stage}"
         if (self.zero_stage >= 2 or sharded) and len(set(counts)) > 1:
-            raise ValueError(f"global batch {step} of epoch {epoch}: microbatching.method {method!r} gave the replicas "
-                             f"{counts} micro-batches, but {who} needs the same number on every "
-                             "data-parallel rank; use method 'dynapipe' (it plans equal counts) or ZeRO stage 0 or 1")
-        modes = [tuple((r.micro_batches[i].recompute, checkpointed_layers(r.micro_batches[i], self.spec))
-                       for i in r.schedule.order) for r in plan.replicas]  # in the order each replica runs them
+            raise ValueError(
+                f"global batch {step} of epoch {epoch}: microbatching.method {method!r} gave the replicas "
+                f"{counts} micro-batches, but {who} needs the same number on every "
+                "data-parallel rank; use method 'dynapipe' (it plans equal counts) or ZeRO stage 0 or 1"
+            )
+        modes = [
+            tuple(
+                (r.micro_batches[i].recompute, checkpointed_layers(r.micro_batches[i], self.spec))
+                for i in r.schedule.order
+            )
+            for r in plan.replicas
+        ]  # in the order each replica runs them
         if (self.zero_stage == 3 or sharded) and len(set(modes)) > 1:
             # the planner makes them alike (pricing.same_recompute); a baseline or a hand-made plan may
             # not, and ranks that recompute differently desynchronise ZeRO-3's gathers (a hang under NCCL)
-            raise ValueError(f"global batch {step} of epoch {epoch}: the replicas recompute differently at the same "
-                             f"micro-batch ({[[m for m, _ in r] for r in modes]}), but {who} needs the same "
-                             "recompute at each micro-batch index on every rank; set microbatching.recompute to one "
-                             "mode or use ZeRO stage 0-2")
+            raise ValueError(
+                f"global batch {step} of epoch {epoch}: the replicas recompute differently at the same "
+                f"micro-batch ({[[m for m, _ in r] for r in modes]}), but {who} needs the same "
+                "recompute at each micro-batch index on every rank; set microbatching.recompute to one "
+                "mode or use ZeRO stage 0-2"
+            )
         if plan.extrapolated:
             # allowed by cost_model.allow_extrapolation, never silent: the first time, then every 100th step
             if self._extrapolated % 100 == 0:
-                logger.warning("global batch %d of epoch %d: %d micro-batch(es) priced beyond what cost model %r "
-                               "measured (longest sequence %d); profile longer sequences for exact prices "
-                               "(%d step(s) so far)", step, epoch, plan.extrapolated, self.cost.name, max(lens),
-                               self._extrapolated + 1)
+                logger.warning(
+                    "global batch %d of epoch %d: %d micro-batch(es) priced beyond what cost model %r "
+                    "measured (longest sequence %d); profile longer sequences for exact prices "
+                    "(%d step(s) so far)",
+                    step,
+                    epoch,
+                    plan.extrapolated,
+                    self.cost.name,
+                    max(lens),
+                    self._extrapolated + 1,
+                )
             self._extrapolated += 1
         digest = step_digest(plan)
         tokens = scored_tokens(lens)
         # Plans index the global batch; the loader needs dataset indices.
-        plan = replace(plan, replicas=tuple(
-            replace(rep, micro_batches=tuple(replace(mb, sample_ids=tuple(int(ids[i]) for i in mb.sample_ids))
-                                             for mb in rep.micro_batches))
-            for rep in plan.replicas))
+        plan = replace(
+            plan,
+            replicas=tuple(
+                replace(
+                    rep,
+                    micro_batches=tuple(
+                        replace(mb, sample_ids=tuple(int(ids[i]) for i in mb.sample_ids)) for mb in rep.micro_batches
+                    ),
+                )
+                for rep in plan.replicas
+            ),
+        )
         plans = execution_plans(plan, self.spec.hidden_size)
         # every plan a rank runs has been replayed as NCCL runs it: a hang becomes an error here
         check_plans(list(plans.values()), rendezvous=True)
         return {key: RankPlan(epoch, step, ep, tokens, digest, plan.iteration_ms) for key, ep in plans.items()}
 
     def to_json(self) -> str:
-        return json.dumps({
-            "config": self.config.model_dump(mode="json", exclude_unset=True), "cost": self.cost.to_dict(),
-            "lengths": self.lengths.tolist(), "dp": self.dp, "pp": self.pp, "zero_stage": self.zero_stage,
-            "tp": self.tp, "seed": self.seed, "state_bytes": self.state_bytes,
-            # planner processes plan under the very proposal the ranks hold (one proposed at start-up included)
-            "proposal": self.proposal.to_json() if self.proposal is not None else None,
-        })
+        return json.dumps(
+            {
+                "config": self.config.model_dump(mode="json", exclude_unset=True),
+                "cost": self.cost.to_dict(),
+                "lengths": self.lengths.tolist(),
+                "dp": self.dp,
+                "pp": self.pp,
+                "zero_stage": self.zero_stage,
+                "tp": self.tp,
+                "seed": self.seed,
+                "state_bytes": self.state_bytes,
+                # planner processes plan under the very proposal the ranks hold (one proposed at start-up included)
+                "proposal": self.proposal.to_json() if self.proposal is not None else None,
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "PlanningContext":
         d = json.loads(text)
-        return cls(DynPluginConfig.model_validate(d["config"]), TableCostModel.from_dict(d["cost"]),
-                   np.asarray(d["lengths"], dtype=np.int64), d["dp"], d["pp"], d["zero_stage"], d["tp"], d["seed"],
-                   d.get("state_bytes"), Proposal.from_json(d["proposal"]) if d.get("proposal") else None)
+        return cls(
+            DynPluginConfig.model_validate(d["config"]),
+            TableCostModel.from_dict(d["cost"]),
+            np.asarray(d["lengths"], dtype=np.int64),
+            d["dp"],
+            d["pp"],
+            d["zero_stage"],
+            d["tp"],
+            d["seed"],
+            d.get("state_bytes"),
+            Proposal.from_json(d["proposal"]) if d.get("proposal") else None,
+        )
 
 
-def check_runnable(proposal: Proposal, *, columns: int, tp: int, pp: int, sizes: list[int],
-                   source: str | None = None) -> None:
+def check_runnable(
+    proposal: Proposal, *, columns: int, tp: int, pp: int, sizes: list[int], source: str | None = None
+) -> None:
     """Refuse a proposal with a strategy this run cannot execute: DeepSpeed builds uniform replicas,
     so every pipeline must have the run's tensor and pipeline degrees; its pipelines must tile the
     run's data-parallel columns, in sequence-parallel groups of sizes the run builds. ``source``:
@@ -208,16 +290,22 @@ def check_runnable(proposal: Proposal, *, columns: int, tp: int, pp: int, sizes:
         where = f"{origin} (key {proposal.key}): strategy {n} ({_describe(strategy)})"
         if not strategy.runnable(tp, pp):
             degrees = sorted({(p.tp, p.pp) for p in strategy.pipelines})
-            raise ConfigError(f"{where} has pipelines of (tp, pp) {degrees}, but this run's replicas all have tp={tp}, "
-                              f"pp={pp}: heterogeneous tensor/pipeline degrees are simulation-only (`dynplugin bench "
-                              "strategy`); propose with the run's tp and pp")
+            raise ConfigError(
+                f"{where} has pipelines of (tp, pp) {degrees}, but this run's replicas all have tp={tp}, "
+                f"pp={pp}: heterogeneous tensor/pipeline degrees are simulation-only (`dynplugin bench "
+                "strategy`); propose with the run's tp and pp"
+            )
         if strategy.gpus != columns * tp * pp:
-            raise ConfigError(f"{where} uses {strategy.gpus} GPUs but the run has {columns} data-parallel columns x "
-                              f"tp {tp} x pp {pp} = {columns * tp * pp}; propose for this world size")
+            raise ConfigError(
+                f"{where} uses {strategy.gpus} GPUs but the run has {columns} data-parallel columns x "
+                f"tp {tp} x pp {pp} = {columns * tp * pp}; propose for this world size"
+            )
         odd = sorted(set(strategy.grouping) - set(sizes))
         if odd:
-            raise ConfigError(f"{where} has group size(s) {odd} outside sequence_parallel.sizes = {sizes}; add them "
-                              "to sizes or propose with these sizes")
+            raise ConfigError(
+                f"{where} has group size(s) {odd} outside sequence_parallel.sizes = {sizes}; add them "
+                "to sizes or propose with these sizes"
+            )
 
 
 def _describe(strategy: Strategy) -> str:

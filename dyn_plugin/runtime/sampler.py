@@ -6,6 +6,7 @@ budget. Every sample lands in exactly one batch of the epoch; a short tail with 
 sequences than ``min_sequences`` (one per data-parallel replica) joins the batch before it
 rather than being dropped.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -13,7 +14,9 @@ from typing import Sequence
 import numpy as np
 
 
-def epoch_batches(lengths: Sequence[int], tokens: int, *, seed: int, epoch: int, min_sequences: int = 1) -> list[list[int]]:
+def epoch_batches(
+    lengths: Sequence[int], tokens: int, *, seed: int, epoch: int, min_sequences: int = 1
+) -> list[list[int]]:
     """Sample indices of every global batch of one epoch, in order.
 
     A batch takes sequences in shuffled order while they fit the budget, and at least

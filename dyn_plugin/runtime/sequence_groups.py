@@ -12,6 +12,7 @@ Random state: every rank of a group must draw the same dropout masks for a micro
 resumed run the same ones again, so the micro-batch runs under a generator seeded from its place
 in training (``group_seed``), not from each rank's running stream.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,12 +34,15 @@ class SequenceGroups:
 
     def __init__(self, columns: int, stages: int, sizes: Iterable[int], backend: str | None = None) -> None:
         if columns < 1 or stages < 1:
-            raise ValueError(f"SequenceGroups needs columns >= 1 and stages >= 1, got columns={columns}, "
-                             f"stages={stages}")
+            raise ValueError(
+                f"SequenceGroups needs columns >= 1 and stages >= 1, got columns={columns}, stages={stages}"
+            )
         world = dist.get_world_size()
         if columns * stages != world:
-            raise ValueError(f"SequenceGroups: columns x stages = {columns} x {stages} = {columns * stages} but the "
-                             f"world has {world} ranks")
+            raise ValueError(
+                f"SequenceGroups: columns x stages = {columns} x {stages} = {columns * stages} but the "
+                f"world has {world} ranks"
+            )
         layout = RankLayout.of(columns, stages)
         sizes = sorted(set(sizes))
         bad = [k for k in sizes if k < 1 or k & (k - 1)]
@@ -51,8 +55,9 @@ class SequenceGroups:
         for k in self.sizes:
             for stage in range(stages):
                 for first in range(0, columns - k + 1, k):
-                    self._groups[(stage, first, k)] = dist.new_group(layout.stage_ranks(stage, first, k),
-                                                                     backend=backend)
+                    self._groups[(stage, first, k)] = dist.new_group(
+                        layout.stage_ranks(stage, first, k), backend=backend
+                    )
 
     def blocks(self) -> list[tuple[int, int, int]]:
         """Every (stage, first column, size) that has a group."""
@@ -66,7 +71,8 @@ class SequenceGroups:
             raise ValueError(
                 f"no sequence-parallel group of size {size} at column {first}, stage {stage}: groups are aligned "
                 f"power-of-two blocks of {self.columns} columns (first % size == 0, first + size <= columns) on "
-                f"{self.stages} stages, for sizes {list(self.sizes)} (sequence_parallel.sizes)") from None
+                f"{self.stages} stages, for sizes {list(self.sizes)} (sequence_parallel.sizes)"
+            ) from None
 
 
 def group_seed(seed: int, epoch: int, step: int, micro_batch: int, group_first: int, stage: int = 0) -> int:

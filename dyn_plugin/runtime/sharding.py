@@ -7,6 +7,7 @@ plan they each computed, and a search runs once rather than once per rank. A ref
 budget below the smallest plan, a plan for another model) is broadcast too, so every rank raises
 it instead of waiting for a plan that never comes.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,9 +28,18 @@ from .sampler import global_batches
 logger = logging.getLogger(__name__)
 
 
-def resolve_shard_plan(units: Sequence[ShardUnit], plugin: DynPluginConfig, cost: TableCostModel,
-                       lengths: Sequence[int], *, world: int, host: str, model: str = "", seed: int = 0,
-                       plan: ShardPlan | str | os.PathLike | None = None) -> ShardPlan:
+def resolve_shard_plan(
+    units: Sequence[ShardUnit],
+    plugin: DynPluginConfig,
+    cost: TableCostModel,
+    lengths: Sequence[int],
+    *,
+    world: int,
+    host: str,
+    model: str = "",
+    seed: int = 0,
+    plan: ShardPlan | str | os.PathLike | None = None,
+) -> ShardPlan:
     """The plan on this process: ``plan`` (a ShardPlan or a JSON path), else the file
     ``sharding.plan`` names, else searched for the run's first global batch. Checked against the
     model's units, the world and the cost model's precision."""
@@ -41,19 +51,38 @@ def resolve_shard_plan(units: Sequence[ShardUnit], plugin: DynPluginConfig, cost
         mb = plugin.microbatching
         lengths = cap_lengths(np.asarray(lengths), mb.max_seq_len, mb.truncate)  # as the loader caps them
         ids = global_batches(lengths, mb.global_tokens, 1, seed)[0]
-        plan = search_sharding(units, cost, plugin, world=world, lengths=[int(lengths[i]) for i in ids], host=host,
-                               model=model, longest=int(lengths.max()))
+        plan = search_sharding(
+            units,
+            cost,
+            plugin,
+            world=world,
+            lengths=[int(lengths[i]) for i in ids],
+            host=host,
+            model=model,
+            longest=int(lengths.max()),
+        )
     plan.check_units(u.name for u in units)
     plan.check_world(world)
     if plan.dtype != cost.dtype:
-        raise ValueError(f"the sharding plan was searched in {plan.dtype} but the run trains in {cost.dtype}: search it "
-                         "in the precision the model trains in")
+        raise ValueError(
+            f"the sharding plan was searched in {plan.dtype} but the run trains in {cost.dtype}: search it "
+            "in the precision the model trains in"
+        )
     return plan
 
 
-def shard_plan_for_run(units: Sequence[ShardUnit], plugin: DynPluginConfig, cost: TableCostModel,
-                       lengths: Sequence[int], *, host: str, device: torch.device, model: str = "", seed: int = 0,
-                       plan: ShardPlan | str | os.PathLike | None = None) -> ShardPlan:
+def shard_plan_for_run(
+    units: Sequence[ShardUnit],
+    plugin: DynPluginConfig,
+    cost: TableCostModel,
+    lengths: Sequence[int],
+    *,
+    host: str,
+    device: torch.device,
+    model: str = "",
+    seed: int = 0,
+    plan: ShardPlan | str | os.PathLike | None = None,
+) -> ShardPlan:
     """``resolve_shard_plan`` on rank 0, the same plan on every rank (see the module docstring)."""
     import torch.distributed as dist
 
@@ -61,8 +90,9 @@ def shard_plan_for_run(units: Sequence[ShardUnit], plugin: DynPluginConfig, cost
         return resolve_shard_plan(units, plugin, cost, lengths, world=1, host=host, model=model, seed=seed, plan=plan)
     if dist.get_rank() == 0:
         try:
-            found = resolve_shard_plan(units, plugin, cost, lengths, world=dist.get_world_size(), host=host,
-                                       model=model, seed=seed, plan=plan)
+            found = resolve_shard_plan(
+                units, plugin, cost, lengths, world=dist.get_world_size(), host=host, model=model, seed=seed, plan=plan
+            )
             payload = {"plan": found.to_dict()}
         except (ValueError, FileNotFoundError) as exc:
             payload = {"error": str(exc)}

@@ -5,6 +5,7 @@ backend 'none'); :func:`encode` / :func:`decode` turn plans into bytes and back.
 backends (torch TCPStore, Redis) are imported only when opened, so importing this package
 pulls in neither torch.distributed nor a Redis client.
 """
+
 from ..config import StoreConfig  # what open_store takes
 from .base import (
     PayloadError,

@@ -7,6 +7,7 @@ When a shared secret is set (env var named by ``secret_env``), every value is st
 ``flag | payload | HMAC-SHA256(key, payload)``: the tag binds the full key, so a value
 cannot be forged, altered, or replayed under another key (say, an older step's plan).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -58,7 +59,9 @@ class PlanStore(ABC):
         """Store ``payload`` under ``key``; ``ttl_s`` overrides the configured expiry (redis only)."""
         full = self._full_key(key)
         if len(payload) > self._max_bytes:
-            raise PayloadError(f"payload for '{full}' is {len(payload)} bytes, over store.max_payload_mb ({self._max_bytes} bytes); raise it or shrink the plan")
+            raise PayloadError(
+                f"payload for '{full}' is {len(payload)} bytes, over store.max_payload_mb ({self._max_bytes} bytes); raise it or shrink the plan"
+            )
         self._put(full, self._seal(full, bytes(payload)), ttl_s)
 
     def get(self, key: str) -> bytes | None:
@@ -116,15 +119,23 @@ class PlanStore(ABC):
         elif flag == _SIGNED and self._secret is not None and len(body) >= _TAG_BYTES:
             payload, tag = body[:-_TAG_BYTES], body[-_TAG_BYTES:]
             if not hmac.compare_digest(tag, self._mac(full_key, payload)):
-                raise PayloadError(f"HMAC check failed for '{full_key}' on {self.address}: forged, altered, or signed with another secret")
+                raise PayloadError(
+                    f"HMAC check failed for '{full_key}' on {self.address}: forged, altered, or signed with another secret"
+                )
         elif flag == _SIGNED and self._secret is None:
-            raise PayloadError(f"'{full_key}' on {self.address} is signed but this process has no secret: set the store.secret_env variable on every rank")
+            raise PayloadError(
+                f"'{full_key}' on {self.address} is signed but this process has no secret: set the store.secret_env variable on every rank"
+            )
         elif flag == _UNSIGNED:
-            raise PayloadError(f"'{full_key}' on {self.address} is not signed but this process requires signatures: set the same secret on every rank and planner")
+            raise PayloadError(
+                f"'{full_key}' on {self.address} is not signed but this process requires signatures: set the same secret on every rank and planner"
+            )
         else:
             raise PayloadError(f"'{full_key}' on {self.address} was not written by a dyn-plugin PlanStore")
         if len(payload) > self._max_bytes:
-            raise PayloadError(f"'{full_key}' on {self.address} holds {len(payload)} bytes, over store.max_payload_mb ({self._max_bytes} bytes)")
+            raise PayloadError(
+                f"'{full_key}' on {self.address} holds {len(payload)} bytes, over store.max_payload_mb ({self._max_bytes} bytes)"
+            )
         return payload
 
     @abstractmethod

@@ -6,6 +6,7 @@ torch.distributed nor a Redis client. A backend's class opens with
 ``open(config, *, rank, world_size, secret)``. The config's ``store.backend`` names are checked
 against ``BACKENDS`` (tests/test_config.py).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -35,8 +36,10 @@ def open_store(config: StoreConfig, *, rank: int, world_size: int) -> PlanStore 
     if where is None:
         return None
     if config.namespace is None:
-        raise StoreError("store.namespace is not set: give each training run its own id (e.g. the job id) so runs "
-                         "sharing a server never mix plans")
+        raise StoreError(
+            "store.namespace is not set: give each training run its own id (e.g. the job id) so runs "
+            "sharing a server never mix plans"
+        )
     secret = read_secret(config)
     module, _, name = where.partition(":")
     store_class = getattr(importlib.import_module(module, __package__), name)

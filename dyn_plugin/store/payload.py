@@ -13,6 +13,7 @@ Pickle is out because a payload comes from another process over a network: decod
 must not be able to run code. The tag covers every byte before it, so a signed payload
 cannot be altered or have its signed flag cleared without the secret.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -75,7 +76,9 @@ def encode(
         if array.dtype.name not in DTYPES:
             raise PayloadError(f"array {name!r} has dtype {array.dtype}; allowed: {', '.join(sorted(DTYPES))}")
         raw = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
-        table.append({"name": name, "dtype": array.dtype.name, "shape": list(array.shape), "offset": offset, "nbytes": len(raw)})
+        table.append(
+            {"name": name, "dtype": array.dtype.name, "shape": list(array.shape), "offset": offset, "nbytes": len(raw)}
+        )
         chunks += [raw, b"\0" * _pad(len(raw))]
         offset += len(raw) + _pad(len(raw))
     try:
@@ -104,20 +107,26 @@ def decode(
     and with a ``secret`` nothing is parsed until the tag has been verified.
     """
     if len(data) > max_bytes:
-        raise PayloadError(f"payload is {len(data)} bytes, over the limit of {max_bytes}; raise store.max_payload_mb if plans are this big")
+        raise PayloadError(
+            f"payload is {len(data)} bytes, over the limit of {max_bytes}; raise store.max_payload_mb if plans are this big"
+        )
     if len(data) < _PREFIX.size:
         raise PayloadError(f"payload is {len(data)} bytes, shorter than the {_PREFIX.size}-byte prefix: truncated")
     magic, version, flags, header_len = _PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise PayloadError(f"not a dyn-plugin payload: starts with {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
-        raise PayloadError(f"payload format version {version}, this dyn-plugin reads {VERSION}: run the same dyn-plugin version on every rank and planner")
+        raise PayloadError(
+            f"payload format version {version}, this dyn-plugin reads {VERSION}: run the same dyn-plugin version on every rank and planner"
+        )
     if flags & ~FLAG_SIGNED:
         raise PayloadError(f"payload has unknown flags {flags:#x}")
     body = memoryview(data)
     if flags & FLAG_SIGNED:
         if secret is None:
-            raise PayloadError("payload is signed but no secret was given to check it; give the reader the writer's secret")
+            raise PayloadError(
+                "payload is signed but no secret was given to check it; give the reader the writer's secret"
+            )
         if len(data) < _PREFIX.size + TAG_BYTES:
             raise PayloadError("signed payload is too short to hold its HMAC tag: truncated")
         body = body[:-TAG_BYTES]
@@ -128,14 +137,20 @@ def decode(
 
     header_end = _PREFIX.size + header_len
     if header_end > len(body):
-        raise PayloadError(f"header length {header_len} runs past the end of the {len(body)}-byte payload: truncated or corrupt")
+        raise PayloadError(
+            f"header length {header_len} runs past the end of the {len(body)}-byte payload: truncated or corrupt"
+        )
     try:
-        header = json.loads(bytes(body[_PREFIX.size:header_end]), parse_constant=_reject_constant)
+        header = json.loads(bytes(body[_PREFIX.size : header_end]), parse_constant=_reject_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PayloadError(f"payload header is not valid JSON: {exc}") from None
     if not isinstance(header, dict) or set(header) != {"schema", "meta", "arrays"}:
         raise PayloadError("payload header must be an object with exactly the keys schema, meta, arrays")
-    if not isinstance(header["schema"], str) or not isinstance(header["meta"], dict) or not isinstance(header["arrays"], list):
+    if (
+        not isinstance(header["schema"], str)
+        or not isinstance(header["meta"], dict)
+        or not isinstance(header["arrays"], list)
+    ):
         raise PayloadError("payload header has wrong types: schema must be a string, meta an object, arrays a list")
     if schema is not None and header["schema"] != schema:
         raise PayloadError(f"payload schema is {header['schema']!r}, expected {schema!r}")

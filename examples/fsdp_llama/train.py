@@ -9,6 +9,7 @@ into micro-batches for the memory the plan leaves; ``fsdp.train_step`` runs one 
 update is the exact token mean of its global batch). To train every sharding method side by side
 under one budget: ``dynplugin bench shard --train``.
 """
+
 import argparse
 import os
 
@@ -40,16 +41,20 @@ def main() -> None:
     docs, lengths = tokenized_corpus("code", 4096, args.data)
     dataset = [{"input_ids": ids} for ids in docs]
 
-    config = {"dyn_plugin": {
-        "cost_model": {"kind": "profile", "profile": args.profile, "dtype": "fp32"} if args.profile
-        else {"kind": "analytic", "dtype": "fp32"},
-        "microbatching": {"global_tokens": 16384, "max_seq_len": 4096},
-        "sharding": {"enabled": True, "memory_budget_mb": args.budget_mb},
-        "cluster": {"devices_per_node": dist.get_world_size(), "device": {"memory_mb": args.budget_mb}},
-    }}
+    config = {
+        "dyn_plugin": {
+            "cost_model": {"kind": "profile", "profile": args.profile, "dtype": "fp32"}
+            if args.profile
+            else {"kind": "analytic", "dtype": "fp32"},
+            "microbatching": {"global_tokens": 16384, "max_seq_len": 4096},
+            "sharding": {"enabled": True, "memory_budget_mb": args.budget_mb},
+            "cluster": {"devices_per_node": dist.get_world_size(), "device": {"memory_mb": args.budget_mb}},
+        }
+    }
     # the plugin: the model wrapped as the plan says, and a loader whose every step is a planned global batch
     model, optimizer, loader, plan = fsdp.initialize(
-        model, config, dataset, lengths, fsdp=args.fsdp, optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+        model, config, dataset, lengths, fsdp=args.fsdp, optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=1e-3)
+    )
     if dist.get_rank() == 0:
         kinds = sorted({u.choice.label for u in plan.units})
         print(f"plan: {', '.join(kinds)}; predicted peak {plan.peak_bytes / 2**20:.0f} of {args.budget_mb:.0f} MB")

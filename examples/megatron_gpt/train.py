@@ -14,6 +14,7 @@ script trains on the plugin's planned micro-batches:
 (megatron-core's wheel has no ``megatron.training``, Megatron-LM's ``pretrain_gpt.py`` driver; where
 Megatron-LM is installed, run ``pretrain_gpt.py`` through the flag in the same way.)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,16 +65,34 @@ def model_provider(args) -> GPTModel:
     config = TransformerConfig(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-        num_query_groups=args.kv_heads, ffn_hidden_size=args.ffn, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, pipeline_dtype=torch.float32, bias_activation_fusion=False,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_query_groups=args.kv_heads,
+        ffn_hidden_size=args.ffn,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+        bias_activation_fusion=False,
         recompute_granularity="full" if args.recompute else None,
-        recompute_method="uniform" if args.recompute else None, recompute_num_layers=1 if args.recompute else None)
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                    vocab_size=args.vocab, max_sequence_length=args.seq_length, position_embedding_type="rope",
-                    pre_process=parallel_state.is_pipeline_first_stage(),
-                    post_process=parallel_state.is_pipeline_last_stage(), share_embeddings_and_output_weights=False)
+        recompute_method="uniform" if args.recompute else None,
+        recompute_num_layers=1 if args.recompute else None,
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=args.vocab,
+        max_sequence_length=args.seq_length,
+        position_embedding_type="rope",
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+    )
 
 
 def write_documents(prefix: str, vocab: int, max_len: int) -> None:
@@ -91,10 +110,18 @@ def write_documents(prefix: str, vocab: int, max_len: int) -> None:
 
 def datasets(args):
     prefix = os.path.join(args.data, "code")
-    config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length, blend=([prefix], None),
-                              split="100,0,0", tokenizer=Tokenizer(args.vocab), reset_position_ids=False,
-                              reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
-                              path_to_cache=os.path.join(args.data, "cache"))
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=([prefix], None),
+        split="100,0,0",
+        tokenizer=Tokenizer(args.vocab),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        path_to_cache=os.path.join(args.data, "cache"),
+    )
     samples = args.steps * args.micro_batches * dist.get_world_size()
 
     def build():
@@ -122,8 +149,9 @@ def forward_step(data_iterator, model):
     if batch.get("cu_seqlens") is not None:  # packed documents (THD), as Megatron-LM's SFT batches carry them
         cu, m = batch["cu_seqlens"].to(device), int(batch["max_seqlen"])
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m, max_seqlen_kv=m)
-    output = model(tokens, batch["position_ids"].to(device), batch.get("attention_mask"), labels=labels,
-                   packed_seq_params=packed)
+    output = model(
+        tokens, batch["position_ids"].to(device), batch.get("attention_mask"), labels=labels, packed_seq_params=packed
+    )
     return output, partial(loss_func, loss_mask)
 
 
@@ -162,15 +190,30 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = model_provider(args).to(device)
     config = model.config
-    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                        use_distributed_optimizer=False)
+    ddp = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+    )
     model = DistributedDataParallel(config=config, ddp_config=ddp, module=model)
     config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer=args.optimizer, lr=args.lr, weight_decay=0.0,
-                                                       clip_grad=0.0, use_distributed_optimizer=False), [model])
-    scheduler = OptimizerParamScheduler(optimizer, init_lr=args.lr, max_lr=args.lr, min_lr=0.0, lr_warmup_steps=0,
-                                        lr_decay_steps=10**9, lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
-                                        wd_incr_steps=1, wd_incr_style="constant")
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer=args.optimizer, lr=args.lr, weight_decay=0.0, clip_grad=0.0, use_distributed_optimizer=False
+        ),
+        [model],
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr,
+        max_lr=args.lr,
+        min_lr=0.0,
+        lr_warmup_steps=0,
+        lr_decay_steps=10**9,
+        lr_decay_style="constant",
+        start_wd=0.0,
+        end_wd=0.0,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
     train = datasets(args)
     start = 0
     if args.load:
@@ -187,9 +230,15 @@ def main() -> None:
         model.zero_grad_buffer()
         optimizer.zero_grad()
         t0 = time.perf_counter()
-        losses = forward_backward(forward_step_func=forward_step, data_iterator=iterator, model=model,
-                                  num_microbatches=args.micro_batches, seq_length=args.seq_length,
-                                  micro_batch_size=1, forward_only=False)
+        losses = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iterator,
+            model=model,
+            num_microbatches=args.micro_batches,
+            seq_length=args.seq_length,
+            micro_batch_size=1,
+            forward_only=False,
+        )
         optimizer.step()
         scheduler.step(increment=args.micro_batches * dist.get_world_size() // args.pp // args.tp)
         total = torch.zeros(2, dtype=torch.float64, device=device)
@@ -198,11 +247,24 @@ def main() -> None:
         dist.all_reduce(total)
         ms = (time.perf_counter() - t0) * 1e3
         if dist.get_rank() == 0:
-            print(f" iteration {it + 1:>4}/{args.steps} | lm loss {float(total[0] / total[1]):.4f} | scored tokens "
-                  f"{int(total[1]):>6} | samples consumed {scheduler.num_steps:>6} | step {ms:8.1f} ms", flush=True)
+            print(
+                f" iteration {it + 1:>4}/{args.steps} | lm loss {float(total[0] / total[1]):.4f} | scored tokens "
+                f"{int(total[1]):>6} | samples consumed {scheduler.num_steps:>6} | step {ms:8.1f} ms",
+                flush=True,
+            )
         if log:
-            log.write(json.dumps({"step": it, "loss": float(total[0] / total[1]), "tokens": int(total[1]),
-                                  "step_ms": ms, "samples_seen": scheduler.num_steps}) + "\n")
+            log.write(
+                json.dumps(
+                    {
+                        "step": it,
+                        "loss": float(total[0] / total[1]),
+                        "tokens": int(total[1]),
+                        "step_ms": ms,
+                        "samples_seen": scheduler.num_steps,
+                    }
+                )
+                + "\n"
+            )
             log.flush()
     if args.save:
         os.makedirs(args.save, exist_ok=True)
