@@ -52,12 +52,30 @@ def _offsets(params: PackedSeqParams, kind: str) -> tuple[list[int], list[int]]:
     padded = getattr(params, f"cu_seqlens_{kind}_padded")
     if real is None:
         raise ValueError(f"packed THD attention needs PackedSeqParams.cu_seqlens_{kind}")
-    real = real.tolist()
-    starts = padded.tolist() if padded is not None else real
+    real = _bounds(real, f"cu_seqlens_{kind}")
+    starts = _bounds(padded, f"cu_seqlens_{kind}_padded") if padded is not None else real
     if len(starts) != len(real):
         raise ValueError(f"cu_seqlens_{kind} and cu_seqlens_{kind}_padded describe different numbers of documents")
     lengths = [b - a for a, b in zip(real[:-1], real[1:])]
     return starts[:-1], lengths
+
+
+def _bounds(cu: Tensor, name: str) -> list[int]:
+    """The document boundaries of one packed row: ``[n + 1]``, or ``[1, n + 1]`` as Megatron-LM's
+    packed batches carry them (micro-batch size 1: ``get_batch_on_this_tp_rank`` asserts it, and
+    ``get_thd_batch_on_this_cp_rank`` passes the tensor on unsqueezed). Any other shape is refused:
+    read as a list of rows it would describe no document, and the attention would be all zeros."""
+    if cu.dim() == 2 and cu.size(0) == 1:
+        cu = cu[0]
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(
+            f"PackedSeqParams.{name} must be the boundaries of one packed row, shaped [n + 1] or [1, n + 1] "
+            f"(n documents, n >= 1), got shape {tuple(cu.shape)}"
+        )
+    bounds = [int(b) for b in cu.tolist()]
+    if bounds[0] != 0 or any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(f"PackedSeqParams.{name} must start at 0 and never decrease, got {bounds}")
+    return bounds
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -90,6 +108,14 @@ class PackedDotProductAttention(DotProductAttention):
         kv_starts, kv_lengths = _offsets(packed_seq_params, "kv")
         if len(q_lengths) != len(kv_lengths):
             raise ValueError("cu_seqlens_q and cu_seqlens_kv describe different numbers of documents")
+        end = q_starts[-1] + q_lengths[-1]
+        if end > query.size(0) or kv_starts[-1] + kv_lengths[-1] > key.size(0):
+            raise ValueError(
+                f"cu_seqlens describe {end} tokens but the packed row holds {query.size(0)} queries and "
+                f"{key.size(0)} keys"
+            )
+        if sum(q_lengths) == 0 and query.size(0) > 0:
+            raise ValueError(f"cu_seqlens describe no token of the packed row of {query.size(0)} tokens")
         pieces, cursor = [], 0
         for qs, ql, ks, kl in zip(q_starts, q_lengths, kv_starts, kv_lengths):
             if ql == 0:

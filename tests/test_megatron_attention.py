@@ -222,3 +222,70 @@ def test_core_attention_matches_sdpa_per_document(megatron: None) -> None:
         context = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=0.2)  # 0.2 = (0.2 / 3) * 3
         expected[start : start + n] = context.transpose(0, 1)
     assert (out - expected.reshape(t, -1)).abs().max().item() < 1e-5
+
+
+def _per_document(q, k, v, lengths, scale):
+    """Causal SDPA of each document alone (GQA heads repeated), as a ``[t, heads * hn]`` row."""
+    out, start = [], 0
+    for n in lengths:
+        qd, kd, vd = (x[start : start + n].transpose(0, 1) for x in (q, k, v))
+        rep = qd.size(0) // kd.size(0)
+        kd, vd = kd.repeat_interleave(rep, dim=0), vd.repeat_interleave(rep, dim=0)
+        out.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale).transpose(0, 1))
+        start += n
+    return torch.cat(out).reshape(start, -1)
+
+
+def _attention_and_inputs(lengths):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    attn = PackedDotProductAttention(
+        _config(), layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self", softmax_scale=0.25
+    )
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(sum(lengths), heads, 16, generator=g) for heads in (4, 2, 2))
+    return attn, q, k, v
+
+
+def test_megatron_lm_cu_seqlens_shape_attends_per_document(megatron: None) -> None:
+    """Megatron-LM's packed batches carry ``cu_seqlens`` as ``[1, n + 1]`` int32 and its
+    ``get_thd_batch_on_this_cp_rank`` passes it on as it is: each document must still attend alone
+    (this shape once described no document and the output was silently all zeros)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lengths = [5, 9, 3]
+    attn, q, k, v = _attention_and_inputs(lengths)
+    cu = torch.tensor([[0, *torch.tensor(lengths).cumsum(0).tolist()]], dtype=torch.int32)
+    assert cu.shape == (1, len(lengths) + 1)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)
+    )
+    out = attn(q, k, v, None, packed_seq_params=params)
+    expected = _per_document(q, k, v, lengths, 0.25)
+    assert (out - expected).abs().max().item() < 1e-5
+    # not vacuous: every token's output is non-zero (the old bug returned zeros for this shape)
+    assert (out.abs().sum(-1) > 0).all()
+    # and it equals the flat [n + 1] form
+    flat = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu[0], cu_seqlens_kv=cu[0], max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)
+    )
+    assert torch.equal(out, attn(q, k, v, None, packed_seq_params=flat))
+
+
+@pytest.mark.parametrize(
+    "cu, why",
+    [
+        (torch.tensor([[0, 5, 14], [0, 3, 17]], dtype=torch.int32), "one packed row"),  # two rows
+        (torch.tensor([[0]], dtype=torch.int32), "one packed row"),  # no document
+        (torch.tensor([0, 0, 0, 0], dtype=torch.int32), "no token"),  # documents of no token
+        (torch.tensor([0, 9, 5, 17], dtype=torch.int32), "never decrease"),
+        (torch.tensor([0, 5, 14, 30], dtype=torch.int32), "holds 17 queries"),  # past the row
+    ],
+)
+def test_boundaries_that_describe_no_documents_raise_instead_of_zeros(megatron: None, cu, why) -> None:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    attn, q, k, v = _attention_and_inputs([5, 9, 3])
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9)
+    with pytest.raises(ValueError, match=why):
+        attn(q, k, v, None, packed_seq_params=params)
