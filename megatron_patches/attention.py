@@ -29,6 +29,7 @@ which ``get_gpt_layer_local_spec`` reads), so layer specs built after the patch 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -179,6 +180,30 @@ def _replace(original: Any) -> type:
     return PackedDotProductAttention
 
 
+THD_BATCH = "megatron.core.utils.get_thd_batch_on_this_cp_rank"
+
+
+def _row(cu: Optional[Tensor]) -> Optional[Tensor]:
+    return cu[0] if cu is not None and cu.dim() == 2 and cu.size(0) == 1 else cu
+
+
+def _thd_batch(original: Any) -> Any:
+    """Megatron-LM's ``get_batch`` hands its packed batch's ``cu_seqlens`` (``[1, n + 1]``) to
+    ``get_thd_batch_on_this_cp_rank``, which puts it into ``PackedSeqParams`` as it is; megatron-core's
+    THD consumers (RoPE's ``_apply_rotary_pos_emb_thd``, TransformerEngine) read ``[n + 1]``, so the row
+    is taken out of the batch dimension first."""
+
+    @functools.wraps(original)
+    def get_thd_batch_on_this_cp_rank(batch, cu_seqlens, cu_seqlens_padded, max_seqlen, *args, **kwargs):
+        return original(batch, _row(cu_seqlens), _row(cu_seqlens_padded), max_seqlen, *args, **kwargs)
+
+    return get_thd_batch_on_this_cp_rank
+
+
 def attention_patches() -> list[Patch]:
-    """The patch making ``DotProductAttention`` (and the local layer specs using it) accept THD input."""
-    return [Patch("attention.packed_thd", TARGET, _replace, aliases=True)]
+    """The patch making ``DotProductAttention`` (and the local layer specs using it) accept THD input,
+    and Megatron-LM's packed batch boundaries given to it as one row."""
+    return [
+        Patch("attention.packed_thd", TARGET, _replace, aliases=True),
+        Patch("attention.thd_batch", THD_BATCH, _thd_batch),
+    ]

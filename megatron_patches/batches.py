@@ -1,10 +1,14 @@
 """A planned micro-batch as the batch dict Megatron's forward step reads.
 
 Keys follow megatron-core's ``GPTDataset``: ``tokens``, ``labels`` (the next token), ``loss_mask``
-(1 where a label is scored) and ``position_ids``; ``attention_mask`` is None (causal; right padding
-leaves real tokens untouched). Packed micro-batches are one THD row with the document boundaries
-as Megatron-LM's packed (SFT) batches carry them: ``cu_seqlens`` and ``max_seqlen``;
-:func:`packed_seq_params` turns them into the ``PackedSeqParams`` ``GPTModel`` takes.
+(1 where a label is scored) and ``position_ids``. A key that has no value is absent, never None:
+Megatron-LM's ``get_batch_on_this_tp_rank`` moves every present key to the device (``.cuda()``)
+and reads an absent one as None, so there is no ``attention_mask`` (causal; right padding leaves
+real tokens untouched) and a stage that loads nothing has no ``tokens``, ``labels`` or
+``loss_mask``. Packed micro-batches are one THD row with the document boundaries as Megatron-LM's
+packed batches carry them: ``cu_seqlens`` int32 shaped ``[1, n + 1]`` (micro-batch size 1) and
+``max_seqlen`` a 1-D tensor ``[longest]``; Megatron-LM's ``get_thd_batch_on_this_cp_rank`` builds
+the ``PackedSeqParams`` from them, and :func:`packed_seq_params` does the same for a loop of one's own.
 
 The plugin's collated micro-batches hold HF-style labels (unshifted, -100 where not scored, i.e.
 at each document's first token and on padding); shifting them left by one gives Megatron's: the
@@ -30,25 +34,23 @@ def megatron_batch(desc: PlannedMicroBatch, loaded: dict[str, torch.Tensor] | No
     """The batch dict of the micro-batch ``desc`` (a plan's description); ``loaded``: its tensors
     from the plugin's loader, None on a stage that loads nothing."""
     layout = desc.layout
-    batch: dict[str, Any] = {"attention_mask": None, "tokens": None, "labels": None, "loss_mask": None}
+    batch: dict[str, Any] = {}
     if loaded is not None:
         tokens = loaded["input_ids"]
         hf = loaded["labels"]
         labels = torch.full_like(hf, IGNORE)
         labels[:, :-1] = hf[:, 1:]
         mask = labels != IGNORE
-        batch.update(
-            tokens=tokens,
-            labels=labels.masked_fill(~mask, 0),
-            loss_mask=mask.float(),
-            position_ids=loaded["position_ids"] if "position_ids" in loaded else None,
-        )
-    if batch.get("position_ids") is None:
+        batch.update(tokens=tokens, labels=labels.masked_fill(~mask, 0), loss_mask=mask.float())
+        if loaded.get("position_ids") is not None:
+            batch["position_ids"] = loaded["position_ids"]
+    if "position_ids" not in batch:
         batch["position_ids"] = position_ids(desc.seq_lens, layout, desc.shape)
     if layout == "packed":
         lens = list(desc.seq_lens)  # the row is exactly its documents (no padding document: sp is 1)
-        batch["cu_seqlens"] = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-        batch["max_seqlen"] = max(lens)
+        bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
+        batch["cu_seqlens"] = torch.tensor([bounds], dtype=torch.int32)  # [1, n + 1]
+        batch["max_seqlen"] = torch.tensor([max(lens)], dtype=torch.int32)
     return batch
 
 
@@ -58,5 +60,5 @@ def packed_seq_params(batch: dict[str, Any]):
         return None
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu, m = batch["cu_seqlens"], int(batch["max_seqlen"])
+    cu, m = batch["cu_seqlens"].reshape(-1), int(batch["max_seqlen"].reshape(-1)[0])
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m, max_seqlen_kv=m)

@@ -4,6 +4,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
+import torch  # noqa: E402
+
 import megatron_patches  # noqa: E402
 from dyn_plugin.config import ConfigError  # noqa: E402
 from dyn_plugin.plan.instructions import PlannedMicroBatch  # noqa: E402
@@ -35,15 +37,24 @@ def test_the_loss_mask_scores_exactly_the_planned_tokens(layout, shape):
     # every scored label is the next token of the same document
     assert (labels[:, :-1][mask[:, :-1]] == tokens[:, 1:][mask[:, :-1]]).all() and not mask[:, -1].any()
     if layout == "packed":
-        bounds = batch["cu_seqlens"].tolist()
+        # Megatron-LM's packed contract: cu_seqlens int32 [1, n + 1] (micro-batch size 1), max_seqlen 1-D
+        cu = batch["cu_seqlens"]
+        assert cu.dtype == torch.int32 and cu.dim() == 2 and cu.size(0) == 1 and tokens.size(0) == 1
+        assert batch["max_seqlen"].dim() == 1 and batch["max_seqlen"].tolist() == [max(seq_lens)]
+        bounds = cu[0].tolist()
         assert bounds[:4] == [0, 5, 14, 17] and bounds[-1] == shape[1]
-        assert packed_seq_params(batch).qkv_format == "thd"
+        params = packed_seq_params(batch)
+        assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == bounds and params.max_seqlen_q == 9
         # a stage that loads nothing rebuilds the same metadata from the plan alone
         bare = megatron_batch(desc, None)
-        assert bare["tokens"] is None and bare["cu_seqlens"].tolist() == bounds
+        assert torch.equal(bare["cu_seqlens"], cu)
+        assert not {"tokens", "labels", "loss_mask"} & set(bare)
         assert (bare["position_ids"] == batch["position_ids"]).all()
     else:
         assert packed_seq_params(batch) is None
+    # absent keys are absent, never None: Megatron-LM's get_batch_on_this_tp_rank calls .cuda() on every present key
+    assert "attention_mask" not in batch and all(v is not None for v in batch.values())
+    assert all(v is not None for v in megatron_batch(desc, None).values())
 
 
 @pytest.fixture
@@ -90,3 +101,14 @@ def test_configuring_the_same_file_twice_keeps_the_run(tmp_path):
         assert runtime.configure(cfg) is first  # the launcher, then Megatron-LM's --dyn-plugin-config
     finally:
         runtime.RUN = None
+
+
+def test_megatron_lm_packed_boundaries_reach_packed_seq_params_as_one_row(patched):
+    """Megatron-LM's get_batch hands cu_seqlens [1, n + 1] to get_thd_batch_on_this_cp_rank; the
+    PackedSeqParams it builds must hold [n + 1], what RoPE's THD path and the attention read."""
+    from megatron.core import utils
+
+    cu = torch.tensor([[0, 5, 14, 17]], dtype=torch.int32)
+    batch, params = utils.get_thd_batch_on_this_cp_rank({}, cu, None, torch.tensor([9]), cp_size=1, cp_rank=0)
+    assert params.cu_seqlens_q.tolist() == [0, 5, 14, 17] and params.cu_seqlens_kv.tolist() == [0, 5, 14, 17]
+    assert params.max_seqlen_q == 9

@@ -147,7 +147,8 @@ def forward_step(data_iterator, model):
     loss_mask = batch["loss_mask"].to(device) if last else None
     packed = None
     if batch.get("cu_seqlens") is not None:  # packed documents (THD), as Megatron-LM's SFT batches carry them
-        cu, m = batch["cu_seqlens"].to(device), int(batch["max_seqlen"])
+        # Megatron-LM's shapes: cu_seqlens [1, n + 1] (micro-batch size 1), max_seqlen [1]; THD wants [n + 1]
+        cu, m = batch["cu_seqlens"].reshape(-1).to(device), int(batch["max_seqlen"][0])
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m, max_seqlen_kv=m)
     output = model(
         tokens, batch["position_ids"].to(device), batch.get("attention_mask"), labels=labels, packed_seq_params=packed
