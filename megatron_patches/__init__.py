@@ -66,7 +66,9 @@ def apply(config: str | os.PathLike | Mapping[str, Any] | None = None, *, seed: 
     """Apply every patch (again: a no-op) and, with ``config`` (or ``$DYN_PLUGIN_CONFIG``), make
     it this process's run. Returns the patches applied by this call."""
     from . import runtime
+    from .cpu import stub_triton_kernels
 
+    stub_triton_kernels()
     done = registry().apply()
     if config is not None or os.environ.get(runtime.ENV):
         runtime.configure(config, seed=seed)

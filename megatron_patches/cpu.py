@@ -4,11 +4,20 @@ Applied only where CUDA is absent, so the same code runs on GPUs untouched: the 
 is the CPU, the "CUDA" RNG state Megatron forks for tensor-parallel dropout and initialisation is
 the CPU generator's, the buffers a few modules allocate on "cuda" by name are allocated on the CPU,
 and ``torch.cuda.synchronize`` (p2p shape exchange) is a no-op.
+
+Where triton is not installed (CPU builds of torch), ``stub_triton_kernels`` stands in for the one
+megatron-core module Megatron-LM's ``megatron.training.initialize`` imports that needs triton at
+import time (``batch_invariant_kernels``): its functions are there, and enabling the mode (Megatron-LM's
+``--batch-invariant-mode``, GPU only) raises. A stub ``triton`` package on the path instead would be
+found by torch itself (``torch._dynamo`` checks for triton), so the module is stubbed, not triton.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.util
+import sys
 import types
 
 import torch
@@ -60,35 +69,176 @@ def _cpu_torch(module: types.ModuleType) -> types.ModuleType:
 
 # modules that allocate on device="cuda" by name: the schedules' token counter, the optimizer's
 # loss-scale and overflow buffers, the gradient norm (and its local fallback for apex's kernel)
-_CUDA_BY_NAME = ("pipeline_parallel.schedules", "optimizer.optimizer", "optimizer.clip_grads", "utils")
+_CUDA_BY_NAME = (
+    "pipeline_parallel.schedules",
+    "optimizer.optimizer",
+    "optimizer.clip_grads",
+    "utils",
+    "rerun_state_machine",
+)
+
+
+BATCH_INVARIANT = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+
+
+def stub_triton_kernels() -> bool:
+    """Put a stand-in for ``batch_invariant_kernels`` in ``sys.modules`` where triton is missing;
+    returns whether it did."""
+    if BATCH_INVARIANT in sys.modules or importlib.util.find_spec("triton") is not None:
+        return False
+    stub = types.ModuleType(BATCH_INVARIANT, "stand-in of dyn_plugin (megatron_patches.cpu): triton is not installed")
+
+    def enable_batch_invariant_mode(*_args, **_kwargs):
+        raise RuntimeError("batch-invariant mode needs triton (a CUDA build of torch); it is not installed")
+
+    state = {"enabled": False}
+    stub.enable_batch_invariant_mode = enable_batch_invariant_mode
+    stub.set_batch_invariant_mode = lambda enabled=True, *a, **k: enabled and enable_batch_invariant_mode()
+    stub.disable_batch_invariant_mode = lambda *a, **k: None
+    stub.is_batch_invariant_mode_enabled = lambda: state["enabled"]
+    stub.__all__ = [
+        "set_batch_invariant_mode",
+        "is_batch_invariant_mode_enabled",
+        "disable_batch_invariant_mode",
+        "enable_batch_invariant_mode",
+    ]
+    sys.modules[BATCH_INVARIANT] = stub
+    return True
+
+
+def _tensor_cuda(_original):
+    def cuda(self, device=None, non_blocking=False, **_kwargs):
+        return self
+
+    return cuda
+
+
+def _module_cuda(_original):
+    def cuda(self, device=None):
+        return self
+
+    return cuda
+
+
+class _Stream:
+    """A CUDA stream where there is none: the work runs in order on the CPU anyway."""
+
+    def __init__(self, *_args, **_kwargs) -> None:
+        pass
+
+    def wait_stream(self, _other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _cpu_cuda(cuda_module: types.ModuleType, one_device: bool) -> types.ModuleType:
+    cuda = types.ModuleType("torch.cuda")
+    cuda.__dict__.update(cuda_module.__dict__)
+    cuda.Stream = _Stream
+    cuda.stream = lambda *_a, **_k: contextlib.nullcontext()
+    cuda.current_stream = lambda *_a, **_k: _Stream()
+    cuda.empty_cache = lambda: None
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(cuda, name, lambda *_a, **_k: 0)
+    if one_device:
+        cuda.is_available = lambda: True
+        cuda.device_count = lambda: 1
+        cuda.set_device = lambda *_a, **_k: None
+    return cuda
+
+
+def _cpu_torch_training(module: types.ModuleType) -> types.ModuleType:
+    """``torch`` as Megatron-LM's training loop sees it: tensors made on "cuda" are made on the CPU,
+    and its streams (``get_model`` wraps DDP in a side stream) and memory counters are stand-ins."""
+    shim = _cpu_torch(module)
+    shim.cuda = _cpu_cuda(module.cuda, one_device=False)
+    return shim
+
+
+def _cpu_torch_one_device(module: types.ModuleType) -> types.ModuleType:
+    """``torch`` as Megatron-LM's ``initialize`` sees it: one "CUDA" device, the CPU. It asserts CUDA
+    is there, and initialises the model-parallel groups and seeds the tensor-parallel RNG tracker only
+    where ``torch.cuda.device_count() > 0``."""
+    shim = _cpu_torch(module)
+    shim.cuda = _cpu_cuda(module.cuda, one_device=True)
+    return shim
+
+
+# Megatron-LM's modules that do the same: its loop's counters and flags, its loss and norm reductions
+_TRAINING_CUDA_BY_NAME = ("training", "utils")
 
 
 def cpu_patches() -> list[Patch]:
     core = "megatron.core"
-    return [
-        Patch("cpu.current_device", "torch.cuda.current_device", lambda _: _cpu_device, when=_no_cuda),
-        Patch("cpu.synchronize", "torch.cuda.synchronize", lambda _: lambda *a, **k: None, when=_no_cuda),
-        Patch("cpu.get_rng_state", "torch.cuda.get_rng_state", lambda _: _get_rng_state, when=_no_cuda),
-        Patch("cpu.set_rng_state", "torch.cuda.set_rng_state", lambda _: _set_rng_state, when=_no_cuda),
-        Patch("cpu.manual_seed", "torch.cuda.manual_seed", lambda _: _manual_seed, when=_no_cuda),
-        Patch(
-            "cpu.megatron_get_rng_state",
-            f"{core}.tensor_parallel.random._get_cuda_rng_state",
-            lambda _: _get_rng_state,
-            when=_no_cuda,
-        ),
-        Patch(
-            "cpu.megatron_set_rng_state",
-            f"{core}.tensor_parallel.random._set_cuda_rng_state",
-            lambda _: _set_rng_state,
-            when=_no_cuda,
-        ),
-        Patch(
-            "cpu.causal_mask",
-            f"{core}.transformer.utils.get_default_causal_mask",
-            lambda _: _causal_mask,
-            when=_no_cuda,
-        ),
-    ] + [
-        Patch(f"cpu.torch_in.{m}", f"{core}.{m}.torch", _cpu_torch, when=_no_cuda, aliases=False) for m in _CUDA_BY_NAME
-    ]
+    training = "megatron.training"
+    return (
+        [
+            # Megatron-LM's training loop moves its model, batches and counters with .cuda(): on the CPU they stay
+            Patch("cpu.tensor_cuda", "torch.Tensor.cuda", _tensor_cuda, when=_no_cuda),
+            Patch("cpu.module_cuda", "torch.nn.Module.cuda", _module_cuda, when=_no_cuda),
+            Patch(
+                "cpu.torch_in.training.initialize",
+                f"{training}.initialize.torch",
+                _cpu_torch_one_device,
+                when=_no_cuda,
+                optional=True,
+                aliases=False,
+            ),
+            Patch(
+                # Megatron-LM's initialize "loads" its legacy fused kernels unconditionally: it runs nvcc -V
+                "cpu.fused_kernels",
+                "megatron.legacy.fused_kernels.load",
+                lambda _: lambda *a, **k: None,
+                when=_no_cuda,
+                optional=True,
+            ),
+            Patch(
+                # it runs the bias-activation fusions on device="cuda" tensors once, to warm up their JIT
+                "cpu.warmup_jit",
+                f"{training}.initialize._warmup_jit_function",
+                lambda _: lambda *a, **k: None,
+                when=_no_cuda,
+                optional=True,
+            ),
+            Patch("cpu.current_device", "torch.cuda.current_device", lambda _: _cpu_device, when=_no_cuda),
+            Patch("cpu.synchronize", "torch.cuda.synchronize", lambda _: lambda *a, **k: None, when=_no_cuda),
+            Patch("cpu.get_rng_state", "torch.cuda.get_rng_state", lambda _: _get_rng_state, when=_no_cuda),
+            Patch("cpu.set_rng_state", "torch.cuda.set_rng_state", lambda _: _set_rng_state, when=_no_cuda),
+            Patch("cpu.manual_seed", "torch.cuda.manual_seed", lambda _: _manual_seed, when=_no_cuda),
+            Patch(
+                "cpu.megatron_get_rng_state",
+                f"{core}.tensor_parallel.random._get_cuda_rng_state",
+                lambda _: _get_rng_state,
+                when=_no_cuda,
+            ),
+            Patch(
+                "cpu.megatron_set_rng_state",
+                f"{core}.tensor_parallel.random._set_cuda_rng_state",
+                lambda _: _set_rng_state,
+                when=_no_cuda,
+            ),
+            Patch(
+                "cpu.causal_mask",
+                f"{core}.transformer.utils.get_default_causal_mask",
+                lambda _: _causal_mask,
+                when=_no_cuda,
+            ),
+        ]
+        + [
+            Patch(f"cpu.torch_in.{m}", f"{core}.{m}.torch", _cpu_torch, when=_no_cuda, aliases=False)
+            for m in _CUDA_BY_NAME
+        ]
+        + [
+            Patch(
+                f"cpu.torch_in.training.{m}",
+                f"{training}.{m}.torch",
+                _cpu_torch_training,
+                when=_no_cuda,
+                aliases=False,
+                optional=True,
+            )
+            for m in _TRAINING_CUDA_BY_NAME
+        ]
+    )

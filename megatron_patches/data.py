@@ -61,11 +61,35 @@ def _build(original: Callable) -> Callable:
     return build
 
 
+def _helpers_built() -> bool:
+    """Whether megatron-core's dataset helpers come compiled (the wheel ships ``helpers_cpp``)."""
+    import importlib.util
+
+    return importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None
+
+
+def _compile_helpers(original: Callable) -> Callable:
+    """Megatron-LM's ``initialize`` compiles the helpers with ``make`` in megatron-core's datasets
+    folder; the wheel ships them built and no Makefile, so ``make`` fails and Megatron exits."""
+
+    @functools.wraps(original)
+    def compile_helpers() -> None:
+        logger.debug("megatron-core's dataset helpers are built (helpers_cpp): not compiling them")
+
+    return compile_helpers
+
+
 def data_patches() -> list[Patch]:
     return [
+        Patch(
+            "data.compile_helpers",
+            "megatron.core.datasets.utils.compile_helpers",
+            _compile_helpers,
+            when=_helpers_built,
+        ),
         Patch(
             "data.dataset_builder",
             "megatron.core.datasets.blended_megatron_dataset_builder.BlendedMegatronDatasetBuilder.build",
             _build,
-        )
+        ),
     ]

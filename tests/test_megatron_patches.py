@@ -174,7 +174,8 @@ def test_the_cpu_patches_apply_and_revert_on_the_real_packages():
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as tp_random
 
-    from megatron_patches.cpu import cpu_patches
+    from megatron_patches.cpu import cpu_patches, stub_triton_kernels
+    from megatron_patches.launch import megatron_lm_installed
 
     if getattr(torch.cuda.current_device, MARKER, None):
         pytest.skip("the CPU shims were applied earlier in this process")
@@ -188,8 +189,13 @@ def test_the_cpu_patches_apply_and_revert_on_the_real_packages():
     registry = Registry()
     for p in cpu_patches():
         registry.register(p)
+    stub_triton_kernels()  # as megatron_patches.apply does: megatron.training imports a triton module
+    tensor_cuda, module_cuda = torch.Tensor.cuda, torch.nn.Module.cuda
     applied = registry.apply()
-    assert len(applied) == len(cpu_patches()) and registry.apply() == []
+    # the shims of Megatron-LM's own modules are optional: applied where megatron.training is importable
+    expected = [p.name for p in cpu_patches() if not p.optional or megatron_lm_installed()]
+    assert applied == expected and registry.apply() == []
+    assert torch.ones(2).cuda().device.type == "cpu" and torch.nn.Linear(2, 2).cuda().weight.device.type == "cpu"
     assert torch.cuda.current_device() == "cpu"
     assert schedules.torch is not torch and schedules.torch.zeros(2, device="cuda").device.type == "cpu"
     assert isinstance(tp_random._get_cuda_rng_state(), torch.Tensor)
@@ -197,6 +203,7 @@ def test_the_cpu_patches_apply_and_revert_on_the_real_packages():
     assert registry.revert() == applied[::-1]
     assert {name: getattr(torch.cuda, name) for name in originals} == originals
     assert schedules.torch is torch and tp_random._get_cuda_rng_state is rng
+    assert torch.Tensor.cuda is tensor_cuda and torch.nn.Module.cuda is module_cuda
 
 
 # --------------------------------------------------------------------------- Megatron-LM's arguments
