@@ -21,6 +21,8 @@ import functools
 import logging
 from typing import Any, Callable
 
+from dyn_plugin.config import ConfigError
+
 from .registry import Patch
 
 logger = logging.getLogger(__name__)
@@ -87,11 +89,31 @@ def _wrap_parse_args(original: Callable[..., Any]) -> Callable[..., Any]:
     return parse_args
 
 
+def check_seq_length(args: Any) -> None:
+    """Refuse, at start, a plan whose rows may be longer than Megatron-LM's ``--seq-length``: the
+    model is built for that many positions (``--max-position-embeddings`` >= ``--seq-length``, which
+    Megatron-LM checks), and a longer row fails deep in the model instead (an IndexError)."""
+    from megatron_patches import runtime
+
+    run, seq = runtime.RUN, getattr(args, "seq_length", None)
+    if run is None or seq is None:
+        return
+    longest = run.config.plugin.microbatching.max_seq_len
+    if longest > seq:
+        raise ConfigError(
+            f"dyn_plugin.microbatching.max_seq_len = {longest} exceeds Megatron's --seq-length {seq}: the plugin's "
+            f"micro-batches hold rows of up to {longest} tokens (a document, or a packed row of documents) and the "
+            f"model is built for {seq} positions; raise --seq-length (and --max-position-embeddings) to at least "
+            f"{longest}, or lower max_seq_len to {seq} (with microbatching.truncate = true to cut longer documents)"
+        )
+
+
 def _wrap_validate_args(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def validate_args(args: Any, *rest: Any, **kwargs: Any):
         result = original(args, *rest, **kwargs)
         force_settings(args if result is None else result)
+        check_seq_length(args if result is None else result)
         return result
 
     return validate_args

@@ -199,6 +199,14 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
         )
         plugin = plugin.model_copy(update={"pipeline": plugin.pipeline.model_copy(update={"schedule": "1f1b"})})
     chunk = unwrap(model)
+    positions = getattr(chunk, "max_sequence_length", None)
+    if positions is not None and plugin.microbatching.max_seq_len > positions:
+        raise ConfigError(
+            f"dyn_plugin.microbatching.max_seq_len = {plugin.microbatching.max_seq_len} exceeds the model's "
+            f"max_sequence_length {positions} (Megatron-LM's --seq-length / --max-position-embeddings): rows of up "
+            f"to max_seq_len tokens would fail inside the model; build the model for at least that many positions, "
+            f"or lower max_seq_len (with microbatching.truncate = true to cut longer documents)"
+        )
     cm = plugin.cost_model
     dtype = _dtype(chunk)
     if "dtype" in cm.model_fields_set and cm.dtype != dtype:

@@ -120,3 +120,14 @@ def test_pretrain_gpt_trains_on_planned_micro_batches(tmp_path, method, layout):
         assert max(s["most_documents"] for s in stats) > 1, stats  # rows really held several documents
     else:
         assert all(s["packed"] == 0 for s in stats), stats
+
+
+def test_a_plan_longer_than_seq_length_is_refused_at_start_naming_the_flag(tmp_path):
+    """Rows of up to microbatching.max_seq_len tokens in a model built for --seq-length positions:
+    refused when the arguments are validated, naming --seq-length. Before, such rows reached the
+    model (issue 22: an IndexError deep inside it; with this RoPE model they silently trained on
+    rows longer than --seq-length)."""
+    code, output, stats = run_pretrain_gpt(tmp_path, "dynapipe", seq=2 * SEQ, timeout=120)
+    assert code != 0
+    assert f"max_seq_len = {2 * SEQ} exceeds Megatron's --seq-length {SEQ}" in output, output[-4000:]
+    assert "IndexError" not in output and all(s["calls"] == 0 for s in stats), stats  # refused before training

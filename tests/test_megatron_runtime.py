@@ -112,3 +112,14 @@ def test_megatron_lm_packed_boundaries_reach_packed_seq_params_as_one_row(patche
     batch, params = utils.get_thd_batch_on_this_cp_rank({}, cu, None, torch.tensor([9]), cp_size=1, cp_rank=0)
     assert params.cu_seqlens_q.tolist() == [0, 5, 14, 17] and params.cu_seqlens_kv.tolist() == [0, 5, 14, 17]
     assert params.max_seqlen_q == 9
+
+
+def test_a_plan_longer_than_the_model_is_refused_naming_seq_length(patched):
+    from types import SimpleNamespace
+
+    from megatron_patches.arguments import check_seq_length
+
+    runtime.configure({"dyn_plugin": {"microbatching": {"max_seq_len": 512}}})
+    check_seq_length(SimpleNamespace(seq_length=512))  # fits
+    with pytest.raises(ConfigError, match="max_seq_len = 512 exceeds Megatron's --seq-length 256"):
+        check_seq_length(SimpleNamespace(seq_length=256))
