@@ -95,7 +95,7 @@ def check_seq_length(args: Any) -> None:
     Megatron-LM checks), and a longer row fails deep in the model instead (an IndexError)."""
     from megatron_patches import runtime
 
-    run, seq = runtime.RUN, getattr(args, "seq_length", None)
+    run, seq = getattr(runtime, "RUN", None), getattr(args, "seq_length", None)
     if run is None or seq is None:
         return
     longest = run.config.plugin.microbatching.max_seq_len
