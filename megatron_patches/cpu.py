@@ -3,7 +3,12 @@
 Applied only where CUDA is absent, so the same code runs on GPUs untouched: the current device
 is the CPU, the "CUDA" RNG state Megatron forks for tensor-parallel dropout and initialisation is
 the CPU generator's, the buffers a few modules allocate on "cuda" by name are allocated on the CPU,
-and ``torch.cuda.synchronize`` (p2p shape exchange) is a no-op.
+and ``torch.cuda.synchronize`` (p2p shape exchange) is a no-op. Megatron-LM's own loop
+(``megatron.training``, where installed) also gets: ``Tensor.cuda`` and ``Module.cuda`` leave
+tensors and models where they are; its ``initialize`` sees one "CUDA" device (it asserts CUDA, and
+builds the model-parallel groups and seeds the tensor-parallel RNG tracker only with a device);
+its loop's "cuda" tensors are made on the CPU and its side streams are stand-ins; the legacy fused
+kernels are not loaded (that runs ``nvcc -V``) and the JIT warm-up on "cuda" tensors is skipped.
 
 Where triton is not installed (CPU builds of torch), ``stub_triton_kernels`` stands in for the one
 megatron-core module Megatron-LM's ``megatron.training.initialize`` imports that needs triton at
@@ -134,8 +139,10 @@ class _Stream:
 
 
 def _cpu_cuda(cuda_module: types.ModuleType, one_device: bool) -> types.ModuleType:
+    """``torch.cuda`` with stand-ins; every other name is read from the real module when used, so the
+    other CPU patches of ``torch.cuda`` (current device, RNG state) are seen whatever their order."""
     cuda = types.ModuleType("torch.cuda")
-    cuda.__dict__.update(cuda_module.__dict__)
+    cuda.__getattr__ = lambda name: getattr(cuda_module, name)  # PEP 562: names not set here
     cuda.Stream = _Stream
     cuda.stream = lambda *_a, **_k: contextlib.nullcontext()
     cuda.current_stream = lambda *_a, **_k: _Stream()
