@@ -104,9 +104,18 @@ def losses(output: str) -> list[float]:
     return [float(x) for x in re.findall(r"lm loss: ([0-9.eE+-]+)", output)]
 
 
-@pytest.mark.parametrize("method, layout", [("fixed_padding", "padded"), ("dynapipe", "packed")])
-def test_pretrain_gpt_trains_on_planned_micro_batches(tmp_path, method, layout):
-    code, output, stats = run_pretrain_gpt(tmp_path, method)
+LAYOUTS = {"padded": "fixed_padding", "packed": "dynapipe"}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    """layout -> (return code, output, attention stats) of one run each, shared by the tests below."""
+    return {layout: run_pretrain_gpt(tmp_path_factory.mktemp(layout), method) for layout, method in LAYOUTS.items()}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pretrain_gpt_trains_on_planned_micro_batches(trained, layout):
+    code, output, stats = trained[layout]
     assert code == 0, output[-6000:]
     assert "dyn_plugin plans the" in output  # the plugin's documents, not Megatron's fixed-length samples
     loss = losses(output)
@@ -120,6 +129,15 @@ def test_pretrain_gpt_trains_on_planned_micro_batches(tmp_path, method, layout):
         assert max(s["most_documents"] for s in stats) > 1, stats  # rows really held several documents
     else:
         assert all(s["packed"] == 0 for s in stats), stats
+
+
+def test_packed_rows_train_as_the_padded_documents(trained):
+    """Same documents per global batch, same token-mean loss: packing changes the layout, not the
+    training (attention per document; a packed row attending across documents, or not at all, would
+    change the losses)."""
+    padded, packed = (losses(trained[layout][1]) for layout in LAYOUTS)
+    assert len(padded) == len(packed) == 4
+    assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(padded, packed)), (padded, packed)
 
 
 def test_a_plan_longer_than_seq_length_is_refused_at_start_naming_the_flag(tmp_path):
