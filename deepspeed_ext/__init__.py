@@ -36,7 +36,7 @@ from deepspeed_ext.checkpoint import load_checkpoint, save_checkpoint
 from deepspeed_ext.engine import initialize, skip_cpu_shm_build
 from deepspeed_ext.step import train_step
 from dyn_plugin.cost.from_config import model_shape
-from dyn_plugin.host.device import training_dtype
+from dyn_plugin.device import training_dtype
 
 __all__ = [
     "initialize",

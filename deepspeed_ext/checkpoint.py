@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
+from dyn_plugin.device import local_rank
 from dyn_plugin.host.checkpoint import read_loader_state, write_loader_state
-from dyn_plugin.host.device import local_rank
 from dyn_plugin.runtime.loader import DynLoader
 
 

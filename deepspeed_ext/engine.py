@@ -15,7 +15,7 @@ from deepspeed_ext.zero3 import merge_zero_config, zero3_settings
 from dyn_plugin.config import LoadedConfig, load_config
 from dyn_plugin.cost.from_config import live_cost_model, model_shape
 from dyn_plugin.cost.table import TableCostModel
-from dyn_plugin.host.device import collective_device, rank_device, training_dtype
+from dyn_plugin.device import rank_device, training_dtype
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.plan.shard_plan import ShardPlan
 from dyn_plugin.profiling.allocator import stable_cpu_allocator
@@ -152,7 +152,6 @@ def initialize(
         column=column,
         seed=seed,
         state_bytes=state_bytes,
-        device=collective_device(),
     )
     shape = model_shape(model) if sp.enabled else None  # a pipeline's module below has no config
     swap = contextlib.nullcontext()

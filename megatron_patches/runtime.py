@@ -148,7 +148,7 @@ def model_shape_view(model: Any) -> SimpleNamespace:
 
 def _dtype(model: Any) -> str:
     """The precision a megatron-core model trains in (its ``params_dtype``)."""
-    from dyn_plugin.host.device import dtype_name
+    from dyn_plugin.device import dtype_name
 
     return dtype_name(model.config.params_dtype) or "fp32"
 

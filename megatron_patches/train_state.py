@@ -39,8 +39,8 @@ def _lr_step(original: Callable) -> Callable:
 
 
 def save_loader_state(checkpoint_dir: str) -> None:
+    from dyn_plugin.device import local_rank
     from dyn_plugin.host.checkpoint import write_loader_state
-    from dyn_plugin.host.device import local_rank
 
     from . import runtime
 

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
+from dyn_plugin.device import DTYPE_NAMES, DTYPES, dtype_name, local_rank, training_dtype
 from dyn_plugin.host import checkpoint
-from dyn_plugin.host.device import DTYPE_NAMES, DTYPES, dtype_name, local_rank, training_dtype
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.plan.instructions import PlannedMicroBatch, build_execution_plans, plan_from_json, plan_to_json
 from dyn_plugin.plan.schedule import one_f_one_b

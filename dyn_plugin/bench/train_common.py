@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..host.device import rank_device
+from ..device import rank_device
 
 
 def common_parser(doc: str, out: str, profile_help: str, steps_help: str | None = None) -> argparse.ArgumentParser:

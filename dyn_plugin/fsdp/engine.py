@@ -22,7 +22,7 @@ from torch import nn
 from ..config import LoadedConfig, load_config
 from ..cost.from_config import live_cost_model
 from ..cost.table import TableCostModel
-from ..host.device import rank_device
+from ..device import rank_device
 from ..layout import RankLayout
 from ..models.shard_units import shard_units
 from ..plan.shard_plan import ShardPlan

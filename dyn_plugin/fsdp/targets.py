@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..host.device import DTYPE_NAMES
+from ..device import DTYPE_NAMES
 from ..models.shard_units import unit_modules
 from ..models.split_linear import split_linear
 from ..plan.shard_plan import Choice, ShardPlan

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from ..cost.profile import DeviceInfo
-from ..host.device import DTYPES
+from ..device import DTYPES
 
 # first() -> value, second(value) -> None; returns (ms of first, ms of second)
 Clock = Callable[[Callable[[], Any], Callable[[Any], None]], tuple[float, float]]

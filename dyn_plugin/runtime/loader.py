@@ -41,6 +41,7 @@ import torch
 
 from ..config import DynPluginConfig, LoadedConfig, load_config
 from ..cost.table import TableCostModel
+from ..device import collective_device
 from ..layout import RankLayout
 from ..lengths.io import cap_lengths, validate_lengths
 from ..plan.instructions import ExecutionPlan, PlannedMicroBatch
@@ -101,8 +102,8 @@ class DynLoader:
     ) -> None:
         """``layout``: the run's stages x data-parallel columns (default: one column of
         ``pipeline.stages`` stages); ``stage`` and ``column``: this rank's place in it. ``device``:
-        where the loader's collectives run (run-id broadcast, plan check); by default the current
-        GPU under NCCL, else the CPU (the hosts pass their rank's). ``state_bytes``: a sharding
+        where the loader's collectives run (run-id broadcast, plan check); by default where the
+        default process group's backend takes tensors (``dyn_plugin.device.collective_device``). ``state_bytes``: a sharding
         plan's model states per rank (``ShardPlan.planning_state_bytes``), planned with in place of
         ZeRO's (with ``zero_stage=3``: equal micro-batch counts, the same recompute per micro-batch
         index)."""
@@ -131,7 +132,7 @@ class DynLoader:
         # hashed once (8 MB at 1M samples), for the resume check and the plan check alike
         lengths_hash = hashlib.sha256(self.lengths.tobytes())
         self._state_fingerprint = self._fingerprint(lengths_hash.copy())
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = torch.device(device) if device is not None else collective_device()
         self._checks: collections.deque = collections.deque()  # plan checks in flight, oldest first
         self._checked_first = False
         sizes = (seed, layout.columns, layout.stages, zero_stage or 0, tp, state_bytes)
@@ -378,16 +379,6 @@ def _close(store, pool=None) -> None:
         finally:
             pool.close()
     store.close()
-
-
-def _default_device() -> torch.device:
-    """Where the backend of the default process group takes tensors: the current GPU under NCCL
-    (the hosts pass ``device``: dyn_plugin.host.device.collective_device)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _as_int63(hex_digest: str) -> int:

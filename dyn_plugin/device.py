@@ -1,4 +1,4 @@
-"""Where this rank trains and in which precision: one answer for every host.
+"""Where this rank trains and in which precision: one answer for every host and for the loader.
 
 The launchers (torchrun, deepspeed, Megatron's) tell each process its rank on its node through
 ``LOCAL_RANK``; the precision names are the config's ``cost_model.dtype`` literals.
