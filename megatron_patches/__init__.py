@@ -10,11 +10,11 @@ Each patch replaces one megatron-core (or Megatron-LM) object, in one module nam
 - ``settings``: variable shapes and the per-token loss on every ``TransformerConfig``;
 - ``arguments``: ``--dyn-plugin-config`` in Megatron-LM's ``parse_args`` (where installed);
 - ``data``: the training split's documents, from megatron-core's dataset builder;
+- ``batches``: every tensor-parallel rank reads its planned micro-batch (Megatron-LM's TP data path);
 - ``attention``: a core attention that takes packed (THD) rows where the local one refuses them;
 - ``schedule``: every training call of the forward-backward schedules runs the next planned step
   (its micro-batches, shapes, order and recompute), with the exact token-mean loss;
-- ``train_state``: the learning-rate schedule counts the samples trained; the loader's position
-  is saved and restored beside Megatron's checkpoint.
+- ``train_state``: the loader's position is saved and restored beside Megatron's checkpoint.
 
 Every patch is registered with the megatron-core versions it was written against; applying is
 idempotent and ``revert`` restores every original.
@@ -36,6 +36,7 @@ def patches() -> list[Patch]:
     """Every patch of the plugin, in the order they are applied."""
     from .arguments import arguments_patches
     from .attention import attention_patches
+    from .batches import batch_patches
     from .cpu import cpu_patches
     from .data import data_patches
     from .schedule import schedule_patches
@@ -47,6 +48,7 @@ def patches() -> list[Patch]:
         *settings_patches(),
         *arguments_patches(),
         *data_patches(),
+        *batch_patches(),
         *attention_patches(),
         *schedule_patches(),
         *train_state_patches(),

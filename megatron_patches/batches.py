@@ -18,16 +18,42 @@ the loss mask scores exactly the plan's ``scored_tokens``, the denominator of th
 Stages between the first and the last load no tokens, but still need the shapes' metadata: the
 position ids and, for packed rows, the boundaries (every stage's attention needs them), rebuilt
 from the plan alone.
+
+Every tensor-parallel rank reads its own micro-batches. Megatron-LM's ``get_batch_on_this_tp_rank``
+reads data on TP rank 0 only and broadcasts it into buffers the other TP ranks allocate at the
+fixed ``[--micro-batch-size, --seq-length]`` (and, for packed rows, never sends them
+``max_seqlen``): planned shapes vary per micro-batch, so that broadcast would fail or hang. The TP
+ranks of one (stage, data-parallel column) cell share its plan and load the same documents, so
+the patched function takes the planned batch from the iterator the planned schedule hands every
+rank (:class:`PlannedBatches`) and returns what TP rank 0 would: the same keys, on the device,
+without any broadcast. Any other iterator (evaluation, runs without planned documents) goes to
+Megatron-LM's own function.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from dyn_plugin.plan.instructions import PlannedMicroBatch
 from dyn_plugin.runtime.collate import IGNORE, position_ids
+
+from .registry import Patch
+
+# what Megatron-LM's get_batch_on_this_tp_rank returns, in its order (pretrain_gpt's get_batch
+# unpacks the values after popping the packed keys)
+TP_BATCH_KEYS = (
+    "tokens",
+    "labels",
+    "loss_mask",
+    "attention_mask",
+    "position_ids",
+    "cu_seqlens",
+    "max_seqlen",
+    "local_cp_size",
+)
 
 
 def megatron_batch(desc: PlannedMicroBatch, loaded: dict[str, torch.Tensor] | None) -> dict[str, Any]:
@@ -62,3 +88,42 @@ def packed_seq_params(batch: dict[str, Any]):
 
     cu, m = batch["cu_seqlens"].reshape(-1), int(batch["max_seqlen"].reshape(-1)[0])
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m, max_seqlen_kv=m)
+
+
+class PlannedBatches(Iterator[dict]):
+    """This rank's planned batch dicts in run order: the data iterator of a planned step (on every
+    rank, whatever its TP rank; Megatron-LM gives TP ranks other than 0 none)."""
+
+    def __init__(self, batches: Iterable[dict]) -> None:
+        self._batches = iter(batches)
+
+    def __next__(self) -> dict:
+        return next(self._batches)
+
+
+def _device() -> torch.device:
+    """Where Megatron-LM's ``.cuda()`` puts a batch: the current GPU, else (the CPU shims) the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _on_this_tp_rank(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def get_batch_on_this_tp_rank(data_iterator, *args, **kwargs):
+        if not isinstance(data_iterator, PlannedBatches):
+            return original(data_iterator, *args, **kwargs)
+        data, device = next(data_iterator), _device()
+        return {k: data[k].to(device, non_blocking=True) if k in data else None for k in TP_BATCH_KEYS}
+
+    return get_batch_on_this_tp_rank
+
+
+def batch_patches() -> list[Patch]:
+    """Megatron-LM's TP data path (optional: ``megatron.training`` ships with Megatron-LM only)."""
+    return [
+        Patch(
+            "batches.tp_rank",
+            "megatron.training.utils.get_batch_on_this_tp_rank",
+            _on_this_tp_rank,
+            optional=True,
+        )
+    ]

@@ -8,7 +8,8 @@ and ``torch.cuda.synchronize`` (p2p shape exchange) is a no-op. Megatron-LM's ow
 tensors and models where they are; its ``initialize`` sees one "CUDA" device (it asserts CUDA, and
 builds the model-parallel groups and seeds the tensor-parallel RNG tracker only with a device);
 its loop's "cuda" tensors are made on the CPU and its side streams are stand-ins; the legacy fused
-kernels are not loaded (that runs ``nvcc -V``) and the JIT warm-up on "cuda" tensors is skipped.
+kernels are not loaded (that runs ``nvcc -V``), the JIT warm-up on "cuda" tensors is skipped, and
+the GPU architecture it asks under tensor parallelism is none (0).
 
 Where triton is not installed (CPU builds of torch), ``stub_triton_kernels`` stands in for the one
 megatron-core module Megatron-LM's ``megatron.training.initialize`` imports that needs triton at
@@ -206,6 +207,15 @@ def cpu_patches() -> list[Patch]:
                 "cpu.warmup_jit",
                 f"{training}.initialize._warmup_jit_function",
                 lambda _: lambda *a, **k: None,
+                when=_no_cuda,
+                optional=True,
+            ),
+            Patch(
+                # validate_args asks the GPU's architecture under tensor parallelism; no GPU: before
+                # every one (so Megatron-LM asks for CUDA_DEVICE_MAX_CONNECTIONS=1, as on Hopper)
+                "cpu.device_arch",
+                f"{training}.utils.get_device_arch_version",
+                lambda _: lambda: 0,
                 when=_no_cuda,
                 optional=True,
             ),

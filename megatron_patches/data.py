@@ -4,8 +4,11 @@ Megatron-LM's ``pretrain_gpt.py`` and megatron-core loops alike build their spli
 ``BlendedMegatronDatasetBuilder(...).build()``. Its training ``GPTDataset`` cuts the documents of
 an indexed dataset into fixed-length samples (Megatron's packing); the plugin plans the documents
 themselves, so the patch hands the split's documents (the low-level dataset's documents the split
-owns, with their token counts from the index) to the run. The datasets returned are Megatron's
-own, unchanged: evaluation still reads the validation split as Megatron does.
+owns, with their token counts from the index) to the run, on every rank: each plans the step
+and each tensor-parallel rank reads its own micro-batches (``batches``), so the datasets are
+built on every rank (Megatron-LM builds them where it reads data, TP rank 0 of the first and last
+stages). The datasets returned are Megatron's own, unchanged: evaluation still reads the
+validation split as Megatron does.
 """
 
 from __future__ import annotations
@@ -53,6 +56,11 @@ def _build(original: Callable) -> Callable:
     def build(self) -> list:
         from . import runtime
 
+        if runtime.RUN is not None:
+            # Megatron-LM builds the data on TP rank 0 of the first and last stages only
+            # (pretrain_gpt's is_dataset_built_on_rank) and broadcasts it to the other TP ranks;
+            # every rank plans the documents and every TP rank reads its own planned batch
+            self.is_built_on_rank = lambda: True
         datasets = original(self)
         if runtime.RUN is not None and datasets and datasets[0] is not None:
             runtime.RUN.set_documents(documents_of(datasets[0]))

@@ -47,7 +47,6 @@ class PluginRun:
     documents: Documents | None = None
     loader: DynLoader | None = None
     step: Step | None = None
-    samples: int = 0  # sequences of the last planned step not yet counted by the LR schedule
     resume: dict | None = None  # a checkpoint's loader position, until the loader exists
     _steps: Iterator[Step] | None = field(default=None, repr=False)
 
@@ -82,7 +81,6 @@ class PluginRun:
             step = next(self._steps, None)
             if step is not None:
                 self.step = step
-                self.samples += len(self.loader.context.batches(step.epoch)[step.index])  # the whole global batch
                 return step
             self._steps = None
         raise RuntimeError(

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from dyn_plugin.plan.instructions import PlannedMicroBatch
 
-from .batches import megatron_batch
+from .batches import PlannedBatches, megatron_batch
 from .registry import Patch
 from .runtime import unwrap
 
@@ -153,7 +153,7 @@ def planned(schedule: Callable) -> Callable:
         widths = [d.shape for d, _ in items]
         return schedule(
             forward_step_func=forward_step,
-            data_iterator=iter([b for _, b in items]),
+            data_iterator=PlannedBatches(b for _, b in items),
             model=model,
             num_microbatches=len(items),
             seq_length=max(int(w[1]) for w in widths),

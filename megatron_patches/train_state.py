@@ -1,14 +1,15 @@
-"""What a Megatron run counts and saves, made true of planned steps.
+"""What a Megatron run saves, made whole for planned steps.
 
-- Learning rate: Megatron-LM advances its schedule by ``num_microbatches * micro_batch_size *
-  data_parallel_size`` samples per step, a constant; a planned global batch holds as many
-  documents as fit its token budget. ``OptimizerParamScheduler.step`` counts the documents the
-  planned steps since its last call actually trained instead.
-- Checkpoints: the loader's position (epoch, step and what identifies the plan) is saved as JSON
-  beside Megatron's distributed checkpoint, by each node's local rank 0 (no shared filesystem
-  assumed), and restored when that checkpoint is loaded: the run continues with exactly the
-  samples the interrupted epoch had left. The loader may not exist yet at load time (it is built
-  at the first step), so the position waits in the run until it does.
+Counters need no patch: one planned step is one iteration of the host's loop, and under Megatron-LM
+its token budget is ``--global-batch-size`` samples of ``--seq-length`` tokens (``arguments``), so
+Megatron-LM's ``consumed_train_samples`` and learning-rate schedule (warm-up, decay, both in
+samples) advance by ``--global-batch-size`` per iteration as they would without the plugin.
+
+Checkpoints: the loader's position (epoch, step and what identifies the plan) is saved as JSON
+beside Megatron's distributed checkpoint, by each node's local rank 0 (no shared filesystem
+assumed), and restored when that checkpoint is loaded: the run continues with exactly the
+samples the interrupted epoch had left. The loader may not exist yet at load time (it is built
+at the first step), so the position waits in the run until it does.
 """
 
 from __future__ import annotations
@@ -23,19 +24,6 @@ from .registry import Patch
 logger = logging.getLogger(__name__)
 
 CHECKPOINTING = "megatron.core.dist_checkpointing.serialization"
-
-
-def _lr_step(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def step(self, increment: int) -> None:
-        from . import runtime
-
-        run = runtime.RUN
-        if run is not None and run.samples:
-            increment, run.samples = run.samples, 0
-        return original(self, increment)
-
-    return step
 
 
 def save_loader_state(checkpoint_dir: str) -> None:
@@ -81,9 +69,6 @@ def _then(hook: Callable[[str], None]) -> Callable[[Callable], Callable]:
 
 def train_state_patches() -> list[Patch]:
     return [
-        Patch(
-            "train_state.lr_increment", "megatron.core.optimizer_param_scheduler.OptimizerParamScheduler.step", _lr_step
-        ),
         Patch("train_state.save_checkpoint", f"{CHECKPOINTING}.save", _then(save_loader_state)),
         Patch("train_state.load_checkpoint", f"{CHECKPOINTING}.load", _then(load_loader_state)),
     ]

@@ -1,11 +1,20 @@
-"""Megatron-LM's own ``pretrain_gpt.py`` through the plugin's launcher, on two gloo CPU ranks.
+"""Megatron-LM's own ``pretrain_gpt.py`` through the plugin's launcher, on gloo CPU ranks.
 
 The script is Megatron-LM's, unmodified (``shared/third_party/megatron-lm``, or a user's checkout
 named by ``$MEGATRON_LM``); ``tests/megatron_lm_worker.py`` runs it as ``__main__`` and records what
-the core attention computed. A tiny Llama-style GPT (4 layers, hidden 128, 4 heads in 2 query groups,
-SwiGLU, RMSNorm, RoPE) trains a few iterations on Megatron's mock data with the plugin's padded,
-then packed, micro-batches: every rank exits cleanly, the loss is finite and falls, and the
-attention output is non-zero on every token (packed rows attend per document, never zeros).
+the core attention computed, the documents each iteration trained and the parameters. A tiny
+Llama-style GPT (4 layers, hidden 128, 4 heads in 2 query groups, SwiGLU, RMSNorm, RoPE) trains 4
+iterations of Megatron's mock data with the plugin's padded and packed micro-batches at TP 1-2 x
+PP 1-2, SGD with warm-up and linear decay. Each run must:
+
+- exit cleanly on every rank with a finite, falling loss, attention non-zero on every token
+  (packed rows attend per document: a dropped attention gives zeros);
+- end with the parameters of Megatron-LM's own run, without the plugin, of the same documents
+  from the same initial parameters (one document per micro-batch, its per-token loss), within
+  1e-6: the plugin changes how the documents are cut and placed, never the update; the
+  learning rate per iteration included (Megatron-LM counts ``--global-batch-size`` samples an
+  iteration in both runs);
+- count ``consumed samples`` in Megatron-LM's units (``--global-batch-size`` per iteration).
 
 What Megatron-LM needs on a CPU-only machine is in ``megatron_patches.cpu`` (applied only without
 CUDA); ``six``, which Megatron-LM's tokenizer module imports, is in the test extra.
@@ -28,9 +37,12 @@ from shared_data import shared_path
 
 pytest.importorskip("megatron.core")
 
+import torch  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SEQ = 256
+SEQ, ITERATIONS, GLOBAL_BATCH = 256, 4, 8
+BOUND = 1e-6
 # the minimal Megatron-LM command line for the tiny GPT on CPU ranks (see README, "Megatron-LM's pretrain_gpt.py")
 MODEL = (
     "--num-layers 4 --hidden-size 128 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
@@ -38,13 +50,23 @@ MODEL = (
     "--untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0"
 ).split()
 TRAINING = (
-    f"--seq-length {SEQ} --max-position-embeddings {SEQ} --micro-batch-size 1 --global-batch-size 8 "
-    "--train-iters 4 --lr 1e-3 --lr-decay-style constant --clip-grad 0 --eval-iters 0 --eval-interval 1000 "
+    f"--seq-length {SEQ} --max-position-embeddings {SEQ} --micro-batch-size 1 --global-batch-size {GLOBAL_BATCH} "
+    f"--train-iters {ITERATIONS} --optimizer sgd --lr 0.05 --min-lr 0.01 --lr-decay-style linear "
+    "--lr-warmup-iters 1 --lr-decay-iters 4 --clip-grad 0 --eval-iters 0 --eval-interval 1000 "
     "--log-interval 1 --mock-data --split 100,0,0 --tokenizer-type NullTokenizer --vocab-size 1024 "
     "--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion "
     "--no-masked-softmax-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion "
     "--no-persist-layer-norm"
 ).split()
+# name: (ranks, tensor-parallel size, pipeline stages, microbatching.layout of the plugin's plans)
+CASES = {
+    "dp2-padded": (2, 1, 1, "padded"),
+    "dp2-packed": (2, 1, 1, "packed"),
+    "tp2-packed": (2, 2, 1, "packed"),
+    "pp2-packed": (2, 1, 2, "packed"),
+    "tp2-pp2-padded": (4, 2, 2, "padded"),
+    "tp2-pp2-packed": (4, 2, 2, "packed"),
+}
 
 
 def megatron_lm() -> Path:
@@ -56,68 +78,127 @@ def megatron_lm() -> Path:
     return path
 
 
-def run_pretrain_gpt(tmp_path: Path, method: str, args: list[str] = (), seq: int = SEQ, timeout: int = 240):
-    """(return code, output, per-rank attention stats) of pretrain_gpt.py on 2 ranks through the launcher."""
+def environment(out: Path, **extra: str) -> dict:
     mlm = megatron_lm()
-    cfg = tmp_path / "cfg.json"
-    plugin = {
-        "cost_model": {"kind": "analytic"},
-        "microbatching": {"method": method, "global_tokens": 2048, "max_seq_len": seq, "truncate": True},
-        "cluster": {"devices_per_node": 2, "device": {"memory_mb": 8000}},
-    }
-    cfg.write_text(json.dumps({"dyn_plugin": plugin}))
-    paths = [str(ROOT), str(mlm)]
-    env = {
+    return {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(mlm), os.environ.get("PYTHONPATH", "")]),
         "PET_MASTER_PORT": str(free_port()),  # torchrun's --master-port
         "OMP_NUM_THREADS": "1",
-        "MEGATRON_LM_OUT": str(tmp_path),
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # Megatron-LM requires it with tensor parallelism (before Blackwell)
+        "MEGATRON_LM_OUT": str(out),
         "MEGATRON_LM_SCRIPT": str(mlm / "pretrain_gpt.py"),
+        **extra,
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "dyn_plugin",
-        "megatron",
-        "--dyn-plugin-config",
-        str(cfg),
-        "--nproc-per-node",
-        "2",
-        "--",
-        str(HERE / "megatron_lm_worker.py"),
-        *MODEL,
-        *TRAINING,
-        *args,
-    ]
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
-    output = proc.stdout + proc.stderr
-    stats = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("attention-*.json"))]
-    return proc.returncode, output, stats
+
+
+def run_pretrain_gpt(
+    out: Path,
+    layout: str,
+    args: list[str] = (),
+    *,
+    ranks: int = 2,
+    tp: int = 1,
+    pp: int = 1,
+    seq: int = SEQ,
+    timeout: int = 300,
+) -> tuple[int, str, list[dict]]:
+    """(return code, output, per-rank attention stats) of pretrain_gpt.py through the launcher."""
+    cfg = out / "cfg.json"
+    plugin = {
+        "cost_model": {"kind": "analytic"},
+        "microbatching": {"layout": layout, "max_seq_len": seq, "truncate": True},
+        "pipeline": {"stages": pp},
+        "cluster": {"devices_per_node": ranks, "device": {"memory_mb": 8000}},
+    }
+    cfg.write_text(json.dumps({"dyn_plugin": plugin}))
+    parallel = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    cmd = [sys.executable, "-m", "dyn_plugin", "megatron", "--dyn-plugin-config", str(cfg)]
+    cmd += ["--nproc-per-node", str(ranks), "--", str(HERE / "megatron_lm_worker.py"), *MODEL, *TRAINING]
+    cmd += [*parallel, *args]
+    proc = subprocess.run(cmd, env=environment(out), cwd=out, capture_output=True, text=True, timeout=timeout)
+    stats = [json.loads(p.read_text()) for p in sorted(out.glob("attention-*.json"))]
+    return proc.returncode, proc.stdout + proc.stderr, stats
 
 
 def losses(output: str) -> list[float]:
     return [float(x) for x in re.findall(r"lm loss: ([0-9.eE+-]+)", output)]
 
 
-LAYOUTS = {"padded": "fixed_padding", "packed": "dynapipe"}
+def merged(out: Path, when: str) -> dict[str, torch.Tensor]:
+    """The whole model's parameters (``initial`` or ``final``) from a run's per-rank files: TP shards
+    concatenated along their partition dimension; data-parallel replicas must agree."""
+    shards: dict[str, dict[int, tuple[torch.Tensor, int | None]]] = {}
+    replicas: dict[tuple[str, int], torch.Tensor] = {}
+    for path in sorted(out.glob("params-*.pt")):
+        saved = torch.load(path)
+        tp = saved["place"]["tp"]
+        for name, (tensor, dim) in saved[when].items():
+            seen = replicas.setdefault((name, tp), tensor)
+            assert torch.equal(seen, tensor), f"{name}: data-parallel replicas differ"
+            shards.setdefault(name, {})[tp] = (tensor, dim)
+    whole = {}
+    for name, by_tp in shards.items():
+        parts = [by_tp[r] for r in sorted(by_tp)]
+        dim, tensors = parts[0][1], [t for t, _ in parts]
+        if dim is None:
+            whole[name] = tensors[0]
+        elif name.endswith("mlp.linear_fc1.weight"):
+            # SwiGLU: each TP rank holds [its gate rows; its up rows]; the whole is [gate; up]
+            halves = [t.chunk(2, dim) for t in tensors]
+            whole[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim)
+        else:
+            whole[name] = torch.cat(tensors, dim)
+    return whole
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> dict:
-    """layout -> (return code, output, attention stats) of one run each, shared by the tests below."""
-    return {layout: run_pretrain_gpt(tmp_path_factory.mktemp(layout), method) for layout, method in LAYOUTS.items()}
+def documents_by_iteration(out: Path) -> list[list[list[int]]]:
+    """Per iteration, the documents the run trained (over its data-parallel columns)."""
+    steps: dict[tuple[int, int], list] = {}
+    for path in sorted(out.glob("documents-*.jsonl")):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            steps.setdefault((r["epoch"], r["step"]), []).extend(r["documents"])
+    return [steps[k] for k in sorted(steps)]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_pretrain_gpt_trains_on_planned_micro_batches(trained, layout):
-    code, output, stats = trained[layout]
-    assert code == 0, output[-6000:]
+def run_reference(plugin_run: Path, out: Path, tp: int, timeout: int = 240) -> tuple[int, str]:
+    """Megatron-LM's own run (one rank, no plugin) of the plugin run's documents from its initial
+    parameters (the vocabulary padded as at ``tp`` ranks: to a multiple of 128 x tp)."""
+    iterations = documents_by_iteration(plugin_run)
+    (plugin_run / "iterations.json").write_text(json.dumps(iterations))
+    torch.save(merged(plugin_run, "initial"), plugin_run / "merged-initial.pt")
+    per_iteration = max(len(docs) for docs in iterations)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(HERE / "megatron_lm_worker.py")]
+    cmd += [*MODEL, *TRAINING, "--global-batch-size", str(per_iteration), "--calculate-per-token-loss"]
+    cmd += ["--make-vocab-size-divisible-by", str(128 * tp)]
+    env = environment(out, MEGATRON_LM_REFERENCE=str(plugin_run))
+    proc = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def trained(request, tmp_path_factory) -> tuple[str, dict]:
+    """One case's plugin run and Megatron-LM's reference run of the same documents."""
+    name = request.param
+    ranks, tp, pp, layout = CASES[name]
+    out, ref = tmp_path_factory.mktemp(name), tmp_path_factory.mktemp(f"{name}-reference")
+    code, output, stats = run_pretrain_gpt(out, layout, ranks=ranks, tp=tp, pp=pp)
+    assert code == 0, output[-8000:]
+    ref_code, ref_output = run_reference(out, ref, tp)
+    assert ref_code == 0, ref_output[-8000:]
+    return name, {"out": out, "ref": ref, "output": output, "stats": stats, "ref_output": ref_output}
+
+
+def test_pretrain_gpt_trains_on_planned_micro_batches(trained):
+    name, run = trained
+    ranks, tp, pp, layout = CASES[name]
+    output, stats = run["output"], run["stats"]
     assert "dyn_plugin plans the" in output  # the plugin's documents, not Megatron's fixed-length samples
     loss = losses(output)
-    assert len(loss) == 4, output[-4000:]
+    assert len(loss) == ITERATIONS, output[-4000:]
     assert all(math.isfinite(x) for x in loss) and loss[-1] < loss[0], loss
-    assert len(stats) == 2 and all(s["calls"] > 0 for s in stats), stats
+    assert len(stats) == ranks and all(s["calls"] > 0 for s in stats), stats
     # attention computed something for every token of every call (a silently dropped attention gives zeros)
     assert all(s["min_nonzero_fraction"] == 1.0 for s in stats), stats
     if layout == "packed":
@@ -127,13 +208,36 @@ def test_pretrain_gpt_trains_on_planned_micro_batches(trained, layout):
         assert all(s["packed"] == 0 for s in stats), stats
 
 
-def test_packed_rows_train_as_the_padded_documents(trained):
-    """Same documents per global batch, same token-mean loss: packing changes the layout, not the
-    training (attention per document; a packed row attending across documents, or not at all, would
-    change the losses)."""
-    padded, packed = (losses(trained[layout][1]) for layout in LAYOUTS)
-    assert len(padded) == len(packed) == 4
-    assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(padded, packed)), (padded, packed)
+def test_each_iteration_is_megatron_lms_update_of_its_documents(trained):
+    """The parameters after 4 iterations equal Megatron-LM's own run of the same documents, one per
+    micro-batch, from the same start (fp32, bound 1e-6; the weights move by ~1e-2); so do the
+    logged losses and learning rates, iteration by iteration."""
+    name, run = trained
+    mine, reference = merged(run["out"], "final"), merged(run["ref"], "final")
+    start = merged(run["out"], "initial")
+    assert mine.keys() == reference.keys()
+    moved = max(float((mine[k] - start[k]).abs().max()) for k in mine)
+    diff = max(float((mine[k] - reference[k]).abs().max()) for k in mine)
+    print(f"{name}: max |param - Megatron-LM's| = {diff:.3g} (weights moved up to {moved:.3g})")
+    assert moved > 1e-3 and diff < BOUND, (diff, moved)
+    ours, theirs = losses(run["output"]), losses(run["ref_output"])
+    assert len(ours) == len(theirs) == ITERATIONS and all(
+        math.isclose(a, b, rel_tol=1e-5) for a, b in zip(ours, theirs)
+    ), (ours, theirs)
+    rates = [re.findall(r"learning rate: ([0-9.eE+-]+)", o) for o in (run["output"], run["ref_output"])]
+    assert rates[0] == rates[1] and len(set(rates[0])) > 2, rates  # warm-up then decay, in step
+
+
+def test_consumed_samples_are_megatron_lms(trained):
+    """An iteration consumes --global-batch-size samples (of --seq-length tokens), as without the
+    plugin: the plan's global batch is their tokens; each document is trained at most once."""
+    name, run = trained
+    consumed = [int(x) for x in re.findall(r"consumed samples:\s+(\d+)", run["output"])]
+    assert consumed == [GLOBAL_BATCH * (i + 1) for i in range(ITERATIONS)], consumed
+    assert f"global_tokens = {GLOBAL_BATCH * SEQ}" in run["output"]
+    iterations = documents_by_iteration(run["out"])
+    assert len(iterations) == ITERATIONS
+    assert all(sum(map(len, docs)) <= GLOBAL_BATCH * SEQ for docs in iterations)
 
 
 def test_a_plan_longer_than_seq_length_is_refused_at_start_naming_the_flag(tmp_path):
@@ -141,7 +245,7 @@ def test_a_plan_longer_than_seq_length_is_refused_at_start_naming_the_flag(tmp_p
     refused when the arguments are validated, naming --seq-length. Before, such rows reached the
     model (issue 22: an IndexError deep inside it; with this RoPE model they silently trained on
     rows longer than --seq-length)."""
-    code, output, stats = run_pretrain_gpt(tmp_path, "dynapipe", seq=2 * SEQ, timeout=120)
+    code, output, stats = run_pretrain_gpt(tmp_path, "packed", seq=2 * SEQ, timeout=120)
     assert code != 0
     assert f"max_seq_len = {2 * SEQ} exceeds Megatron's --seq-length {SEQ}" in output, output[-4000:]
     assert "IndexError" not in output and all(s["calls"] == 0 for s in stats), stats  # refused before training

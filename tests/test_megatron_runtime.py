@@ -1,5 +1,7 @@
 """The Megatron patches' pieces that need no process group: batches, settings, refusals."""
 
+import re
+
 import pytest
 
 pytest.importorskip("megatron.core")
@@ -114,12 +116,56 @@ def test_megatron_lm_packed_boundaries_reach_packed_seq_params_as_one_row(patche
     assert params.max_seqlen_q == 9
 
 
-def test_a_plan_longer_than_the_model_is_refused_naming_seq_length(patched):
+# Megatron-LM arguments fine for the default plan (dynapipe, layout auto: may pack)
+GOOD = dict(
+    seq_length=512,
+    global_batch_size=4,
+    micro_batch_size=1,
+    context_parallel_size=1,
+    tensor_model_parallel_size=2,
+    pipeline_model_parallel_size=2,
+    sequence_parallel=False,
+)
+BAD_ARGUMENTS = {
+    # name: (plugin microbatching, Megatron-LM arguments changed, what the error says)
+    "rows longer than the model": ({}, {"seq_length": 256}, "max_seq_len = 512 exceeds Megatron's --seq-length 256"),
+    "context parallelism": ({}, {"context_parallel_size": 2}, "--context-parallel-size 2"),
+    "packed rows of several samples": ({}, {"micro_batch_size": 2}, "--micro-batch-size 2 with packed micro-batches"),
+    "sequence parallel on packed rows": ({}, {"sequence_parallel": True}, "--sequence-parallel with packed"),
+    "sequence parallel on odd widths": (
+        {"layout": "padded", "pad_multiple": 3},
+        {"sequence_parallel": True},
+        "set pad_multiple to a multiple of 2",
+    ),
+    "packed rows in middle stages": ({}, {"pipeline_model_parallel_size": 4}, "--pipeline-model-parallel-size 4"),
+    "a global batch of other tokens": (
+        {"global_tokens": 4096},
+        {},
+        "global_tokens = 4096 but Megatron-LM's global batch is --global-batch-size 4 x --seq-length 512 = 2048",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_ARGUMENTS))
+def test_megatron_lm_arguments_the_plan_cannot_run_under_are_refused_naming_the_flag(patched, name):
     from types import SimpleNamespace
 
-    from megatron_patches.arguments import check_seq_length
+    from megatron_patches.arguments import check_arguments
 
-    runtime.configure({"dyn_plugin": {"microbatching": {"max_seq_len": 512}}})
-    check_seq_length(SimpleNamespace(seq_length=512))  # fits
-    with pytest.raises(ConfigError, match="max_seq_len = 512 exceeds Megatron's --seq-length 256"):
-        check_seq_length(SimpleNamespace(seq_length=256))
+    microbatching, changed, message = BAD_ARGUMENTS[name]
+    runtime.configure({"dyn_plugin": {"microbatching": {"max_seq_len": 512, **microbatching}}})
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_arguments(SimpleNamespace(**{**GOOD, **changed}))
+
+
+def test_the_planned_global_batch_is_megatron_lms_unless_set(patched):
+    """One planned step is one iteration of --global-batch-size samples of --seq-length tokens."""
+    from types import SimpleNamespace
+
+    from megatron_patches.arguments import check_arguments
+
+    for microbatching in ({"layout": "padded"}, {"layout": "padded", "global_tokens": 2048}):
+        run = runtime.configure({"dyn_plugin": {"microbatching": {"max_seq_len": 512, **microbatching}}})
+        args = {**GOOD, "micro_batch_size": 4, "sequence_parallel": True, "pipeline_model_parallel_size": 4}
+        check_arguments(SimpleNamespace(**args))  # padded rows: any micro-batch size, TP sequence parallel, 4 stages
+        assert runtime.RUN is run and run.config.plugin.microbatching.global_tokens == 4 * 512
