@@ -15,7 +15,8 @@ Where triton is not installed (CPU builds of torch), ``stub_triton_kernels`` sta
 megatron-core module Megatron-LM's ``megatron.training.initialize`` imports that needs triton at
 import time (``batch_invariant_kernels``): its functions are there, and enabling the mode (Megatron-LM's
 ``--batch-invariant-mode``, GPU only) raises. A stub ``triton`` package on the path instead would be
-found by torch itself (``torch._dynamo`` checks for triton), so the module is stubbed, not triton.
+found by torch itself (``torch._dynamo`` checks for triton), so the module is stubbed, not triton;
+and processes Megatron-LM spawns get it too (``megatron_patches.spawned_main``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import os
 import sys
 import types
 
@@ -112,6 +114,32 @@ def stub_triton_kernels() -> bool:
     return True
 
 
+def _no_triton() -> bool:
+    return importlib.util.find_spec("triton") is None
+
+
+SPAWN_MAIN = "DYN_PLUGIN_SPAWN_MAIN"  # the script a spawned process runs as its main module
+
+
+def _spawn_main(original):
+    """Processes spawned by Megatron-LM (the queue manager of its checkpoint writer) first run the
+    script as their main module, as ``__mp_main__``: ``pretrain_gpt.py`` imports
+    ``megatron.training`` and so, without triton, needs the stand-in there too. They import
+    ``megatron_patches.spawned_main`` instead, which puts it in place and then runs the script
+    exactly as spawn would have."""
+
+    @functools.wraps(original)
+    def get_preparation_data(name):
+        data = original(name)
+        path = data.pop("init_main_from_path", None)
+        if path is not None:
+            os.environ[SPAWN_MAIN] = path  # inherited by the child
+            data["init_main_from_name"] = "megatron_patches.spawned_main"
+        return data
+
+    return get_preparation_data
+
+
 def _tensor_cuda(_original):
     def cuda(self, device=None, non_blocking=False, **_kwargs):
         return self
@@ -174,8 +202,9 @@ def _cpu_torch_one_device(module: types.ModuleType) -> types.ModuleType:
     return shim
 
 
-# Megatron-LM's modules that do the same: its loop's counters and flags, its loss and norm reductions
-_TRAINING_CUDA_BY_NAME = ("training", "utils")
+# Megatron-LM's modules that do the same: its loop's counters and flags, its loss and norm reductions, the
+# checkpoint iteration it agrees on when resuming
+_TRAINING_CUDA_BY_NAME = ("training", "utils", "checkpointing")
 
 
 def cpu_patches() -> list[Patch]:
@@ -218,6 +247,13 @@ def cpu_patches() -> list[Patch]:
                 lambda _: lambda: 0,
                 when=_no_cuda,
                 optional=True,
+            ),
+            Patch(
+                "cpu.spawn_main",
+                "multiprocessing.spawn.get_preparation_data",
+                _spawn_main,
+                when=_no_triton,
+                aliases=False,
             ),
             Patch("cpu.current_device", "torch.cuda.current_device", lambda _: _cpu_device, when=_no_cuda),
             Patch("cpu.synchronize", "torch.cuda.synchronize", lambda _: lambda *a, **k: None, when=_no_cuda),

@@ -214,7 +214,8 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
         )
     cm = cm.model_copy(update={"dtype": dtype})
     cost = live_cost_model(cm, plugin.cluster, model_shape_view(chunk))
-    # the plans address (stage, data-parallel column) cells; the tp ranks of a cell share its plan
+    # the plans address (stage, data-parallel column) cells; the tp ranks of a cell share its plan,
+    # each reading its own copy from a store
     loader = DynLoader(
         run.documents,
         lengths=run.documents.lengths,
@@ -225,6 +226,7 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
         column=ps.get_data_parallel_rank(),
         seed=run.seed,
         tp=tp,
+        replica=ps.get_tensor_model_parallel_rank(),
     )
     block = getattr(getattr(chunk, "decoder", None), "layers", None)
     planned = loader.context.spec.stages[ps.get_pipeline_model_parallel_rank()].num_layers

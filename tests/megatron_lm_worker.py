@@ -18,6 +18,9 @@ naming ``pretrain_gpt.py`` and ``$MEGATRON_LM_OUT`` the output folder. Two modes
   ``--global-batch-size``), from the plugin run's initial parameters; it writes ``params-0.pt``.
   Megatron-LM's per-token loss (``--calculate-per-token-loss``) makes an iteration's update the
   token mean of its documents, whatever the micro-batches: the plugin's runs must equal it.
+
+With ``$MEGATRON_LM_KILL_AT`` = N, every rank SIGKILLs itself once the checkpoint of iteration N
+is saved (a preemption right after a checkpoint: nothing after it is flushed or closed).
 """
 
 import json
@@ -76,6 +79,23 @@ def observe_training():
         return result
 
     training.train = observed
+
+
+def kill_after_checkpoint(iteration: int) -> None:
+    import signal
+
+    from megatron.training import training
+
+    save = training.save_checkpoint
+
+    def saved(at, *args, **kwargs):
+        result = save(at, *args, **kwargs)
+        if at == iteration:
+            torch.distributed.barrier()  # the tracker file names this checkpoint on every rank's view
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    training.save_checkpoint = saved
 
 
 def observe_plugin_run():
@@ -172,6 +192,8 @@ if reference:
 else:
     stats = observe_plugin_run()
 observe_training()
+if os.environ.get("MEGATRON_LM_KILL_AT"):
+    kill_after_checkpoint(int(os.environ["MEGATRON_LM_KILL_AT"]))
 sys.argv = [script, *args]
 sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
 try:

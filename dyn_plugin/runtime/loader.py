@@ -96,6 +96,7 @@ class DynLoader:
         seed: int = 0,
         zero_stage: int | None = None,
         tp: int = 1,
+        replica: int = 0,
         pad_id: int = 0,
         device: torch.device | str | None = None,
         state_bytes: float | None = None,
@@ -106,7 +107,8 @@ class DynLoader:
         default process group's backend takes tensors (``dyn_plugin.device.collective_device``). ``state_bytes``: a sharding
         plan's model states per rank (``ShardPlan.planning_state_bytes``), planned with in place of
         ZeRO's (with ``zero_stage=3``: equal micro-batch counts, the same recompute per micro-batch
-        index)."""
+        index). ``tp``: the ranks that share each cell's plan (tensor parallelism); ``replica``: this
+        rank's index among them (its tensor-parallel rank)."""
         if not isinstance(config, (DynPluginConfig, LoadedConfig)):
             config = load_config(config)
         if isinstance(config, LoadedConfig):
@@ -120,6 +122,9 @@ class DynLoader:
                 f"{config.pipeline.stages}; they must match"
             )
         layout.rank_of(stage, column)  # refuses a place outside the layout
+        if not 0 <= replica < tp:
+            raise ValueError(f"replica {replica} is not in [0, tp={tp}): give this rank's tensor-parallel rank")
+        self.tp, self.replica = tp, replica
         self.dataset = dataset
         self.layout, self.stage, self.column = layout, stage, column
         self.seed, self.pad_id = seed, pad_id
@@ -144,7 +149,7 @@ class DynLoader:
     @property
     def is_host(self) -> bool:
         """The rank that hosts the embedded store and the planner processes."""
-        return self.column == 0 and self.stage == 0
+        return self.column == 0 and self.stage == 0 and self.replica == 0
 
     def _open_store(self) -> None:
         from ..store import open_store
@@ -162,7 +167,8 @@ class DynLoader:
                 "process group to agree on a run id: call torch.distributed.init_process_group before creating the "
                 "DynLoader, or set dyn_plugin.store.namespace to an id unique to this run"
             )
-        self._store = open_store(cfg, rank=self.layout.rank_of(self.stage, self.column), world_size=self.layout.world)
+        rank = self.layout.rank_of(self.stage, self.column) * self.tp + self.replica
+        self._store = open_store(cfg, rank=rank, world_size=self.layout.world * self.tp)
         # planner processes connect to the very port the host bound (it may have picked a free one)
         self._store_cfg = cfg.model_copy(update={"port": self._store.port}) if cfg.backend == "tcp" else cfg
         self._finalizer = weakref.finalize(self, _close, self._store)
@@ -194,7 +200,7 @@ class DynLoader:
             num_planners=plan_cfg.planners,
             prefetch=plan_cfg.prefetch,
             start=position,
-            world_size=self.layout.world,
+            world_size=self.layout.world * self.tp,
             on_failure=lambda why: store.put(ERROR_KEY, why.encode()),
         )
         self._finalizer.detach()
@@ -291,7 +297,7 @@ class DynLoader:
             if self._pool is None:
                 self._start_planners()
             self._store.put(CURSOR_KEY, str(position).encode())
-        key = plan_key(position, self.column, self.stage)
+        key = plan_key(position, self.column, self.stage, self.replica)
         timeout = self.config.loader.plan_timeout_s
         deadline = time.monotonic() + timeout
         while True:  # in short waits, so a planner's death (any rank may learn of it) ends this at once

@@ -34,8 +34,10 @@ from typing import Callable
 logger = logging.getLogger(__name__)
 
 
-def plan_key(position: int, dp_rank: int, pp_rank: int) -> str:
-    return f"plan/{position}/{dp_rank}-{pp_rank}"
+def plan_key(position: int, dp_rank: int, pp_rank: int, replica: int = 0) -> str:
+    """Where the plan of one (column, stage) cell waits for one of the ranks sharing it (its
+    tensor-parallel ranks): one key per reader, since a reader deletes what it has read."""
+    return f"plan/{position}/{dp_rank}-{pp_rank}-{replica}"
 
 
 CURSOR_KEY = "cursor"

@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.005)  # far enough ahead: let training catch up
             continue
         for (dp_rank, pp_rank), rank_plan in context.plan(*context.locate(position)).items():
-            store.put(plan_key(position, dp_rank, pp_rank), encode(rank_plan.to_meta(), {}, schema=RANK_PLAN_SCHEMA))
+            payload = encode(rank_plan.to_meta(), {}, schema=RANK_PLAN_SCHEMA)
+            for replica in range(context.tp):  # the cell's tensor-parallel ranks each read their own copy
+                store.put(plan_key(position, dp_rank, pp_rank, replica), payload)
         position += args.workers
 
 
