@@ -15,7 +15,8 @@ forced on, because the plugin's plans would otherwise train wrong or not at all:
 
 After ``validate_args`` the arguments are checked against the plan (``check_arguments``: rows no
 longer than ``--seq-length``, ``--micro-batch-size 1`` for packed rows, no context parallelism,
-``--sequence-parallel`` only where rows divide, packed rows on at most two pipeline stages) and the
+``--sequence-parallel`` only where rows divide, packed rows on at most two pipeline stages,
+checkpoints in the distributed format, where the data position is saved) and the
 plan's global batch becomes Megatron-LM's (``global_batch``).
 """
 
@@ -157,6 +158,14 @@ def check_arguments(args: Any) -> None:
             f"--pipeline-model-parallel-size {pp} with packed micro-batches: Megatron-LM's get_batch gives the "
             "stages between the first and the last no document boundaries (cu_seqlens), so they would attend "
             "across documents; use at most 2 pipeline stages with packing, or set microbatching.layout to 'padded'"
+        )
+    fmt = getattr(args, "ckpt_format", "torch_dist")
+    if fmt != "torch_dist" and (getattr(args, "save", None) or getattr(args, "load", None)):
+        # the loader's position is written beside megatron-core's distributed checkpoint
+        # (train_state): another format would resume Megatron at its iteration and the data at the start
+        raise ConfigError(
+            f"--ckpt-format {fmt} with --save/--load: the plugin saves and restores its data position beside "
+            "Megatron's distributed checkpoints only; use --ckpt-format torch_dist (Megatron-LM's default)"
         )
     global_batch(run, args)
 

@@ -138,6 +138,7 @@ BAD_ARGUMENTS = {
         "set pad_multiple to a multiple of 2",
     ),
     "packed rows in middle stages": ({}, {"pipeline_model_parallel_size": 4}, "--pipeline-model-parallel-size 4"),
+    "checkpoints without the data position": ({}, {"ckpt_format": "torch", "save": "ckpt"}, "--ckpt-format torch"),
     "a global batch of other tokens": (
         {"global_tokens": 4096},
         {},
