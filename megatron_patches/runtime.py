@@ -190,11 +190,13 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
             f"dyn_plugin.pipeline.stages = {plugin.pipeline.stages} but Megatron runs "
             f"{pp} pipeline stages (pipeline_model_parallel_size); set pipeline.stages to {pp}"
         )
-    if pp > 1 and plugin.pipeline.schedule != "1f1b":
-        # Megatron's own schedule is 1F1B: plan (and price) what runs
-        logger.info(
-            "dyn_plugin.pipeline.schedule %r -> '1f1b': Megatron runs its own 1F1B schedule", plugin.pipeline.schedule
+    if pp > 1 and plugin.pipeline.schedule == "adaptive":
+        raise ConfigError(
+            "dyn_plugin.pipeline.schedule = 'adaptive' under Megatron: Megatron's pipeline runs its own 1F1B "
+            "schedule, and a plan is priced as it is ordered; set pipeline.schedule to '1f1b' (or 'auto')"
         )
+    if pp > 1 and plugin.pipeline.schedule == "auto":
+        # the only schedule Megatron runs: plan (and price) what runs
         plugin = plugin.model_copy(update={"pipeline": plugin.pipeline.model_copy(update={"schedule": "1f1b"})})
     chunk = unwrap(model)
     positions = getattr(chunk, "max_sequence_length", None)

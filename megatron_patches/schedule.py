@@ -43,6 +43,38 @@ def run_order(step) -> list[int]:
     return [i.mb for i in step.plan.instructions if isinstance(i, ForwardPass)]
 
 
+def megatron_1f1b(order: list[int], stages: int, stage: int) -> list[tuple[str, int]]:
+    """What megatron-core's non-interleaved 1F1B runs on ``stage``: ``min(stages - stage - 1, n)``
+    warm-up forwards, forward/backward pairs, then the remaining backwards, in ``order``."""
+    warmup = min(stages - stage - 1, len(order))
+    ops = [("F", m) for m in order[:warmup]]
+    for i in range(len(order) - warmup):
+        ops += [("F", order[warmup + i]), ("B", order[i])]
+    return ops + [("B", m) for m in order[len(order) - warmup :]]
+
+
+def check_runs_as_planned(step, stages: int) -> None:
+    """Refuse a step whose order on this stage is not the one Megatron's schedule will run: a plan
+    is priced (time, and memory: the micro-batches in flight) as it is ordered, so running it in
+    another order would break the plan's promises silently."""
+    from dyn_plugin.plan.instructions import BackwardPass, ForwardPass
+
+    planned = [
+        ("F" if isinstance(i, ForwardPass) else "B", i.mb)
+        for i in step.plan.instructions
+        if isinstance(i, (ForwardPass, BackwardPass))
+    ]
+    stage = step.plan.stage
+    runs = megatron_1f1b(run_order(step), stages, stage)
+    if planned != runs:
+        raise ValueError(
+            f"step {step.index}: stage {stage}'s plan runs {planned} but Megatron's schedule runs {runs} (its 1F1B warms up "
+            f"min(stages - stage - 1, micro-batches) forwards); the plan capped the micro-batches in flight to fit "
+            "memory, which Megatron's schedule cannot: give the stage more memory (cluster.device.memory_mb) or more "
+            "recompute (microbatching.recompute), or fewer tokens per iteration"
+        )
+
+
 def step_batches(step) -> list[tuple[PlannedMicroBatch, dict]]:
     """(plan description, Megatron batch dict) of each of this rank's micro-batches, in run order."""
     loaded = dict(zip(step.plan.loads, step.micro_batches))
@@ -138,6 +170,7 @@ def planned(schedule: Callable) -> Callable:
         if isinstance(model, (list, tuple)) and len(model) > 1:
             raise ValueError("virtual pipeline stages (several model chunks) are not planned by the plugin")
         step = run.next_step(model)
+        check_runs_as_planned(step, run.loader.layout.stages)
         items = step_batches(step)
         if not items:
             raise ValueError(f"step {step.index} gave this rank no micro-batch; every replica needs at least one")

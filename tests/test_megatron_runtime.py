@@ -2,6 +2,7 @@
 
 import re
 
+import numpy as np
 import pytest
 
 pytest.importorskip("megatron.core")
@@ -170,3 +171,52 @@ def test_the_planned_global_batch_is_megatron_lms_unless_set(patched):
         args = {**GOOD, "micro_batch_size": 4, "sequence_parallel": True, "pipeline_model_parallel_size": 4}
         check_arguments(SimpleNamespace(**args))  # padded rows: any micro-batch size, TP sequence parallel, 4 stages
         assert runtime.RUN is run and run.config.plugin.microbatching.global_tokens == 4 * 512
+
+
+def _step(ops: list[tuple[str, int]], stage: int):
+    from types import SimpleNamespace
+
+    from dyn_plugin.plan.instructions import BackwardPass, ForwardPass
+
+    kinds = {"F": ForwardPass, "B": BackwardPass}
+    return SimpleNamespace(
+        index=0, plan=SimpleNamespace(stage=stage, instructions=[kinds[k](stage, m) for k, m in ops])
+    )
+
+
+def test_a_plan_megatron_would_run_in_another_order_is_refused():
+    """Megatron's 1F1B warms up min(stages - stage - 1, n) forwards; a plan that capped the
+    micro-batches in flight (memory) would run with more in flight than priced: refused."""
+    from megatron_patches.schedule import check_runs_as_planned, megatron_1f1b
+
+    order = [2, 0, 1]
+    assert megatron_1f1b(order, 2, 0) == [("F", 2), ("F", 0), ("B", 2), ("F", 1), ("B", 0), ("B", 1)]
+    assert megatron_1f1b(order, 2, 1) == [("F", 2), ("B", 2), ("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    check_runs_as_planned(_step(megatron_1f1b(order, 2, 0), 0), 2)  # what Megatron runs: accepted
+    capped = [("F", 2), ("B", 2), ("F", 0), ("B", 0), ("F", 1), ("B", 1)]  # stage 0 with one in flight
+    with pytest.raises(ValueError, match="capped the micro-batches in flight"):
+        check_runs_as_planned(_step(capped, 0), 2)
+
+
+def test_an_adaptive_pipeline_schedule_is_refused_under_megatron():
+    from types import SimpleNamespace
+
+    run = runtime.configure({"dyn_plugin": {"pipeline": {"stages": 2, "schedule": "adaptive"}}})
+    run.documents = runtime.Documents([[1]], np.array([1]))
+    ps = SimpleNamespace(
+        get_virtual_pipeline_model_parallel_world_size=lambda: None,
+        get_context_parallel_world_size=lambda: 1,
+        get_pipeline_model_parallel_world_size=lambda: 2,
+        get_data_parallel_world_size=lambda: 1,
+        get_tensor_model_parallel_world_size=lambda: 1,
+    )
+    import megatron.core
+
+    real = megatron.core.parallel_state
+    megatron.core.parallel_state = ps
+    try:
+        with pytest.raises(ConfigError, match="schedule = 'adaptive' under Megatron"):
+            runtime.build_loader(run, None)
+    finally:
+        megatron.core.parallel_state = real
+        runtime.RUN = None
