@@ -70,12 +70,15 @@ class Decoder(nn.Module):
 
 
 class Head(nn.Module):
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, softcap: float | None = None) -> None:
         super().__init__()
-        self.norm, self.lm_head = norm, lm_head
+        self.norm, self.lm_head, self.softcap = norm, lm_head, softcap
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return self.lm_head(self.norm(inputs[0]))
+        logits = self.lm_head(self.norm(inputs[0]))
+        if self.softcap is not None:  # the model's final_logit_softcapping, as its own forward applies it
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
 def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor, *, shifted: bool = False) -> torch.Tensor:
@@ -99,6 +102,15 @@ def causal_lm_pipe(model: nn.Module, layers_per_stage: Sequence[int]) -> Planned
             f"{type(model).__name__} is not a Llama-family causal LM (model.embed_tokens/layers/norm/"
             "rotary_emb); build a PipelineModule yourself and pass it as the model"
         )
+    model_type = getattr(model.config, "model_type", "")
+    if model_type.startswith("gemma"):
+        # Gemma's own forward scales the embeddings by sqrt(hidden_size) and (Gemma3) picks rotary
+        # embeddings per layer type: stages of embed_tokens / layers / one rotary_emb would differ
+        raise ValueError(
+            f"{type(model).__name__} ({model_type}) in pipeline stages: its forward scales the embeddings and "
+            "(Gemma3) uses a rotary embedding per layer type, which the plugin's stages do not reproduce; "
+            "train it without pipeline.stages > 1"
+        )
     attn = getattr(model.config, "_attn_implementation", None)
     if attn not in MASK_FREE_ATTENTION:
         raise ValueError(
@@ -116,7 +128,7 @@ def causal_lm_pipe(model: nn.Module, layers_per_stage: Sequence[int]) -> Planned
     layers = [
         Embed(body.embed_tokens),
         *(Decoder(l, body.rotary_emb) for l in body.layers),
-        Head(body.norm, model.lm_head),
+        Head(body.norm, model.lm_head, getattr(model.config, "final_logit_softcapping", None)),
     ]
     counts = list(layers_per_stage)
     counts[0] += 1

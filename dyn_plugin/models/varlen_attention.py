@@ -7,10 +7,17 @@ it gets the same cost structure by running causal SDPA once per document (on a G
 launch-bound: two kernels per document per layer). It reads document boundaries from
 ``position_ids`` resets, the same signal HF's flash-attention path uses, so packed micro-batches
 need no mask at all.
+
+Models that attend within a sliding window (Mistral, Qwen2's windowed layers, Gemma2/3's local
+layers) or soft-cap their attention logits (Gemma2) pass ``sliding_window`` and ``softcap`` with
+every call; the kernel computes exactly what transformers' eager attention does with them (a key
+is seen if ``query - key < sliding_window``; scores become ``tanh(scores / softcap) * softcap``
+before the mask), per document, by masked SDPA for a window and written out for a soft-cap.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 
@@ -92,6 +99,26 @@ def _flash_varlen(query, key, value, position_ids, scaling) -> torch.Tensor:
     return out.view(b, s, h, d)
 
 
+def _windowed(q, k, v, dropout: float, scaling: float | None, window: int | None, softcap: float | None):
+    """Causal attention of one document with a sliding window and/or a logit soft-cap, as
+    transformers' eager attention computes it. q: [1, heads, s, d], k/v: [1, kv_heads, s, d]."""
+    s = q.shape[2]
+    i = torch.arange(s, device=q.device)
+    seen = i[None, :] <= i[:, None]
+    if window is not None:
+        seen &= i[None, :] > i[:, None] - window
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=seen, dropout_p=dropout, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]
+        )
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
+    scores = torch.tanh(scores / softcap) * softcap
+    weights = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+    return F.dropout(weights, p=dropout, training=dropout > 0) @ v
+
+
 def document_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -99,17 +126,22 @@ def document_attention(
     position_ids: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention within each document of each row. query: [b, heads, s, d], key/value:
     [b, kv_heads, s, d]; position_ids: [rows, s] (rows = b, or 1 standing for every row), or None
-    for one document per row. Returns [b, s, heads, d]."""
+    for one document per row; ``window``: a key is seen by queries fewer than ``window`` positions
+    after it; ``softcap``: logits soft-capped at it. Returns [b, s, heads, d]."""
     gqa = key.shape[1] != query.shape[1]
+    plain = window is None and softcap is None
     if (
         varlen_attn is not None
         and query.is_cuda
         and query.dtype in (torch.bfloat16, torch.float16)
         and not gqa
         and dropout == 0.0
+        and plain
     ):  # what torch's flash varlen kernel takes
         return _flash_varlen(query, key, value, position_ids, scaling)
     rows = []
@@ -127,6 +159,8 @@ def document_attention(
                 scale=scaling,
                 enable_gqa=gqa,
             )
+            if plain
+            else _windowed(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], dropout, scaling, window, softcap)
             for s, e in bounds
         ]
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
@@ -155,10 +189,19 @@ def varlen_attention(
             "packed rows carry position_ids resets)"
         )
     drop = dropout if module.training else 0.0
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    local = functools.partial(document_attention, window=window, softcap=softcap)
     shard = sequence_parallel.current()
     if shard is not None and shard.size > 1:
-        return sequence_parallel.attention(shard, query, key, value, document_attention, drop, scaling), None
-    return document_attention(query, key, value, kwargs.get("position_ids"), drop, scaling), None
+        if (window is not None or softcap is not None) and shard.kind != "ulysses":
+            feature = "a sliding window" if window is not None else "attention logit soft-capping"
+            raise ValueError(
+                f"{type(module).__name__} attends with {feature}, which the plugin's ring attention does not "
+                "compute; set dyn_plugin.sequence_parallel.attention to 'ulysses' (the group size must divide "
+                "the query and key/value heads)"
+            )
+        return sequence_parallel.attention(shard, query, key, value, local, drop, scaling), None
+    return local(query, key, value, kwargs.get("position_ids"), drop, scaling), None
 
 
 def register() -> str:
