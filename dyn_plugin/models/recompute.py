@@ -19,16 +19,28 @@ from torch import nn
 from ..cost.model import RECOMPUTES
 from ..plan.instructions import PlannedMicroBatch
 
+# what transformer blocks call their attention block (Llama-likes, GPT-2, GPT-NeoX)
+ATTENTION_NAMES = ("self_attn", "attn", "attention")
+
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """Transformer blocks: the modules that own an attention block (``self_attn`` or ``attn``)."""
-    return [
-        m for m in model.modules() if isinstance(getattr(m, "self_attn", None) or getattr(m, "attn", None), nn.Module)
-    ]
+    """Transformer blocks: transformers' own block classes where the model names them (its
+    ``_no_split_modules``, whatever the attributes are called), else the modules that own an
+    attention block (an attribute in ``ATTENTION_NAMES``)."""
+    names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if blocks and all(_attention(b) is not None for b in blocks):
+        return blocks
+    return [m for m in model.modules() if _attention(m) is not None]
 
 
-def _attention(layer: nn.Module) -> nn.Module:
-    return getattr(layer, "self_attn", None) or layer.attn
+def _attention(layer: nn.Module) -> nn.Module | None:
+    """The block's attention module (None for a module that is not a block)."""
+    for name in ATTENTION_NAMES:
+        found = getattr(layer, name, None)
+        if isinstance(found, nn.Module):
+            return found
+    return None
 
 
 class RecomputeSwitch:
@@ -38,7 +50,8 @@ class RecomputeSwitch:
         self.layers = decoder_layers(model)
         if not self.layers:
             raise ValueError(
-                f"{type(model).__name__} has no transformer blocks (modules with self_attn or attn) to recompute"
+                f"{type(model).__name__} has no transformer blocks (transformers' _no_split_modules classes, or "
+                f"modules with an attention block named one of {', '.join(ATTENTION_NAMES)}) to recompute"
             )
         self.mode = "none"
         self.count = len(self.layers)  # layers under ``mode``
