@@ -77,12 +77,14 @@ def test_a_packed_row_trains_as_its_documents_alone(family):
     packed.backward()
     assert torch.allclose(out.logits[0], torch.cat(logits), atol=1e-5, rtol=0), family
     assert torch.allclose(packed, loss, rtol=1e-6), (float(packed), float(loss))
+    # relative to each gradient's largest entry: the summed loss's gradients reach ~10, and the
+    # reduction order (threads) moves their last digits
     worst = max(
-        float((a.grad - b.grad).abs().max())
-        for (name, a), b in zip(mine.named_parameters(), reference.parameters())
-        if a.grad is not None
+        float((a.grad - b.grad).abs().max() / b.grad.abs().max())
+        for a, b in zip(mine.parameters(), reference.parameters())
+        if a.grad is not None and b.grad.abs().max() > 0
     )
-    assert worst < 1e-5, worst
+    assert worst < 1e-5, worst  # measured 6-8e-7; a window ignored gives ~1e-1
 
 
 @pytest.mark.parametrize("feature", ["sliding_window", "softcap"])
