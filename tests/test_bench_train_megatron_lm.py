@@ -1,5 +1,6 @@
 """``dynplugin bench train --host megatron-lm`` end to end, tiny: Megatron-LM's own pretrain_gpt.py trains padded
-(the plugin's fixed_padding), alone on its GPTDataset samples and under the plugin's plan on 2 gloo ranks, and
+(the plugin's fixed_padding), alone on its GPTDataset samples (with Megatron's local attention and with
+SDPA) and under the plugin's plan on 2 gloo ranks, and
 the JSON rows and records are complete and sane."""
 
 import json
@@ -15,7 +16,7 @@ from shared_data import shared_path
 pytest.importorskip("megatron.core")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = ["padded", "megatron-lm", "dyn_plugin"]
+MODES = ["padded", "megatron-lm", "megatron-lm-sdpa", "dyn_plugin"]
 
 
 def test_megatron_lm_comparison_trains_every_mode(tmp_path):
@@ -32,17 +33,18 @@ def test_megatron_lm_comparison_trains_every_mode(tmp_path):
     for r in rows.values():
         assert r["benchmark"] == "train-megatron-lm" and r["steps"] == 1
         assert r["effective_tokens_per_s"] > 0 and r["measured_step_ms"] > 0 and math.isfinite(r["final_loss"])
-        assert r["speedup_vs_padded"] > 0 and r["speedup_vs_megatron-lm"] > 0
+        assert r["speedup_vs_padded"] > 0 and r["speedup_vs_megatron-lm"] > 0 and r["speedup_vs_megatron-lm-sdpa"] > 0
     for mode in ("padded", "dyn_plugin"):  # the plans made inside the ranks reported their predictions
         assert rows[mode]["predicted_step_ms"] > 0 and rows[mode]["prediction_mape"] >= 0
-    assert rows["megatron-lm"]["predicted_step_ms"] is None and rows["megatron-lm"]["padding_fraction"] == 0
+    for mode in ("megatron-lm", "megatron-lm-sdpa"):  # Megatron-LM's own samples: no plan, no padding
+        assert rows[mode]["predicted_step_ms"] is None and rows[mode]["padding_fraction"] == 0
     assert rows["padded"]["padding_fraction"] > 0.05
     assert rows["dyn_plugin"]["padding_fraction"] < 0.01
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert [r["mode"] for r in records] == MODES
     # one iteration's budget in every mode; the plugin's two modes train the same documents
     assert all(r["token_slots"] <= 2048 for r in records)
-    assert records[0]["real_tokens"] == records[2]["real_tokens"]
+    assert records[0]["real_tokens"] == records[3]["real_tokens"]
     assert (out / "report.md").read_text().startswith("# Training demo: Megatron-LM's pretrain_gpt.py")
     assert (out / "code-1024.idx").stat().st_size > 0  # the corpus as a Megatron indexed dataset
 

@@ -8,9 +8,11 @@ bench/train_megatron_lm.py launches this file in place of ``pretrain_gpt.py`` (w
   applied): under Megatron-LM the plan is made inside the ranks, so each rank appends one line per
   iteration to ``$BENCH_MEGATRON_LM_OUT/steps-RANK.jsonl``: the plan's predicted step time and the
   document tokens and token slots of the micro-batches this rank trained;
-- alone (plain torchrun, ``$BENCH_MEGATRON_LM_ALONE`` set): Megatron-LM's own run, only with what it
-  needs on CPU gloo ranks (the plugin's CPU shims and its build of Megatron's dataset helpers),
-  nothing of its plans; nothing is recorded (every sample token is a document token).
+- alone (plain torchrun, ``$BENCH_MEGATRON_LM_ALONE`` = ``local``): Megatron-LM's own run, only with
+  what it needs on CPU gloo ranks (the plugin's CPU shims and its build of Megatron's dataset
+  helpers), nothing of its plans; nothing is recorded (every sample token is a document token). With
+  ``sdpa``, also the plugin's core attention (``attention.packed_thd``: torch's SDPA where it computes
+  what Megatron's local attention does), so that Megatron-LM's packing runs the plugin runs' kernel.
 
 Measured step times and losses come from Megatron-LM's own log. This module imports the Megatron
 adapter (``megatron_patches``): it runs only as the ranks' script, launched by path in child
@@ -30,15 +32,20 @@ out, script = os.environ["BENCH_MEGATRON_LM_OUT"], os.environ["BENCH_MEGATRON_LM
 rank = int(os.environ.get("RANK", "0"))
 
 
-def apply_cpu_shims() -> None:
-    """What Megatron-LM alone needs on CPU ranks: the plugin's CPU shims and dataset-helpers build."""
+def apply_cpu_shims(attention: str) -> None:
+    """What Megatron-LM alone needs on CPU ranks: the plugin's CPU shims and dataset-helpers build; with
+    ``attention`` = ``sdpa`` also the plugin's core attention."""
     from megatron_patches import Registry
+    from megatron_patches.attention import attention_patches
     from megatron_patches.cpu import cpu_patches, stub_triton_kernels
     from megatron_patches.data import data_patches
 
     stub_triton_kernels()
     shims = Registry()
-    for p in [*cpu_patches(), *(p for p in data_patches() if p.name == "data.compile_helpers")]:
+    chosen = [*cpu_patches(), *(p for p in data_patches() if p.name == "data.compile_helpers")]
+    if attention == "sdpa":
+        chosen += [p for p in attention_patches() if p.name == "attention.packed_thd"]
+    for p in chosen:
         shims.register(p)
     shims.apply()
 
@@ -62,7 +69,7 @@ def record_plans() -> None:
 
 
 if os.environ.get("BENCH_MEGATRON_LM_ALONE"):
-    apply_cpu_shims()
+    apply_cpu_shims(os.environ["BENCH_MEGATRON_LM_ALONE"])
 else:
     record_plans()
 sys.argv = [script, *sys.argv[1:]]

@@ -1,4 +1,4 @@
-"""Megatron-LM's own ``pretrain_gpt.py`` trained three ways side by side on real code: padded, Megatron-LM's
+"""Megatron-LM's own ``pretrain_gpt.py`` trained several ways side by side on real code: padded, Megatron-LM's
 packing and the plugin's plan (``dynplugin bench train --host megatron-lm``).
 
 The same corpus as the other training benchmarks (the Python standard library's source, tokenized
@@ -12,6 +12,10 @@ indexed dataset (``.bin``/``.idx``, one document per sequence) and passed to eve
 - megatron-lm: Megatron-LM alone (plain torchrun, only the CPU shims) on its own ``GPTDataset``
   samples, documents concatenated into ``--seq-length`` rows attending across each other: every
   token is a document token;
+- megatron-lm-sdpa: the same with the plugin runs' core attention (torch's SDPA, the same result):
+  Megatron-LM's local attention materialises the full score matrix with an unfused softmax, several
+  times slower on CPU, so megatron-lm alone mixes the batching's gain with the kernel's; this
+  baseline isolates the batching;
 - dyn_plugin: the plugin's ``dynapipe`` plan through its launcher.
 
 Each run is a separate ``pretrain_gpt.py`` (bench/megatron_lm_rank.py observing it): measured step
@@ -41,8 +45,10 @@ from .train_common import batchings_preamble, cost_model_section, report, summar
 logger = logging.getLogger(__name__)
 
 # mode -> the plugin's microbatching.method, or None: Megatron-LM alone
-MODES = {"padded": "fixed_padding", "megatron-lm": None, "dyn_plugin": "dynapipe"}
-BASELINES = ("padded", "megatron-lm")  # the ratios the report shows
+MODES = {"padded": "fixed_padding", "megatron-lm": None, "megatron-lm-sdpa": None, "dyn_plugin": "dynapipe"}
+# Megatron-LM alone: mode -> its core attention (bench/megatron_lm_rank.py)
+ALONE = {"megatron-lm": "local", "megatron-lm-sdpa": "sdpa"}
+BASELINES = ("padded", "megatron-lm", "megatron-lm-sdpa")  # the ratios the report shows
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RANK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_lm_rank.py")
 # NullTokenizer adds its end-of-document id after --vocab-size ids: 8191 + 1 = tiny-llama's 8192 embedding rows
@@ -122,7 +128,7 @@ def run_mode(mode: str, args: argparse.Namespace, script: str, prefix: str) -> l
         "BENCH_MEGATRON_LM_SCRIPT": script,
     }
     if method is None:
-        env["BENCH_MEGATRON_LM_ALONE"] = "1"
+        env["BENCH_MEGATRON_LM_ALONE"] = ALONE[mode]
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", RANK_SCRIPT]
     else:
         cfg = os.path.join(folder, "dyn_plugin.json")
@@ -216,6 +222,8 @@ def preamble(args: argparse.Namespace) -> str:
         args,
         "padded: the plugin's fixed_padding (every document padded to the maximum length); megatron-lm: "
         "Megatron-LM alone on its GPTDataset samples (documents concatenated into --seq-length rows, attending "
-        "across each other; hence its different loss); dyn_plugin: the plugin's plan.",
+        "across each other; hence its different loss), with Megatron's local attention (full score matrix, unfused "
+        "softmax); megatron-lm-sdpa: the same with the plugin runs' attention kernel (torch's SDPA); dyn_plugin: "
+        "the plugin's plan.",
         how=", each a run of Megatron-LM's unmodified pretrain_gpt.py (step times from its log)",
     )

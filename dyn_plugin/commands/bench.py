@@ -335,8 +335,8 @@ def default_megatron_lm() -> str | None:
 
 
 def bench_train_megatron_lm(args: argparse.Namespace, host: dict) -> int:
-    """Megatron-LM's pretrain_gpt.py three ways, each run in child processes (this process imports
-    megatron-core only to write the corpus, megatron_patches never), then its summary rows."""
+    """Megatron-LM's pretrain_gpt.py side by side (padded, alone, the plugin), each run in child processes
+    (this process imports megatron-core only to write the corpus, megatron_patches never); its summary rows."""
     if args.sp:
         raise SystemExit("bench train --sp runs with --host deepspeed only; drop --sp or --host megatron-lm")
     from ..bench.train_common import cost_model_label
