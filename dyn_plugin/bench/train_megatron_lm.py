@@ -129,11 +129,14 @@ def run_mode(mode: str, args: argparse.Namespace, script: str, prefix: str) -> l
     }
     if method is None:
         env["BENCH_MEGATRON_LM_ALONE"] = ALONE[mode]
+        if ALONE[mode] == "sdpa":  # SDPA only where no mask tensor is given: causality alone is the mask
+            flags.append("--no-create-attention-mask-in-dataloader")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", RANK_SCRIPT]
     else:
         cfg = os.path.join(folder, "dyn_plugin.json")
         plugin = {
-            "cost_model": cost_model_section(args.profile, "fp32"),
+            # the ranks run in the mode's folder: a relative profile path is the caller's
+            "cost_model": cost_model_section(args.profile and os.path.abspath(args.profile), "fp32"),
             "microbatching": {"method": method, "max_seq_len": args.max_len},  # global_tokens: the flags' product
             "cluster": {"devices_per_node": args.ranks, "device": {"memory_mb": args.memory_mb}},
         }
