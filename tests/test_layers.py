@@ -65,9 +65,10 @@ ALLOWED = {
     "__init__": {"cost"},
 }
 PURE = ("config", "lengths", "cost", "plan", "layout")
-# the one module that may import megatron_patches: the Megatron training benchmark, which runs only as the
-# ranks' main module, launched by name (``dynplugin bench train --host megatron``) in child processes
-MEGATRON_BENCH = PKG / "bench" / "train_megatron.py"
+# the modules that may import megatron_patches: the Megatron training benchmark, which runs only as the
+# ranks' main module, launched by name (``dynplugin bench train --host megatron``) in child processes, and
+# the rank script of ``bench train --host megatron-lm``, launched by path in place of pretrain_gpt.py
+MEGATRON_BENCH = (PKG / "bench" / "train_megatron.py", PKG / "bench" / "megatron_lm_rank.py")
 FRAMEWORKS = ("torch", "deepspeed", "transformers", "megatron", "deepspeed_ext")
 
 
@@ -116,8 +117,9 @@ def test_imports_point_one_way(path):
             )
         # megatron_patches (the Megatron adapter) imports dyn_plugin, never the other way round: the
         # ``megatron`` command runs it by module name in a child process, and so does ``bench train
-        # --host megatron`` with bench/train_megatron.py (no module imports that one)
-        assert top != "megatron_patches" or path == MEGATRON_BENCH, (
+        # --host megatron`` with bench/train_megatron.py (no module imports that one), and ``--host megatron-lm``
+        # with bench/megatron_lm_rank.py
+        assert top != "megatron_patches" or path in MEGATRON_BENCH, (
             f"{path.relative_to(ROOT)} imports {name}: dyn_plugin must not import megatron_patches"
         )
         if layer in PURE:
@@ -162,9 +164,14 @@ def test_every_host_runs_on_the_one_core(host):
 
 
 def test_no_module_imports_the_megatron_benchmark():
-    """bench/train_megatron.py imports megatron_patches: it must stay a child's main module, imported by nobody."""
+    """bench/train_megatron.py and bench/megatron_lm_rank.py import megatron_patches: they must stay a child's
+    main module or script, imported by nobody (bench/train_megatron_lm.py, which imports neither, may be)."""
     for path in MODULES:
-        assert not any(name.startswith("dyn_plugin.bench.train_megatron") for name in _imports(path)), path
+        for name in _imports(path):
+            assert name != "dyn_plugin.bench.train_megatron" and not name.startswith(
+                "dyn_plugin.bench.train_megatron."
+            ), path
+            assert not name.startswith("dyn_plugin.bench.megatron_lm_rank"), path
 
 
 def test_the_check_sees_relative_imports():

@@ -107,9 +107,12 @@ def finish_batchings(
 
 def tokenized_corpus(name: str, max_len: int, out: str) -> tuple[list[np.ndarray], np.ndarray]:
     """The documents of corpus ``name`` (code, prose or mixture) as token ids of at most ``max_len``
-    tokens (one-token documents dropped: nothing to predict), and their lengths; cached in ``out``."""
+    tokens (one-token documents dropped: nothing to predict), and their lengths; cached in ``out``.
+    Called on every rank of a process group, or in one process without one (bench/train_megatron_lm.py
+    writes the corpus before launching the ranks)."""
     path = os.path.join(out, f"{name}-{max_len}-tokens.npz")  # the cap is part of the key: ids differ per cap
-    if dist.get_rank() == 0 and not os.path.exists(path):
+    ranked = dist.is_initialized()
+    if (not ranked or dist.get_rank() == 0) and not os.path.exists(path):
         from ..lengths.corpus import iter_documents
         from ..lengths.tokenizer import get_tokenizer
 
@@ -119,7 +122,8 @@ def tokenized_corpus(name: str, max_len: int, out: str) -> tuple[list[np.ndarray
         ]
         ids = [x for x in ids if len(x) > 1]
         np.savez(path, flat=np.concatenate(ids), offsets=np.cumsum([0] + [len(x) for x in ids]))
-    dist.barrier()
+    if ranked:
+        dist.barrier()
     z = np.load(path)
     flat, off = z["flat"], z["offsets"]
     docs = [flat[a:b] for a, b in zip(off[:-1], off[1:])]
@@ -142,13 +146,16 @@ def cost_model_label(profile: str | None) -> str:
 def summarize(records: list[dict], modes: Iterable[str], baselines: Sequence[str]) -> list[dict]:
     """One row per mode of ``modes`` that has records (in that order): effective (non-padding)
     tokens/s, padding fraction, measured and predicted step time, the prediction's mean absolute
-    percentage error, the last loss, and ``speedup_vs_<mode>`` against each of ``baselines`` that ran."""
+    percentage error, the last loss, and ``speedup_vs_<mode>`` against each of ``baselines`` that ran.
+    A mode whose records predict nothing (``predicted_ms`` None: a run without the plugin's plans) has
+    None for both prediction figures."""
     rows = []
     for mode in modes:
         rs = [r for r in records if r["mode"] == mode]
         if not rs:
             continue
         secs = sum(r["measured_ms"] for r in rs) / 1e3
+        predicted = [r for r in rs if r["predicted_ms"] is not None]
         rows.append(
             {
                 "mode": mode,
@@ -156,10 +163,12 @@ def summarize(records: list[dict], modes: Iterable[str], baselines: Sequence[str
                 "effective_tokens_per_s": sum(r["real_tokens"] for r in rs) / secs,
                 "padding_fraction": 1 - sum(r["real_tokens"] for r in rs) / sum(r["token_slots"] for r in rs),
                 "measured_step_ms": secs * 1e3 / len(rs),
-                "predicted_step_ms": float(np.mean([r["predicted_ms"] for r in rs])),
+                "predicted_step_ms": float(np.mean([r["predicted_ms"] for r in predicted])) if predicted else None,
                 "prediction_mape": float(
-                    np.mean([abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rs])
-                ),
+                    np.mean([abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in predicted])
+                )
+                if predicted
+                else None,
                 "final_loss": rs[-1]["loss"],
             }
         )
@@ -183,11 +192,17 @@ def report(rows: list[dict], out: str, preamble: str, baselines: Sequence[str]) 
     def vs(r: dict, mode: str) -> str:
         return f"{r[f'speedup_vs_{mode}']:.2f}x" if f"speedup_vs_{mode}" in r else "-"
 
+    def predicted(r: dict) -> str:
+        if r["predicted_step_ms"] is None:
+            return "- | - | "
+        return f"{r['predicted_step_ms']:,.0f} | {r['prediction_mape']:.1%} | "
+
     body = "".join(
         f"| {r['mode']} | {r['effective_tokens_per_s']:,.0f} | "
         + "".join(f"{vs(r, m)} | " for m in shown)
-        + f"{r['padding_fraction']:.1%} | {r['measured_step_ms']:,.0f} "
-        f"| {r['predicted_step_ms']:,.0f} | {r['prediction_mape']:.1%} | {r['final_loss']:.3f} |\n"
+        + f"{r['padding_fraction']:.1%} | {r['measured_step_ms']:,.0f} | "
+        + predicted(r)
+        + f"{r['final_loss']:.3f} |\n"
         for r in rows
     )
     text = preamble + head + body

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 
@@ -149,10 +150,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     train.add_argument(
         "--host",
-        choices=("deepspeed", "megatron"),
+        choices=("deepspeed", "megatron", "megatron-lm"),
         default="deepspeed",
-        help="training framework: deepspeed (dyn_plugin/bench/train_deepspeed.py) or megatron "
-        "(dyn_plugin/bench/train_megatron.py, Megatron's schedules under the plugin's patches)",
+        help="training framework: deepspeed (dyn_plugin/bench/train_deepspeed.py), megatron "
+        "(dyn_plugin/bench/train_megatron.py, Megatron's schedules under the plugin's patches) or megatron-lm "
+        "(dyn_plugin/bench/train_megatron_lm.py, Megatron-LM's own pretrain_gpt.py: padded, Megatron-LM's "
+        "packing alone, the plugin)",
+    )
+    train.add_argument(
+        "--megatron-lm",
+        metavar="PATH",
+        default=os.environ.get("MEGATRON_LM") or default_megatron_lm(),
+        help="with --host megatron-lm: the Megatron-LM checkout whose pretrain_gpt.py trains "
+        "(default $MEGATRON_LM, else ../shared/third_party/megatron-lm beside the repository if present)",
     )
     train.add_argument(
         "--profile",
@@ -288,6 +298,8 @@ def bench_train(args: argparse.Namespace, host: dict) -> int:
     """Launch DeepSpeed's (or, with ``--host megatron``, Megatron's) batchings side by side on local ranks
     (torchrun), then print its summary rows. Each runs by module name in the ranks' processes: this
     process never imports train_megatron (the one module of dyn_plugin that imports megatron_patches)."""
+    if args.host == "megatron-lm":
+        return bench_train_megatron_lm(args, host)
     if args.host == "megatron":
         if args.sp:
             raise SystemExit(
@@ -313,6 +325,29 @@ def bench_train(args: argparse.Namespace, host: dict) -> int:
         host,
         ["--max-len", str(max_len), "--global-tokens", str(args.global_tokens)] + extra,
     )
+
+
+def default_megatron_lm() -> str | None:
+    """The shared third-party Megatron-LM beside the repository (a source checkout's ../shared), if present."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(os.path.dirname(repo), "shared", "third_party", "megatron-lm")
+    return path if os.path.isdir(path) else None
+
+
+def bench_train_megatron_lm(args: argparse.Namespace, host: dict) -> int:
+    """Megatron-LM's pretrain_gpt.py side by side (padded, alone, the plugin), each run in child processes
+    (this process imports megatron-core only to write the corpus, megatron_patches never); its summary rows."""
+    if args.sp:
+        raise SystemExit("bench train --sp runs with --host deepspeed only; drop --sp or --host megatron-lm")
+    from ..bench.train_common import cost_model_label
+    from ..bench.train_megatron_lm import bench_train_megatron_lm as run_benchmark
+
+    run_args = argparse.Namespace(**vars(args), lengths="code", warmup=1, memory_mb=8000.0)
+    run_args.max_len = args.max_len or 4096
+    for row in run_benchmark(run_args):
+        record = {"benchmark": "train-megatron-lm", "cost_model": cost_model_label(args.profile), **row, **host}
+        print(json.dumps(record, indent=None if args.json else 2), flush=True)
+    return 0
 
 
 def bench_shard_train(args: argparse.Namespace, host: dict) -> int:

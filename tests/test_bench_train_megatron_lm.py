@@ -1,0 +1,65 @@
+"""``dynplugin bench train --host megatron-lm`` end to end, tiny: Megatron-LM's own pretrain_gpt.py trains padded
+(the plugin's fixed_padding), alone on its GPTDataset samples (with Megatron's local attention and with
+SDPA) and under the plugin's plan on 2 gloo ranks, and
+the JSON rows and records are complete and sane."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shared_data import shared_path
+
+pytest.importorskip("megatron.core")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODES = ["padded", "megatron-lm", "megatron-lm-sdpa", "dyn_plugin"]
+
+
+def test_megatron_lm_comparison_trains_every_mode(tmp_path):
+    mlm = os.environ.get("MEGATRON_LM") or str(shared_path("third_party", "megatron-lm"))
+    out = tmp_path / "train"
+    # 1024-token rows, 2 per iteration: the shorter documents of the corpus leave padded rows part empty
+    cmd = [sys.executable, "-m", "dyn_plugin", "bench", "train", "--host", "megatron-lm", "--megatron-lm", mlm]
+    cmd += ["--out", str(out), "--steps", "1", "--max-len", "1024", "--global-tokens", "2048", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {r["mode"]: r for r in map(json.loads, done.stdout.splitlines())}
+    assert list(rows) == MODES
+    for r in rows.values():
+        assert r["benchmark"] == "train-megatron-lm" and r["steps"] == 1
+        assert r["effective_tokens_per_s"] > 0 and r["measured_step_ms"] > 0 and math.isfinite(r["final_loss"])
+        assert r["speedup_vs_padded"] > 0 and r["speedup_vs_megatron-lm"] > 0 and r["speedup_vs_megatron-lm-sdpa"] > 0
+    for mode in ("padded", "dyn_plugin"):  # the plans made inside the ranks reported their predictions
+        assert rows[mode]["predicted_step_ms"] > 0 and rows[mode]["prediction_mape"] >= 0
+    for mode in ("megatron-lm", "megatron-lm-sdpa"):  # Megatron-LM's own samples: no plan, no padding
+        assert rows[mode]["predicted_step_ms"] is None and rows[mode]["padding_fraction"] == 0
+    assert rows["padded"]["padding_fraction"] > 0.05
+    assert rows["dyn_plugin"]["padding_fraction"] < 0.01
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert [r["mode"] for r in records] == MODES
+    # one iteration's budget in every mode; the plugin's two modes train the same documents
+    assert all(r["token_slots"] <= 2048 for r in records)
+    assert records[0]["real_tokens"] == records[3]["real_tokens"]
+    assert (out / "report.md").read_text().startswith("# Training demo: Megatron-LM's pretrain_gpt.py")
+    assert (out / "code-1024.idx").stat().st_size > 0  # the corpus as a Megatron indexed dataset
+
+
+def test_missing_checkout_names_the_option(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "dyn_plugin",
+        "bench",
+        "train",
+        "--host",
+        "megatron-lm",
+        "--megatron-lm",
+        str(tmp_path),
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "--megatron-lm" in done.stderr and "pretrain_gpt.py" in done.stderr
