@@ -127,19 +127,24 @@ def run_pretrain_gpt(
 
 
 def run_to_end(cmd: list[str], *, env: dict, cwd: Path, timeout: int) -> tuple[int, str]:
-    """(return code, output) of ``cmd`` in a session of its own, whose processes are all killed when
-    it ends: a rank killed by SIGKILL leaves the process Megatron-LM's checkpoint writer spawned
-    (its queue manager) orphaned, still holding the output open."""
+    """(return code, output) of ``cmd``, every process it started killed when it ends: a rank killed
+    by SIGKILL leaves the processes Megatron-LM's checkpoint writer spawned (its queue manager and
+    multiprocessing's resource tracker) orphaned, outside the launcher's process group (torchrun
+    starts each rank in a session of its own), still holding the output open; they are found by
+    the output folder in their environment."""
     log = cwd / "output.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout=timeout)
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            marker = f"MEGATRON_LM_OUT={env['MEGATRON_LM_OUT']}".encode()
+            for environ in Path("/proc").glob("[0-9]*/environ"):
+                try:
+                    if marker in environ.read_bytes().split(b"\0"):
+                        os.kill(int(environ.parent.name), signal.SIGKILL)
+                except (OSError, ValueError):
+                    pass  # gone meanwhile, or not ours to read
     return code, log.read_text()
 
 
