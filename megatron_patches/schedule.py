@@ -45,12 +45,12 @@ def run_order(step) -> list[int]:
 
 def megatron_1f1b(order: list[int], stages: int, stage: int) -> list[tuple[str, int]]:
     """What megatron-core's non-interleaved 1F1B runs on ``stage``: ``min(stages - stage - 1, n)``
-    warm-up forwards, forward/backward pairs, then the remaining backwards, in ``order``."""
-    warmup = min(stages - stage - 1, len(order))
-    ops = [("F", m) for m in order[:warmup]]
-    for i in range(len(order) - warmup):
-        ops += [("F", order[warmup + i]), ("B", order[i])]
-    return ops + [("B", m) for m in order[len(order) - warmup :]]
+    warm-up forwards, forward/backward pairs, then the remaining backwards, in ``order``: the
+    planner's 1F1B with no cap on the micro-batches in flight."""
+    from dyn_plugin.plan.schedule import one_f_one_b
+
+    positions = one_f_one_b(len(order), stages).stages[stage]  # over positions 0 .. n - 1 of ``order``
+    return [(op.kind, order[op.mb]) for op in positions]
 
 
 def check_runs_as_planned(step, stages: int) -> None:

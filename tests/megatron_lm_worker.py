@@ -31,21 +31,16 @@ import sys
 
 import torch
 
+from megatron_patches.runtime import unwrap
+
 out, script, args = os.environ["MEGATRON_LM_OUT"], os.environ["MEGATRON_LM_SCRIPT"], sys.argv[1:]
 reference = os.environ.get("MEGATRON_LM_REFERENCE")
 rank = int(os.environ.get("RANK", "0"))
 
 
-def chunk_of(model):
-    chunk = model[0] if isinstance(model, (list, tuple)) else model
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def global_parameters(model) -> dict:
     """name -> (tensor, TP partition dim or None), decoder layers named by their global index."""
-    chunk = chunk_of(model)
+    chunk = unwrap(model)
     layers = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(chunk.decoder.layers)}
     named = {}
     for name, p in chunk.named_parameters():
@@ -66,7 +61,7 @@ def observe_training():
     def observed(forward_step_func, model, *rest, **kwargs):
         if reference:
             initial = torch.load(os.path.join(reference, "merged-initial.pt"))
-            for name, p in chunk_of(model).named_parameters():
+            for name, p in unwrap(model).named_parameters():
                 p.data.copy_(initial[name])
         before = global_parameters(model)
         result = train(forward_step_func, model, *rest, **kwargs)
