@@ -185,17 +185,9 @@ class PlanPipelineEngine(PipelineEngine):
             yield
 
     def _shard(self, mb: int) -> SequenceShard | None:
-        """Micro-batch ``mb``'s sequence-parallel shard (None on a group of one), built once per step.
-        It carries the whole rows' position ids, on the device: attention finds the documents that
-        cross shard boundaries from them."""
-        desc = self._step.plan.micro_batches[mb]
-        if desc.sp == 1:
-            return None
+        """Micro-batch ``mb``'s sequence-parallel shard (None on a group of one), built once per step."""
         if mb not in self._shards:
-            whole = position_ids(desc.seq_lens, desc.layout, desc.shape).to(self.device)
-            self._shards[mb] = self._sequence.shard(
-                self.stage_id, desc.sp, desc.group, self._step.plan.column - desc.group, whole
-            )
+            self._shards[mb] = self._sequence.planned_shard(self._step, mb, self.stage_id)
         return self._shards[mb]
 
     @staticmethod

@@ -9,26 +9,21 @@ the attention collectives), the gradients summed over all ranks are those of the
 summed loss, and the usual scale dp / (global scored tokens) keeps the update its exact token
 mean whatever the grouping.
 
-``SequenceRuntime.micro_batch`` is entered around a micro-batch's forward and backward: the
-group's shard for attention (recompute in backward re-runs it with this group, not whichever is
-current later) and a random stream seeded per group and micro-batch, so dropout draws the same
-on every rank of the group and again after a resume. The pipeline engine (pipe_engine.py) enters
-``running`` around each stage's forward and backward of a micro-batch, with that stage's group.
+The run's groups are a ``SequenceRuntime`` (``dyn_plugin.host.sequence_parallel``, shared with
+Megatron): ``train_step`` enters ``micro_batch`` around a micro-batch's forward and backward, the
+pipeline engine (pipe_engine.py) ``running`` around each stage's forward and backward of a
+micro-batch, with that stage's group.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 
-from dyn_plugin.config import SequenceParallelConfig
-from dyn_plugin.cost.sequence_parallel import attention_kind, group_sizes
-from dyn_plugin.models.sequence_parallel import SequenceShard, sharded
+from dyn_plugin.host.sequence_parallel import SequenceRuntime
 from dyn_plugin.models.varlen_attention import register
 from dyn_plugin.runtime.loader import Step
-from dyn_plugin.runtime.sequence_groups import SequenceGroups, group_rng, group_seed
 
 
 def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
@@ -53,53 +48,6 @@ def use_plugin_attention(model: torch.nn.Module) -> None:
             "sequence_parallel or use such a model"
         )
     model.config._attn_implementation = register()
-
-
-class SequenceRuntime:
-    """Built once per run, after the process group: every aligned group, and per size the attention kind."""
-
-    def __init__(
-        self,
-        config: SequenceParallelConfig,
-        *,
-        columns: int,
-        stages: int,
-        num_heads: int,
-        num_kv_heads: int | None,
-        seed: int,
-        device: torch.device,
-    ) -> None:
-        self.groups = SequenceGroups(columns, stages, config.sizes)  # collective: every rank, same order
-        self.kinds = {
-            k: attention_kind(k, config.attention, num_heads, num_kv_heads)
-            for k in group_sizes(columns, config.sizes)
-            if k > 1
-        }
-        self.seed, self.device = seed, device
-
-    def shard(self, stage: int, size: int, first: int, index: int, positions: torch.Tensor) -> SequenceShard | None:
-        """Shard ``index`` of a micro-batch on the group of ``size`` columns from ``first`` at pipeline
-        ``stage`` (None on a group of one); ``positions``: the whole rows' position ids, on the device."""
-        if size == 1:
-            return None
-        return SequenceShard(self.groups.group(stage, first, size), size, index, self.kinds[size], positions)
-
-    @contextlib.contextmanager
-    def running(self, step: Step, mb: int, stage: int, shard: SequenceShard | None) -> Iterator[None]:
-        """Around the forward and the backward of ``step``'s micro-batch ``mb`` (an index into its
-        plan's micro-batches) at pipeline ``stage``: attention over ``shard``'s group, random
-        numbers from the group's stream."""
-        seed = group_seed(self.seed, step.epoch, step.index, mb, step.plan.micro_batches[mb].group, stage)
-        with group_rng(seed, self.device), sharded(shard):
-            yield
-
-    @contextlib.contextmanager
-    def micro_batch(self, step: Step, i: int, batch: Mapping[str, torch.Tensor]) -> Iterator[None]:
-        """Around entry ``i`` of ``step.micro_batches`` (``batch``): its forward and its backward."""
-        size, first, index = step.shards[i]
-        positions = batch["sequence_position_ids"].to(self.device) if size > 1 else None
-        with self.running(step, step.plan.loads[i], 0, self.shard(0, size, first, index, positions)):
-            yield
 
 
 def sequence_runtime(engine: Any, step: Step) -> SequenceRuntime | None:

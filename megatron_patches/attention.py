@@ -19,7 +19,8 @@ every numerical choice of the local attention (query-key layer scaling, the -100
 softmax offsets, sliding windows, dropout under the tensor-parallel RNG tracker). Packed rows cost
 a Python loop over documents and a host sync for the lengths; attention memory is the sum of the
 squared document lengths rather than the squared row length. With TransformerEngine the TE spec is
-used instead and this patch changes nothing there.
+used instead and this patch changes nothing there. Inside a sequence-parallel shard the attention
+spans the shard's group (``megatron_patches.sequence_parallel``).
 
 The subclass is defined against the original class when this module is imported, which is before
 the patch can be applied (``attention_patches`` lives here); the patch then rebinds
@@ -37,6 +38,9 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor
+
+from dyn_plugin.models import sequence_parallel
+from dyn_plugin.models.varlen_attention import document_attention
 
 from .registry import Patch
 
@@ -95,7 +99,14 @@ class PackedDotProductAttention(DotProductAttention):
         """Without ``packed_seq_params``: ``DotProductAttention.forward``. With THD params: query
         ``[t, np, hn]``, key and value ``[t, ng, hn]`` (Megatron's ``Attention`` squeezes the
         dummy batch dimension) give ``[t, np * hn]``, which ``Attention`` reshapes to ``[t, 1, h]``.
-        Padding tokens between documents (``cu_seqlens_*_padded``) get a zero output."""
+        Padding tokens between documents (``cu_seqlens_*_padded``) get a zero output. Inside a
+        sequence-parallel shard (``megatron_patches.sequence_parallel``) the attention spans the
+        shard's group."""
+        shard = sequence_parallel.current()
+        if shard is not None:
+            return self._over_group(
+                shard, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+            )
         if packed_seq_params is None:
             return self._attend(query, key, value, attention_mask, attn_mask_type, attention_bias)
         if packed_seq_params.qkv_format != "thd":
@@ -138,6 +149,48 @@ class PackedDotProductAttention(DotProductAttention):
             pieces.append(query.new_zeros(query.size(0) - cursor, self.hidden_size_per_partition))
         return torch.cat(pieces, dim=0)
 
+    def _over_group(
+        self,
+        shard: sequence_parallel.SequenceShard,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType],
+        attention_bias: Optional[Tensor],
+        packed_seq_params: Optional[PackedSeqParams],
+    ) -> Tensor:
+        """[s/k, b, heads, hn] of this rank's shard -> [s/k, b, heads * hn]: per-document causal
+        attention over the whole rows, through the plugin's Ulysses or ring attention."""
+        if packed_seq_params is not None or not self._plain(attention_mask, attn_mask_type, attention_bias):
+            raise ValueError(
+                "a sequence-parallel micro-batch reached a core attention that is not plain causal softmax "
+                "attention over plain rows (packed parameters, a mask or bias, a softmax offset, a sliding window "
+                "or attention dropout): the plugin's group attention computes only that; turn those off or "
+                "set dyn_plugin.sequence_parallel.enabled to false"
+            )
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s/k, hn]
+        out = sequence_parallel.attention(shard, q, k, v, document_attention, 0.0, self._scale())
+        s, b = query.size(0), query.size(1)
+        return out.permute(1, 0, 2, 3).reshape(s, b, self.hidden_size_per_partition)
+
+    def _plain(
+        self, attention_mask: Optional[Tensor], attn_mask_type: Optional[AttnMaskType], attention_bias: Optional[Tensor]
+    ) -> bool:
+        """Plain causal softmax attention: what torch's SDPA (and the plugin's kernels) compute."""
+        return (
+            attention_mask is None
+            and attention_bias is None
+            and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+            and self.softmax_offset is None
+            and self.scale_mask_softmax.window_size is None
+            and (self.attention_dropout.p == 0 or not self.training)
+        )
+
+    def _scale(self) -> float:
+        # the local class splits the scale between the matmul and an fp32 softmax; the product is this
+        return self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+
     def _attend(
         self,
         query: Tensor,
@@ -148,21 +201,11 @@ class PackedDotProductAttention(DotProductAttention):
         attention_bias: Optional[Tensor],
     ) -> Tensor:
         """[s, b, heads, hn] -> [s, b, heads * hn]: SDPA where it computes the same, else the local class."""
-        causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
-        plain = (
-            attention_mask is None
-            and attention_bias is None
-            and causal
-            and self.softmax_offset is None
-            and self.scale_mask_softmax.window_size is None
-            and (self.attention_dropout.p == 0 or not self.training)
-        )
-        if not plain:
+        if not self._plain(attention_mask, attn_mask_type, attention_bias):
             return super().forward(
                 query, key, value, attention_mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias
             )
-        # the local class splits the scale between the matmul and an fp32 softmax; the product is this
-        scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+        scale = self._scale()
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=k.size(1) != q.size(1)

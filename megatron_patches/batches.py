@@ -56,23 +56,30 @@ TP_BATCH_KEYS = (
 )
 
 
-def megatron_batch(desc: PlannedMicroBatch, loaded: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+def megatron_batch(desc: PlannedMicroBatch, loaded: dict[str, torch.Tensor] | None, shard: int = 0) -> dict[str, Any]:
     """The batch dict of the micro-batch ``desc`` (a plan's description); ``loaded``: its tensors
-    from the plugin's loader, None on a stage that loads nothing."""
+    from the plugin's loader, None on a stage that loads nothing; ``shard``: this rank's index in
+    the micro-batch's sequence-parallel group (``desc.sp`` > 1), whose part of every row it holds
+    (labels shifted before the split; packed rows as plain rows: the group's attention finds the
+    documents from the positions, ``megatron_patches.sequence_parallel``)."""
     layout = desc.layout
     batch: dict[str, Any] = {}
     if loaded is not None:
         tokens = loaded["input_ids"]
-        hf = loaded["labels"]
-        labels = torch.full_like(hf, IGNORE)
-        labels[:, :-1] = hf[:, 1:]
+        if desc.sp > 1:
+            labels = loaded["shift_labels"]
+        else:
+            labels = torch.full_like(loaded["labels"], IGNORE)
+            labels[:, :-1] = loaded["labels"][:, 1:]
         mask = labels != IGNORE
         batch.update(tokens=tokens, labels=labels.masked_fill(~mask, 0), loss_mask=mask.float())
         if loaded.get("position_ids") is not None:
             batch["position_ids"] = loaded["position_ids"]
     if "position_ids" not in batch:
-        batch["position_ids"] = position_ids(desc.seq_lens, layout, desc.shape)
-    if layout == "packed":
+        whole = position_ids(desc.seq_lens, layout, desc.shape)
+        own = whole.shape[1] // desc.sp
+        batch["position_ids"] = whole[:, shard * own : (shard + 1) * own]
+    if layout == "packed" and desc.sp == 1:
         lens = list(desc.seq_lens)  # the row is exactly its documents (no padding document: sp is 1)
         bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
         batch["cu_seqlens"] = torch.tensor([bounds], dtype=torch.int32)  # [1, n + 1]
@@ -101,7 +108,7 @@ class PlannedBatches(Iterator[dict]):
         return next(self._batches)
 
 
-def _device() -> torch.device:
+def device() -> torch.device:
     """Where Megatron-LM's ``.cuda()`` puts a batch: the current GPU, else (the CPU shims) the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -111,8 +118,8 @@ def _on_this_tp_rank(original: Callable) -> Callable:
     def get_batch_on_this_tp_rank(data_iterator, *args, **kwargs):
         if not isinstance(data_iterator, PlannedBatches):
             return original(data_iterator, *args, **kwargs)
-        data, device = next(data_iterator), _device()
-        return {k: data[k].to(device, non_blocking=True) if k in data else None for k in TP_BATCH_KEYS}
+        data, where = next(data_iterator), device()
+        return {k: data[k].to(where, non_blocking=True) if k in data else None for k in TP_BATCH_KEYS}
 
     return get_batch_on_this_tp_rank
 

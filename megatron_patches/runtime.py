@@ -17,6 +17,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from dyn_plugin.config import ConfigError, LoadedConfig, load_config
+from dyn_plugin.host.sequence_parallel import SequenceRuntime
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.runtime.loader import DynLoader, Step
 
@@ -46,6 +47,7 @@ class PluginRun:
     seed: int = 0
     documents: Documents | None = None
     loader: DynLoader | None = None
+    sequence: SequenceRuntime | None = None  # the sequence-parallel groups, with sequence_parallel.enabled
     step: Step | None = None
     resume: dict | None = None  # a checkpoint's loader position, until the loader exists
     _steps: Iterator[Step] | None = field(default=None, repr=False)
@@ -72,6 +74,7 @@ class PluginRun:
         """The next planned step (the next epoch's first when one ends)."""
         if self.loader is None:
             self.loader = build_loader(self, model)
+            self.sequence = build_sequence(self, model)
             if self.resume is not None:
                 self.loader.load_state_dict(self.resume)
                 self.resume = None
@@ -109,13 +112,6 @@ def configure(config: str | os.PathLike | Mapping[str, Any] | LoadedConfig | Non
 
 def check_config(cfg: LoadedConfig) -> None:
     plugin = cfg.plugin
-    if plugin.sequence_parallel.enabled:
-        raise ConfigError(
-            "dyn_plugin.sequence_parallel.enabled under Megatron: megatron-core 0.16's context parallelism runs only "
-            "with TransformerEngine's attention and fixes one group size at initialize_model_parallel, so a size per "
-            "micro-batch cannot map onto it; set sequence_parallel.enabled to false (or train with DeepSpeed, where "
-            "the plugin runs its own sequence-parallel groups)"
-        )
     if plugin.strategy.enabled:
         raise ConfigError(
             "dyn_plugin.strategy.enabled under Megatron: heterogeneous strategies run with the DeepSpeed "
@@ -239,3 +235,28 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
             "in the model's TransformerConfig"
         )
     return loader
+
+
+def build_sequence(run: PluginRun, model: Any) -> SequenceRuntime | None:
+    """The run's sequence-parallel groups (None without ``sequence_parallel.enabled``): every rank
+    builds every group, in the same order, at its first planned step."""
+    sp = run.config.plugin.sequence_parallel
+    if not sp.enabled:
+        return None
+    from megatron.core import parallel_state as ps
+
+    from .batches import device
+    from .sequence_parallel import check_model
+
+    chunk = unwrap(model)
+    check_model(chunk, ps.get_tensor_model_parallel_world_size())
+    c = chunk.config
+    return SequenceRuntime(
+        sp,
+        columns=ps.get_data_parallel_world_size(),
+        stages=ps.get_pipeline_model_parallel_world_size(),
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_query_groups or c.num_attention_heads,
+        seed=run.seed,
+        device=device(),
+    )

@@ -8,7 +8,8 @@ forward passes: Megatron's 1F1B runs micro-batches in order on every stage), the
 ``num_microbatches``, and switches activation recompute per micro-batch as the plan says. Shapes
 vary per micro-batch; with pipelines Megatron's own point-to-point communicator exchanges them
 (``variable_seq_lengths``, turned on by the config patch). Evaluation calls and runs without
-planned documents pass through untouched.
+planned documents pass through untouched. A micro-batch split over a sequence-parallel group runs
+its forward and its backward inside the group (``sequence_parallel.GroupedMicroBatches``).
 
 Loss: the plan's micro-batches differ in tokens, so Megatron's default (each micro-batch's mean,
 averaged over micro-batches and ranks) would weight tokens unequally. With
@@ -21,6 +22,7 @@ over micro-batches is not the token mean.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Any, Callable
@@ -30,6 +32,7 @@ from dyn_plugin.plan.instructions import PlannedMicroBatch
 from .batches import PlannedBatches, megatron_batch
 from .registry import Patch
 from .runtime import unwrap
+from .sequence_parallel import GroupedMicroBatches, grouped
 
 logger = logging.getLogger(__name__)
 
@@ -75,18 +78,13 @@ def check_runs_as_planned(step, stages: int) -> None:
         )
 
 
-def step_batches(step) -> list[tuple[PlannedMicroBatch, dict]]:
-    """(plan description, Megatron batch dict) of each of this rank's micro-batches, in run order."""
+def step_batches(step) -> list[tuple[int, PlannedMicroBatch, dict]]:
+    """(plan index, description, Megatron batch dict) of each of this rank's micro-batches, in run order."""
     loaded = dict(zip(step.plan.loads, step.micro_batches))
     out = []
     for m in run_order(step):
         desc = step.plan.micro_batches[m]
-        if desc.sp > 1:
-            raise ValueError(
-                f"step {step.index} splits micro-batch {m} over {desc['sp']} ranks: sequence parallelism "
-                "does not run under Megatron (see sequence_parallel in README)"
-            )
-        out.append((desc, megatron_batch(desc, loaded.get(m))))
+        out.append((m, desc, megatron_batch(desc, loaded.get(m), step.plan.column - desc.group)))
     return out
 
 
@@ -175,25 +173,29 @@ def planned(schedule: Callable) -> Callable:
         if not items:
             raise ValueError(f"step {step.index} gave this rank no micro-batch; every replica needs at least one")
         recompute = _recompute(model, step.plan.stage)
-        descs = iter(d for d, _ in items)
+        groups = GroupedMicroBatches(run.sequence, step, step.plan.stage) if run.sequence is not None else None
+        planned_items = iter(items)
 
         def forward_step(iterator, chunk, *args):
-            recompute.set(next(descs))
-            output, loss_func = forward_step_func(iterator, chunk, *args)
+            m, desc, _ = next(planned_items)
+            recompute.set(desc)
+            with groups.forward(m) if groups is not None else contextlib.nullcontext():
+                output, loss_func = forward_step_func(iterator, chunk, *args)
             return output, _checked_loss(loss_func)
 
         # seq_length / micro_batch_size are read only for fixed shapes (variable_seq_lengths is on)
-        widths = [d.shape for d, _ in items]
-        return schedule(
-            forward_step_func=forward_step,
-            data_iterator=PlannedBatches(b for _, b in items),
-            model=model,
-            num_microbatches=len(items),
-            seq_length=max(int(w[1]) for w in widths),
-            micro_batch_size=max(int(w[0]) for w in widths),
-            forward_only=False,
-            **kwargs,
-        )
+        widths = [d.shape for _, d, _ in items]
+        with grouped(groups):
+            return schedule(
+                forward_step_func=forward_step,
+                data_iterator=PlannedBatches(b for _, _, b in items),
+                model=model,
+                num_microbatches=len(items),
+                seq_length=max(int(w[1]) for w in widths),
+                micro_batch_size=max(int(w[0]) for w in widths),
+                forward_only=False,
+                **kwargs,
+            )
 
     return forward_backward
 

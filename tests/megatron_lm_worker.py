@@ -6,7 +6,8 @@ naming ``pretrain_gpt.py`` and ``$MEGATRON_LM_OUT`` the output folder. Two modes
 - **plugin** (through the plugin's launcher: ``dynplugin megatron --dyn-plugin-config CFG --
   tests/megatron_lm_worker.py ARGS``, the patches applied): ``PackedDotProductAttention`` is the
   core attention; each call's output is summarised and each rank writes ``attention-RANK.json``
-  (the calls, how many were packed, the most documents in one packed row, the smallest fraction
+  (the calls, how many were packed, how many spanned a sequence-parallel group, the most documents
+  in one packed row, the smallest fraction
   of a call's tokens whose attention output is non-zero: zeros there mean attention silently
   dropped). The first stage's TP rank 0 of every data-parallel column writes the documents each
   iteration trained (``documents-RANK.jsonl``), and every rank its parameters before and after
@@ -19,6 +20,8 @@ naming ``pretrain_gpt.py`` and ``$MEGATRON_LM_OUT`` the output folder. Two modes
   Megatron-LM's per-token loss (``--calculate-per-token-loss``) makes an iteration's update the
   token mean of its documents, whatever the micro-batches: the plugin's runs must equal it.
 
+With ``$MEGATRON_LM_GROUPINGS`` (JSON, e.g. ``[[2], [1, 1]]``) global batch s groups the
+data-parallel columns into sequence-parallel groups of the sizes ``groupings[s % len]``.
 With ``$MEGATRON_LM_KILL_AT`` = N, every rank SIGKILLs itself once the checkpoint of iteration N
 is saved (a preemption right after a checkpoint: nothing after it is flushed or closed).
 """
@@ -100,7 +103,9 @@ def observe_plugin_run():
     from megatron_patches.attention import PackedDotProductAttention, _bounds
     from megatron_patches.runtime import PluginRun
 
-    stats = {"calls": 0, "packed": 0, "most_documents": 0, "min_nonzero_fraction": 1.0}
+    from dyn_plugin.models.sequence_parallel import current
+
+    stats = {"calls": 0, "packed": 0, "grouped": 0, "most_documents": 0, "min_nonzero_fraction": 1.0}
     forward = PackedDotProductAttention.forward
 
     def attention(
@@ -108,6 +113,10 @@ def observe_plugin_run():
     ):
         context = forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
         stats["calls"] += 1
+        shard = current()
+        if shard is not None:  # the documents of the whole rows (a trailing padding document included)
+            stats["grouped"] += 1
+            stats["most_documents"] = max(stats["most_documents"], int(shard.documents.max()))
         if packed_seq_params is not None:
             stats["packed"] += 1
             documents = len(_bounds(packed_seq_params.cu_seqlens_q, "cu_seqlens_q")) - 1
@@ -126,7 +135,10 @@ def observe_plugin_run():
             documents = []
             for m, loaded in zip(step.plan.loads, step.micro_batches):
                 desc, tokens = step.plan.micro_batches[m], loaded["input_ids"]
-                if desc.layout == "packed":
+                if desc.sp > 1:  # each column of the group holds a shard: the first records the documents
+                    if desc.group == step.plan.column:
+                        documents += [self.documents[i][:n].tolist() for i, n in zip(desc.sample_ids, desc.seq_lens)]
+                elif desc.layout == "packed":
                     starts = [0, *torch.tensor(desc.seq_lens).cumsum(0).tolist()]
                     documents += [tokens[0, a:b].tolist() for a, b in zip(starts, starts[1:])]
                 else:
@@ -138,6 +150,27 @@ def observe_plugin_run():
     PackedDotProductAttention.forward = attention
     PluginRun.next_step = recorded
     return stats
+
+
+def force_groupings(groupings: list[list[int]]) -> None:
+    """Plan global batch s with the data-parallel columns grouped as ``groupings[s % len]`` (sizes
+    of sequence-parallel groups), where the planner would pick its own; every plan is still
+    checked (check_plans(rendezvous=True))."""
+    import functools
+
+    from dyn_plugin.plan import methods
+    from dyn_plugin.runtime.planning import PlanningContext
+
+    plan, plan_step = PlanningContext.plan, methods.plan_step
+
+    def forced(self, epoch: int, step: int):
+        methods.plan_step = functools.partial(plan_step, grouping=tuple(groupings[step % len(groupings)]))
+        try:
+            return plan(self, epoch, step)
+        finally:
+            methods.plan_step = plan_step
+
+    PlanningContext.plan = forced
 
 
 def feed_reference_documents():
@@ -186,6 +219,8 @@ if reference:
     stats = None
 else:
     stats = observe_plugin_run()
+    if os.environ.get("MEGATRON_LM_GROUPINGS"):
+        force_groupings(json.loads(os.environ["MEGATRON_LM_GROUPINGS"]))
 observe_training()
 if os.environ.get("MEGATRON_LM_KILL_AT"):
     kill_after_checkpoint(int(os.environ["MEGATRON_LM_KILL_AT"]))

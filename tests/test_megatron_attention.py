@@ -289,3 +289,35 @@ def test_boundaries_that_describe_no_documents_raise_instead_of_zeros(megatron: 
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9)
     with pytest.raises(ValueError, match=why):
         attn(q, k, v, None, packed_seq_params=params)
+
+
+def test_rope_in_a_shard_is_megatrons_rope_of_the_whole_row_at_the_shards_tokens(megatron: None, monkeypatch) -> None:
+    """Inside a sequence-parallel shard (rank 1 of 2 holds tokens 4..7 of every row) RoPE rotates
+    each token by its own position: what Megatron's THD path gives the packed row (documents of 5
+    and 3 tokens, positions restarting) and its plain path the padded row, at those tokens. Without
+    the patch megatron-core gives every shard the positions 0..3."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_patches import sequence_parallel as msp
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+    rope = RotaryEmbedding(kv_channels=16, rotary_percent=1.0)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 7]])  # packed, padded
+    x = torch.randn(8, 2, 4, 16)  # [s, rows, heads, head dim]
+    # a table longer than the row: Megatron's THD path restarts the positions per document (a table of
+    # exactly the row's tokens would make it continue them across documents)
+    table = RotaryEmbedding.forward(rope, 16)
+    packed = apply_rotary_pos_emb(x[:, 0], table, config, cu_seqlens=torch.tensor([0, 5, 8], dtype=torch.int32))
+    padded = apply_rotary_pos_emb(x[:, 1:], table[:8], config)[:, 0]
+    monkeypatch.setattr(msp, "current", lambda: SimpleNamespace(position_ids=positions, size=2, index=1))
+    sharded = apply_rotary_pos_emb(x[4:], msp._rotary(RotaryEmbedding.forward)(rope, 4), config)
+    assert torch.allclose(sharded[:, 0], packed[4:], atol=1e-6)
+    assert torch.allclose(sharded[:, 1], padded[4:], atol=1e-6)
+    unpatched = apply_rotary_pos_emb(x[4:], RotaryEmbedding.forward(rope, 4), config)
+    assert not torch.allclose(unpatched[:, 1], padded[4:], atol=1e-3)  # the bug the patch fixes
+    with pytest.raises(ValueError, match="RoPE asked for 3 positions"):
+        msp._rotary(RotaryEmbedding.forward)(rope, 3)

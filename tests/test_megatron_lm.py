@@ -68,7 +68,12 @@ CASES = {
     "pp2-packed": (2, 1, 2, "packed", "none"),
     "tp2-pp2-padded": (4, 2, 2, "padded", "none"),
     "tp2-pp2-packed": (4, 2, 2, "packed", "tcp"),
+    "pp2-dp2-sp-packed": (4, 1, 2, "packed", "none"),
 }
+# cases whose plans split micro-batches over sequence-parallel groups: global batch s groups the two
+# data-parallel columns as GROUPED[case][s % len] (one group of 2: every row split over both columns
+# and attending across them; two groups of 1: unsplit), where the planner would choose its own
+GROUPED = {"pp2-dp2-sp-packed": [[2], [1, 1]]}
 
 
 def megatron_lm() -> Path:
@@ -106,6 +111,7 @@ def run_pretrain_gpt(
     seq: int = SEQ,
     timeout: int = 300,
     env: dict | None = None,
+    groupings: list[list[int]] | None = None,
 ) -> tuple[int, str, list[dict]]:
     """(return code, output, per-rank attention stats) of pretrain_gpt.py through the launcher."""
     cfg = out / "cfg.json"
@@ -116,6 +122,12 @@ def run_pretrain_gpt(
         "store": {"backend": store},
         "cluster": {"devices_per_node": ranks, "device": {"memory_mb": 8000}},
     }
+    if groupings:
+        sizes = sorted({k for g in groupings for k in g})
+        # every layer recomputed in backward: the recompute re-runs attention over its forward's group
+        plugin["sequence_parallel"] = {"enabled": True, "sizes": sizes, "pyramid": False}
+        plugin["microbatching"]["recompute"] = "full"
+        env = {**(env or {}), "MEGATRON_LM_GROUPINGS": json.dumps(groupings)}
     cfg.write_text(json.dumps({"dyn_plugin": plugin}))
     parallel = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
     cmd = [sys.executable, "-m", "dyn_plugin", "megatron", "--dyn-plugin-config", str(cfg)]
@@ -211,7 +223,9 @@ def case_run(name: str, tmp_path_factory) -> dict:
     if name not in _RUNS:
         ranks, tp, pp, layout, store = CASES[name]
         out, ref = tmp_path_factory.mktemp(name), tmp_path_factory.mktemp(f"{name}-reference")
-        code, output, stats = run_pretrain_gpt(out, layout, ranks=ranks, tp=tp, pp=pp, store=store)
+        code, output, stats = run_pretrain_gpt(
+            out, layout, ranks=ranks, tp=tp, pp=pp, store=store, groupings=GROUPED.get(name)
+        )
         assert code == 0, output[-8000:]
         ref_code, ref_output = run_reference(out, ref, tp)
         assert ref_code == 0, ref_output[-8000:]
@@ -237,8 +251,14 @@ def test_pretrain_gpt_trains_on_planned_micro_batches(trained):
     assert len(stats) == ranks and all(s["calls"] > 0 for s in stats), stats
     # attention computed something for every token of every call (a silently dropped attention gives zeros)
     assert all(s["min_nonzero_fraction"] == 1.0 for s in stats), stats
+    if name in GROUPED:
+        # split rows attend over their group (as plain rows: the group finds the documents from the
+        # positions); the unsplit ones as the layout says
+        assert all(0 < s["grouped"] < s["calls"] for s in stats), stats
+    else:
+        assert all(s["grouped"] == 0 for s in stats), stats
     if layout == "packed":
-        assert all(s["packed"] == s["calls"] for s in stats), stats
+        assert all(s["packed"] + s["grouped"] == s["calls"] for s in stats), stats
         assert max(s["most_documents"] for s in stats) > 1, stats  # rows really held several documents
     else:
         assert all(s["packed"] == 0 for s in stats), stats

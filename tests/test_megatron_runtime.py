@@ -77,8 +77,8 @@ def test_every_transformer_config_gets_variable_shapes_and_the_per_token_loss(pa
 @pytest.mark.parametrize(
     "section,field",
     [
-        ({"sequence_parallel": {"enabled": True}}, "sequence_parallel.enabled"),
         ({"sharding": {"enabled": True}}, "sharding.enabled"),
+        ({"sequence_parallel": {"enabled": True}, "strategy": {"enabled": True}}, "strategy.enabled"),
     ],
 )
 def test_what_megatron_cannot_run_is_refused_naming_the_field(section, field):
