@@ -100,10 +100,9 @@ def observe_plugin_run():
     """The attention's outputs and the documents each iteration trained."""
     from megatron.core import parallel_state as ps
 
+    from dyn_plugin.models.sequence_parallel import current
     from megatron_patches.attention import PackedDotProductAttention, _bounds
     from megatron_patches.runtime import PluginRun
-
-    from dyn_plugin.models.sequence_parallel import current
 
     stats = {"calls": 0, "packed": 0, "grouped": 0, "most_documents": 0, "min_nonzero_fraction": 1.0}
     forward = PackedDotProductAttention.forward
