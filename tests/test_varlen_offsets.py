@@ -1,6 +1,9 @@
-"""Document offsets for the flash varlen path of the per-document attention (CUDA); the kernel
-itself is checked against the per-document loop on a GPU by benchmarks/gpu-2026-11-23/check_varlen.py."""
+"""Document offsets and routing of the flash varlen path of the per-document attention (CUDA);
+the kernel itself is checked against the per-document loop on a GPU by
+benchmarks/gpu-2026-11-23/check_varlen.py and, for grouped-query attention and windows,
+benchmarks/gpu-2026-11-26/check_gqa.py."""
 
+import pytest
 import torch
 
 from dyn_plugin.models import varlen_attention as va
@@ -49,3 +52,75 @@ def test_cuda_path_sends_shared_rows_to_flash_and_single_documents_to_sdpa(monke
     monkeypatch.setattr(va, "varlen_attn", None)
     assert len(calls) == 1
     assert torch.allclose(dense, va.varlen_attention(module, q, k, v, None, scaling=0.5)[0])
+
+
+def _qk(heads: int, kv_heads: int, dtype=torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(1, heads, 8, 4, dtype=dtype), torch.zeros(1, kv_heads, 8, 4, dtype=dtype)
+
+
+@pytest.mark.skipif(va.varlen_attn is None, reason="torch without torch.nn.attention.varlen")
+def test_flash_takes_grouped_queries_and_windows_but_not_softcap_dropout_or_fp32():
+    assert va.flash_exact(*_qk(4, 4), 0.0, None, None)
+    assert va.flash_exact(*_qk(32, 8), 0.0, None, None)  # GQA: the kernel shares each key/value head
+    assert va.flash_exact(*_qk(4, 1), 0.0, None, None)  # MQA
+    assert va.flash_exact(*_qk(4, 4, torch.float16), 0.0, None, None)
+    assert va.flash_exact(*_qk(32, 8), 0.0, 4096, None) == va._WINDOWS
+    assert va.flash_exact(*_qk(32, 8), 0.0, 1, None) == va._WINDOWS  # the token alone
+    assert not va.flash_exact(*_qk(32, 8), 0.0, 0, None)  # sees nothing: left to the reference
+    assert not va.flash_exact(*_qk(4, 4), 0.0, None, 50.0)  # soft-cap: the kernel has none
+    assert not va.flash_exact(*_qk(4, 4), 0.1, None, None)
+    assert not va.flash_exact(*_qk(4, 4, torch.float32), 0.0, None, None)  # flash is half precision only
+    assert not va.flash_exact(*_qk(6, 4), 0.0, None, None)  # no whole groups
+
+
+def test_flash_needs_the_kernel_and_its_window_argument(monkeypatch):
+    monkeypatch.setattr(va, "varlen_attn", None)
+    assert not va.flash_exact(*_qk(4, 4), 0.0, None, None)
+    monkeypatch.setattr(va, "varlen_attn", lambda *a, **k: None)
+    monkeypatch.setattr(va, "_WINDOWS", False)  # torch 2.10: causal only
+    assert va.flash_exact(*_qk(4, 4), 0.0, None, None)
+    assert not va.flash_exact(*_qk(4, 4), 0.0, 16, None)
+
+
+def test_cpu_calls_never_take_the_flash_path(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the flash kernel was called on CPU")
+
+    monkeypatch.setattr(va, "varlen_attn", refuse)
+    q, k, v = (torch.randn(1, h, 6, 4, dtype=torch.bfloat16) for h in (4, 2, 2))
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    assert va.document_attention(q, k, v, pos, window=2).shape == (1, 6, 4, 4)
+
+
+def test_flash_path_passes_grouped_heads_and_the_window_to_the_kernel(monkeypatch):
+    """With torch's flash kernel (CUDA only) stood in for: key/value keep their fewer heads, the
+    kernel is told to share them where it asks to be (torch 2.13), and the module's window (a key
+    is seen by queries fewer than ``window`` after it) becomes the kernel's (left, 0) with
+    left = window - 1 (keys up to ``left`` back); rows of one document take the kernel too when
+    windowed, since dense causal SDPA has no window."""
+    calls = []
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, **kwargs):
+        calls.append((q.shape, k.shape, cu_q.tolist(), kwargs))
+        return q
+
+    monkeypatch.setattr(va, "varlen_attn", fake_varlen)
+    q, k, v = (torch.randn(1, h, 6, 4) for h in (4, 2, 2))
+    va._flash_varlen(q, k, v, torch.tensor([[0, 1, 2, 0, 1, 2]]), 0.5, window=3)
+    va._flash_varlen(q, k, v, None, 0.5, window=3)
+    va._flash_varlen(q, k, v, torch.tensor([[0, 1, 2, 0, 1, 2]]), 0.5)
+    windowed = {"window_size": (2, 0), **va._GQA}
+    assert calls == [
+        ((6, 4, 4), (6, 2, 4), [0, 3, 6], windowed),
+        ((6, 4, 4), (6, 2, 4), [0, 6], windowed),
+        ((6, 4, 4), (6, 2, 4), [0, 3, 6], {**va._CAUSAL, **va._GQA}),
+    ]
+    assert va._GQA == ({"enable_gqa": True} if "enable_gqa" in va._VARLEN_ARGS else {})
+
+
+def test_grouped_rows_of_one_document_take_dense_sdpa_as_the_loop_computes(monkeypatch):
+    monkeypatch.setattr(va, "varlen_attn", None)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, h, 6, 4) for h in (4, 2, 2))
+    dense = va._flash_varlen(q, k, v, None, 0.5)
+    assert torch.allclose(dense, va.document_attention(q, k, v, None, scaling=0.5), atol=1e-6)

@@ -2,17 +2,18 @@
 
 Transformers isolates packed documents by building a dense block-diagonal mask, so attention
 still costs (sum s)^2 per row. Flash-attention's varlen kernels cost sum(s_i^2); on CUDA (half
-precision) this kernel calls torch's flash varlen attention over all documents at once; elsewhere
-it gets the same cost structure by running causal SDPA once per document (on a GPU that loop is
-launch-bound: two kernels per document per layer). It reads document boundaries from
-``position_ids`` resets, the same signal HF's flash-attention path uses, so packed micro-batches
-need no mask at all.
+precision) this kernel calls torch's flash varlen attention over all documents at once, grouped
+query attention and sliding windows included; elsewhere it gets the same cost structure by running
+causal SDPA once per document (on a GPU that loop is launch-bound: two kernels per document per
+layer). It reads document boundaries from ``position_ids`` resets, the same signal HF's
+flash-attention path uses, so packed micro-batches need no mask at all.
 
 Models that attend within a sliding window (Mistral, Qwen2's windowed layers, Gemma2/3's local
 layers) or soft-cap their attention logits (Gemma2) pass ``sliding_window`` and ``softcap`` with
 every call; the kernel computes exactly what transformers' eager attention does with them (a key
 is seen if ``query - key < sliding_window``; scores become ``tanh(scores / softcap) * softcap``
-before the mask), per document, by masked SDPA for a window and written out for a soft-cap.
+before the mask), per document: a window by the flash kernel's own window on CUDA, by masked SDPA
+elsewhere; a soft-cap, which the flash kernel lacks, always written out.
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # torch < 2.10
     varlen_attn = None
-# Causal masking is window_size=(-1, 0) from torch 2.11 on, is_causal=True in 2.10.
-_CAUSAL = (
-    {"window_size": (-1, 0)}
-    if varlen_attn is not None and "window_size" in inspect.signature(varlen_attn).parameters
-    else {"is_causal": True}
-)
+_VARLEN_ARGS = frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else frozenset()
+# Causal masking is window_size=(-1, 0) from torch 2.11 on, is_causal=True in 2.10 (which has no window).
+_WINDOWS = "window_size" in _VARLEN_ARGS
+_CAUSAL = {"window_size": (-1, 0)} if _WINDOWS else {"is_causal": True}
+# The flash kernel shares each key/value head among its group of query heads itself; torch 2.13's
+# varlen_attn refuses fewer key/value heads unless told so, 2.11's hands them to the kernel unasked.
+_GQA = {"enable_gqa": True} if "enable_gqa" in _VARLEN_ARGS else {}
 
 
 def document_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
@@ -87,15 +89,44 @@ class _OffsetsCache:
 _offsets = _OffsetsCache()
 
 
-def _flash_varlen(query, key, value, position_ids, scaling) -> torch.Tensor:
-    """query/key/value [b, heads, s, d] -> [b, s, heads, d], one flash call for every document."""
+def flash_exact(
+    query: torch.Tensor, key: torch.Tensor, dropout: float, window: int | None, softcap: float | None
+) -> bool:
+    """Whether torch's flash varlen kernel computes this call as the per-document loop does, on
+    CUDA (the caller checks the device): half precision, no dropout (the kernel has none), no
+    soft-cap (nor that), whole groups of query heads per key/value head, and a window only where
+    the kernel takes one, of at least one token (the module's window 0 sees nothing)."""
+    return (
+        varlen_attn is not None
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and dropout == 0.0
+        and softcap is None
+        and query.shape[1] % key.shape[1] == 0
+        and (window is None or (_WINDOWS and window >= 1))
+    )
+
+
+def _flash_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    scaling: float | None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """query [b, heads, s, d], key/value [b, kv_heads, s, d] -> [b, s, heads, d], one flash call
+    for every document."""
     b, h, s, d = query.shape
+    gqa = key.shape[1] != h
     cu, longest = _offsets.get(position_ids, b, s, query.device)
-    if cu.numel() == b + 1:  # one document per row (padded rows, packing across documents): dense causal SDPA
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    # one document per row (padded rows, packing across documents): dense causal SDPA, which has no window
+    if cu.numel() == b + 1 and window is None:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous()
     flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (query, key, value)]
-    out = varlen_attn(*flat, cu, cu, longest, longest, scale=scaling, **_CAUSAL)
+    # the kernel's window (left, 0) sees keys up to `left` positions back; the module's, fewer than `window`
+    mask = _CAUSAL if window is None else {"window_size": (window - 1, 0)}
+    out = varlen_attn(*flat, cu, cu, longest, longest, scale=scaling, **mask, **(_GQA if gqa else {}))
     return out.view(b, s, h, d)
 
 
@@ -133,17 +164,10 @@ def document_attention(
     [b, kv_heads, s, d]; position_ids: [rows, s] (rows = b, or 1 standing for every row), or None
     for one document per row; ``window``: a key is seen by queries fewer than ``window`` positions
     after it; ``softcap``: logits soft-capped at it. Returns [b, s, heads, d]."""
+    if query.is_cuda and flash_exact(query, key, dropout, window, softcap):
+        return _flash_varlen(query, key, value, position_ids, scaling, window)
     gqa = key.shape[1] != query.shape[1]
     plain = window is None and softcap is None
-    if (
-        varlen_attn is not None
-        and query.is_cuda
-        and query.dtype in (torch.bfloat16, torch.float16)
-        and not gqa
-        and dropout == 0.0
-        and plain
-    ):  # what torch's flash varlen kernel takes
-        return _flash_varlen(query, key, value, position_ids, scaling)
     rows = []
     for b in range(query.shape[0]):
         q, k, v = query[b : b + 1], key[b : b + 1], value[b : b + 1]
