@@ -141,6 +141,12 @@ class PipelineConfig(_Section):
     schedule: Literal["1f1b", "adaptive", "auto"] = Field(
         default="auto", description="'auto' picks the schedule with the shortest simulated step"
     )
+    cap_in_flight: bool = Field(
+        default=True,
+        description="fit memory by holding fewer micro-batches in flight on a stage; false: every stage warms up "
+        "its natural stages - s - 1 forwards, as Megatron's schedule does, and memory is fit by recompute "
+        "(set for you under Megatron)",
+    )
     layers_per_stage: list[int] | None = Field(default=None, description="layers on each stage; default an even split")
 
     @model_validator(mode="after")

@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 from .registry import Patch, Registry, UnsupportedVersion
 
-__all__ = ["apply", "revert", "patches", "Patch", "Registry", "UnsupportedVersion"]
+__all__ = ["apply", "apply_cpu_shims", "revert", "patches", "Patch", "Registry", "UnsupportedVersion"]
 
 _REGISTRY: Registry | None = None
 
@@ -79,6 +79,26 @@ def apply(config: str | os.PathLike | Mapping[str, Any] | None = None, *, seed: 
     if config is not None or os.environ.get(runtime.ENV):
         runtime.configure(config, seed=seed)
     return done
+
+
+def apply_cpu_shims(*, sdpa_attention: bool = False) -> Registry:
+    """Megatron-LM without the plugin, on CPU ranks (reference runs and baselines): only the CPU
+    shims and the dataset helpers' build, nothing of the plugin's plans; with ``sdpa_attention`` also
+    the plugin's core attention (torch's SDPA kernels, packed rows accepted). Returns the applied
+    registry (its ``revert`` undoes them)."""
+    from .attention import attention_patches
+    from .cpu import cpu_patches, stub_triton_kernels
+    from .data import data_patches
+
+    stub_triton_kernels()
+    chosen = [*cpu_patches(), *(p for p in data_patches() if p.name == "data.compile_helpers")]
+    if sdpa_attention:
+        chosen += [p for p in attention_patches() if p.name == "attention.packed_thd"]
+    shims = Registry()
+    for p in chosen:
+        shims.register(p)
+    shims.apply()
+    return shims
 
 
 def revert() -> list[str]:

@@ -186,14 +186,17 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
             f"dyn_plugin.pipeline.stages = {plugin.pipeline.stages} but Megatron runs "
             f"{pp} pipeline stages (pipeline_model_parallel_size); set pipeline.stages to {pp}"
         )
-    if pp > 1 and plugin.pipeline.schedule == "adaptive":
-        raise ConfigError(
-            "dyn_plugin.pipeline.schedule = 'adaptive' under Megatron: Megatron's pipeline runs its own 1F1B "
-            "schedule, and a plan is priced as it is ordered; set pipeline.schedule to '1f1b' (or 'auto')"
-        )
-    if pp > 1 and plugin.pipeline.schedule == "auto":
-        # the only schedule Megatron runs: plan (and price) what runs
-        plugin = plugin.model_copy(update={"pipeline": plugin.pipeline.model_copy(update={"schedule": "1f1b"})})
+    if pp > 1:
+        pipe = plugin.pipeline
+        if "cap_in_flight" in pipe.model_fields_set and pipe.cap_in_flight:
+            raise ConfigError(
+                "dyn_plugin.pipeline.cap_in_flight = true under Megatron: Megatron's 1F1B warms every stage up with "
+                "stages - stage - 1 forwards and cannot hold fewer micro-batches in flight; leave it out (the plans "
+                "fit memory by recompute instead)"
+            )
+        # plan (and price) what Megatron's schedule runs: the plan's micro-batch order, with every
+        # stage's natural warm-up; memory is fit by recompute
+        plugin = plugin.model_copy(update={"pipeline": pipe.model_copy(update={"cap_in_flight": False})})
     chunk = unwrap(model)
     positions = getattr(chunk, "max_sequence_length", None)
     if positions is not None and plugin.microbatching.max_seq_len > positions:

@@ -71,10 +71,10 @@ def check_runs_as_planned(step, stages: int) -> None:
     runs = megatron_1f1b(run_order(step), stages, stage)
     if planned != runs:
         raise ValueError(
-            f"step {step.index}: stage {stage}'s plan runs {planned} but Megatron's schedule runs {runs} (its 1F1B warms up "
-            f"min(stages - stage - 1, micro-batches) forwards); the plan capped the micro-batches in flight to fit "
-            "memory, which Megatron's schedule cannot: give the stage more memory (cluster.device.memory_mb) or more "
-            "recompute (microbatching.recompute), or fewer tokens per iteration"
+            f"step {step.index}: stage {stage}'s plan runs {planned} but Megatron's schedule runs {runs} (its 1F1B warms "
+            "up min(stages - stage - 1, micro-batches) forwards): the plan was made for another schedule; under "
+            "Megatron plans never cap the micro-batches in flight (pipeline.cap_in_flight false, set by "
+            "megatron_patches.runtime)"
         )
 
 

@@ -205,15 +205,9 @@ def feed_reference_documents():
 
 if reference:
     # only what Megatron-LM needs to run on CPU ranks: the plugin's CPU shims, nothing of its plans
-    from megatron_patches import Registry
-    from megatron_patches.cpu import cpu_patches, stub_triton_kernels
-    from megatron_patches.data import data_patches
+    import megatron_patches
 
-    stub_triton_kernels()
-    shims = Registry()
-    for p in [*cpu_patches(), *(p for p in data_patches() if p.name == "data.compile_helpers")]:
-        shims.register(p)
-    shims.apply()
+    megatron_patches.apply_cpu_shims()
     feed_reference_documents()
     stats = None
 else:

@@ -186,7 +186,8 @@ def _step(ops: list[tuple[str, int]], stage: int):
 
 def test_a_plan_megatron_would_run_in_another_order_is_refused():
     """Megatron's 1F1B warms up min(stages - stage - 1, n) forwards; a plan that capped the
-    micro-batches in flight (memory) would run with more in flight than priced: refused."""
+    micro-batches in flight (memory) would run with more in flight than priced: refused. Plans made
+    for Megatron never cap (pipeline.cap_in_flight false: tests/test_planner.py); this guards the others."""
     from megatron_patches.schedule import check_runs_as_planned, megatron_1f1b
 
     order = [2, 0, 1]
@@ -194,14 +195,14 @@ def test_a_plan_megatron_would_run_in_another_order_is_refused():
     assert megatron_1f1b(order, 2, 1) == [("F", 2), ("B", 2), ("F", 0), ("B", 0), ("F", 1), ("B", 1)]
     check_runs_as_planned(_step(megatron_1f1b(order, 2, 0), 0), 2)  # what Megatron runs: accepted
     capped = [("F", 2), ("B", 2), ("F", 0), ("B", 0), ("F", 1), ("B", 1)]  # stage 0 with one in flight
-    with pytest.raises(ValueError, match="capped the micro-batches in flight"):
+    with pytest.raises(ValueError, match="the plan was made for another schedule"):
         check_runs_as_planned(_step(capped, 0), 2)
 
 
-def test_an_adaptive_pipeline_schedule_is_refused_under_megatron():
+def test_capping_micro_batches_in_flight_is_refused_under_megatron():
     from types import SimpleNamespace
 
-    run = runtime.configure({"dyn_plugin": {"pipeline": {"stages": 2, "schedule": "adaptive"}}})
+    run = runtime.configure({"dyn_plugin": {"pipeline": {"stages": 2, "cap_in_flight": True}}})
     run.documents = runtime.Documents([[1]], np.array([1]))
     ps = SimpleNamespace(
         get_virtual_pipeline_model_parallel_world_size=lambda: None,
@@ -215,7 +216,7 @@ def test_an_adaptive_pipeline_schedule_is_refused_under_megatron():
     real = megatron.core.parallel_state
     megatron.core.parallel_state = ps
     try:
-        with pytest.raises(ConfigError, match="schedule = 'adaptive' under Megatron"):
+        with pytest.raises(ConfigError, match="cap_in_flight = true under Megatron"):
             runtime.build_loader(run, None)
     finally:
         megatron.core.parallel_state = real

@@ -219,3 +219,38 @@ def test_a_sequence_only_the_packed_layout_fits_is_planned_packed():
     assert {mb.layout for r in plan.replicas for mb in r.micro_batches if 0 in mb.sample_ids} == {"packed"}
     with pytest.raises(InfeasibleError, match="does not fit in a padded micro-batch"):
         plan_step(lengths, replace(spec, layouts=("padded",)))
+
+
+def test_a_host_that_cannot_cap_micro_batches_in_flight_gets_more_recompute_instead():
+    """Megatron's 1F1B warms stage s up with pp - s - 1 forwards whatever the memory: without
+    ``cap_in_flight`` a budget that the planner's own 1F1B meets by capping the micro-batches in
+    flight is met by recomputing more, every order tried keeps every stage's natural warm-up, and
+    an order that would overflow is not taken (a plan Megatron would run otherwise is never made;
+    megatron_patches.schedule refuses one)."""
+    from dyn_plugin.plan.pricing import recompute_to_fit
+    from dyn_plugin.plan.schedule import choose_schedule, one_f_one_b
+    from dyn_plugin.plan.simulator import stage_peak_bytes
+
+    mbs = tuple(
+        make_micro_batch([i], {i: n}, spec=SPEC, layout="padded", recompute="none") for i, n in enumerate([2048] * 6)
+    )
+    natural = one_f_one_b(len(mbs), SPEC.pp)
+    # what one micro-batch fewer in flight needs on every stage but the last (which holds one)
+    fewer = one_f_one_b(len(mbs), SPEC.pp, max_in_flight=[max(1, SPEC.pp - s - 1) for s in range(SPEC.pp)])
+    budget = [stage_peak_bytes(mbs, ops, s) for s, ops in enumerate(fewer.stages)]
+    spec = replace(SPEC, memory=tuple(replace(m, budget=b) for m, b in zip(SPEC.memory, budget)))
+    capped, _ = choose_schedule(mbs, spec.link, memory_budget=budget, policy="1f1b")
+    assert capped.stages != natural.stages  # the planner's own 1F1B caps
+    with pytest.raises(ValueError, match="as the host's 1F1B holds"):
+        choose_schedule(mbs, spec.link, memory_budget=budget, policy="auto", capped=False)
+    fitted = recompute_to_fit(mbs, natural, spec=spec)
+    assert any(m.recompute != "none" for m in fitted)
+    schedule, sim = choose_schedule(fitted, spec.link, memory_budget=budget, policy="auto", capped=False)
+    assert schedule.stages == one_f_one_b(len(mbs), SPEC.pp, order=schedule.order).stages
+    assert all(p <= b for p, b in zip(sim.peak_bytes, budget))
+    plan = plan_step(BATCHES[0], replace(SPEC, cap_in_flight=False))
+    for r in plan.replicas:  # the planner's own orders, each with its natural warm-ups
+        assert r.schedule.stages == one_f_one_b(len(r.micro_batches), SPEC.pp, order=r.schedule.order).stages
+    tiny = replace(SPEC, memory=tuple(replace(m, budget=1.0) for m in SPEC.memory))
+    with pytest.raises(ValueError, match="cannot hold the micro-batches the host's 1F1B keeps in flight"):
+        recompute_to_fit(mbs, natural, spec=tiny)

@@ -32,24 +32,6 @@ out, script = os.environ["BENCH_MEGATRON_LM_OUT"], os.environ["BENCH_MEGATRON_LM
 rank = int(os.environ.get("RANK", "0"))
 
 
-def apply_cpu_shims(attention: str) -> None:
-    """What Megatron-LM alone needs on CPU ranks: the plugin's CPU shims and dataset-helpers build; with
-    ``attention`` = ``sdpa`` also the plugin's core attention."""
-    from megatron_patches import Registry
-    from megatron_patches.attention import attention_patches
-    from megatron_patches.cpu import cpu_patches, stub_triton_kernels
-    from megatron_patches.data import data_patches
-
-    stub_triton_kernels()
-    shims = Registry()
-    chosen = [*cpu_patches(), *(p for p in data_patches() if p.name == "data.compile_helpers")]
-    if attention == "sdpa":
-        chosen += [p for p in attention_patches() if p.name == "attention.packed_thd"]
-    for p in chosen:
-        shims.register(p)
-    shims.apply()
-
-
 def record_plans() -> None:
     """Each planned step's prediction and this rank's document tokens and token slots, one line per iteration."""
     from megatron_patches.runtime import PluginRun
@@ -69,7 +51,9 @@ def record_plans() -> None:
 
 
 if os.environ.get("BENCH_MEGATRON_LM_ALONE"):
-    apply_cpu_shims(os.environ["BENCH_MEGATRON_LM_ALONE"])
+    import megatron_patches
+
+    megatron_patches.apply_cpu_shims(sdpa_attention=os.environ["BENCH_MEGATRON_LM_ALONE"] == "sdpa")
 else:
     record_plans()
 sys.argv = [script, *sys.argv[1:]]

@@ -114,6 +114,40 @@ def relax_recompute(
     return tuple(current), simulate(current, schedule, spec.link) if stale else sim
 
 
+def recompute_to_fit(mbs: tuple[MicroBatch, ...], schedule: Schedule, *, spec: PlannerSpec) -> tuple[MicroBatch, ...]:
+    """Recompute more until every stage fits with ``schedule``'s micro-batches in flight.
+
+    For a host whose pipeline keeps a fixed number of micro-batches in flight (Megatron's 1F1B warms
+    stage s up with stages - s - 1 forwards whatever the memory), where the planner would otherwise
+    cap them: the partition checks each micro-batch as if those in flight with it were as big, and
+    micro-batches of different sizes can still overflow together. On the first stage over its
+    budget, the micro-batch storing most there moves to the next stronger mode, until all fit."""
+    budget = [m.budget for m in spec.memory]
+    stronger = {rc: spec.recomputes[spec.recomputes.index(rc) + 1 :] for rc in spec.recomputes}
+    current = list(mbs)
+    while over := [s for s, ops in enumerate(schedule.stages) if stage_peak_bytes(current, ops, s) > budget[s]]:
+        s = over[0]
+        movable = [i for i, m in enumerate(current) if stronger[m.recompute]]
+        if not movable:
+            raise ValueError(
+                f"pipeline stage {s} cannot hold the micro-batches the host's 1F1B keeps in flight there "
+                f"({spec.pp - s} at most) even with recompute {', '.join(spec.recomputes)}: raise "
+                "cluster.device.memory_mb, allow stronger recompute (microbatching.recompute 'auto'), or plan "
+                "fewer tokens per step (microbatching.global_tokens)"
+            )
+        i = max(movable, key=lambda i: current[i].stored_bytes[s])
+        old = current[i]
+        current[i] = make_micro_batch(
+            old.sample_ids,
+            _lengths_of(old),
+            spec=spec,
+            layout=old.layout,
+            recompute=stronger[old.recompute][0],
+            sp=old.sp,
+        )
+    return tuple(current)
+
+
 def in_range(mb: MicroBatch, spec: PlannerSpec) -> bool:
     """Inside what the cost model measured for the micro-batch's layout and recompute mode, or
     beyond it where the cost model allows extrapolation (the micro-batch then says so)."""

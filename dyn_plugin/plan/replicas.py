@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .assign import assign_to_replicas
-from .pricing import relax_recompute
+from .pricing import recompute_to_fit, relax_recompute
 from .pyramid import fewest_checkpointed
 from .schedule import choose_schedule, one_f_one_b
 from .simulator import simulate
@@ -47,6 +47,8 @@ def schedule_replica(
     checkpointing) by layers; or plain 1F1B in the given order."""
     mbs = tuple(mbs)
     if adaptive:
+        if not spec.cap_in_flight:  # the host keeps its 1F1B's warm-ups: fit the given order by recomputing
+            mbs = recompute_to_fit(mbs, one_f_one_b(len(mbs), spec.pp), spec=spec)
         schedule, sim = choose_schedule(
             mbs,
             spec.link,
@@ -54,6 +56,7 @@ def schedule_replica(
             seed=spec.seed,
             candidates=4,
             policy=spec.schedule,
+            capped=spec.cap_in_flight,
         )
         mbs, sim = relax_recompute(mbs, schedule, sim, spec=spec)
         if spec.pyramid:

@@ -62,6 +62,7 @@ def choose_schedule(
     seed: int = 0,
     candidates: int = 8,
     policy: str = "auto",
+    capped: bool = True,
 ) -> tuple[Schedule, SimResult]:
     """The schedule with the shortest simulated makespan whose activation peak fits ``memory_budget``.
 
@@ -69,7 +70,10 @@ def choose_schedule(
     stage's budget is retried with fewer micro-batches in flight there. A tie keeps the earlier
     candidate, so plain 1F1B wins unless something is strictly faster. ``policy`` names the
     orders tried (``SCHEDULES``, the config's ``pipeline.schedule``): "1f1b" keeps the given
-    order (memory caps still apply).
+    order (memory caps still apply). Without ``capped`` (a host whose schedule cannot hold fewer in
+    flight: Megatron's 1F1B) every stage keeps its natural warm-up and an order that overflows a
+    budget is not taken; if none fits, the first one's overflow is the error (the planner
+    recomputes more first, ``pricing.recompute_to_fit``).
     """
     if policy not in SCHEDULES:
         raise ValueError(f"schedule policy must be one of {', '.join(SCHEDULES)}; got {policy!r}")
@@ -79,13 +83,21 @@ def choose_schedule(
     if memory_budget is not None and len(memory_budget) != num_stages:
         raise ValueError(f"memory_budget needs {num_stages} entries (one per stage), got {len(memory_budget)}")
     best: tuple[Schedule, SimResult] | None = None
+    overflow: ValueError | None = None
     orders = SCHEDULES[policy]([mb.time_ms for mb in micro_batches], seed, candidates)
     for n, order in enumerate(orders):
-        schedule, result = _fit(micro_batches, link, order, num_stages, memory_budget)
+        try:
+            schedule, result = _fit(micro_batches, link, order, num_stages, memory_budget, capped=capped)
+        except ValueError as e:
+            if capped:  # one micro-batch in flight needs the same on every order
+                raise
+            overflow = overflow or e
+            continue
         if best is None or result.makespan_ms < best[1].makespan_ms * (1 - 1e-12):
             name = "1f1b" if n == 0 else "adaptive"
             best = (Schedule(name=name, order=schedule.order, stages=schedule.stages), result)
-    assert best is not None  # _fit returns for every order or raises on the first
+    if best is None:
+        raise overflow
     return best
 
 
@@ -132,8 +144,11 @@ def _fit(
     order: tuple[int, ...],
     num_stages: int,
     memory_budget: Sequence[float] | None,
+    *,
+    capped: bool = True,
 ) -> tuple[Schedule, SimResult]:
-    """1F1B over ``order`` with, on each stage, as many micro-batches in flight as its budget allows.
+    """1F1B over ``order`` with, on each stage, as many micro-batches in flight as its budget allows
+    (``capped``; else the natural warm-up, which must fit).
 
     A stage's memory depends only on its own op order, so the cap is found stage by stage without
     simulating; the warmup only shrinks along the pipeline, as in ``one_f_one_b``.
@@ -150,10 +165,15 @@ def _fit(
             while (need := stage_peak_bytes(micro_batches, _stage_ops(forwards, backwards, warmup), s)) > memory_budget[
                 s
             ]:
-                if warmup == 0:  # one micro-batch in flight needs the same on every order
+                if warmup == 0 or not capped:  # one micro-batch in flight needs the same on every order
+                    held = (
+                        f"{warmup + 1} micro-batches in flight, as the host's 1F1B holds"
+                        if not capped
+                        else ("one micro-batch in flight")
+                    )
                     raise ValueError(
                         f"stage {s} exceeds its activation memory budget by {need - memory_budget[s]:.0f} bytes "
-                        f"even with one micro-batch in flight (needs {need:.0f}, budget {memory_budget[s]:.0f})"
+                        f"even with {held} (needs {need:.0f}, budget {memory_budget[s]:.0f})"
                     )
                 warmup -= 1
             caps.append(warmup + 1)

@@ -46,6 +46,7 @@ class PlannerSpec:
     same_recompute: bool = False  # every rank recomputes alike at each micro-batch of its run order (ZeRO-3)
     sp_link: tuple[LinkSpec, LinkSpec] = (LinkSpec(100.0), LinkSpec(12.5))  # inside a node, across nodes
     devices_per_node: int = 1
+    cap_in_flight: bool = True  # pipeline.cap_in_flight: the host runs a stage with fewer micro-batches in flight
 
     @property
     def pp(self) -> int:
@@ -196,6 +197,7 @@ def planner_spec(
         sharded,
         sp_link,
         cluster.devices_per_node,
+        pipe.cap_in_flight,
     )
 
 
