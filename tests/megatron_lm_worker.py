@@ -6,7 +6,8 @@ naming ``pretrain_gpt.py`` and ``$MEGATRON_LM_OUT`` the output folder. Two modes
 - **plugin** (through the plugin's launcher: ``dynplugin megatron --dyn-plugin-config CFG --
   tests/megatron_lm_worker.py ARGS``, the patches applied): ``PackedDotProductAttention`` is the
   core attention; each call's output is summarised and each rank writes ``attention-RANK.json``
-  (the calls, how many were packed, how many spanned a sequence-parallel group, the most documents
+  (the calls, how many were packed, how many spanned a sequence-parallel group, how many ran
+  again in a backward (recompute), the most documents
   in one packed row, the smallest fraction
   of a call's tokens whose attention output is non-zero: zeros there mean attention silently
   dropped). The first stage's TP rank 0 of every data-parallel column writes the documents each
@@ -21,7 +22,8 @@ naming ``pretrain_gpt.py`` and ``$MEGATRON_LM_OUT`` the output folder. Two modes
   token mean of its documents, whatever the micro-batches: the plugin's runs must equal it.
 
 With ``$MEGATRON_LM_GROUPINGS`` (JSON, e.g. ``[[2], [1, 1]]``) global batch s groups the
-data-parallel columns into sequence-parallel groups of the sizes ``groupings[s % len]``.
+data-parallel columns into sequence-parallel groups of the sizes ``groupings[s % len]``; with
+``$MEGATRON_LM_CHECKPOINTED`` = k every micro-batch recomputes the first k layers of each stage.
 With ``$MEGATRON_LM_KILL_AT`` = N, every rank SIGKILLs itself once the checkpoint of iteration N
 is saved (a preemption right after a checkpoint: nothing after it is flushed or closed).
 """
@@ -104,7 +106,7 @@ def observe_plugin_run():
     from megatron_patches.attention import PackedDotProductAttention, _bounds
     from megatron_patches.runtime import PluginRun
 
-    stats = {"calls": 0, "packed": 0, "grouped": 0, "most_documents": 0, "min_nonzero_fraction": 1.0}
+    stats = {"calls": 0, "packed": 0, "grouped": 0, "recomputed": 0, "most_documents": 0, "min_nonzero_fraction": 1.0}
     forward = PackedDotProductAttention.forward
 
     def attention(
@@ -112,6 +114,7 @@ def observe_plugin_run():
     ):
         context = forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
         stats["calls"] += 1
+        stats["recomputed"] += torch._C._current_graph_task_id() != -1  # run again inside a backward
         shard = current()
         if shard is not None:  # the documents of the whole rows (a trailing padding document included)
             stats["grouped"] += 1
@@ -172,6 +175,20 @@ def force_groupings(groupings: list[list[int]]) -> None:
     PlanningContext.plan = forced
 
 
+def force_checkpointed(layers: int) -> None:
+    """Every micro-batch recomputes the first ``layers`` layers of each stage (pyramid
+    checkpointing's per-stage counts, as ``checkpointed`` in the plan), where the planner would
+    choose its own."""
+    from dataclasses import replace
+
+    from dyn_plugin.plan import replicas
+
+    def forced(mbs, schedule, sim, spec):
+        return tuple(replace(m, recompute="full", checkpointed=(layers,) * spec.pp) for m in mbs), sim
+
+    replicas.fewest_checkpointed = forced
+
+
 def feed_reference_documents():
     """Megatron-LM's train iterator replaced by the plugin run's documents, one per micro-batch."""
     from megatron.core.rerun_state_machine import RerunDataIterator
@@ -214,6 +231,8 @@ else:
     stats = observe_plugin_run()
     if os.environ.get("MEGATRON_LM_GROUPINGS"):
         force_groupings(json.loads(os.environ["MEGATRON_LM_GROUPINGS"]))
+    if os.environ.get("MEGATRON_LM_CHECKPOINTED"):
+        force_checkpointed(int(os.environ["MEGATRON_LM_CHECKPOINTED"]))
 observe_training()
 if os.environ.get("MEGATRON_LM_KILL_AT"):
     kill_after_checkpoint(int(os.environ["MEGATRON_LM_KILL_AT"]))

@@ -124,10 +124,10 @@ def run_pretrain_gpt(
     }
     if groupings:
         sizes = sorted({k for g in groupings for k in g})
-        # every layer recomputed in backward: the recompute re-runs attention over its forward's group
-        plugin["sequence_parallel"] = {"enabled": True, "sizes": sizes, "pyramid": False}
-        plugin["microbatching"]["recompute"] = "full"
-        env = {**(env or {}), "MEGATRON_LM_GROUPINGS": json.dumps(groupings)}
+        # pyramid checkpointing: the first of each stage's 2 layers recomputed in backward, which
+        # re-runs its attention over the group of its forward
+        plugin["sequence_parallel"] = {"enabled": True, "sizes": sizes, "pyramid": True}
+        env = {**(env or {}), "MEGATRON_LM_GROUPINGS": json.dumps(groupings), "MEGATRON_LM_CHECKPOINTED": "1"}
     cfg.write_text(json.dumps({"dyn_plugin": plugin}))
     parallel = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
     cmd = [sys.executable, "-m", "dyn_plugin", "megatron", "--dyn-plugin-config", str(cfg)]
@@ -255,6 +255,8 @@ def test_pretrain_gpt_trains_on_planned_micro_batches(trained):
         # split rows attend over their group (as plain rows: the group finds the documents from the
         # positions); the unsplit ones as the layout says
         assert all(0 < s["grouped"] < s["calls"] for s in stats), stats
+        # each micro-batch: 2 layers forward, the first again in backward (pyramid: 1 of 2 checkpointed)
+        assert all(3 * s["recomputed"] == s["calls"] for s in stats), stats
     else:
         assert all(s["grouped"] == 0 for s in stats), stats
     if layout == "packed":
