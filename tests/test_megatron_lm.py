@@ -42,11 +42,11 @@ import torch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SEQ, ITERATIONS, GLOBAL_BATCH = 256, 4, 8
+SEQ, ITERATIONS, GLOBAL_BATCH, LAYERS = 256, 4, 8, 4
 BOUND = 1e-6
 # the minimal Megatron-LM command line for the tiny GPT on CPU ranks (see README, "Megatron-LM's pretrain_gpt.py")
 MODEL = (
-    "--num-layers 4 --hidden-size 128 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+    f"--num-layers {LAYERS} --hidden-size 128 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
     "--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
     "--untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0"
 ).split()
@@ -69,11 +69,13 @@ CASES = {
     "tp2-pp2-padded": (4, 2, 2, "padded", "none"),
     "tp2-pp2-packed": (4, 2, 2, "packed", "tcp"),
     "pp2-dp2-sp-packed": (4, 1, 2, "packed", "none"),
+    "dp2-sp-padded": (2, 1, 1, "padded", "none"),
 }
-# cases whose plans split micro-batches over sequence-parallel groups: global batch s groups the two
-# data-parallel columns as GROUPED[case][s % len] (one group of 2: every row split over both columns
-# and attending across them; two groups of 1: unsplit), where the planner would choose its own
-GROUPED = {"pp2-dp2-sp-packed": [[2], [1, 1]]}
+# cases whose plans split micro-batches over sequence-parallel groups: (groupings, attention): global
+# batch s groups the two data-parallel columns as groupings[s % len] (one group of 2: every row split
+# over both columns and attending across them; two groups of 1: unsplit), where the planner would
+# choose its own; the group attends by Ulysses (heads split) or the ring (key/value blocks passed on)
+GROUPED = {"pp2-dp2-sp-packed": ([[2], [1, 1]], "ulysses"), "dp2-sp-padded": ([[1, 1], [2]], "ring")}
 
 
 def megatron_lm() -> Path:
@@ -111,7 +113,7 @@ def run_pretrain_gpt(
     seq: int = SEQ,
     timeout: int = 300,
     env: dict | None = None,
-    groupings: list[list[int]] | None = None,
+    grouped: tuple[list[list[int]], str] | None = None,
 ) -> tuple[int, str, list[dict]]:
     """(return code, output, per-rank attention stats) of pretrain_gpt.py through the launcher."""
     cfg = out / "cfg.json"
@@ -122,11 +124,12 @@ def run_pretrain_gpt(
         "store": {"backend": store},
         "cluster": {"devices_per_node": ranks, "device": {"memory_mb": 8000}},
     }
-    if groupings:
+    if grouped:
+        groupings, attention = grouped
         sizes = sorted({k for g in groupings for k in g})
-        # pyramid checkpointing: the first of each stage's 2 layers recomputed in backward, which
-        # re-runs its attention over the group of its forward
-        plugin["sequence_parallel"] = {"enabled": True, "sizes": sizes, "pyramid": True}
+        # pyramid checkpointing: the first layer of each stage recomputed in backward, which re-runs
+        # its attention over the group of its forward
+        plugin["sequence_parallel"] = {"enabled": True, "sizes": sizes, "pyramid": True, "attention": attention}
         env = {**(env or {}), "MEGATRON_LM_GROUPINGS": json.dumps(groupings), "MEGATRON_LM_CHECKPOINTED": "1"}
     cfg.write_text(json.dumps({"dyn_plugin": plugin}))
     parallel = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
@@ -224,7 +227,7 @@ def case_run(name: str, tmp_path_factory) -> dict:
         ranks, tp, pp, layout, store = CASES[name]
         out, ref = tmp_path_factory.mktemp(name), tmp_path_factory.mktemp(f"{name}-reference")
         code, output, stats = run_pretrain_gpt(
-            out, layout, ranks=ranks, tp=tp, pp=pp, store=store, groupings=GROUPED.get(name)
+            out, layout, ranks=ranks, tp=tp, pp=pp, store=store, grouped=GROUPED.get(name)
         )
         assert code == 0, output[-8000:]
         ref_code, ref_output = run_reference(out, ref, tp)
@@ -255,8 +258,8 @@ def test_pretrain_gpt_trains_on_planned_micro_batches(trained):
         # split rows attend over their group (as plain rows: the group finds the documents from the
         # positions); the unsplit ones as the layout says
         assert all(0 < s["grouped"] < s["calls"] for s in stats), stats
-        # each micro-batch: 2 layers forward, the first again in backward (pyramid: 1 of 2 checkpointed)
-        assert all(3 * s["recomputed"] == s["calls"] for s in stats), stats
+        # each micro-batch: the stage's layers forward, the first again in backward (pyramid: 1 checkpointed)
+        assert all((LAYERS // pp + 1) * s["recomputed"] == s["calls"] for s in stats), stats
     else:
         assert all(s["grouped"] == 0 for s in stats), stats
     if layout == "packed":
