@@ -149,3 +149,16 @@ def test_gpt_neox_blocks_are_found_and_recompute_exactly():
         grads[mode] = [p.grad.clone() for p in mine.parameters()]
     for mode in ("full", "selective"):
         assert all(torch.allclose(a, b, atol=1e-6, rtol=0) for a, b in zip(grads[mode], grads["none"])), mode
+
+
+def test_a_family_without_attention_backends_is_refused_by_the_builder():
+    """StableLM's attention classes hard-code their kernels (``_supports_attention_backend`` is
+    false): the builder refuses it naming the reason and the fix, where it once set the plugin's
+    backend anyway and training crashed inside transformers (KeyError: 'dyn_varlen')."""
+    from dyn_plugin.models.hf import build_causal_lm
+
+    tiny = dict(model_type="stablelm", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    tiny.update(num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    with pytest.raises(ValueError, match="_supports_attention_backend is false.*attn_implementation='sdpa'"):
+        build_causal_lm(tiny)
+    assert build_causal_lm(tiny, attn_implementation="sdpa").config._attn_implementation == "sdpa"

@@ -78,5 +78,16 @@ def build_causal_lm(cfg: dict[str, Any], num_layers: int | None = None, attn_imp
     if num_layers is not None:
         hf_cfg.num_hidden_layers = num_layers
     hf_cfg.use_cache = False
+    if attn_implementation is None:
+        model_class = AutoModelForCausalLM._model_mapping[type(hf_cfg)]
+        if not getattr(model_class, "_supports_attention_backend", False):
+            # such classes hard-code their attention; the registered name would fail deep inside
+            # transformers (a KeyError), or packed documents would attend across each other
+            raise ValueError(
+                f"{model_type} ({model_class.__name__}) does not route attention through transformers' "
+                "AttentionInterface (_supports_attention_backend is false), so the plugin's per-document kernel "
+                "(dyn_varlen) cannot run it; build it with attn_implementation='sdpa' and plan padded rows "
+                "(microbatching.layout 'padded'), or train a family that supports attention backends"
+            )
     hf_cfg._attn_implementation = attn_implementation or register()
     return AutoModelForCausalLM.from_config(hf_cfg)
