@@ -3,7 +3,10 @@
 Each decoder layer gives two units, its attention block and its MLP; the input embedding and
 an untied LM head are units of their own; the root (name "") owns every parameter left over
 (norms, the final norm). Units do not nest, apart from the root, so wrapping them bottom-up
-gives every parameter exactly one owner.
+gives every parameter exactly one owner. A tied embedding and head (GPT-2, Gemma) share one
+weight used at both ends of the forward: neither is a unit and the root owns it, since a unit of
+its own would reshard it after the embedding's forward and the head would read a shard (FSDP1
+crashes, FSDP2 refuses a parameter shared across units).
 """
 
 from __future__ import annotations
@@ -19,15 +22,15 @@ def unit_modules(model: nn.Module) -> dict[str, nn.Module]:
     names = {m: n for n, m in model.named_modules()}
     units: dict[str, nn.Module] = {}
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and embed is not None and getattr(head, "weight", None) is embed.weight:
+        embed = head = None  # tied: the root owns the weight (a split head, which has no one weight, is untied)
     if embed is not None:
         units[names[embed]] = embed
     for layer in decoder_layers(model):
         for part in (_attention(layer), getattr(layer, "mlp", None)):
             if part is not None:
                 units[names[part]] = part
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None and embed is not None and getattr(head, "weight", None) is embed.weight:
-        head = None  # tied: the embedding unit owns the weight (a split head, which has no one weight, is untied)
     if head is not None:
         units[names[head]] = head
     return units
