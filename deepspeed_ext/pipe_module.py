@@ -12,6 +12,7 @@ rows are handled by causality.
 
 from __future__ import annotations
 
+import inspect
 from typing import Sequence
 
 import torch
@@ -56,17 +57,30 @@ class Embed(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, layer: nn.Module, rotary_emb: nn.Module) -> None:
+    """One decoder layer with its rotary table. ``layer_type``: the layer's entry of the config's
+    ``layer_types`` where the rotary embedding differs per type (Gemma3: local and global
+    layers rotate with different bases), None where one table serves every layer."""
+
+    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, layer_type: str | None = None) -> None:
         super().__init__()
-        self.layer, self.rotary_emb = layer, rotary_emb
+        self.layer, self.rotary_emb, self.layer_type = layer, rotary_emb, layer_type
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, position_ids = inputs
         # Recomputed per layer (a [tokens, head_dim] table) so that no layer depends on another's state.
-        rope = self.rotary_emb(hidden, position_ids=position_ids)
+        by_type = () if self.layer_type is None else (self.layer_type,)
+        rope = self.rotary_emb(hidden, position_ids, *by_type)
         return self.layer(
             hidden, attention_mask=None, position_ids=position_ids, position_embeddings=rope
         ), position_ids
+
+
+def _layer_types(model: nn.Module, rotary_emb: nn.Module, layers: int) -> list[str | None]:
+    """Each layer's rotary type (see ``Decoder``): the config's ``layer_types`` where the rotary
+    embedding's forward takes one, else None for every layer."""
+    if "layer_type" not in inspect.signature(rotary_emb.forward).parameters:
+        return [None] * layers
+    return list(model.config.layer_types[:layers])
 
 
 class Head(nn.Module):
@@ -102,15 +116,6 @@ def causal_lm_pipe(model: nn.Module, layers_per_stage: Sequence[int]) -> Planned
             f"{type(model).__name__} is not a Llama-family causal LM (model.embed_tokens/layers/norm/"
             "rotary_emb); build a PipelineModule yourself and pass it as the model"
         )
-    model_type = getattr(model.config, "model_type", "")
-    if model_type.startswith("gemma"):
-        # Gemma's own forward scales the embeddings by sqrt(hidden_size) and (Gemma3) picks rotary
-        # embeddings per layer type: stages of embed_tokens / layers / one rotary_emb would differ
-        raise ValueError(
-            f"{type(model).__name__} ({model_type}) in pipeline stages: its forward scales the embeddings and "
-            "(Gemma3) uses a rotary embedding per layer type, which the plugin's stages do not reproduce; "
-            "train it without pipeline.stages > 1"
-        )
     attn = getattr(model.config, "_attn_implementation", None)
     if attn not in MASK_FREE_ATTENTION:
         raise ValueError(
@@ -125,9 +130,12 @@ def causal_lm_pipe(model: nn.Module, layers_per_stage: Sequence[int]) -> Planned
             f"layers_per_stage {list(layers_per_stage)} sums to {sum(layers_per_stage)}, "
             f"the model has {len(body.layers)} decoder layers"
         )
+    # Gemma's embedding scales by sqrt(hidden_size) inside embed_tokens (transformers 5), so the
+    # first stage's embedding is the model's own
+    types = _layer_types(model, body.rotary_emb, len(body.layers))
     layers = [
         Embed(body.embed_tokens),
-        *(Decoder(l, body.rotary_emb) for l in body.layers),
+        *(Decoder(l, body.rotary_emb, t) for l, t in zip(body.layers, types)),
         Head(body.norm, model.lm_head, getattr(model.config, "final_logit_softcapping", None)),
     ]
     counts = list(layers_per_stage)

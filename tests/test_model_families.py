@@ -1,7 +1,8 @@
 """The plugin's per-document attention on the families that window or soft-cap their attention.
 
-Mistral (a sliding window on every layer), Qwen2 (windowed layers above ``max_window_layers``) and
-Gemma2 (local layers with a window, attention-logit and final-logit soft-capping), tiny random
+Mistral (a sliding window on every layer), Qwen2 (windowed layers above ``max_window_layers``),
+Gemma2 (local layers with a window, attention-logit and final-logit soft-capping) and Gemma3
+(local and global layers with rotary bases of their own), tiny random
 configs with windows of 16 tokens under documents of 40-90: a packed row through ``dyn_varlen``
 gives the logits and gradients of the unmodified model (eager attention) run document by
 document. Before, the kernel ignored ``sliding_window`` and ``softcap`` and trained these
@@ -33,12 +34,20 @@ FAMILIES = {
         head_dim=16,
         query_pre_attn_scalar=16,
     ),
+    # local (windowed) and global layers with rotary bases of their own
+    "gemma3": dict(
+        model_type="gemma3_text",
+        sliding_window=WINDOW,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    ),
 }
 LENGTHS = [40, 90, 57]
 
 
-def model(family: str, attention: str) -> torch.nn.Module:
-    extra = dict(FAMILIES[family])
+def model(family: str, attention: str, **overrides) -> torch.nn.Module:
+    extra = {**FAMILIES[family], **overrides}
     cfg = AutoConfig.for_model(
         extra.pop("model_type"),
         hidden_size=64,
@@ -54,6 +63,20 @@ def model(family: str, attention: str) -> torch.nn.Module:
     cfg._attn_implementation = attention
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg)
+
+
+def packed_row() -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, position ids) of one row packing documents of ``LENGTHS`` tokens."""
+    torch.manual_seed(1)
+    ids = torch.cat([torch.randint(0, 256, (n,)) for n in LENGTHS])[None]
+    return ids, torch.cat([torch.arange(n) for n in LENGTHS])[None]
+
+
+@torch.no_grad()
+def per_document_logits(reference: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The unmodified model's logits of each document of a packed row alone, concatenated."""
+    docs = ids[0].split(LENGTHS)
+    return torch.cat([reference(input_ids=d[None]).logits[0] for d in docs])[None]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -98,14 +121,39 @@ def test_ring_attention_refuses_what_it_does_not_compute(monkeypatch, feature):
         varlen_attention(torch.nn.Linear(1, 1), q, q, q, None, **{feature: 4})
 
 
-def test_pipeline_stages_refuse_gemma_and_keep_the_final_soft_cap():
-    """Gemma scales its embeddings and (Gemma3) picks rotary embeddings per layer: refused in pipeline
-    stages by name; a final-logit soft-cap (Gemma2's, any family's) is applied by the stages' head."""
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_pipeline_stages_run_gemma_as_the_model_does(family, monkeypatch):
+    """The pipeline's stages (embedding, decoder layers with their rotary tables, norm and head),
+    run one after another on a packed row, give the per-document logits of the unmodified model:
+    Gemma's scaled embedding, Gemma3's rotary embedding per layer type (local and global layers
+    rotate with different bases), windows and both soft-caps. Before, Gemma was refused in stages."""
     pytest.importorskip("deepspeed")
-    from deepspeed_ext.pipe_module import Head, causal_lm_pipe
+    from deepspeed_ext import pipe_module
 
-    with pytest.raises(ValueError, match=r"\(gemma2\) in pipeline stages"):
-        causal_lm_pipe(model("gemma2", register()), [2, 1])
+    stages = []
+    monkeypatch.setattr(pipe_module, "PlannedPipelineModule", lambda layers, *a, **k: stages.extend(layers))
+    # untied: a weight shared by the first and the last stage is another matter (refused there)
+    reference, mine = (
+        model(family, "eager", tie_word_embeddings=False),
+        model(family, register(), tie_word_embeddings=False),
+    )
+    mine.load_state_dict(reference.state_dict())
+    if family == "gemma3":  # two rotary bases: a layer given the other one's table would differ
+        assert (
+            reference.config.rope_parameters["sliding_attention"] != reference.config.rope_parameters["full_attention"]
+        )
+    pipe_module.causal_lm_pipe(mine, [2, 1])
+    ids, positions = packed_row()
+    x = (ids, positions)
+    for stage in stages:
+        x = stage(x)
+    torch.testing.assert_close(x, per_document_logits(reference, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_the_pipeline_head_applies_the_final_soft_cap():
+    pytest.importorskip("deepspeed")
+    from deepspeed_ext.pipe_module import Head
+
     torch.manual_seed(0)
     head = Head(torch.nn.Identity(), torch.nn.Linear(8, 16), softcap=3.0)
     h = torch.randn(2, 5, 8) * 10
