@@ -186,6 +186,8 @@ class PlanPipelineEngine(PipelineEngine):
 
     def _shard(self, mb: int) -> SequenceShard | None:
         """Micro-batch ``mb``'s sequence-parallel shard (None on a group of one), built once per step."""
+        if self._step.plan.micro_batches[mb].sp == 1:
+            return None
         if mb not in self._shards:
             self._shards[mb] = self._sequence.planned_shard(self._step, mb, self.stage_id)
         return self._shards[mb]

@@ -12,12 +12,13 @@ rows are handled by causality.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from deepspeed.pipe import PipelineModule
+from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from torch import nn
 
 from dyn_plugin.runtime.collate import IGNORE
@@ -83,16 +84,56 @@ def _layer_types(model: nn.Module, rotary_emb: nn.Module, layers: int) -> list[s
     return list(model.config.layer_types[:layers])
 
 
+def _soft_capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The model's ``final_logit_softcapping``, as its own forward applies it."""
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
 class Head(nn.Module):
     def __init__(self, norm: nn.Module, lm_head: nn.Module, softcap: float | None = None) -> None:
         super().__init__()
         self.norm, self.lm_head, self.softcap = norm, lm_head, softcap
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        logits = self.lm_head(self.norm(inputs[0]))
-        if self.softcap is not None:  # the model's final_logit_softcapping, as its own forward applies it
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return _soft_capped(self.lm_head(self.norm(inputs[0])), self.softcap)
+
+
+class Norm(nn.Module):
+    """The final norm, a layer of its own where the head is the tied embedding's other use."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.norm(inputs[0])
+
+
+def _tied_head(softcap: float | None, embed: Embed, hidden: torch.Tensor) -> torch.Tensor:
+    """The head as the tied embedding's second use: logits against its weight."""
+    return _soft_capped(F.linear(hidden, embed.embed_tokens.weight), softcap)
+
+
+def _ends(body: nn.Module, lm_head: nn.Module, softcap: float | None, stages: int) -> tuple[list, list]:
+    """The first stage's leading layers and the last stage's trailing ones. A head tied to the
+    embedding (Gemma, GPT-2 style) on another stage than the embedding is DeepSpeed's tied layer: one
+    ``Embed`` built on both stages, its weight broadcast at start and its gradients summed between
+    them after every step (``_exec_reduce_tied_grads``), as if the two uses were one parameter."""
+    tied = lm_head.weight is body.embed_tokens.weight
+    if not tied or stages == 1:
+        return [Embed(body.embed_tokens)], [Head(body.norm, lm_head, softcap)]
+    if getattr(lm_head, "bias", None) is not None:
+        raise ValueError("a head tied to the embedding with a bias of its own: the stages tie the weight only")
+    attr = "embed_tokens.weight"
+    first = TiedLayerSpec("embed_tokens", Embed, body.embed_tokens, tied_weight_attr=attr)
+    head = TiedLayerSpec(
+        "embed_tokens",
+        Embed,
+        body.embed_tokens,
+        forward_fn=functools.partial(_tied_head, softcap),
+        tied_weight_attr=attr,
+    )
+    return [first], [Norm(body.norm), head]
 
 
 def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor, *, shifted: bool = False) -> torch.Tensor:
@@ -123,8 +164,6 @@ def causal_lm_pipe(model: nn.Module, layers_per_stage: Sequence[int]) -> Planned
             f"stages pass none: use one of {MASK_FREE_ATTENTION} (dyn_plugin.models.hf.build_causal_lm "
             "defaults to 'dyn_varlen')"
         )
-    if getattr(model.config, "tie_word_embeddings", False) and len(layers_per_stage) > 1:
-        raise ValueError("tied input and output embeddings would live on two stages; set tie_word_embeddings=False")
     if sum(layers_per_stage) != len(body.layers):
         raise ValueError(
             f"layers_per_stage {list(layers_per_stage)} sums to {sum(layers_per_stage)}, "
@@ -133,12 +172,10 @@ def causal_lm_pipe(model: nn.Module, layers_per_stage: Sequence[int]) -> Planned
     # Gemma's embedding scales by sqrt(hidden_size) inside embed_tokens (transformers 5), so the
     # first stage's embedding is the model's own
     types = _layer_types(model, body.rotary_emb, len(body.layers))
-    layers = [
-        Embed(body.embed_tokens),
-        *(Decoder(l, body.rotary_emb, t) for l, t in zip(body.layers, types)),
-        Head(body.norm, model.lm_head, getattr(model.config, "final_logit_softcapping", None)),
-    ]
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    first, last = _ends(body, model.lm_head, softcap, len(layers_per_stage))
+    layers = [*first, *(Decoder(l, body.rotary_emb, t) for l, t in zip(body.layers, types)), *last]
     counts = list(layers_per_stage)
-    counts[0] += 1
-    counts[-1] += 1
+    counts[0] += len(first)
+    counts[-1] += len(last)
     return PlannedPipelineModule(layers, counts, loss_fn=summed_token_loss, partition_method="planned")

@@ -56,9 +56,15 @@ def main():
     world = dist.get_world_size()
     lengths, data = random_dataset(1)
     results = []
-    for zero, layout, recompute in ((0, "padded", "none"), (1, "packed", "full")):
+    # tied: the head is the embedding's weight, used on the first and the last stage (DeepSpeed's
+    # tied layer: its gradients summed between them)
+    for zero, layout, recompute, tied in (
+        (0, "padded", "none", False),
+        (1, "packed", "full", False),
+        (1, "packed", "none", True),
+    ):
         torch.manual_seed(0)
-        model = build_causal_lm({**MODEL, "num_hidden_layers": 3})
+        model = build_causal_lm({**MODEL, "num_hidden_layers": 3, "tie_word_embeddings": tied})
         ref = copy.deepcopy(model)
         config = {
             "zero_optimization": {"stage": zero},
@@ -122,6 +128,7 @@ def main():
             {
                 "zero": zero,
                 "layout": layout,
+                "tied": tied,
                 "max_abs_diff": max(float(s[0]) for s in both),
                 "params_compared": sum(int(s[1]) for s in both),
                 "params": len(list(model.parameters())),

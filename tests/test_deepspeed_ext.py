@@ -41,7 +41,11 @@ def test_pipeline_engine_runs_the_plan_exactly(tmp_path, world):
     codes, logs = run("ds_pipe_worker.py", out, world=world)
     assert codes == [0] * world, logs[0][-3000:]
     results = json.loads(out.read_text())
-    assert {(r["zero"], r["layout"]) for r in results} == {(0, "padded"), (1, "packed")}
+    assert {(r["zero"], r["layout"], r["tied"]) for r in results} == {
+        (0, "padded", False),
+        (1, "packed", False),
+        (1, "packed", True),
+    }
     for r in results:
         assert r["dp"] == world // 2
         assert r["max_abs_diff"] <= EXACT, r
@@ -50,7 +54,8 @@ def test_pipeline_engine_runs_the_plan_exactly(tmp_path, world):
         assert r["shapes_changed"], (
             r
         )  # two steps, different micro-batches, one engine  # checkpoint: weights and loader position
-        assert r["params_compared"] == r["params"] * r["dp"], r  # every parameter, on the stage that holds it
+        # every parameter, on the stage that holds it (a tied one on both its stages)
+        assert r["params_compared"] == (r["params"] + r["tied"]) * r["dp"], r
         assert r["samples"] == r["distinct"] == r["global_batch"], r  # each sample once, over all replicas, 2 steps
         assert r["micro_batches"] > 1, r
         # each forward and backward ran its micro-batch's mode on the count planned for its stage

@@ -12,6 +12,8 @@ compute either: it refuses them, naming the feature.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -121,21 +123,22 @@ def test_ring_attention_refuses_what_it_does_not_compute(monkeypatch, feature):
         varlen_attention(torch.nn.Linear(1, 1), q, q, q, None, **{feature: 4})
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
-def test_pipeline_stages_run_gemma_as_the_model_does(family, monkeypatch):
+@pytest.mark.parametrize("family,tied", [("gemma2", True), ("gemma2", False), ("gemma3", True)])
+def test_pipeline_stages_run_gemma_as_the_model_does(family, tied, monkeypatch):
     """The pipeline's stages (embedding, decoder layers with their rotary tables, norm and head),
     run one after another on a packed row, give the per-document logits of the unmodified model:
     Gemma's scaled embedding, Gemma3's rotary embedding per layer type (local and global layers
-    rotate with different bases), windows and both soft-caps. Before, Gemma was refused in stages."""
-    pytest.importorskip("deepspeed")
+    rotate with different bases), windows, both soft-caps, and the head tied to the embedding on
+    another stage (DeepSpeed's tied layer, built here as DeepSpeed builds it; the matrix test runs
+    it on two ranks). Before, Gemma was refused in stages, and tied embeddings across stages."""
+    deepspeed = pytest.importorskip("deepspeed")
     from deepspeed_ext import pipe_module
 
     stages = []
     monkeypatch.setattr(pipe_module, "PlannedPipelineModule", lambda layers, *a, **k: stages.extend(layers))
-    # untied: a weight shared by the first and the last stage is another matter (refused there)
     reference, mine = (
-        model(family, "eager", tie_word_embeddings=False),
-        model(family, register(), tie_word_embeddings=False),
+        model(family, "eager", tie_word_embeddings=tied),
+        model(family, register(), tie_word_embeddings=tied),
     )
     mine.load_state_dict(reference.state_dict())
     if family == "gemma3":  # two rotary bases: a layer given the other one's table would differ
@@ -143,9 +146,15 @@ def test_pipeline_stages_run_gemma_as_the_model_does(family, monkeypatch):
             reference.config.rope_parameters["sliding_attention"] != reference.config.rope_parameters["full_attention"]
         )
     pipe_module.causal_lm_pipe(mine, [2, 1])
+    specs = [s for s in stages if isinstance(s, deepspeed.pipe.TiedLayerSpec)]
+    assert len(specs) == (2 if tied else 0)
+    built = {}
     ids, positions = packed_row()
     x = (ids, positions)
     for stage in stages:
+        if isinstance(stage, deepspeed.pipe.TiedLayerSpec):  # one module per key, as PipelineModule builds it
+            module = built.setdefault(stage.key, stage.build())
+            stage = module if stage.forward_fn is None else functools.partial(stage.forward_fn, module)
         x = stage(x)
     torch.testing.assert_close(x, per_document_logits(reference, ids), rtol=1e-5, atol=1e-5)
 
