@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -47,14 +48,51 @@ class PlannedPipelineModule(PipelineModule):
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
 
+@dataclass(frozen=True)
+class Body:
+    """What the stages take from a transformers causal LM: the same pieces under each family's own
+    names (``body_of``)."""
+
+    embed_tokens: nn.Module
+    layers: Sequence[nn.Module]
+    norm: nn.Module
+    rotary_emb: nn.Module | None  # None: no rotary embedding (GPT-2's learned positions instead)
+    positions: nn.Module | None = None  # learned absolute positions, added to the token embeddings
+    dropout: nn.Module | None = None  # applied to the embeddings, as the model's forward does
+
+
+def body_of(model: nn.Module) -> Body:
+    """The pieces of ``model``: Llama-shaped models (``model.embed_tokens/layers/norm/rotary_emb``:
+    Llama, Mistral, Qwen2, Qwen2-MoE, Mixtral, Phi3, Gemma, OLMo2, ...), GPT-NeoX and GPT-2."""
+    inner = getattr(model, "model", None)
+    if inner is not None and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return Body(inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb)
+    neox = getattr(model, "gpt_neox", None)
+    if neox is not None:
+        return Body(neox.embed_in, neox.layers, neox.final_layer_norm, neox.rotary_emb, dropout=neox.emb_dropout)
+    gpt2 = getattr(model, "transformer", None)
+    if gpt2 is not None and all(hasattr(gpt2, a) for a in ("wte", "wpe", "h", "ln_f")):
+        return Body(gpt2.wte, gpt2.h, gpt2.ln_f, None, positions=gpt2.wpe, dropout=gpt2.drop)
+    raise ValueError(
+        f"{type(model).__name__} is none of the causal LM layouts the stages know (Llama-shaped "
+        "model.embed_tokens/layers/norm/rotary_emb, GPT-NeoX, GPT-2); build a PipelineModule yourself and pass "
+        "it as the model"
+    )
+
+
 class Embed(nn.Module):
-    def __init__(self, embed_tokens: nn.Module) -> None:
+    def __init__(self, embed_tokens: nn.Module, positions: nn.Module | None = None, dropout: nn.Module | None = None):
         super().__init__()
-        self.embed_tokens = embed_tokens
+        self.embed_tokens, self.positions, self.dropout = embed_tokens, positions, dropout
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids, position_ids = inputs
-        return self.embed_tokens(input_ids), position_ids
+        hidden = self.embed_tokens(input_ids)
+        if self.positions is not None:
+            hidden = hidden + self.positions(position_ids)
+        if self.dropout is not None:
+            hidden = self.dropout(hidden)
+        return hidden, position_ids
 
 
 class Decoder(nn.Module):
@@ -62,24 +100,24 @@ class Decoder(nn.Module):
     ``layer_types`` where the rotary embedding differs per type (Gemma3: local and global
     layers rotate with different bases), None where one table serves every layer."""
 
-    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, layer_type: str | None = None) -> None:
+    def __init__(self, layer: nn.Module, rotary_emb: nn.Module | None, layer_type: str | None = None) -> None:
         super().__init__()
         self.layer, self.rotary_emb, self.layer_type = layer, rotary_emb, layer_type
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, position_ids = inputs
-        # Recomputed per layer (a [tokens, head_dim] table) so that no layer depends on another's state.
-        by_type = () if self.layer_type is None else (self.layer_type,)
-        rope = self.rotary_emb(hidden, position_ids, *by_type)
-        return self.layer(
-            hidden, attention_mask=None, position_ids=position_ids, position_embeddings=rope
-        ), position_ids
+        rope = {}
+        if self.rotary_emb is not None:
+            # recomputed per layer (a [tokens, head_dim] table) so that no layer depends on another's state
+            by_type = () if self.layer_type is None else (self.layer_type,)
+            rope = {"position_embeddings": self.rotary_emb(hidden, position_ids, *by_type)}
+        return self.layer(hidden, attention_mask=None, position_ids=position_ids, **rope), position_ids
 
 
-def _layer_types(model: nn.Module, rotary_emb: nn.Module, layers: int) -> list[str | None]:
+def _layer_types(model: nn.Module, rotary_emb: nn.Module | None, layers: int) -> list[str | None]:
     """Each layer's rotary type (see ``Decoder``): the config's ``layer_types`` where the rotary
     embedding's forward takes one, else None for every layer."""
-    if "layer_type" not in inspect.signature(rotary_emb.forward).parameters:
+    if rotary_emb is None or "layer_type" not in inspect.signature(rotary_emb.forward).parameters:
         return [None] * layers
     return list(model.config.layer_types[:layers])
 
@@ -114,22 +152,22 @@ def _tied_head(softcap: float | None, embed: Embed, hidden: torch.Tensor) -> tor
     return _soft_capped(F.linear(hidden, embed.embed_tokens.weight), softcap)
 
 
-def _ends(body: nn.Module, lm_head: nn.Module, softcap: float | None, stages: int) -> tuple[list, list]:
+def _ends(body: Body, lm_head: nn.Module, softcap: float | None, stages: int) -> tuple[list, list]:
     """The first stage's leading layers and the last stage's trailing ones. A head tied to the
     embedding (Gemma, GPT-2 style) on another stage than the embedding is DeepSpeed's tied layer: one
     ``Embed`` built on both stages, its weight broadcast at start and its gradients summed between
     them after every step (``_exec_reduce_tied_grads``), as if the two uses were one parameter."""
-    tied = lm_head.weight is body.embed_tokens.weight
-    if not tied or stages == 1:
-        return [Embed(body.embed_tokens)], [Head(body.norm, lm_head, softcap)]
+    embed = (body.embed_tokens, body.positions, body.dropout)
+    if lm_head.weight is not body.embed_tokens.weight or stages == 1:
+        return [Embed(*embed)], [Head(body.norm, lm_head, softcap)]
     if getattr(lm_head, "bias", None) is not None:
         raise ValueError("a head tied to the embedding with a bias of its own: the stages tie the weight only")
     attr = "embed_tokens.weight"
-    first = TiedLayerSpec("embed_tokens", Embed, body.embed_tokens, tied_weight_attr=attr)
+    first = TiedLayerSpec("embed_tokens", Embed, *embed, tied_weight_attr=attr)
     head = TiedLayerSpec(
         "embed_tokens",
         Embed,
-        body.embed_tokens,
+        *embed,
         forward_fn=functools.partial(_tied_head, softcap),
         tied_weight_attr=attr,
     )
@@ -148,15 +186,10 @@ def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor, *, shifted: bo
 
 
 def causal_lm_pipe(model: nn.Module, layers_per_stage: Sequence[int]) -> PlannedPipelineModule:
-    """Llama-family ``*ForCausalLM`` (embed_tokens, layers, norm, rotary_emb, lm_head) as pipeline
-    stages holding ``layers_per_stage`` decoder layers each; the first stage also embeds, the
-    last also runs the norm and the head, as the planner's cost model assumes."""
-    body = getattr(model, "model", None)
-    if body is None or not all(hasattr(body, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        raise ValueError(
-            f"{type(model).__name__} is not a Llama-family causal LM (model.embed_tokens/layers/norm/"
-            "rotary_emb); build a PipelineModule yourself and pass it as the model"
-        )
+    """A transformers ``*ForCausalLM`` (``body_of``) as pipeline stages holding ``layers_per_stage``
+    decoder layers each; the first stage also embeds, the last also runs the norm and the head,
+    as the planner's cost model assumes."""
+    body = body_of(model)
     attn = getattr(model.config, "_attn_implementation", None)
     if attn not in MASK_FREE_ATTENTION:
         raise ValueError(
@@ -173,7 +206,7 @@ def causal_lm_pipe(model: nn.Module, layers_per_stage: Sequence[int]) -> Planned
     # first stage's embedding is the model's own
     types = _layer_types(model, body.rotary_emb, len(body.layers))
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    first, last = _ends(body, model.lm_head, softcap, len(layers_per_stage))
+    first, last = _ends(body, model.get_output_embeddings(), softcap, len(layers_per_stage))
     layers = [*first, *(Decoder(l, body.rotary_emb, t) for l, t in zip(body.layers, types)), *last]
     counts = list(layers_per_stage)
     counts[0] += len(first)

@@ -46,10 +46,15 @@ FAMILIES = {
     ),
 }
 LENGTHS = [40, 90, 57]
+# laid out otherwise than Llama (learned positions, other module names): for the pipeline's stages
+LAYOUTS = {
+    "gpt2": dict(model_type="gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "gpt_neox": dict(model_type="gpt_neox"),
+}
 
 
 def model(family: str, attention: str, **overrides) -> torch.nn.Module:
-    extra = {**FAMILIES[family], **overrides}
+    extra = {**{**FAMILIES, **LAYOUTS}[family], **overrides}
     cfg = AutoConfig.for_model(
         extra.pop("model_type"),
         hidden_size=64,
@@ -123,14 +128,17 @@ def test_ring_attention_refuses_what_it_does_not_compute(monkeypatch, feature):
         varlen_attention(torch.nn.Linear(1, 1), q, q, q, None, **{feature: 4})
 
 
-@pytest.mark.parametrize("family,tied", [("gemma2", True), ("gemma2", False), ("gemma3", True)])
-def test_pipeline_stages_run_gemma_as_the_model_does(family, tied, monkeypatch):
+@pytest.mark.parametrize(
+    "family,tied", [("gemma2", True), ("gemma2", False), ("gemma3", True), ("gpt2", True), ("gpt_neox", False)]
+)
+def test_pipeline_stages_run_each_family_as_the_model_does(family, tied, monkeypatch):
     """The pipeline's stages (embedding, decoder layers with their rotary tables, norm and head),
     run one after another on a packed row, give the per-document logits of the unmodified model:
     Gemma's scaled embedding, Gemma3's rotary embedding per layer type (local and global layers
     rotate with different bases), windows, both soft-caps, and the head tied to the embedding on
-    another stage (DeepSpeed's tied layer, built here as DeepSpeed builds it; the matrix test runs
-    it on two ranks). Before, Gemma was refused in stages, and tied embeddings across stages."""
+    another stage (DeepSpeed's tied layer, built here as DeepSpeed builds it; tests/ds_pipe_worker.py
+    runs it on two ranks); GPT-2's learned positions and GPT-NeoX's module names. Before, Gemma,
+    GPT-2 and GPT-NeoX were refused in stages, and tied embeddings across stages."""
     deepspeed = pytest.importorskip("deepspeed")
     from deepspeed_ext import pipe_module
 
