@@ -227,3 +227,14 @@ def test_a_family_without_attention_backends_is_refused_by_the_builder():
     with pytest.raises(ValueError, match="_supports_attention_backend is false.*attn_implementation='sdpa'"):
         build_causal_lm(tiny)
     assert build_causal_lm(tiny, attn_implementation="sdpa").config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize(
+    "kwargs,feature", [({"s_aux": torch.zeros(4)}, "attention sinks"), ({"is_causal": False}, "bidirectional")]
+)
+def test_the_kernel_refuses_what_it_does_not_compute(kwargs, feature):
+    """Attention sinks (gpt-oss) and bidirectional layers reach the kernel as keyword arguments:
+    refused by name, never attended causally without them."""
+    q = torch.zeros(1, 4, 8, 16)
+    with pytest.raises(ValueError, match=feature):
+        varlen_attention(torch.nn.Linear(1, 1), q, q, q, None, **kwargs)

@@ -212,6 +212,14 @@ def varlen_attention(
             f"{NAME} attention expects attention_mask=None (padded rows are right-padded and causal, "
             "packed rows carry position_ids resets)"
         )
+    if kwargs.get("s_aux") is not None or kwargs.get("is_causal") is False:
+        # attention sinks (gpt-oss) and bidirectional layers compute what this causal kernel does not
+        feature = "attention sinks (s_aux)" if kwargs.get("s_aux") is not None else "bidirectional attention"
+        raise ValueError(
+            f"{type(module).__name__} attends with {feature}, which the plugin's {NAME} kernel does not compute; "
+            "train this model with its own attention implementation (and padded rows, microbatching.layout "
+            "'padded')"
+        )
     drop = dropout if module.training else 0.0
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     local = functools.partial(document_attention, window=window, softcap=softcap)
