@@ -81,13 +81,28 @@ def body_of(model: nn.Module) -> Body:
 
 
 class Embed(nn.Module):
-    def __init__(self, embed_tokens: nn.Module, positions: nn.Module | None = None, dropout: nn.Module | None = None):
+    """The token embedding (the layer a tied head shares with the first stage)."""
+
+    def __init__(self, embed_tokens: nn.Module) -> None:
         super().__init__()
-        self.embed_tokens, self.positions, self.dropout = embed_tokens, positions, dropout
+        self.embed_tokens = embed_tokens
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids, position_ids = inputs
-        hidden = self.embed_tokens(input_ids)
+        return self.embed_tokens(input_ids), position_ids
+
+
+class Positions(nn.Module):
+    """What the model's forward adds to the token embeddings: learned absolute positions (GPT-2's
+    ``wpe``) and the embedding dropout; a layer of its own, so a tied head's copy of ``Embed`` on
+    the last stage holds the shared weight alone."""
+
+    def __init__(self, positions: nn.Module | None, dropout: nn.Module | None) -> None:
+        super().__init__()
+        self.positions, self.dropout = positions, dropout
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, position_ids = inputs
         if self.positions is not None:
             hidden = hidden + self.positions(position_ids)
         if self.dropout is not None:
@@ -157,21 +172,22 @@ def _ends(body: Body, lm_head: nn.Module, softcap: float | None, stages: int) ->
     embedding (Gemma, GPT-2 style) on another stage than the embedding is DeepSpeed's tied layer: one
     ``Embed`` built on both stages, its weight broadcast at start and its gradients summed between
     them after every step (``_exec_reduce_tied_grads``), as if the two uses were one parameter."""
-    embed = (body.embed_tokens, body.positions, body.dropout)
+    added = body.positions is not None or body.dropout is not None
+    extras = [Positions(body.positions, body.dropout)] if added else []
     if lm_head.weight is not body.embed_tokens.weight or stages == 1:
-        return [Embed(*embed)], [Head(body.norm, lm_head, softcap)]
+        return [Embed(body.embed_tokens), *extras], [Head(body.norm, lm_head, softcap)]
     if getattr(lm_head, "bias", None) is not None:
         raise ValueError("a head tied to the embedding with a bias of its own: the stages tie the weight only")
     attr = "embed_tokens.weight"
-    first = TiedLayerSpec("embed_tokens", Embed, *embed, tied_weight_attr=attr)
+    first = TiedLayerSpec("embed_tokens", Embed, body.embed_tokens, tied_weight_attr=attr)
     head = TiedLayerSpec(
         "embed_tokens",
         Embed,
-        *embed,
+        body.embed_tokens,
         forward_fn=functools.partial(_tied_head, softcap),
         tied_weight_attr=attr,
     )
-    return [first], [Norm(body.norm), head]
+    return [first, *extras], [Norm(body.norm), head]
 
 
 def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor, *, shifted: bool = False) -> torch.Tensor:

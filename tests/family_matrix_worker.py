@@ -8,7 +8,8 @@ one planned step of packed rows, and is compared with the unmodified model (eage
 document by document in one process: the token-mean loss and every gradient. Each family gives one
 cell:
 
-- ``exact``: the loss and every gradient within ``TOL`` relative to their largest entry;
+- ``exact``: the loss and every gradient within ``TOL`` relative to their largest entry (a gradient
+  also within twice the fp32 reference's own rounding, below);
 - ``refused``: a ValueError / NotImplementedError raised before training (model build or the path's
   ``initialize``) on every rank, whose message names the feature (the family, its class, or a
   feature word such as "window" or "soft-cap"); the message is recorded;
@@ -32,8 +33,9 @@ every cell: {"path", "cells": {family: cell}, "running": family or null}.
 Beside the verdict each measured cell records the rounding it stands in: the fp32 reference's own
 gradients against the same reference in float64 (``noise``) and this path's against float64
 (``vs64``). TOL is near fp32's floor here: the fp32 reference itself is 6e-7 to 2.2e-6 away from
-float64 (qk-norm families, Gemma3 and OLMo2, the most), so a ``wrong`` cell whose ``within_noise``
-is true is off by no more than twice the reference's own rounding on each parameter.
+float64 (qk-norm families, Gemma3 and OLMo2, the most), so a gradient also counts as exact within
+twice the reference's own rounding on that parameter; a real defect is orders of magnitude larger
+(an ignored window: ~1e-1).
 """
 
 from __future__ import annotations
@@ -463,7 +465,9 @@ def combine(family: str, outcomes: list[dict]) -> dict:
     loss_rel = abs(r0["loss"] - r0["ref_loss"]) / abs(r0["ref_loss"])
     missing = sorted(set(r0["params"]) - set(merged))
     worst = sorted(rel.items(), key=lambda kv: -kv[1])
-    over = [(n, v) for n, v in worst if not v <= TOL]
+    # a gradient is exact within TOL, or within twice the fp32 reference's own rounding on it (its
+    # distance from the float64 reference): a path cannot be held closer than the reference itself
+    over = [(n, v) for n, v in worst if not v <= max(TOL, 2 * noise.get(n, 0.0))]
     cell = {
         "loss": r0["loss"],
         "ref_loss": r0["ref_loss"],
@@ -494,14 +498,7 @@ def combine(family: str, outcomes: list[dict]) -> dict:
     unknown = sorted({n for r in results for n in r["unknown"]})
     if unknown:
         parts.append(f"parameters the model does not have: {unknown[:4]}")
-    within = loss_rel <= TOL and not missing and all(v <= max(TOL, 2 * noise.get(n, 0)) for n, v in over)
-    return {
-        "status": "wrong",
-        "message": "; ".join(parts),
-        "over": [(n, v, off_on[n]) for n, v in over[:20]],
-        "within_noise": within,  # every gradient off by at most twice the fp32 reference's own error
-        **cell,
-    }
+    return {"status": "wrong", "message": "; ".join(parts), "over": [(n, v, off_on[n]) for n, v in over[:20]], **cell}
 
 
 def end_process_group() -> None:
