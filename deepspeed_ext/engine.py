@@ -123,8 +123,9 @@ def initialize(
     if not torch.cuda.is_available():
         # the allocator the CPU profile was measured under (dyn_plugin/cost/allocator.py)
         stable_cpu_allocator()
-    if not dist.is_initialized():
-        deepspeed.init_distributed()
+    # also where the user initialized torch.distributed: DeepSpeed's own communicator (the pipeline
+    # engine's) is set up only by its init_distributed, which leaves an existing process group as it is
+    deepspeed.init_distributed()
     rank = dist.get_rank()
     layout = RankLayout(world=dist.get_world_size(), stages=pp)  # refuses stages that do not divide the world
     dp = layout.columns
@@ -132,7 +133,7 @@ def initialize(
     if sp.enabled:
         from deepspeed_ext.sequence_parallel import use_plugin_attention
 
-        use_plugin_attention(model)
+        use_plugin_attention(model, sp, dp)
     ds_config = _deepspeed_config(cfg.deepspeed, dp)
     cost = cost_model or _cost_model(cfg, model)
     state_bytes = None

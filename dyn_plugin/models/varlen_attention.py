@@ -236,6 +236,22 @@ def varlen_attention(
     return local(query, key, value, kwargs.get("position_ids"), drop, scaling), None
 
 
+def attention_features(model: torch.nn.Module) -> list[str]:
+    """What ``model``'s attention computes beyond plain causal attention that not every path of the
+    plugin computes: "a sliding window" (on any layer) and "attention logit soft-capping". Windows
+    are read from the attention modules (Qwen2 and Gemma set ``sliding_window`` per layer, None on
+    full layers), else from the config (Mistral passes ``config.sliding_window`` at call time)."""
+    config = getattr(model, "config", None)
+    per_layer = [m.sliding_window for m in model.modules() if hasattr(m, "sliding_window")]
+    windowed = (
+        any(w is not None for w in per_layer) if per_layer else getattr(config, "sliding_window", None) is not None
+    )
+    features = ["a sliding window"] if windowed else []
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        features.append("attention logit soft-capping")
+    return features
+
+
 def register() -> str:
     """Register the kernel with transformers (idempotent); returns its attn_implementation name."""
     from transformers import AttentionInterface
