@@ -28,6 +28,17 @@ WINDOW = 16
 FAMILIES = {
     "mistral": dict(model_type="mistral", sliding_window=WINDOW),
     "qwen2-windowed": dict(model_type="qwen2", sliding_window=WINDOW, use_sliding_window=True, max_window_layers=1),
+    # sets the window on its sliding layers' modules only, without passing it to the kernel
+    "qwen2_moe-windowed": dict(
+        model_type="qwen2_moe",
+        sliding_window=WINDOW,
+        use_sliding_window=True,
+        max_window_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),
     "gemma2": dict(
         model_type="gemma2",
         sliding_window=WINDOW,

@@ -221,7 +221,10 @@ def varlen_attention(
             "'padded')"
         )
     drop = dropout if module.training else 0.0
-    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    # most families pass their window (None on full layers); Qwen2-MoE only sets it on its sliding
+    # layers' modules and leaves it to the mask the kernel does not take
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    softcap = kwargs.get("softcap")
     local = functools.partial(document_attention, window=window, softcap=softcap)
     shard = sequence_parallel.current()
     if shard is not None and shard.size > 1:
@@ -239,13 +242,12 @@ def varlen_attention(
 def attention_features(model: torch.nn.Module) -> list[str]:
     """What ``model``'s attention computes beyond plain causal attention that not every path of the
     plugin computes: "a sliding window" (on any layer) and "attention logit soft-capping". Windows
-    are read from the attention modules (Qwen2 and Gemma set ``sliding_window`` per layer, None on
-    full layers), else from the config (Mistral passes ``config.sliding_window`` at call time)."""
+    come from the config: its ``layer_types`` where it has them (Qwen2, Qwen2-MoE, Gemma: a window
+    on "sliding_attention" layers only), else its ``sliding_window`` (Mistral, Mixtral, Phi3: every
+    layer)."""
     config = getattr(model, "config", None)
-    per_layer = [m.sliding_window for m in model.modules() if hasattr(m, "sliding_window")]
-    windowed = (
-        any(w is not None for w in per_layer) if per_layer else getattr(config, "sliding_window", None) is not None
-    )
+    window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    windowed = bool(window) and (types is None or "sliding_attention" in types)
     features = ["a sliding window"] if windowed else []
     if getattr(config, "attn_logit_softcapping", None) is not None:
         features.append("attention logit soft-capping")
