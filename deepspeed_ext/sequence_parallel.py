@@ -61,10 +61,10 @@ def use_plugin_attention(model: torch.nn.Module, config: SequenceParallelConfig,
     features = attention_features(model)
     if ring and features:
         raise ValueError(
-            f"{type(model).__name__} attends with {' and '.join(features)}, which the plugin's ring attention does "
-            f"not compute, and sequence-parallel groups of {ring} ranks would attend by the ring "
-            f"(sequence_parallel.attention {config.attention!r}); set sequence_parallel.attention to 'ulysses' and "
-            "sizes whose group divides the query and key/value heads, or disable sequence_parallel"
+            f"{type(model).__name__}: the ring attention computes no {' or '.join(features)}; sequence-parallel "
+            f"groups of {ring} ranks would attend by the ring (sequence_parallel.attention {config.attention!r}): set "
+            "sequence_parallel.attention to 'ulysses' and sizes whose group divides the query and key/value heads, "
+            "or disable sequence_parallel"
         )
     model.config._attn_implementation = register()
 

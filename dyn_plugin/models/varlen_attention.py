@@ -241,14 +241,14 @@ def varlen_attention(
 
 def attention_features(model: torch.nn.Module) -> list[str]:
     """What ``model``'s attention computes beyond plain causal attention that not every path of the
-    plugin computes: "a sliding window" (on any layer) and "attention logit soft-capping". Windows
+    plugin computes: "sliding windows" (on any layer) and "attention logit soft-capping". Windows
     come from the config: its ``layer_types`` where it has them (Qwen2, Qwen2-MoE, Gemma: a window
     on "sliding_attention" layers only), else its ``sliding_window`` (Mistral, Mixtral, Phi3: every
     layer)."""
     config = getattr(model, "config", None)
     window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
     windowed = bool(window) and (types is None or "sliding_attention" in types)
-    features = ["a sliding window"] if windowed else []
+    features = ["sliding windows"] if windowed else []
     if getattr(config, "attn_logit_softcapping", None) is not None:
         features.append("attention logit soft-capping")
     return features
