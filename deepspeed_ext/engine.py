@@ -55,7 +55,7 @@ def _cost_model(cfg: LoadedConfig, model: torch.nn.Module) -> TableCostModel:
             f"set it to {ds_dtype!r} or leave it out (it follows the DeepSpeed config)",
         )
     cm = cm.model_copy(update={"dtype": ds_dtype})  # set: a profile measured in another precision is refused
-    return live_cost_model(cm, cfg.plugin.cluster, model)
+    return live_cost_model(cm, cfg.plugin.cluster, model_shape(model))
 
 
 def _deepspeed_config(ds: dict[str, Any], dp: int) -> dict[str, Any]:

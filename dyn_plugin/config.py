@@ -42,24 +42,58 @@ class _Section(BaseModel):
 
 
 class ModelShape(_Section):
-    """Transformer shape, for the analytic cost model and model-state memory."""
+    """Transformer shape, for the analytic cost model and model-state memory (``cost/shape.py``
+    reads it from a transformers config)."""
 
     hidden_size: int = Field(gt=0, description="model width h")
     num_layers: int = Field(gt=0, description="transformer layers")
     num_heads: int = Field(gt=0, description="attention heads")
     num_kv_heads: int | None = Field(default=None, gt=0, description="key/value heads (GQA); default num_heads")
-    ffn_hidden_size: int = Field(gt=0, description="MLP inner width")
+    head_dim: int | None = Field(default=None, gt=0, description="width of one head; default hidden_size / num_heads")
+    ffn_hidden_size: int = Field(gt=0, description="MLP inner width (of the dense layers of a mixture of experts)")
     vocab_size: int = Field(gt=0, description="vocabulary size")
     gated_mlp: bool = Field(default=True, description="SwiGLU-style MLP (Llama) rather than GELU (GPT)")
+    num_experts: int = Field(default=0, ge=0, description="routed MLP experts per layer (mixture of experts); 0: dense")
+    experts_per_token: int = Field(default=0, ge=0, description="routed experts each token runs through")
+    expert_ffn_hidden_size: int | None = Field(
+        default=None, gt=0, description="inner width of one routed expert; default ffn_hidden_size"
+    )
+    shared_expert_ffn_hidden_size: int = Field(
+        default=0, ge=0, description="inner width of the experts every token runs through besides the routed ones"
+    )
+    dense_layers: int = Field(
+        default=0, ge=0, description="layers of a mixture of experts with a dense MLP of ffn_hidden_size instead"
+    )
+    tied_embeddings: bool = Field(default=False, description="the head's weights are the input embedding's")
     flash_attention: bool = Field(default=True, description="attention memory linear in length (flash/varlen kernels)")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelShape":
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} must be divisible by num_heads {self.num_heads}")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must be divisible by num_heads {self.num_heads} (or set head_dim)"
+            )
         if self.num_kv_heads and self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} must be divisible by num_kv_heads {self.num_kv_heads}")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"experts_per_token {self.experts_per_token} must be within 1..num_experts {self.num_experts}"
+            )
+        if not self.num_experts and (self.experts_per_token or self.dense_layers):
+            raise ValueError("experts_per_token and dense_layers describe a mixture of experts: set num_experts")
+        if self.dense_layers > self.num_layers:
+            raise ValueError(f"dense_layers {self.dense_layers} exceeds num_layers {self.num_layers}")
         return self
+
+    @property
+    def query_width(self) -> int:
+        """Width of the queries (and of the attention's output): heads times their width."""
+        return self.num_heads * (self.head_dim or self.hidden_size // self.num_heads)
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the keys (and of the values)."""
+        return (self.num_kv_heads or self.num_heads) * (self.head_dim or self.hidden_size // self.num_heads)
 
 
 class DeviceSpec(_Section):

@@ -11,12 +11,11 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from dyn_plugin.config import ConfigError, LoadedConfig, load_config
+from dyn_plugin.config import ConfigError, LoadedConfig, ModelShape, load_config
 from dyn_plugin.host.sequence_parallel import SequenceRuntime
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.runtime.loader import DynLoader, Step
@@ -124,19 +123,32 @@ def check_config(cfg: LoadedConfig) -> None:
         )
 
 
-def model_shape_view(model: Any) -> SimpleNamespace:
-    """A megatron-core ``GPTModel`` as the plugin's cost model reads a model (its ``config``)."""
+def model_shape_view(model: Any) -> ModelShape:
+    """A megatron-core ``GPTModel``'s shape as the plugin's cost model prices it (what
+    ``dyn_plugin.cost.shape`` reads from a transformers config, here from its TransformerConfig)."""
     c = model.config
-    return SimpleNamespace(
-        config=SimpleNamespace(
-            hidden_size=c.hidden_size,
-            num_hidden_layers=c.num_layers,
-            num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_query_groups or c.num_attention_heads,
-            intermediate_size=c.ffn_hidden_size,
-            vocab_size=model.vocab_size,
-            model_type="llama" if c.gated_linear_unit else "gpt2",
+    moe: dict[str, Any] = {}
+    if c.num_moe_experts:
+        freq = c.moe_layer_freq  # as megatron-core's layer specs read it: every freq-th layer, or a 0/1 per layer
+        pattern = [int(i % freq == 0) for i in range(c.num_layers)] if isinstance(freq, int) else list(freq)
+        moe = dict(
+            num_experts=c.num_moe_experts,
+            experts_per_token=c.moe_router_topk,
+            expert_ffn_hidden_size=c.moe_ffn_hidden_size or c.ffn_hidden_size,
+            shared_expert_ffn_hidden_size=c.moe_shared_expert_intermediate_size or 0,
+            dense_layers=pattern.count(0),
         )
+    return ModelShape(
+        hidden_size=c.hidden_size,
+        num_layers=c.num_layers,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_query_groups or c.num_attention_heads,
+        head_dim=c.kv_channels,
+        ffn_hidden_size=c.ffn_hidden_size,
+        vocab_size=model.vocab_size,
+        gated_mlp=c.gated_linear_unit,
+        tied_embeddings=model.share_embeddings_and_output_weights,
+        **moe,
     )
 
 

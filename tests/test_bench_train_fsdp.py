@@ -7,7 +7,7 @@ import pytest
 
 from dyn_plugin.cli import main
 from dyn_plugin.config import load_config
-from dyn_plugin.cost.from_config import live_cost_model
+from dyn_plugin.cost.from_config import live_cost_model, model_shape
 from dyn_plugin.models.hf import build_causal_lm, load_model_config
 from dyn_plugin.models.shard_units import shard_units
 from dyn_plugin.plan.sharding import BASELINES, uniform_plan
@@ -84,7 +84,7 @@ def test_the_default_budget_is_the_largest_at_which_no_shard_does_not_fit():
         ).plugin
 
     roomy = plugin(1e9)
-    cost = live_cost_model(roomy.cost_model, roomy.cluster, model)
+    cost = live_cost_model(roomy.cost_model, roomy.cluster, model_shape(model))
     batch = [MAX_LEN, 100, 60]
     budget = tightest_budget_mb(units, cost, roomy, batch, 2)
     with pytest.raises(ValueError, match="every module replicate over 2 ranks does not fit"):

@@ -119,6 +119,7 @@ LLAMA = SimpleNamespace(
         intermediate_size=128,
         vocab_size=100,
         model_type="llama",
+        hidden_act="silu",  # a SwiGLU MLP, as a LlamaConfig says (cost/shape.py)
     )
 )
 

@@ -100,7 +100,7 @@ def test_round_trip_and_samples_only_profile(tmp_path):
     path = tmp_path / "p.json"
     save_profile(p, path)
     raw = json.loads(path.read_text())
-    assert raw["schema"] == SCHEMA and raw["version"] == 3
+    assert raw["schema"] == SCHEMA and raw["version"] == 4
     assert load_profile(path) == p
     raw["tables"] = None  # as a profile produced elsewhere may come: measurements only
     again = load_profile(raw)
@@ -189,7 +189,7 @@ def test_version_1_files_were_measured_in_the_model_dtype():
 
 def test_rejects_unknown_version_and_bad_files(tmp_path):
     raw = json.loads(make_profile(synthetic_samples()).model_dump_json(by_alias=True))
-    with pytest.raises(ValueError, match="schema version 99.*reads versions 1, 2, 3"):
+    with pytest.raises(ValueError, match="schema version 99.*reads versions 1, 2, 3, 4"):
         load_profile({**raw, "version": 99})
     with pytest.raises(ValueError, match="device.dtype 'bf16' differs from model.dtype 'fp32'"):
         load_profile({**raw, "device": {**raw["device"], "dtype": "bf16"}})

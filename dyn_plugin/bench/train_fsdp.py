@@ -39,7 +39,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..config import DynPluginConfig, load_config
-from ..cost.from_config import live_cost_model
+from ..cost.from_config import live_cost_model, model_shape
 from ..cost.table import TableCostModel
 from ..fsdp.engine import initialize
 from ..fsdp.memory import measure, predicted_peak_bytes
@@ -400,7 +400,7 @@ def main() -> None:
     # with room for anything (the budget only sets how much the planner may fill, not the prices)
     roomy = load_config({"dyn_plugin": plugin_section(args, dtype, world, ROOMY_MB)}).plugin
     model = fresh_model(args, device, dtype)  # the units, and the live shape for an analytic cost model
-    cost, units = live_cost_model(roomy.cost_model, roomy.cluster, model), shard_units(model)
+    cost, units = live_cost_model(roomy.cost_model, roomy.cluster, model_shape(model)), shard_units(model)
     del model
     args.budget_source = "--budget-mb"
     if args.budget_mb is None:

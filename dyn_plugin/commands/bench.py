@@ -14,7 +14,7 @@ HELP = (
     "shard (the per-module sharding search vs FSDP's uniform strategies, simulated), "
     "strategy (Hydraulis's heterogeneous strategies vs the seed's stage 1, homogeneous and DynaPipe, simulated), "
     "loader (planning ahead, plan wait, store latency), train (DeepSpeed or Megatron on 2 CPU ranks, batchings "
-    "side by side)"
+    "side by side), families (each model family's step, predicted from a profile of another, against measured)"
 )
 
 
@@ -183,7 +183,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "of 2 and against full recompute, sequences up to 16384 "
         "tokens, device memory capped so the longest need one of them",
     )
-    for p in (cost, planner, sp, shard, strategy, loader, train):
+    families = sub.add_parser(
+        "families",
+        help="the cost model held out on each family's tiny model (Llama, Mistral, Qwen2, Qwen2-MoE, Mixtral, Phi3, "
+        "Gemma2, Gemma3, GPT-NeoX, GPT-2, OLMo2): one packed micro-batch predicted from a profile of this "
+        "machine through the family's shape, against its measured step (dyn_plugin/bench/families.py)",
+    )
+    families.add_argument(
+        "--profile", required=True, help="a tiny-llama profile of this machine (dynplugin profile; CPU)"
+    )
+    families.add_argument("--families", help="comma-separated subset (default: all)")
+    families.add_argument(
+        "--seq-len", type=int, default=512, help="the micro-batch's longest document (default %(default)s)"
+    )
+    families.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=2,
+        help="the micro-batch holds this many times --seq-len tokens, the rest cut into documents at random "
+        "(default %(default)s: 1024 tokens, the largest a default profile measures)",
+    )
+    families.add_argument("--warmup", type=int, default=1)
+    families.add_argument("--repeats", type=int, default=10, help="timed rounds; the minimum is kept")
+    families.add_argument("--seed", type=int, default=0)
+    for p in (cost, planner, sp, shard, strategy, loader, train, families):
         p.add_argument("--json", action="store_true", help="one JSON object per line, no indentation")
 
 
@@ -193,8 +216,12 @@ def run(args: argparse.Namespace) -> int:
         return bench_train(args, host)
     if args.what == "shard" and args.train:
         return bench_shard_train(args, host)
-    if args.what in ("planner", "sp", "shard", "strategy", "loader"):
-        if args.what == "planner":
+    if args.what in ("planner", "sp", "shard", "strategy", "loader", "families"):
+        if args.what == "families":
+            from ..bench.families import bench_families
+
+            records = bench_families(args)
+        elif args.what == "planner":
             from ..bench.planner import bench_planner
 
             records = bench_planner(args)

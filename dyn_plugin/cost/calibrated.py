@@ -35,6 +35,10 @@ are 5 per head (169.6 at tp 1 against 5*32 = 160, halving with tp), so the shape
 Checks (tests/test_schemes.py): calibrating the reference's own shape reproduces the measured
 model exactly (every ratio is 1); Llama 7B and GPT 6.7B differ in time per token by what their
 FLOPs differ (the head's vocabulary, the gated MLP), Llama 13B by its larger width and depth.
+
+Any measured reference transfers the same way: ``dynplugin bench families`` (bench/families.py)
+prices every family's tiny model from a tiny-Llama profile of the machine, whose shape the
+profile records, and holds the prediction out against the family's measured step.
 """
 
 from __future__ import annotations
@@ -115,16 +119,20 @@ def calibrated_cost_model(
     *,
     reference: TableCostModel | None = None,
     reference_shape: ModelShape = MODELS[REFERENCE],
-    dtype: str = "fp16",
+    dtype: str | None = None,
 ) -> TableCostModel:
     """``shape`` priced on the reference's hardware and stack (default: the measured A100 tables of
-    ``gpt-6.7b``, whose shape is ``reference_shape``); see the module docstring for the method."""
-    if dtype not in ("fp16", "bf16"):
-        raise ValueError(
-            f"dtype {dtype!r}: the measured tables are 16-bit (fp16); an A100 runs bf16 at the same "
-            "rate, other precisions would need their own measurements"
-        )
+    ``gpt-6.7b``, whose shape is ``reference_shape``; or a profile measured here, whose shape it
+    records), in the reference's precision (default) or the other 16-bit one: an A100 runs bf16
+    at fp16's rate; see the module docstring for the method."""
     reference = reference if reference is not None else named_cost_model(REFERENCE)
+    half = ("fp16", "bf16")
+    dtype = dtype or reference.dtype
+    if dtype != reference.dtype and not (dtype in half and reference.dtype in half):
+        raise ValueError(
+            f"dtype {dtype!r}: the reference {reference.name!r} was measured in {reference.dtype}; "
+            "other precisions would need their own measurements"
+        )
     tps = tuple(sorted({tp for _, _, tp in reference.tables}))
     ours = analytic_cost_model(shape, A100, dtype, tps)
     theirs = analytic_cost_model(reference_shape, A100, dtype, tps)

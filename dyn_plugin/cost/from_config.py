@@ -2,25 +2,32 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from ..config import ClusterConfig, CostModelConfig, ModelShape
+from .shape import describe, differences, shape_from_config
 from .table import TableCostModel
 
+logger = logging.getLogger(__name__)
 
-def build_cost_model(cfg: CostModelConfig, cluster: ClusterConfig) -> TableCostModel:
+
+def build_cost_model(cfg: CostModelConfig, cluster: ClusterConfig, shape: ModelShape | None = None) -> TableCostModel:
     """``kind: profile``: a profile file, or the name of one bundled with the plugin
     (``a100-gpt-6.7b``), which must have been measured in ``cfg.dtype`` when the config sets it;
-    ``kind: analytic``: the model shape on the cluster's device, in ``cfg.dtype``."""
+    ``kind: analytic``: the model shape on the cluster's device, in ``cfg.dtype``.
+
+    ``shape`` is the model the run trains: the analytic model's when the config gives none, and
+    the one a profile must have been measured on (:func:`check_profile_shape`)."""
     if cfg.kind == "analytic":
         from .analytic import analytic_cost_model
 
-        if cfg.model is None:
+        if cfg.model is None and shape is None:
             raise ValueError(
                 "dyn_plugin.cost_model.model is required for kind='analytic' (hidden_size, num_layers, ...)"
             )
-        return analytic_cost_model(cfg.model, cluster.device, cfg.dtype)
+        return analytic_cost_model(cfg.model or shape, cluster.device, cfg.dtype)
     from .bundled import load_bundled, names
     from .profile import cost_model_from_profile, load_profile
 
@@ -40,33 +47,47 @@ def build_cost_model(cfg: CostModelConfig, cluster: ClusterConfig) -> TableCostM
             f"but dyn_plugin.cost_model.dtype is {cfg.dtype!r}: measure a profile in {cfg.dtype} with "
             f"`dynplugin profile`, or train in {profile.model.dtype}"
         )
+    if shape is not None:
+        check_profile_shape(cfg.profile, profile.model.name, profile.model.shape, shape)
     return cost_model_from_profile(profile, allow_extrapolation=cfg.allow_extrapolation)
 
 
+def check_profile_shape(source: str, name: str, measured: ModelShape | None, trained: ModelShape) -> None:
+    """A profile prices the model it measured: its per-layer times, memory and parameters are that
+    shape's. Used for another (another family's MLP, experts, heads, vocabulary or depth) it would
+    price a different model without a sign, so it is refused. A profile that records no shape
+    (imported tables, files before version 4) cannot be checked: it is used, with a warning."""
+    if measured is None:
+        logger.warning(
+            "dyn_plugin.cost_model.profile %r records no model shape (imported tables, or written before profile "
+            "version 4): it is used for the model trained (%s) unchecked; re-run `dynplugin profile` on this model "
+            "to have it checked",
+            source,
+            describe(trained),
+        )
+        return
+    diff = differences(measured, trained)
+    if diff:
+        raise ValueError(
+            f"dyn_plugin.cost_model.profile {source!r} was measured on {name!r} ({describe(measured)}), but the "
+            f"model trained is another ({describe(trained)}; {', '.join(diff)}): its costs would price the wrong "
+            "model. Measure this model with `dynplugin profile --model <its config.json>`, or set "
+            "cost_model.kind to 'analytic' (priced from this model's own shape)"
+        )
+
+
 def model_shape(model: Any) -> ModelShape:
-    """The analytic cost model's view of a transformers model, from its ``config`` (read only)."""
-    c = model.config
-    hidden = getattr(c, "hidden_size", None) or c.n_embd
-    return ModelShape(
-        hidden_size=hidden,
-        num_layers=getattr(c, "num_hidden_layers", None) or c.n_layer,
-        num_heads=getattr(c, "num_attention_heads", None) or c.n_head,
-        num_kv_heads=getattr(c, "num_key_value_heads", None),
-        ffn_hidden_size=getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden,
-        vocab_size=c.vocab_size,
-        gated_mlp=getattr(c, "model_type", "") in ("llama", "mistral", "qwen2"),
-    )
+    """The cost model's view of a transformers model, from its ``config`` (read only; cost/shape.py)."""
+    return shape_from_config(model.config)
 
 
-def live_cost_model(cfg: CostModelConfig, cluster: ClusterConfig, model: Any) -> TableCostModel:
-    """``build_cost_model`` for a live transformers model: an analytic model without a shape takes
-    the model's, and a profile that does not record the attention widths takes them from it."""
-    if cfg.kind == "analytic" and cfg.model is None:
-        cfg = cfg.model_copy(update={"model": model_shape(model)})
-    cost = build_cost_model(cfg, cluster)
-    if cost.hidden_size is None or cost.num_heads is None:
-        shape = model_shape(model)
-        cost.hidden_size = cost.hidden_size or shape.hidden_size
-        if cost.num_heads is None:
-            cost.num_heads, cost.num_kv_heads = shape.num_heads, shape.num_kv_heads
+def live_cost_model(cfg: CostModelConfig, cluster: ClusterConfig, shape: ModelShape) -> TableCostModel:
+    """``build_cost_model`` for the model a run trains, of ``shape`` (:func:`model_shape` of a
+    transformers model; Megatron's view of its GPT): an analytic model without a shape takes it,
+    a profile must have measured it, and a profile that does not record the attention widths
+    takes them from it."""
+    cost = build_cost_model(cfg, cluster, shape)
+    cost.hidden_size = cost.hidden_size or shape.hidden_size
+    if cost.num_heads is None:
+        cost.num_heads, cost.num_kv_heads = shape.num_heads, shape.num_kv_heads
     return cost

@@ -1,6 +1,6 @@
 """The profile file: measured costs of one model on one device, and the cost model fitted to them.
 
-A profile is JSON (schema ``dyn_plugin.profile``, version 3; versions 1 and 2 are read too;
+A profile is JSON (schema ``dyn_plugin.profile``, version 4; versions 1 to 3 are read too;
 docs/profile-format.md). Its
 ``samples`` are the measurements, one per (component, layout, recompute, tp, micro-batch);
 its ``tables`` are the fits. A profile written elsewhere (another machine, a GPU) may omit
@@ -17,17 +17,20 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..config import ModelShape
 from .model import COMPONENTS, METRICS, features
 from .sequence_parallel import SequenceParallelCost
 from .table import CostTable, LinearFit, TableCostModel, fit_error, fit_linear, nnls_relative
 from .update import UpdateCost
 
 SCHEMA = "dyn_plugin.profile"
-VERSION = 3
+VERSION = 4
 # Version 2 added device.dtype; a version 1 file measured in its model's dtype. Version 3 added
 # model.num_heads / num_kv_heads and the sequence-parallel collectives; without them the heads
 # come from the model's config where it has them and the collectives from the cluster's links.
-READS = (1, 2, 3)
+# Version 4 added model.shape, the shape measured; an older file cannot be checked against the
+# model a run trains (from_config.py).
+READS = (1, 2, 3, 4)
 
 
 class _Record(BaseModel):
@@ -81,6 +84,11 @@ class ModelInfo(_Record):
     params: dict[Literal["embedding", "layer", "head"], float]
     dtype: Literal["fp32", "fp16", "bf16"]
     config: dict[str, Any] = {}
+    shape: ModelShape | None = Field(
+        default=None,
+        description="the shape measured (cost/shape.py); a run refuses the profile for a model of another "
+        "shape. Absent in imported tables and files before version 4: unchecked",
+    )
 
     @model_validator(mode="after")
     def _heads_from_config(self) -> "ModelInfo":

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import LoadedConfig, load_config
-from ..cost.from_config import live_cost_model
+from ..cost.from_config import live_cost_model, model_shape
 from ..cost.table import TableCostModel
 from ..device import rank_device
 from ..layout import RankLayout
@@ -79,7 +79,7 @@ def initialize(
         model.to(device)
     else:
         stable_cpu_allocator()  # the allocator CPU profiles were measured under
-    cost = cost_model or live_cost_model(plugin.cost_model, plugin.cluster, model)
+    cost = cost_model or live_cost_model(plugin.cost_model, plugin.cluster, model_shape(model))
     host = fsdp if plugin.sharding.host == "auto" else plugin.sharding.host
     plan = shard_plan_for_run(
         shard_units(model),

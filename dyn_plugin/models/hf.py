@@ -61,6 +61,19 @@ def load_model_config(spec: str | os.PathLike | dict[str, Any]) -> dict[str, Any
     return cfg
 
 
+def hf_config(cfg: dict[str, Any], num_layers: int | None = None):
+    """The transformers config of a config dict (``model_type`` and overrides), for training: no
+    key/value cache; ``num_layers`` overrides the depth."""
+    from transformers import AutoConfig
+
+    cfg = dict(cfg)
+    hf_cfg = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    if num_layers is not None:
+        hf_cfg.num_hidden_layers = num_layers
+    hf_cfg.use_cache = False
+    return hf_cfg
+
+
 def build_causal_lm(cfg: dict[str, Any], num_layers: int | None = None, attn_implementation: str | None = None):
     """A randomly initialised ``AutoModelForCausalLM`` in fp32 from a config dict.
 
@@ -68,16 +81,12 @@ def build_causal_lm(cfg: dict[str, Any], num_layers: int | None = None, attn_imp
     ``attn_implementation`` defaults to the plugin's per-document kernel, which keeps packed
     documents isolated with a cost of sum(s_i^2).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from .varlen_attention import register
 
-    cfg = dict(cfg)
-    model_type = cfg.pop("model_type")
-    hf_cfg = AutoConfig.for_model(model_type, **cfg)
-    if num_layers is not None:
-        hf_cfg.num_hidden_layers = num_layers
-    hf_cfg.use_cache = False
+    hf_cfg = hf_config(cfg, num_layers)
+    model_type = hf_cfg.model_type
     if attn_implementation is None:
         model_class = AutoModelForCausalLM._model_mapping[type(hf_cfg)]
         if not getattr(model_class, "_supports_attention_backend", False):

@@ -31,6 +31,7 @@ from ..cost.profile import (
     cost_model_from_profile,
     fit_tables,
 )
+from ..cost.shape import shape_from_config
 from ..cost.table import evaluate_checkpointed
 from ..models.recompute import RecomputeSwitch, decoder_layers
 from .allocator import stable_cpu_allocator
@@ -125,7 +126,7 @@ def run_profile(
     import torch
     from tqdm import tqdm
 
-    from ..models.hf import build_causal_lm
+    from ..models.hf import build_causal_lm, hf_config
 
     target = target or Target(torch.device("cpu"), "fp32")
     cuda = target.device.type == "cuda"
@@ -259,6 +260,7 @@ def run_profile(
             params=params,
             dtype=target.dtype,
             config=model_cfg,
+            shape=shape_from_config(hf_config(model_cfg)),
         ),
         device=target.info(),
         pad_multiple=pad,

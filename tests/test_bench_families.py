@@ -1,0 +1,67 @@
+"""``dynplugin bench families``: every family's tiny model builds, is priced through its own shape
+from a profile of another, and is measured (what it measures is recorded in BENCHMARKS.md; no
+timing is asserted here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dyn_plugin.bench.families import FAMILIES, family_config
+from dyn_plugin.cli import main
+from dyn_plugin.cost.profile import save_profile
+from dyn_plugin.cost.shape import shape_from_config
+from dyn_plugin.models.hf import PRESETS, hf_config
+from dyn_plugin.profiling.profiler import run_profile
+from dyn_plugin.profiling.workload import ProfileGrid
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    grid = ProfileGrid(seq_lens=(16, 64), micro_batch_sizes=(1, 2), max_tokens=128, recomputes=("none",), repeats=1)
+    profile = run_profile(PRESETS["tiny-llama"], name="tiny-llama", grid=grid, validate=0, progress=False)
+    path = tmp_path_factory.mktemp("families") / "profile.json"
+    save_profile(profile, path)
+    return path
+
+
+def test_the_profile_records_the_shape_it_measured(profile_path):
+    raw = json.loads(profile_path.read_text())
+    assert raw["version"] == 4
+    assert raw["model"]["shape"] == shape_from_config(hf_config(PRESETS["tiny-llama"])).model_dump()
+
+
+def test_the_families_differ_from_llama_in_their_own_structure():
+    llama = shape_from_config(hf_config(family_config("llama")))
+    for family in FAMILIES:
+        shape = shape_from_config(hf_config(family_config(family)))
+        assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.vocab_size) == (128, 4, 4, 8192), family
+    assert shape_from_config(hf_config(family_config("gpt_neox"))).num_kv_heads is None  # no key left over
+    assert shape_from_config(hf_config(family_config("gemma2"))).query_width == 2 * llama.query_width
+    assert shape_from_config(hf_config(family_config("mixtral"))).experts_per_token == 2
+
+
+def test_bench_families_prices_each_family_by_its_shape(profile_path, capsys):
+    args = ["bench", "families", "--profile", str(profile_path), "--families", "llama,mixtral,gpt2"]
+    assert main(args + ["--seq-len", "64", "--micro-batch-size", "2", "--warmup", "0", "--repeats", "1", "--json"]) == 0
+    rows = {r["family"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert set(rows) == {"llama", "mixtral", "gpt2"}
+    assert all(r["measured_ms"] > 0 and sum(r["seq_lens"]) == 128 for r in rows.values())
+    # the profile's own shape: priced as the profile prices it; two experts per token: more; no gate: less
+    assert rows["llama"]["predicted_ms"] == pytest.approx(rows["llama"]["profile_as_is_ms"], rel=1e-12)
+    assert rows["mixtral"]["predicted_ms"] > rows["mixtral"]["profile_as_is_ms"]
+    assert rows["gpt2"]["predicted_ms"] < rows["gpt2"]["profile_as_is_ms"]
+
+
+def test_a_profile_without_a_shape_or_an_unknown_family_is_refused(profile_path, tmp_path, capsys):
+    raw = json.loads(profile_path.read_text())
+    raw["model"]["shape"] = None
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(raw))
+    assert main(["bench", "families", "--profile", str(old)]) == 2
+    assert "records no model shape" in capsys.readouterr().err
+    assert main(["bench", "families", "--profile", str(profile_path), "--families", "llama,bert"]) == 2
+    assert "--families bert: known families are llama" in capsys.readouterr().err
