@@ -133,7 +133,7 @@ def initialize(
     if sp.enabled:
         from deepspeed_ext.sequence_parallel import use_plugin_attention
 
-        use_plugin_attention(model, sp, dp)
+        use_plugin_attention(model)
     ds_config = _deepspeed_config(cfg.deepspeed, dp)
     cost = cost_model or _cost_model(cfg, model)
     state_bytes = None

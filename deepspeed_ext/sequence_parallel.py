@@ -21,10 +21,8 @@ from typing import Any, Mapping
 
 import torch
 
-from dyn_plugin.config import SequenceParallelConfig
-from dyn_plugin.cost.sequence_parallel import attention_kind, group_sizes
 from dyn_plugin.host.sequence_parallel import SequenceRuntime
-from dyn_plugin.models.varlen_attention import attention_features, register
+from dyn_plugin.models.varlen_attention import register
 from dyn_plugin.runtime.loader import Step
 
 
@@ -40,31 +38,15 @@ def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
         )
 
 
-def use_plugin_attention(model: torch.nn.Module, config: SequenceParallelConfig, columns: int) -> None:
-    """Make a transformers model attend through ``dyn_varlen``, the kernel that spans a group;
-    refused, before training, where a group size the plan may use would attend by the ring and the
-    model windows or soft-caps its attention (the ring computes neither; Ulysses does)."""
+def use_plugin_attention(model: torch.nn.Module) -> None:
+    """Make a transformers model attend through ``dyn_varlen``, the kernel that spans a group
+    (windows and soft-caps included, by Ulysses or the ring)."""
     if not getattr(model, "_supports_attention_backend", False) or not hasattr(model, "config"):
         raise ValueError(
             f"sequence_parallel.enabled needs a transformers model whose attention goes through "
             f"transformers' AttentionInterface (_supports_attention_backend): {type(model).__name__} "
             "does not, so its attention could not span a sequence-parallel group; disable "
             "sequence_parallel or use such a model"
-        )
-    heads = model.config.num_attention_heads
-    kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
-    ring = [
-        k
-        for k in group_sizes(columns, config.sizes)
-        if k > 1 and attention_kind(k, config.attention, heads, kv_heads) == "ring"
-    ]
-    features = attention_features(model)
-    if ring and features:
-        raise ValueError(
-            f"{type(model).__name__}: the ring attention computes no {' or '.join(features)}; sequence-parallel "
-            f"groups of {ring} ranks would attend by the ring (sequence_parallel.attention {config.attention!r}): set "
-            "sequence_parallel.attention to 'ulysses' and sizes whose group divides the query and key/value heads, "
-            "or disable sequence_parallel"
         )
     model.config._attn_implementation = register()
 

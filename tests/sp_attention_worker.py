@@ -35,8 +35,10 @@ def packed_positions(docs_per_row, width):
     return torch.stack(rows)
 
 
-def check_attention_case(shard, heads, kv_heads, pos, kind, dtype):
-    """fp64 shows the algorithm exact (1e-12); fp32 stays within 1e-6 of it, as fp32 SDPA does."""
+def check_attention_case(shard, heads, kv_heads, pos, kind, dtype, window=None, softcap=None):
+    """fp64 shows the algorithm exact (1e-12); fp32 stays within 1e-6 of it, as fp32 SDPA does.
+    ``window`` / ``softcap``: the model's sliding window and attention-logit soft-cap (Mistral,
+    Gemma2), as transformers' attention modules pass them to the kernel."""
     rank, k = shard.index, shard.size
     rows, width = pos.shape
     n = width // k
@@ -47,15 +49,17 @@ def check_attention_case(shard, heads, kv_heads, pos, kind, dtype):
     dout = torch.randn(rows, width, heads, 8, generator=gen, dtype=torch.float64)
     # single-process reference: per-document attention over the whole rows, in fp64
     ref = [t.clone().requires_grad_() for t in (q, key, v)]
-    ref_out = document_attention(*ref, pos, 0.0, None)
+    ref_out = document_attention(*ref, pos, 0.0, None, window=window, softcap=softcap)
     (ref_out * dout).sum().backward()
     mine = slice(rank * n, (rank + 1) * n)
     local = [t[:, :, mine].to(dtype).requires_grad_() for t in (q, key, v)]
     module = torch.nn.Module().eval()
     with sp.sharded(shard):  # forward and backward, as the runtime does
-        out = varlen_attention(module, *local, None, position_ids=pos[:, mine])[0]
+        out = varlen_attention(module, *local, None, position_ids=pos[:, mine], sliding_window=window, softcap=softcap)[
+            0
+        ]
         (out * dout[:, mine].to(dtype)).sum().backward()
-    label = f"{kind} k={k} heads={heads}/{kv_heads} {dtype}"
+    label = f"{kind} k={k} heads={heads}/{kv_heads} {dtype} window={window} softcap={softcap}"
     tol = TOL if dtype == torch.float32 else 1e-12
     close(f"{label} out", out.double(), ref_out[:, mine], tol)
     for name, got, want in zip("qkv", local, ref):
@@ -82,6 +86,10 @@ def attention(group, size, index):
                     continue
                 for dtype in (torch.float64, torch.float32):
                     check_attention_case(shard, heads, kv_heads, pos, kind, dtype)
+                # windows shorter than a shard and than the documents, and soft-capped scores (at a cap
+                # the scores reach: the inputs are N(0, 1) over 8 dimensions)
+                for window, softcap in ((4, None), (None, 1.0), (7, 0.5)):
+                    check_attention_case(shard, heads, kv_heads, pos, kind, torch.float64, window, softcap)
     assert sp.current() is None
     # dropout: Ulysses runs it in the per-document kernel, ring refuses it
     pos = layouts["packed"]

@@ -6,8 +6,8 @@ Gemma2 (local layers with a window, attention-logit and final-logit soft-capping
 configs with windows of 16 tokens under documents of 40-90: a packed row through ``dyn_varlen``
 gives the logits and gradients of the unmodified model (eager attention) run document by
 document. Before, the kernel ignored ``sliding_window`` and ``softcap`` and trained these
-families silently wrong (logits off by 0.2-0.7). Ring sequence-parallel attention does not
-compute either: it refuses them, naming the feature.
+families silently wrong (logits off by 0.2-0.7). Both sequence-parallel attentions compute them
+too (tests/sp_attention_worker.py; the family matrix runs them end to end).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import functools
 import pytest
 import torch
 
-from dyn_plugin.models import sequence_parallel
 from dyn_plugin.models.varlen_attention import register, varlen_attention
 
 pytest.importorskip("transformers")
@@ -126,17 +125,6 @@ def test_a_packed_row_trains_as_its_documents_alone(family):
         if a.grad is not None and b.grad.abs().max() > 0
     )
     assert worst < 1e-5, worst  # measured 6-8e-7; a window ignored gives ~1e-1
-
-
-@pytest.mark.parametrize("feature", ["sliding_window", "softcap"])
-def test_ring_attention_refuses_what_it_does_not_compute(monkeypatch, feature):
-    class Shard:
-        size, kind = 2, "ring"
-
-    monkeypatch.setattr(sequence_parallel, "current", lambda: Shard())
-    q = torch.zeros(1, 4, 8, 16)
-    with pytest.raises(ValueError, match="sequence_parallel.attention to 'ulysses'"):
-        varlen_attention(torch.nn.Linear(1, 1), q, q, q, None, **{feature: 4})
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,9 @@ Two algorithms, both exact (the result equals per-document causal attention over
   exchanges); block outputs merge by log-sum-exp. Any head count works, so it serves k above the
   key/value heads of grouped-query attention. The backward runs flash-attention's recurrence per
   block from the saved log-sum-exp, and the key/value gradients travel round the ring back to
-  their owners.
+  their owners. Sliding windows mask each block by the queries' distance from its keys, and
+  soft-capped logits are capped per block before the merge (and the gradient goes back through
+  the cap), so Mistral, Qwen2 and Gemma attend exactly as under Ulysses.
 
 Documents are found from the whole micro-batch's ``position_ids`` (restarting at 0 per document),
 which the shard carries: a rank's own positions cannot tell whether its first token continues a
@@ -105,9 +107,14 @@ def attention(
     local: LocalAttention,
     dropout: float = 0.0,
     scaling: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """query: [b, heads, s/k, d], key/value: [b, kv_heads, s/k, d], this rank's positions; returns
-    this rank's output [b, s/k, heads, d]. ``local`` is the per-document kernel Ulysses runs."""
+    this rank's output [b, s/k, heads, d]. ``local`` is the per-document kernel Ulysses runs (with
+    ``window`` and ``softcap`` bound, as ``varlen_attention`` gives it); the ring applies both itself:
+    a key is seen by the queries fewer than ``window`` positions after it, and scores are
+    soft-capped (``softcap * tanh(score / softcap)``) before the softmax."""
     heads, kv_heads, width = query.shape[1], key.shape[1], shard.position_ids.shape[1]
     if query.shape[2] * shard.size != width:
         raise ValueError(
@@ -129,7 +136,8 @@ def attention(
             "dropout to 0, or use Ulysses (sequence_parallel.attention 'ulysses')"
         )
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return _RingAttention.apply(query, key, value, shard.documents, shard.group, shard.index, shard.size, scale)
+    limits = (window, softcap)
+    return _RingAttention.apply(query, key, value, shard.documents, shard.group, shard.index, shard.size, scale, limits)
 
 
 # --- Ulysses -----------------------------------------------------------------------------------
@@ -195,17 +203,28 @@ def _wait(works: list) -> None:
         w.wait()
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, docs: torch.Tensor, index: int, block: int) -> torch.Tensor:
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, docs: torch.Tensor, index: int, block: int, limits: tuple
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Masked scores of my query block against key block ``block``: q [b, kv, g, n, d] (scaled, in
-    the math dtype), k [b, kv, n, d] -> [b, kv, g, n, n]. A query sees a key of its own document at
-    or before its global position; earlier blocks are before it, so only the diagonal block needs
-    the causal triangle."""
+    the math dtype), k [b, kv, n, d] -> [b, kv, g, n, n], and the soft-cap's derivative (None
+    without one). A query sees a key of its own document at or before its global position, fewer
+    than ``window`` positions back (positions run on within a document); earlier blocks are before
+    it, so only the diagonal block needs the causal triangle."""
+    window, softcap = limits
     n = q.shape[3]
     seen = docs[:, index * n : (index + 1) * n, None] == docs[:, None, block * n : (block + 1) * n]
     if block == index:
         seen &= torch.ones(n, n, dtype=torch.bool, device=seen.device).tril()
+    if window is not None:
+        back = (index - block) * n + torch.arange(n, device=seen.device)[:, None] - torch.arange(n, device=seen.device)
+        seen &= back < window
     s = q @ k.to(q.dtype).unsqueeze(2).transpose(-1, -2)
-    return s.masked_fill(~seen[:, None, None], float("-inf"))
+    slope = None
+    if softcap is not None:  # capped before masking: tanh would turn -inf into -softcap
+        t = torch.tanh(s / softcap)
+        s, slope = t * softcap, 1 - t * t
+    return s.masked_fill(~seen[:, None, None], float("-inf")), slope
 
 
 def _math_dtype(x: torch.Tensor) -> torch.dtype:
@@ -218,7 +237,7 @@ class _RingAttention(torch.autograd.Function):
     every block passes every rank, so the ring's exchanges stay in step."""
 
     @staticmethod
-    def forward(ctx, query, key, value, docs, group, index: int, size: int, scale: float):
+    def forward(ctx, query, key, value, docs, group, index: int, size: int, scale: float, limits: tuple):
         b, h, n, d = query.shape
         kv_heads = key.shape[1]
         q = query.to(_math_dtype(query)).view(b, kv_heads, h // kv_heads, n, d) * scale
@@ -230,7 +249,7 @@ class _RingAttention(torch.autograd.Function):
             if step < size - 1:  # the next block is on its way while this one is computed
                 incoming, works = _pass_on(kv, group, index, size)
             if block <= index:  # step 0 is the diagonal block, where every query sees itself: lse is finite after it
-                s = _scores(q, kv[0], docs, index, block)
+                s, _ = _scores(q, kv[0], docs, index, block, limits)
                 merged = torch.logaddexp(lse, torch.logsumexp(s, dim=-1))
                 v = kv[1].to(q.dtype).unsqueeze(2)
                 out = out * torch.exp(lse - merged).unsqueeze(-1) + torch.exp(s - merged.unsqueeze(-1)) @ v
@@ -239,13 +258,13 @@ class _RingAttention(torch.autograd.Function):
                 _wait(works)
                 kv = incoming
         ctx.save_for_backward(query, key, value, docs, out, lse)
-        ctx.ring = (group, index, size, scale)
+        ctx.ring = (group, index, size, scale, limits)
         return out.view(b, h, n, d).transpose(1, 2).to(query.dtype).contiguous()
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, docs, out, lse = ctx.saved_tensors
-        group, index, size, scale = ctx.ring
+        group, index, size, scale, limits = ctx.ring
         b, h, n, d = query.shape
         kv_heads = key.shape[1]
         q = query.to(out.dtype).view(out.shape) * scale
@@ -260,9 +279,12 @@ class _RingAttention(torch.autograd.Function):
                 incoming, works = _pass_on(kv, group, index, size)
             if block <= index:
                 k, v = kv[0].to(q.dtype).unsqueeze(2), kv[1].to(q.dtype).unsqueeze(2)
-                p = torch.exp(_scores(q, kv[0], docs, index, block) - lse.unsqueeze(-1))
+                s, slope = _scores(q, kv[0], docs, index, block, limits)
+                p = torch.exp(s - lse.unsqueeze(-1))
                 dkv[1] += (p.transpose(-1, -2) @ dout).sum(2)
                 ds = p * (dout @ v.transpose(-1, -2) - delta)
+                if slope is not None:  # through the cap to the raw score
+                    ds = ds * slope
                 dq += ds @ k
                 dkv[0] += (ds.transpose(-1, -2) @ q).sum(2)  # q carries the scale already
             if step < size - 1:  # finished before the gradients go, so the two exchanges never interleave
@@ -273,4 +295,4 @@ class _RingAttention(torch.autograd.Function):
             _wait(dkv_works)  # the sent buffer stays referenced until its send is done
             dkv = received
         dq = (dq * scale).view(b, h, n, d).to(query.dtype)
-        return dq, dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None, None
+        return dq, dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None, None, None

@@ -146,7 +146,9 @@ def _windowed(q, k, v, dropout: float, scaling: float | None, window: int | None
     k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
     scores = torch.tanh(scores / softcap) * softcap
-    weights = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+    # in fp32 at least, as transformers' eager attention (fp64 stays fp64)
+    math = torch.promote_types(q.dtype, torch.float32)
+    weights = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1, dtype=math).to(q.dtype)
     return F.dropout(weights, p=dropout, training=dropout > 0) @ v
 
 
@@ -228,30 +230,8 @@ def varlen_attention(
     local = functools.partial(document_attention, window=window, softcap=softcap)
     shard = sequence_parallel.current()
     if shard is not None and shard.size > 1:
-        if (window is not None or softcap is not None) and shard.kind != "ulysses":
-            feature = "a sliding window" if window is not None else "attention logit soft-capping"
-            raise ValueError(
-                f"{type(module).__name__} attends with {feature}, which the plugin's ring attention does not "
-                "compute; set dyn_plugin.sequence_parallel.attention to 'ulysses' (the group size must divide "
-                "the query and key/value heads)"
-            )
-        return sequence_parallel.attention(shard, query, key, value, local, drop, scaling), None
+        return sequence_parallel.attention(shard, query, key, value, local, drop, scaling, window, softcap), None
     return local(query, key, value, kwargs.get("position_ids"), drop, scaling), None
-
-
-def attention_features(model: torch.nn.Module) -> list[str]:
-    """What ``model``'s attention computes beyond plain causal attention that not every path of the
-    plugin computes: "sliding windows" (on any layer) and "attention logit soft-capping". Windows
-    come from the config: its ``layer_types`` where it has them (Qwen2, Qwen2-MoE, Gemma: a window
-    on "sliding_attention" layers only), else its ``sliding_window`` (Mistral, Mixtral, Phi3: every
-    layer)."""
-    config = getattr(model, "config", None)
-    window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
-    windowed = bool(window) and (types is None or "sliding_attention" in types)
-    features = ["sliding windows"] if windowed else []
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        features.append("attention logit soft-capping")
-    return features
 
 
 def register() -> str:
