@@ -16,6 +16,7 @@ from dyn_plugin.config import LoadedConfig, load_config
 from dyn_plugin.cost.from_config import live_cost_model, model_shape
 from dyn_plugin.cost.table import TableCostModel
 from dyn_plugin.device import rank_device, training_dtype
+from dyn_plugin.host.attention import priced_layouts
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.plan.shard_plan import ShardPlan
 from dyn_plugin.profiling.allocator import stable_cpu_allocator
@@ -90,7 +91,7 @@ def initialize(
     import deepspeed
     import torch.distributed as dist
 
-    cfg = config if isinstance(config, LoadedConfig) else load_config(config)
+    cfg = priced_layouts(model, config if isinstance(config, LoadedConfig) else load_config(config))
     if cost_model is not None and cost_model.dtype != training_dtype(cfg.deepspeed):
         raise _dtype_mismatch(
             "the cost_model argument's dtype",

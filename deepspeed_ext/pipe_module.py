@@ -22,10 +22,8 @@ import torch.nn.functional as F
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from torch import nn
 
+from dyn_plugin.host.attention import DOCUMENT_KERNELS
 from dyn_plugin.runtime.collate import IGNORE
-
-# Kernels that isolate packed documents by position-id resets, with no mask.
-MASK_FREE_ATTENTION = ("dyn_varlen", "flash_attention_2", "flash_attention_3")
 
 
 class PlannedPipelineModule(PipelineModule):
@@ -207,10 +205,10 @@ def causal_lm_pipe(model: nn.Module, layers_per_stage: Sequence[int]) -> Planned
     as the planner's cost model assumes."""
     body = body_of(model)
     attn = getattr(model.config, "_attn_implementation", None)
-    if attn not in MASK_FREE_ATTENTION:
+    if attn not in DOCUMENT_KERNELS:
         raise ValueError(
             f"attention implementation {attn!r} needs a mask to keep packed documents apart; pipeline "
-            f"stages pass none: use one of {MASK_FREE_ATTENTION} (dyn_plugin.models.hf.build_causal_lm "
+            f"stages pass none: use one of {DOCUMENT_KERNELS} (dyn_plugin.models.hf.build_causal_lm "
             "defaults to 'dyn_varlen')"
         )
     if sum(layers_per_stage) != len(body.layers):

@@ -237,3 +237,20 @@ def test_the_kernel_refuses_what_it_does_not_compute(kwargs, feature):
     q = torch.zeros(1, 4, 8, 16)
     with pytest.raises(ValueError, match=feature):
         varlen_attention(torch.nn.Linear(1, 1), q, q, q, None, **kwargs)
+
+
+def test_packed_rows_are_planned_only_where_the_attention_runs_them_at_the_planned_cost():
+    """The user's own SDPA attention trains packed rows exactly but over the whole row's square: a
+    run plans padded rows there ('auto'), refuses 'packed' naming both fixes, and keeps packed rows
+    for the per-document kernels the plan prices."""
+    from dyn_plugin.config import load_config
+    from dyn_plugin.host.attention import priced_layouts
+
+    def layout(attention: str, chosen: str) -> str:
+        cfg = load_config({"dyn_plugin": {"microbatching": {"layout": chosen}}})
+        return priced_layouts(model("mistral", attention), cfg).plugin.microbatching.layout
+
+    assert layout("sdpa", "auto") == "padded" and layout("eager", "padded") == "padded"
+    assert layout(register(), "auto") == "auto" and layout(register(), "packed") == "packed"
+    with pytest.raises(ValueError, match="layout 'packed' with attn_implementation 'sdpa'.*'dyn_varlen'.*'padded'"):
+        layout("sdpa", "packed")

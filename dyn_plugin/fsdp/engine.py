@@ -23,6 +23,7 @@ from ..config import LoadedConfig, load_config
 from ..cost.from_config import live_cost_model, model_shape
 from ..cost.table import TableCostModel
 from ..device import rank_device
+from ..host.attention import priced_layouts
 from ..layout import RankLayout
 from ..models.shard_units import shard_units
 from ..plan.shard_plan import ShardPlan
@@ -56,7 +57,7 @@ def initialize(
     The model trains in the precision of its parameters, which must be the plan's and the cost
     model's. On CUDA the model is moved to ``cuda:$LOCAL_RANK`` first. Returns (model, optimizer,
     loader, plan); with ``fsdp="fsdp1"`` the model is the root ``FullyShardedDataParallel``."""
-    cfg = config if isinstance(config, LoadedConfig) else load_config(config)
+    cfg = priced_layouts(model, config if isinstance(config, LoadedConfig) else load_config(config))
     plugin = cfg.plugin
     if fsdp not in ("fsdp2", "fsdp1"):
         raise ValueError(f"fsdp={fsdp!r}: choose 'fsdp2' (fully_shard) or 'fsdp1' (FullyShardedDataParallel)")
