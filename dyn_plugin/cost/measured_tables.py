@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections import defaultdict
 from typing import Any
 
-from .profile import SCHEMA, VERSION, DeviceInfo, ModelInfo, Profile, Sample, fit_tables
+from .model import features
+from .profile import SCHEMA, VERSION, DeviceInfo, ModelInfo, Profile, Sample, fit_component, fit_tables
 
 MB = 1 << 20
 # Attention heads of the artifact's models (its Megatron configs; the tables do not say):
@@ -115,3 +117,42 @@ def import_measured_tables(
         samples=samples,
         tables=fit_tables(samples),
     )
+
+
+def held_out_memory(profile: Profile, pad_multiple: int = 8) -> list[dict[str, Any]]:
+    """Leave one length out: per (tp, recompute) table and per measured sequence length strictly
+    inside the measured range, the layer's memory fits refitted without that length's points,
+    then its points predicted (interpolation across lengths, the case plans with unmeasured
+    lengths rely on). One row per point and metric. ``edge``: the largest micro-batch measured
+    at its length, where the measurement stopped (next size out of memory); the allocator's
+    behaviour there is its own question (issue 24, the measured margin), so it is reported apart."""
+    groups: dict[tuple[int, str], list[Sample]] = defaultdict(list)
+    for s in profile.samples:
+        if s.component == "layer":
+            groups[(s.tp, s.recompute)].append(s)
+    rows = []
+    for (tp, rc), samples in sorted(groups.items()):
+        by_len: dict[int, list[Sample]] = defaultdict(list)
+        for s in samples:
+            by_len[s.seq_lens[0]].append(s)
+        for length in sorted(by_len)[1:-1]:
+            fits = fit_component([s for s in samples if s.seq_lens[0] != length], "padded", pad_multiple)
+            largest = max(len(s.seq_lens) for s in by_len[length])
+            for s in by_len[length]:
+                f = features(s.seq_lens, "padded", pad_multiple)
+                for metric in ("stored_bytes", "peak_bytes"):
+                    measured = getattr(s, metric)
+                    rows.append(
+                        {
+                            "tp": tp,
+                            "recompute": rc,
+                            "metric": metric,
+                            "seq_len": length,
+                            "batch": len(s.seq_lens),
+                            "measured_mb": measured / MB,
+                            "predicted_mb": fits[metric](f) / MB,
+                            "error": fits[metric](f) / measured - 1,
+                            "edge": len(by_len[length]) > 1 and len(s.seq_lens) == largest,
+                        }
+                    )
+    return rows

@@ -216,7 +216,8 @@ def _fit_from_models(models: list[Sample], embedding: dict[str, LinearFit], layo
     return fits
 
 
-def _fit_direct(samples: list[Sample], layout, pad_multiple) -> dict[str, LinearFit]:
+def fit_component(samples: list[Sample], layout, pad_multiple) -> dict[str, LinearFit]:
+    """Every metric of one component fitted from its own samples."""
     feats = [features(s.seq_lens, layout, pad_multiple) for s in samples]
     tok = np.array([f.slots for f in feats])
     att = np.array([f.attn for f in feats])
@@ -238,7 +239,7 @@ def fit_tables(samples: list[Sample], pad_multiple: int = 8) -> list[Table]:
     tables = []
     for (layout, recompute, tp), by_comp in sorted(groups.items()):
         key = f"{layout}/{recompute}/tp{tp}"
-        embedding = _fit_direct(by_comp["embedding"], layout, pad_multiple) if by_comp.get("embedding") else zero
+        embedding = fit_component(by_comp["embedding"], layout, pad_multiple) if by_comp.get("embedding") else zero
         if by_comp.get("model"):
             if any(s.num_layers is None for s in by_comp["model"]):
                 raise ValueError(f"profile samples {key}: every 'model' sample needs num_layers")
@@ -246,7 +247,7 @@ def fit_tables(samples: list[Sample], pad_multiple: int = 8) -> list[Table]:
                 raise ValueError(f"profile samples {key}: 'model' samples need at least two depths to separate layers")
             fits = _fit_from_models(by_comp["model"], embedding, layout, pad_multiple)
         elif by_comp.get("layer") and by_comp.get("head"):
-            fits = {c: _fit_direct(by_comp[c], layout, pad_multiple) for c in ("layer", "head")}
+            fits = {c: fit_component(by_comp[c], layout, pad_multiple) for c in ("layer", "head")}
         else:
             raise ValueError(f"profile samples {key}: need 'model' samples, or both 'layer' and 'head' samples")
         fits["embedding"] = embedding
