@@ -125,6 +125,19 @@ def test_sp_baselines_are_complete_and_slower(method):
         assert plan_step(batch, spec).iteration_ms <= base.iteration_ms * (1 + 1e-9)
 
 
+def test_fixed_sp_is_the_size_a_user_would_tune():
+    """``fixed_sp`` is the fastest single group size the batch fits (what a user tunes), never
+    slower than the smallest that fits (``fixed_sp_smallest``, the untuned choice)."""
+    spec = spec_for(8, pp=2)
+    sizes = []
+    for batch in batches(65536, 3):
+        tuned, smallest = (plan_baseline(m, batch, spec, 8192) for m in ("fixed_sp", "fixed_sp_smallest"))
+        assert tuned.iteration_ms <= smallest.iteration_ms * (1 + 1e-12)
+        assert len({mb.sp for r in tuned.replicas for mb in r.micro_batches}) == 1
+        sizes.append(({mb.sp for r in tuned.replicas for mb in r.micro_batches}, {smallest.replicas[0].size}))
+    assert any(t != s for t, s in sizes), sizes  # the tuned size is not merely the smallest (here 8 vs 1)
+
+
 def test_zero3_recomputes_alike_at_each_run_position():
     """ZeRO-3 gathers parameters in module order and recompute re-runs modules: every rank's i-th
     micro-batch must recompute alike (the runtime refuses plans that do not)."""

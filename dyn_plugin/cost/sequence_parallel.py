@@ -55,10 +55,13 @@ class SequenceParallelCost:
     ranks: int = 2
 
     def alltoall_ms(self, nbytes: float, k: int, link_gb_per_s: float, latency_us: float) -> tuple[float, float]:
-        """(fixed ms, ms per byte of ``nbytes``) of one all-to-all of ``nbytes`` per rank over k ranks."""
+        """(fixed ms, ms per byte of ``nbytes``) of one all-to-all of ``nbytes`` per rank over k ranks.
+        Unmeasured: one launch's latency, as NCCL runs an all-to-all as one grouped call whose peers
+        progress together (a latency per peer made 16-32-rank groups look 15-31x dearer), plus the
+        bytes a rank sends over the link."""
         share = (k - 1) / k  # a rank keeps 1/k of its buffer
         if self.alltoall is None:
-            return latency_us / 1e3 * (k - 1), share / (link_gb_per_s * 1e6)
+            return latency_us / 1e3, share / (link_gb_per_s * 1e6)
         measured_share = (self.ranks - 1) / self.ranks
         return self.alltoall[0], self.alltoall[1] * share / measured_share
 

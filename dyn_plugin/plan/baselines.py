@@ -11,9 +11,11 @@
 
 With sequence parallelism (sequences split over groups of data-parallel columns):
 
-- ``fixed_sp``: one group size for every sequence, the smallest the longest fits in (DeepSpeed
-  Ulysses or Megatron context parallelism as configured today); given the planner's own
-  micro-batching and schedule search, so it isolates what a size per sequence is worth.
+- ``fixed_sp``: one group size for every sequence (DeepSpeed Ulysses or Megatron context
+  parallelism as configured today), the size a user would tune: the fastest of those the longest
+  sequence fits in, for this batch; given the planner's own micro-batching and schedule search,
+  so it isolates what a size per sequence is worth. ``fixed_sp_smallest``: the smallest such size,
+  shown beside it (the untuned choice).
 - ``megatron_hybrid_cp``: Megatron-Core's hybrid context parallelism: each sequence gets
   2^ceil(log2(L / per-rank capacity)) ranks (more where its quadratic attention memory needs
   them), workload s^2/k balanced over the groups, THD rows packed up to capacity * k tokens.
@@ -164,12 +166,23 @@ def _relabel(mb: MicroBatch, sample_ids: Sequence[int], lengths: Sequence[int]) 
     return replace(mb, sample_ids=tuple(sample_ids), seq_lens=tuple(int(lengths[i]) for i in sample_ids))
 
 
-def fixed_sp(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
+def fixed_sp(lengths: Sequence[int], spec: PlannerSpec, *, tuned: bool = True) -> StepPlan:
+    """One group size for the whole step: the fastest feasible one (``tuned``), else the smallest."""
     lens = np.asarray(lengths, dtype=np.int64)
-    k = size_limits(lens, spec, "packed").smallest(int(lens.max()))
-    if k is None:
+    smallest = size_limits(lens, spec, "packed").smallest(int(lens.max()))
+    if smallest is None:
         raise InfeasibleError(f"fixed_sp: the longest sequence ({int(lens.max())}) fits in no group of {spec.sp_sizes}")
-    return replace(plan_groups(lens, spec, grouping=(k,) * (spec.dp // k)), method="fixed_sp")
+    sizes = [k for k in spec.sp_sizes if k >= smallest and spec.dp % k == 0] if tuned else [smallest]
+    plans = []
+    for k in sizes:
+        try:
+            plans.append(plan_groups(lens, spec, grouping=(k,) * (spec.dp // k)))
+        except InfeasibleError:
+            continue  # a wider group may still fit what a narrower one cannot hold
+    if not plans:
+        raise InfeasibleError(f"fixed_sp: no group size of {sizes} runs the batch")
+    best = min(plans, key=lambda p: p.iteration_ms)
+    return replace(best, method="fixed_sp" if tuned else "fixed_sp_smallest")
 
 
 def megatron_hybrid_cp(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
@@ -299,6 +312,9 @@ REGISTRY: dict[str, Baseline] = {
     "packing_full": Baseline(lambda lengths, *, spec, max_len: packing(lengths, spec, max_len, varlen=False)),
     "packing_varlen": Baseline(lambda lengths, *, spec, max_len: packing(lengths, spec, max_len, varlen=True)),
     "fixed_sp": Baseline(lambda lengths, *, spec, max_len: fixed_sp(lengths, spec), sequence_parallel=True),
+    "fixed_sp_smallest": Baseline(
+        lambda lengths, *, spec, max_len: fixed_sp(lengths, spec, tuned=False), sequence_parallel=True
+    ),
     "megatron_hybrid_cp": Baseline(
         lambda lengths, *, spec, max_len: megatron_hybrid_cp(lengths, spec), sequence_parallel=True
     ),
