@@ -363,12 +363,12 @@ class StoreConfig(BaseModel):
     password_env: str = Field(
         default="DYN_PLUGIN_REDIS_PASSWORD",
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
-        description="redis: name of the env var holding the password (kept out of configs and logs)",
+        description="redis: name of the env var holding the password (kept out of configs and logs); required on a non-loopback host",
     )
     secret_env: str = Field(
         default="DYN_PLUGIN_STORE_SECRET",
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
-        description=f"name of the env var holding a shared secret (>= {MIN_SECRET_BYTES} chars) that HMAC-signs every value; required for tcp on a non-loopback host",
+        description=f"name of the env var holding a shared secret (>= {MIN_SECRET_BYTES} chars) that HMAC-signs every value; required for any store on a non-loopback host",
     )
     timeout_s: float = Field(
         default=30.0, gt=0, description="longest any store operation (connect included) may take before failing"

@@ -135,6 +135,50 @@ def test_payloads_over_the_limit_are_refused(redis_server, monkeypatch):  # noqa
             small.put("big", bytes(2000))
 
 
+# The same security floor as the TCP store: a server on a non-loopback address needs a password,
+# the plans' HMAC secret and, with rediss://, TLS that checks certificates; refused before connecting.
+@pytest.mark.parametrize(
+    "url, env, refused",
+    [
+        (
+            "redis://10.255.255.1:6379/0",
+            {},
+            ["$DYN_PLUGIN_REDIS_PASSWORD (store.password_env)", "$DYN_PLUGIN_STORE_SECRET (store.secret_env)"],
+        ),
+        ("redis://redis.example:6379/0", {PASSWORD_ENV: "pw"}, ["$DYN_PLUGIN_STORE_SECRET (store.secret_env)"]),
+        ("redis://:hunter2@10.255.255.1:6379/0", {}, ["$DYN_PLUGIN_STORE_SECRET"]),
+        ("redis://10.255.255.1:6379/0", {"DYN_PLUGIN_STORE_SECRET": SECRET}, ["$DYN_PLUGIN_REDIS_PASSWORD"]),
+        (
+            "rediss://10.255.255.1:6380/0?ssl_cert_reqs=none&ssl_check_hostname=False",
+            {PASSWORD_ENV: "pw", "DYN_PLUGIN_STORE_SECRET": SECRET},
+            ["drop ssl_cert_reqs=none, ssl_check_hostname=False from store.url"],
+        ),
+    ],
+)
+def test_non_loopback_redis_needs_password_secret_and_checked_tls(url, env, refused, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = StoreConfig(backend="redis", url=url, namespace="n", timeout_s=5.0)
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match="is not a loopback address") as err:
+        open_store(config, rank=0, world_size=1)
+    assert time.monotonic() - t0 < 0.5  # refused before any connection attempt
+    msg = str(err.value)
+    assert all(fix in msg for fix in refused), msg
+    assert "hunter2" not in msg
+    assert not isinstance(err.value, StoreUnavailable)
+
+
+def test_non_loopback_redis_with_password_and_secret_is_served(redis_server, monkeypatch):  # noqa: F811
+    monkeypatch.setenv(PASSWORD_ENV, redis_server.password)
+    monkeypatch.setenv("DYN_PLUGIN_STORE_SECRET", SECRET)
+    # '127.1' reaches the test server but is not a literal loopback address, so the floor applies
+    with open_store(_config(redis_server, url=f"redis://127.1:{redis_server.port}/0"), rank=0, world_size=1) as s:
+        s.put("k", b"signed")
+        assert s.get("k") == b"signed"
+        assert _raw(redis_server).get(f"dynplugin/{s.namespace}/k").startswith(b"\x01")  # HMAC-signed
+
+
 def test_wrong_password(redis_server, monkeypatch):  # noqa: F811
     monkeypatch.setenv(PASSWORD_ENV, "not-the-password")
     with pytest.raises(StoreAuthError, match=f"refused authentication.*check \\${PASSWORD_ENV}"):

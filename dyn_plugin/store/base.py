@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 from abc import ABC, abstractmethod
@@ -149,6 +150,41 @@ class PlanStore(ABC):
 
     @abstractmethod
     def _delete(self, full_key: str) -> None: ...
+
+
+def is_loopback(host: str) -> bool:
+    """Only literal loopback addresses and 'localhost' count; any other name may be remote."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_remote_floor(
+    config: StoreConfig, host: str, *, what: str, secret: bytes | None, missing: list[str] | None = None
+) -> None:
+    """The one security floor of every backend: a store on a non-loopback ``host`` can be reached
+    by other machines, so every plan must be HMAC-signed with the shared secret and the backend's
+    own requirements (``missing``: each unmet one as its fix, e.g. Redis's password) must be met.
+    ``what`` names the store and why it is exposed. A single-node run keeps the store on loopback
+    and needs none of it.
+    """
+    if is_loopback(host):
+        return
+    fixes = list(missing or [])
+    if secret is None:
+        fixes.append(
+            f"set ${config.secret_env} (store.secret_env) to the same secret (>= {MIN_SECRET_BYTES} chars) on "
+            "every rank so every plan is HMAC-signed"
+        )
+    if fixes:
+        raise StoreError(
+            f"{what} is not a loopback address, so anyone who can reach it could write plans: "
+            + "; ".join(fixes)
+            + ". On a single node use 127.0.0.1 instead"
+        )
 
 
 def read_secret(config: StoreConfig) -> bytes | None:

@@ -13,14 +13,14 @@ import logging
 import os
 import time
 from typing import Callable, TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..config import StoreConfig, mask_url, with_password
-from .base import PlanStore, StoreAuthError, StoreError, StoreUnavailable
+from .base import PlanStore, StoreAuthError, StoreError, StoreUnavailable, check_remote_floor
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,13 @@ class RedisPlanStore(PlanStore):
                 config.password_env,
                 " (which is set and takes precedence)" if password else "",
             )
+        check_remote_floor(
+            config,
+            urlsplit(config.url).hostname or "",
+            what=f"store.url {mask_url(config.url)}",
+            secret=secret,
+            missing=_remote_requirements(config, has_password=password is not None),
+        )
         store = cls(config, password=password, secret=secret)
         store._call("ping", "", store._client.ping)
         logger.info("plan store: redis at %s, namespace %s", store.address, config.namespace)
@@ -133,3 +140,27 @@ class RedisPlanStore(PlanStore):
 
     def _delete(self, full_key: str) -> None:
         self._call("delete", full_key, lambda: self._client.delete(full_key))
+
+
+# TLS settings redis-py reads from a rediss:// URL's query that switch its checks off
+_WEAK_TLS = {"ssl_cert_reqs": {"none", "optional"}, "ssl_check_hostname": {"false", "f", "no", "n", "0"}}
+
+
+def _remote_requirements(config: StoreConfig, *, has_password: bool) -> list[str]:
+    """What a Redis reachable from other hosts lacks beyond the shared secret, each as its fix:
+    a password, and, where TLS is configured (rediss://), TLS that checks the server's certificate
+    (without it, whoever sits in between reads the password and the plans)."""
+    assert config.url is not None
+    parts = urlsplit(config.url)
+    fixes = []
+    if not has_password and parts.password is None:
+        fixes.append(f"set ${config.password_env} (store.password_env) to the server's password (its requirepass)")
+    if parts.scheme == "rediss":
+        weak = sorted(
+            f"{name}={values[0]}"
+            for name, values in parse_qs(parts.query).items()
+            if values[0].lower() in _WEAK_TLS.get(name, ())
+        )
+        if weak:
+            fixes.append(f"drop {', '.join(weak)} from store.url so TLS checks the server's certificate")
+    return fixes

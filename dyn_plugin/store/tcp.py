@@ -18,7 +18,6 @@ is mandatory.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import socket
@@ -30,7 +29,7 @@ from typing import Iterator
 from torch.distributed import DistError, DistNetworkError, DistStoreError, TCPStore
 
 from ..config import StoreConfig
-from .base import PlanStore, StoreError, StoreUnavailable
+from .base import PlanStore, StoreError, StoreUnavailable, check_remote_floor, is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +54,6 @@ def resolve_port(config: StoreConfig) -> int:
     if not 0 < port <= 65535:
         raise StoreError(f"MASTER_PORT={master_port} + 1 is not a valid port; set store.port")
     return port
-
-
-def is_loopback(host: str) -> bool:
-    """Only literal loopback addresses and 'localhost' count; any other name may be remote."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _first_line(exc: BaseException) -> str:
@@ -92,12 +81,9 @@ class TCPPlanStore(PlanStore):
     @classmethod
     def open(cls, config: StoreConfig, *, rank: int, world_size: int, secret: bytes | None) -> "TCPPlanStore":
         host, port = config.host, resolve_port(config)
-        if not is_loopback(host) and secret is None:
-            raise StoreError(
-                f"store.host={host} is not a loopback address and TCPStore has no authentication: anyone who can reach "
-                f"port {port} could write plans. Set ${config.secret_env} (store.secret_env) to the same secret "
-                "(>= 16 chars) on every rank so values are HMAC-signed, or use host 127.0.0.1 on a single node"
-            )
+        check_remote_floor(
+            config, host, what=f"store.host={host} (port {port}; TCPStore has no authentication)", secret=secret
+        )
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         if is_loopback(host) and local.isdigit() and int(local) < world_size:
             raise StoreError(
