@@ -179,6 +179,30 @@ def test_non_loopback_redis_with_password_and_secret_is_served(redis_server, mon
         assert _raw(redis_server).get(f"dynplugin/{s.namespace}/k").startswith(b"\x01")  # HMAC-signed
 
 
+def _bytes_sent(server) -> int:
+    return int(_raw(server).info("stats")["total_net_output_bytes"])
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_values_over_the_limit_are_refused_before_reading(redis_server, monkeypatch, secret):  # noqa: F811
+    monkeypatch.setenv(PASSWORD_ENV, redis_server.password)
+    if secret is not None:
+        monkeypatch.setenv("DYN_PLUGIN_STORE_SECRET", secret)
+    with open_store(_config(redis_server, max_payload_mb=1), rank=0, world_size=1) as s:
+        limit = 2**20
+        s.put("at-limit", bytes(limit))  # stored with its flag byte (and tag): still within the limit
+        assert len(s.get("at-limit")) == limit
+        full = f"dynplugin/{s.namespace}/big"
+        _raw(redis_server).set(full, b"\x00" + bytes(8 * limit))  # written by something that ignores the limit
+        for read in (lambda: s.get("big"), lambda: s.wait("big", 1)):
+            sent = _bytes_sent(redis_server)
+            with pytest.raises(
+                PayloadError, match=f"'{full}' .* holds {8 * limit + 1} bytes, over store.max_payload_mb"
+            ):
+                read()
+            assert _bytes_sent(redis_server) - sent < 64 * 1024  # the 8 MiB never left the server
+
+
 def test_wrong_password(redis_server, monkeypatch):  # noqa: F811
     monkeypatch.setenv(PASSWORD_ENV, "not-the-password")
     with pytest.raises(StoreAuthError, match=f"refused authentication.*check \\${PASSWORD_ENV}"):

@@ -95,6 +95,17 @@ class PlanStore(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.address}, namespace={self.namespace!r})"
 
+    @property
+    def _max_stored_bytes(self) -> int:
+        """The largest value a payload within the limit is stored as (flag byte, and tag if signed)."""
+        return len(_UNSIGNED) + self._max_bytes + (_TAG_BYTES if self._secret is not None else 0)
+
+    def _too_big(self, full_key: str, stored_bytes: int) -> PayloadError:
+        return PayloadError(
+            f"'{full_key}' on {self.address} holds {stored_bytes} bytes, over store.max_payload_mb "
+            f"({self._max_bytes} bytes); raise it if plans are this big"
+        )
+
     def _full_key(self, key: str) -> str:
         if not isinstance(key, str) or not key:
             raise ValueError(f"store keys must be non-empty strings, got {key!r}")
@@ -134,9 +145,7 @@ class PlanStore(ABC):
         else:
             raise PayloadError(f"'{full_key}' on {self.address} was not written by a dyn-plugin PlanStore")
         if len(payload) > self._max_bytes:
-            raise PayloadError(
-                f"'{full_key}' on {self.address} holds {len(payload)} bytes, over store.max_payload_mb ({self._max_bytes} bytes)"
-            )
+            raise self._too_big(full_key, len(payload))
         return payload
 
     @abstractmethod

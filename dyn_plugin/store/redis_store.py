@@ -5,6 +5,10 @@ most ``1 + retries`` attempts and ``timeout_s`` in all (socket timeouts are a sh
 it), so a server that is down or vanishes surfaces as :class:`StoreUnavailable`, never as
 a hang. ``wait`` polls with a short capped backoff: plans are computed ahead, so the key
 is usually there on the first read, and polling needs no extra keys or subscriptions.
+
+A read checks the value's size on the server first (``STRLEN``, in the same script as the
+``GET``, so nothing can be swapped in between): a value over ``max_payload_mb`` is refused
+without downloading it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,12 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _POLL_FIRST_S = 0.001
 _POLL_MAX_S = 0.05
+# the value if it is at most ARGV[1] bytes, else its size (an integer), nil if missing; atomic
+_GET_WITHIN = """
+local size = redis.call('STRLEN', KEYS[1])
+if size > tonumber(ARGV[1]) then return size end
+return redis.call('GET', KEYS[1])
+"""
 
 
 class RedisPlanStore(PlanStore):
@@ -52,6 +62,7 @@ class RedisPlanStore(PlanStore):
             socket_connect_timeout=per_attempt_s,
             retry=Retry(NoBackoff(), 0),  # retries are ours, bounded by timeout_s
         )
+        self._get_within = self._client.register_script(_GET_WITHIN)
 
     @classmethod
     def open(
@@ -125,7 +136,11 @@ class RedisPlanStore(PlanStore):
         self._call("put", full_key, lambda: self._client.set(full_key, value, px=ttl_ms))
 
     def _get(self, full_key: str, deadline: float | None = None) -> bytes | None:
-        return self._call("get", full_key, lambda: self._client.get(full_key), deadline)
+        limit = self._max_stored_bytes
+        value = self._call("get", full_key, lambda: self._get_within(keys=[full_key], args=[limit]), deadline)
+        if isinstance(value, int):
+            raise self._too_big(full_key, value)
+        return value
 
     def _wait(self, full_key: str, timeout_s: float) -> bytes:
         deadline = time.monotonic() + timeout_s

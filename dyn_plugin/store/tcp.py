@@ -14,6 +14,9 @@ Security: TCPStore has no authentication. torch's own server listens on every in
 whatever host it is given, so rank 0 binds the listening socket itself, to ``store.host``
 only, and hands it over; on a non-loopback host a shared secret (every value HMAC-signed)
 is mandatory.
+
+Size: TCPStore cannot report a value's size without sending it, so ``max_payload_mb`` is
+checked once a value has arrived (Redis checks before; see redis_store.py).
 """
 
 from __future__ import annotations
