@@ -124,3 +124,32 @@ def test_grouped_rows_of_one_document_take_dense_sdpa_as_the_loop_computes(monke
     q, k, v = (torch.randn(2, h, 6, 4) for h in (4, 2, 2))
     dense = va._flash_varlen(q, k, v, None, 0.5)
     assert torch.allclose(dense, va.document_attention(q, k, v, None, scaling=0.5), atol=1e-6)
+
+
+def test_a_packed_row_shipping_its_boundaries_is_attended_without_reading_the_device(monkeypatch):
+    """The loader ships a packed row's cu_seqlens and longest document with the batch (collate, on
+    the host from the plan); transformers hands them to the kernel, which passes them to the flash
+    kernel as they are: nothing is searched for in position_ids, so nothing is read back from the
+    device in the forward (on CUDA: no host sync per forward; torch.cuda.set_sync_debug_mode
+    'error' in benchmarks/gpu-2026-11-26)."""
+    from dyn_plugin.runtime.collate import MODEL_KEYS, collate
+
+    batch = collate([0, 1], [3, 2], "packed", (1, 5), lambda i: list(range(1, 4 - i)), pad_id=0)
+    assert {"cu_seq_lens_q", "max_length_q"} <= set(MODEL_KEYS) and batch["max_length_q"] == 3
+    assert isinstance(batch["max_length_q"], int) and batch["cu_seq_lens_q"].tolist() == [0, 3, 5]
+
+    def no_search(*_args):
+        raise AssertionError("documents searched for in position_ids although the batch carried them")
+
+    calls = []
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, **kwargs):
+        calls.append((cu_q.tolist(), max_q))
+        return q
+
+    monkeypatch.setattr(va._offsets, "get", no_search)
+    monkeypatch.setattr(va, "varlen_attn", fake_varlen)
+    q = torch.randn(1, 4, 5, 4)
+    offsets = (batch["cu_seq_lens_q"], batch["max_length_q"])
+    va._flash_varlen(q, q, q, batch["position_ids"], 0.5, offsets=offsets)
+    assert calls == [([0, 3, 5], 3)]

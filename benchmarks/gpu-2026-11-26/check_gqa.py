@@ -27,6 +27,7 @@ import argparse
 import collections
 import contextlib
 import inspect
+import itertools
 import json
 import sys
 import time
@@ -268,10 +269,19 @@ def part_syncs(dev, tiny: bool) -> dict:
     pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0).to(dev)
     labels = ids.clone()
     labels[pos == 0] = -100  # HF shifts: the label at a document's first token would be predicted across documents
-    batch = {"input_ids": ids, "position_ids": pos, "labels": labels}
+    plain = {"input_ids": ids, "position_ids": pos, "labels": labels}
+    # as the loader ships a packed row (dyn_plugin.runtime.collate): its documents' boundaries on
+    # the device and the longest as a host int, so the kernel need not look for them
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+    shipped = {**plain, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lens), "max_length_k": max(lens)}
     result = {"model": cfg, "tokens": tokens, "documents": len(lens), "paths": {}}
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    for name, ctx in (("flash", contextlib.nullcontext), ("loop", per_document_loop)):
+    paths = (
+        ("flash", contextlib.nullcontext, plain),
+        ("flash-shipped", contextlib.nullcontext, shipped),
+        ("loop", per_document_loop, plain),
+    )
+    for name, ctx, batch in paths:
         torch.manual_seed(0)
         model = build_causal_lm(cfg).to(dev, dtype).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -286,7 +296,7 @@ def part_syncs(dev, tiny: bool) -> dict:
                 if dev.type == "cuda":
                     torch.cuda.set_sync_debug_mode("warn")
                 try:  # a new position_ids tensor, as each micro-batch brings: the offsets cache misses
-                    train_step(model, opt, {k: t.clone() for k, t in batch.items()}, log)
+                    train_step(model, opt, {k: t.clone() if torch.is_tensor(t) else t for k, t in batch.items()}, log)
                 finally:
                     if dev.type == "cuda":
                         torch.cuda.set_sync_debug_mode("default")

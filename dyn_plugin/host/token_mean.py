@@ -65,7 +65,7 @@ def token_mean_step(step: Step, host: HostHooks, dp: int, timings: list | None =
     for i, (desc, mb) in enumerate(zip(step.loaded, step.micro_batches)):
         host.recompute.set(desc.recompute, planned_layers(desc, stage=0))  # no pipeline: the one stage
         host.boundary(i == n - 1)
-        inputs = {k: v.to(host.device) for k, v in mb.items() if k in MODEL_KEYS}
+        inputs = {k: v.to(host.device) if torch.is_tensor(v) else v for k, v in mb.items() if k in MODEL_KEYS}
         if desc.sp > 1:  # a shard: HF sums the loss over its labels, shifted before the split
             inputs.update(labels=inputs["shift_labels"], num_items_in_batch=1)
         with host.micro_batch(i, mb):

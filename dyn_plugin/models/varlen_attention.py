@@ -113,12 +113,14 @@ def _flash_varlen(
     position_ids: torch.Tensor | None,
     scaling: float | None,
     window: int | None = None,
+    offsets: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """query [b, heads, s, d], key/value [b, kv_heads, s, d] -> [b, s, heads, d], one flash call
-    for every document."""
+    for every document. ``offsets``: (cu_seqlens on the device, longest document) shipped with the
+    batch, so that the forward reads nothing back from the device; else found from ``position_ids``."""
     b, h, s, d = query.shape
     gqa = key.shape[1] != h
-    cu, longest = _offsets.get(position_ids, b, s, query.device)
+    cu, longest = offsets if offsets is not None else _offsets.get(position_ids, b, s, query.device)
     # one document per row (padded rows, packing across documents): dense causal SDPA, which has no window
     if cu.numel() == b + 1 and window is None:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
@@ -161,13 +163,15 @@ def document_attention(
     scaling: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    offsets: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention within each document of each row. query: [b, heads, s, d], key/value:
     [b, kv_heads, s, d]; position_ids: [rows, s] (rows = b, or 1 standing for every row), or None
     for one document per row; ``window``: a key is seen by queries fewer than ``window`` positions
-    after it; ``softcap``: logits soft-capped at it. Returns [b, s, heads, d]."""
+    after it; ``softcap``: logits soft-capped at it; ``offsets``: the documents' cu_seqlens (over the
+    b rows flattened) and longest length, where the batch carries them. Returns [b, s, heads, d]."""
     if query.is_cuda and flash_exact(query, key, dropout, window, softcap):
-        return _flash_varlen(query, key, value, position_ids, scaling, window)
+        return _flash_varlen(query, key, value, position_ids, scaling, window, offsets)
     gqa = key.shape[1] != query.shape[1]
     plain = window is None and softcap is None
     rows = []
@@ -231,7 +235,10 @@ def varlen_attention(
     shard = sequence_parallel.current()
     if shard is not None and shard.size > 1:
         return sequence_parallel.attention(shard, query, key, value, local, drop, scaling, window, softcap), None
-    return local(query, key, value, kwargs.get("position_ids"), drop, scaling), None
+    # the loader ships a packed row's boundaries (dyn_plugin.runtime.collate): no device read in forward
+    cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    offsets = (cu.to(query.device, non_blocking=True), int(longest)) if cu is not None and longest is not None else None
+    return local(query, key, value, kwargs.get("position_ids"), drop, scaling, offsets=offsets), None
 
 
 def register() -> str:

@@ -29,8 +29,20 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-# Keys of a micro-batch a causal LM takes; the rest (boundaries for other kernels) stay out.
-MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels", "shift_labels")
+# Keys of a micro-batch a causal LM takes: packed rows' document boundaries go too (transformers
+# hands cu_seq_lens_* / max_length_* on to the attention kernel), so the kernel reads nothing back
+# from the device to find the documents; the ints stay on the host.
+MODEL_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "labels",
+    "shift_labels",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+)
 
 IGNORE = -100
 
