@@ -387,3 +387,61 @@ def test_ranks_without_a_process_group_need_a_namespace():
     cfg, cm, lens, data = make(store={"backend": "tcp", "port": 0})
     with pytest.raises(ValueError, match="store.namespace is unset.*init_process_group"):
         DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(2), column=0, seed=7)
+
+
+def _redis_loader(server, monkeypatch, **store):
+    import time
+
+    monkeypatch.setenv("DYN_PLUGIN_REDIS_PASSWORD", server.password)
+    store = {"backend": "redis", "url": server.url, "namespace": f"loader-{time.time_ns()}", **store}
+    cfg, cm, lens, data = make(store=store, loader={"planners": 1, "prefetch": 4, "plan_timeout_s": 30})
+    return DynLoader(data, lengths=lens, config=cfg, cost_model=cm, seed=7), make()[0], cm, lens, data
+
+
+def test_plans_that_expired_in_the_store_are_planned_again_locally(redis_server, monkeypatch, caplog):
+    import logging
+    import time
+
+    loader, plain, cm, lens, data = _redis_loader(redis_server, monkeypatch, ttl_s=0.6)
+    expected = [s.sample_ids for s in DynLoader(data, lengths=lens, config=plain, cost_model=cm, seed=7)]
+    try:
+        steps = iter(loader)
+        got = [next(steps).sample_ids]
+        time.sleep(1.5)  # a pause in training: every plan fetched ahead expires
+        with caplog.at_level(logging.WARNING, logger="dyn_plugin.runtime.loader"):
+            got += [s.sample_ids for s in steps]
+    finally:
+        loader.close()
+    assert got == expected
+    assert "was published but is gone: it expired (store.ttl_s = 0.6 s)" in caplog.text
+
+
+def test_close_never_raises_on_an_unreachable_store(fresh_redis_server, monkeypatch):
+    import time
+
+    loader, *_ = _redis_loader(fresh_redis_server, monkeypatch, timeout_s=1.0)
+    next(iter(loader))
+    planners = loader._pool.procs
+    fresh_redis_server.kill()
+    t0 = time.monotonic()
+    loader.close()
+    assert time.monotonic() - t0 < 10
+    assert all(p.poll() is not None for p in planners)
+
+
+def test_the_redis_password_never_reaches_the_planners_command_line(redis_server, monkeypatch):
+    from pathlib import Path
+
+    url = f"redis://:{redis_server.password}@127.0.0.1:{redis_server.port}/0"
+    loader, *_ = _redis_loader(redis_server, monkeypatch, url=url)
+    monkeypatch.delenv("DYN_PLUGIN_REDIS_PASSWORD")  # the URL's password is the only one
+    try:
+        next(iter(loader))  # the planners connected, so they got the password
+        for p in loader._pool.procs:
+            argv = Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0")
+            assert b"dyn_plugin.runtime.planner_worker" in argv
+            assert not any(redis_server.password.encode() in arg for arg in argv), argv
+        files = Path(loader._pool._dir).iterdir()
+        assert not any(redis_server.password in f.read_text() for f in files if f.suffix == ".json")
+    finally:
+        loader.close()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import logging
 import os
 import time
 import weakref
@@ -47,6 +48,8 @@ from ..lengths.io import cap_lengths, validate_lengths
 from ..plan.instructions import ExecutionPlan, PlannedMicroBatch
 from .collate import collate, shard
 from .planning import PlanningContext, RankPlan
+
+logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 # How often a rank waiting for its plan looks for a planner failure another process published.
@@ -289,18 +292,18 @@ class DynLoader:
     def _plan_from_store(self, epoch: int, step: int) -> RankPlan:
         from ..store import StoreTimeout
         from ..store.payload import decode
-        from .planner_pool import CURSOR_KEY, ERROR_KEY, PlannerError, plan_key
+        from .planner_pool import CURSOR_KEY, ERROR_KEY, PlannerError, plan_key, progress_key
         from .planning import RANK_PLAN_SCHEMA
 
         position = self.context.position(epoch, step)
-        if self.is_host:
-            if self._pool is None:
-                self._start_planners()
-            self._store.put(CURSOR_KEY, str(position).encode())
+        if self.is_host and self._pool is None:
+            self._start_planners()
         key = plan_key(position, self.column, self.stage, self.replica)
         timeout = self.config.loader.plan_timeout_s
         deadline = time.monotonic() + timeout
         while True:  # in short waits, so a planner's death (any rank may learn of it) ends this at once
+            if self.is_host:  # at every poll: the cursor (it has the store's TTL) must outlive slow planners
+                self._store.put(CURSOR_KEY, str(position).encode())
             try:
                 data = self._store.wait(key, min(FAILURE_POLL_S, max(deadline - time.monotonic(), 1e-3)))
                 break
@@ -311,6 +314,9 @@ class DynLoader:
                         f"rank (column {self.column}, stage {self.stage}) waiting for the plan of epoch "
                         f"{epoch} step {step}: {why.decode(errors='replace')}"
                     ) from None
+                progress = [self._store.get(progress_key(k)) for k in range(self.config.loader.planners)]
+                if all(p is not None and int(p) >= position for p in progress):
+                    return self._replan(epoch, step, key)  # published, so it expired or the server lost it
                 if time.monotonic() >= deadline:
                     raise StoreTimeout(
                         f"no plan for epoch {epoch} step {step} under '{key}' on {self._store.address} "
@@ -326,6 +332,22 @@ class DynLoader:
                 f"expected epoch {epoch} step {step}: another run shares the store namespace"
             )
         return rp
+
+    def _replan(self, epoch: int, step: int, key: str) -> RankPlan:
+        """This rank's plan, made here: the planners published it under ``key``, but it is gone."""
+        gone = (
+            f"the plan of epoch {epoch} step {step} under '{key}' on {self._store.address} was published but is "
+            f"gone: it expired (store.ttl_s = {self.config.store.ttl_s:g} s) or the server lost it"
+        )
+        st = self.config.strategy
+        if st.enabled and st.ilp_time_budget_ms is not None:
+            # a wall-clock limit makes a solve depend on the machine's load: this rank could plan otherwise
+            raise RuntimeError(
+                f"{gone}; plans solved under strategy.ilp_time_budget_ms cannot be remade identically on this "
+                "rank: raise store.ttl_s above the longest pause in training, or unset ilp_time_budget_ms"
+            )
+        logger.warning("%s; planning it on this rank (plans are deterministic: the same plan)", gone)
+        return self.context.plan(epoch, step)[(self.column, self.stage)]
 
     def _build(self, rp: RankPlan) -> Step:
         tensors, ids = [], []
@@ -378,12 +400,17 @@ class DynLoader:
 
 
 def _close(store, pool=None) -> None:
+    """Never raises on a store gone away (server down, rank 0 exited): closing runs in ``finally``
+    blocks and at garbage collection, where it would hide the error being handled."""
+    from ..store import StoreError
+
     if pool is not None:
         pool.stopping()
         try:
             store.put(pool.stop_key, b"1")
-        finally:
-            pool.close()
+        except StoreError as exc:
+            logger.warning("could not publish the planners' stop key (%s); terminating them", exc)
+        pool.close()
     store.close()
 
 

@@ -2,7 +2,8 @@
 
 The host rank (data-parallel rank 0, pipeline stage 0) starts ``num_planners`` processes
 (``python -m dyn_plugin.runtime.planner_worker``, so nothing is pickled: they read the planning
-context as JSON). Planner k plans global batches k, k+n, k+2n, ... of the run (epochs one after
+context and the store config as JSON files; a Redis password travels in their environment, never
+on their command line). Planner k plans global batches k, k+n, k+2n, ... of the run (epochs one after
 another), at most ``prefetch`` batches ahead of the host's cursor, and publishes one payload per
 rank under ``plan/{position}/{dp_rank}-{pp_rank}``; each rank waits for its own key, reads it and
 deletes it.
@@ -16,6 +17,10 @@ Failure: planners only exit when told to, so a watcher thread treats any other e
 failure and hands ``on_failure`` the reason (exit code or signal, the last lines of the
 planner's stderr) within ~0.1 s; the loader publishes it under ``ERROR_KEY`` for every rank, so
 no rank sits out ``plan_timeout_s`` waiting for a plan that will never come.
+
+Expiry: a plan that waited longer than ``store.ttl_s`` (a long pause in training) or that a
+restarted server lost is gone for good; each planner keeps ``progress_key`` fresh, so the
+waiting rank sees its plan was published and re-plans that step itself (the loader).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import tempfile
 import threading
 import weakref
 from typing import Callable
+from urllib.parse import unquote, urlsplit
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +44,13 @@ def plan_key(position: int, dp_rank: int, pp_rank: int, replica: int = 0) -> str
     """Where the plan of one (column, stage) cell waits for one of the ranks sharing it (its
     tensor-parallel ranks): one key per reader, since a reader deletes what it has read."""
     return f"plan/{position}/{dp_rank}-{pp_rank}-{replica}"
+
+
+def progress_key(worker: int) -> str:
+    """The last position planner ``worker`` published, kept alive while it lives: a rank whose plan
+    is missing although every planner has passed its position knows the plan expired (or the
+    server lost it) rather than being still on its way."""
+    return f"progress/{worker}"
 
 
 CURSOR_KEY = "cursor"
@@ -62,10 +75,12 @@ class PlannerPool:
         world_size: int,
         on_failure: Callable[[str], None] | None = None,
     ) -> None:
-        self._dir = tempfile.mkdtemp(prefix="dynplugin-planners-")
-        path = os.path.join(self._dir, "context.json")
-        with open(path, "w") as f:
-            f.write(context_json)
+        self._dir = tempfile.mkdtemp(prefix="dynplugin-planners-")  # 0700: only this user reads the files
+        store_json, env = _without_password(store_json)
+        path, store_path = os.path.join(self._dir, "context.json"), os.path.join(self._dir, "store.json")
+        for file, text in ((path, context_json), (store_path, store_json)):
+            with open(file, "w") as f:
+                f.write(text)
         self.stop_key = f"stop/{secrets.token_hex(8)}"
         self.procs: list[subprocess.Popen] = []
         self._stderr: list[str] = []
@@ -77,7 +92,7 @@ class PlannerPool:
                 "--context",
                 path,
                 "--store",
-                store_json,
+                store_path,
                 "--worker",
                 str(k),
                 "--workers",
@@ -96,7 +111,7 @@ class PlannerPool:
             # stderr to a file, not a pipe: nobody has to drain it, and its tail explains a failure
             self._stderr.append(os.path.join(self._dir, f"planner{k}.stderr"))
             with open(self._stderr[-1], "wb") as err:
-                self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=err))
+                self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=err, env=env))
         logger.info("started %d planner processes (pids %s)", num_planners, [p.pid for p in self.procs])
         self._closing = threading.Event()
         # the thread holds no reference to the pool, so the pool can still be garbage-collected
@@ -114,6 +129,20 @@ class PlannerPool:
 
     def close(self) -> None:
         self._finalizer()
+
+
+def _without_password(store_json: str) -> tuple[str, dict[str, str]]:
+    """The store config with no password in its URL, and the planners' environment, which carries
+    it instead (as ``$store.password_env``, which wins over the URL's anyway): a command line is
+    readable by every user of the machine (``ps``), a process's environment only by its owner."""
+    from ..config import StoreConfig, with_password
+
+    cfg, env = StoreConfig.model_validate_json(store_json), dict(os.environ)
+    password = urlsplit(cfg.url).password if cfg.url is not None else None
+    if password is None:
+        return store_json, env
+    env.setdefault(cfg.password_env, unquote(password))
+    return cfg.model_copy(update={"url": with_password(cfg.url, None)}).model_dump_json(exclude_unset=True), env
 
 
 def describe_exit(k: int, proc: subprocess.Popen, stderr_path: str) -> str:

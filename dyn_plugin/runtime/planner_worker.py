@@ -29,18 +29,24 @@ def main(argv: list[str] | None = None) -> int:
     from ..config import StoreConfig
     from ..store import open_store
     from ..store.payload import encode
-    from .planner_pool import CURSOR_KEY, plan_key
+    from .planner_pool import CURSOR_KEY, plan_key, progress_key
     from .planning import RANK_PLAN_SCHEMA, PlanningContext
 
     with open(args.context) as f:
         context = PlanningContext.from_json(f.read())
-    cfg = StoreConfig.model_validate_json(args.store)
+    with open(args.store) as f:
+        cfg = StoreConfig.model_validate_json(f.read())
     # a client of the host rank's store (any rank but 0, which hosts it), on the host's node
     store = open_store(cfg, rank=1, world_size=max(args.world, 2))
     position = args.start + args.worker
+    published, refreshed = None, 0.0  # the last position published, and when its progress key was written
     while True:
         if os.getppid() != args.parent or store.get(args.stop_key) is not None:
             return 0
+        # rewritten well within ttl_s, so progress outlives every plan while this process lives
+        if published is not None and time.monotonic() - refreshed >= cfg.ttl_s / 4:
+            store.put(progress_key(args.worker), str(published).encode())
+            refreshed = time.monotonic()
         cursor = store.get(CURSOR_KEY)
         if cursor is None or position >= int(cursor) + args.prefetch:
             time.sleep(0.005)  # far enough ahead: let training catch up
@@ -49,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             payload = encode(rank_plan.to_meta(), {}, schema=RANK_PLAN_SCHEMA)
             for replica in range(context.tp):  # the cell's tensor-parallel ranks each read their own copy
                 store.put(plan_key(position, dp_rank, pp_rank, replica), payload)
+        published, refreshed = position, float("-inf")  # its progress is written at once
         position += args.workers
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..config import ConfigError, DynPluginConfig
+from ..config import ConfigError, DynPluginConfig, with_password
 from ..cost.table import TableCostModel
 from ..plan.instructions import ExecutionPlan, check_plans, plan_from_json, plan_to_json
 from ..plan.methods import plan_method
@@ -245,9 +245,12 @@ class PlanningContext:
         return {key: RankPlan(epoch, step, ep, tokens, digest, plan.iteration_ms) for key, ep in plans.items()}
 
     def to_json(self) -> str:
+        config = self.config.model_dump(mode="json", exclude_unset=True)
+        if "url" in config.get("store", {}):  # its password stays out: planners connect with the store's config
+            config["store"]["url"] = with_password(config["store"]["url"], None)
         return json.dumps(
             {
-                "config": self.config.model_dump(mode="json", exclude_unset=True),
+                "config": config,
                 "cost": self.cost.to_dict(),
                 "lengths": self.lengths.tolist(),
                 "dp": self.dp,
