@@ -31,6 +31,7 @@ which ``get_gpt_layer_local_spec`` reads), so layer specs built after the patch 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -65,11 +66,26 @@ def _offsets(params: PackedSeqParams, kind: str) -> tuple[list[int], list[int]]:
     return starts[:-1], lengths
 
 
+# Every layer of a micro-batch's forward (and its recompute) gets the same boundaries tensor: it is
+# read back once per micro-batch rather than once per layer (each read is a device sync on GPU).
+_READ: dict[int, list[int]] = {}
+
+
 def _bounds(cu: Tensor, name: str) -> list[int]:
     """The document boundaries of one packed row: ``[n + 1]``, or ``[1, n + 1]`` as Megatron-LM's
     packed batches carry them (micro-batch size 1: ``get_batch_on_this_tp_rank`` asserts it, and
     ``get_thd_batch_on_this_cp_rank`` passes the tensor on unsqueezed). Any other shape is refused:
     read as a list of rows it would describe no document, and the attention would be all zeros."""
+    known = _READ.get(id(cu))
+    if known is not None:
+        return known
+    bounds = _read_bounds(cu, name)
+    _READ[id(cu)] = bounds
+    weakref.finalize(cu, _READ.pop, id(cu), None)  # gone before its id can be reused
+    return bounds
+
+
+def _read_bounds(cu: Tensor, name: str) -> list[int]:
     if cu.dim() == 2 and cu.size(0) == 1:
         cu = cu[0]
     if cu.dim() != 1 or cu.numel() < 2:

@@ -321,3 +321,17 @@ def test_rope_in_a_shard_is_megatrons_rope_of_the_whole_row_at_the_shards_tokens
     assert not torch.allclose(unpatched[:, 1], padded[4:], atol=1e-3)  # the bug the patch fixes
     with pytest.raises(ValueError, match="RoPE asked for 3 positions"):
         msp._rotary(RotaryEmbedding.forward)(rope, 3)
+
+
+def test_the_boundaries_are_read_once_per_micro_batch_not_per_layer(megatron: None, monkeypatch) -> None:
+    """Each layer gets the same cu_seqlens tensor: reading it back (a device sync on GPU) happens
+    once for all of them; a new micro-batch's tensor is read again."""
+    from megatron_patches import attention
+
+    reads = []
+    read = attention._read_bounds
+    monkeypatch.setattr(attention, "_read_bounds", lambda cu, name: reads.append(name) or read(cu, name))
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+    assert [attention._bounds(cu, "cu_seqlens_q") for _ in range(4)] == [[0, 5, 14, 17]] * 4
+    assert attention._bounds(cu.clone(), "cu_seqlens_q") == [0, 5, 14, 17]
+    assert reads == ["cu_seqlens_q", "cu_seqlens_q"]
