@@ -18,7 +18,7 @@ from dyn_plugin.cost.native import core
 from dyn_plugin.cost.sharding import HOST_KINDS, Links, price, unit_compute
 from dyn_plugin.cost.update import UpdateCost
 from dyn_plugin.plan.knapsack import solve
-from dyn_plugin.plan.shard_plan import MB, Choice, ShardPlan, ShardUnit
+from dyn_plugin.plan.shard_plan import MB, SCHEMA, VERSION, Choice, ShardPlan, ShardUnit
 from dyn_plugin.plan.sharding import (
     BASELINES,
     choice_columns,
@@ -580,3 +580,29 @@ def test_a_run_searches_on_lengths_capped_as_the_loader_caps_them():
     cut = cfg.model_copy(update={"microbatching": cfg.microbatching.model_copy(update={"truncate": True})})
     plan = resolve_shard_plan(gpt_units(2), cut, cost, long, world=4, host="fsdp2")
     assert plan == resolve_shard_plan(gpt_units(2), cut, cost, np.minimum(long, 1024), world=4, host="fsdp2")
+
+
+@pytest.mark.parametrize(
+    "content, cause",
+    [
+        ("{not json", "JSONDecodeError"),
+        (json.dumps({"schema": SCHEMA, "version": VERSION, "units": [{"name": "layers.0"}]}), "KeyError"),
+    ],
+)
+def test_a_corrupt_plan_file_fails_every_rank_alike(tmp_path, content, cause):
+    """Rank 0 resolves the plan; any failure there is broadcast, so no rank waits for a plan forever."""
+    from ranks import run
+
+    path = tmp_path / "plan.json"
+    path.write_text(content)
+    codes, logs = run("shard_plan_worker.py", path, timeout=120)
+    assert codes == [3, 3], logs
+    said = [
+        next(line.split(": ", 1)[1] for line in log.splitlines() if line.startswith(f"rank {r} raised"))
+        for r, log in enumerate(logs)
+    ]
+    assert said[0] == said[1], said
+    assert (
+        f"rank 0 could not resolve the sharding plan: ValueError: sharding plan {path} is unreadable ({cause}"
+        in said[0]
+    )

@@ -3,9 +3,10 @@
 Both hosts (the FSDP entry, ``deepspeed_ext`` under ZeRO-3) call ``shard_plan_for_run``. Rank 0
 resolves the plan (the ``plan`` argument, else ``sharding.plan``'s file, else the search on one
 global batch of the run's lengths) and broadcasts it as JSON bytes, so ranks cannot disagree on a
-plan they each computed, and a search runs once rather than once per rank. A refusal on rank 0 (a
-budget below the smallest plan, a plan for another model) is broadcast too, so every rank raises
-it instead of waiting for a plan that never comes.
+plan they each computed, and a search runs once rather than once per rank. Any failure on rank 0
+(a budget below the smallest plan, a plan for another model, a corrupt plan file, a bug) is
+broadcast too, so every rank raises it instead of waiting for a plan that never comes (under
+NCCL, forever).
 """
 
 from __future__ import annotations
@@ -46,7 +47,14 @@ def resolve_shard_plan(
     if plan is None and plugin.sharding.plan is not None:
         plan = plugin.sharding.plan
     if isinstance(plan, (str, os.PathLike)):
-        plan = ShardPlan.load(plan)
+        path = os.fspath(plan)
+        try:
+            plan = ShardPlan.load(path)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # what malformed JSON fields raise
+            raise ValueError(
+                f"sharding plan {path} is unreadable ({type(exc).__name__}: {exc}); write it again with "
+                "`dynplugin shard --out`, or unset sharding.plan to search one at start-up"
+            ) from exc
     if plan is None:
         mb = plugin.microbatching
         lengths = cap_lengths(np.asarray(lengths), mb.max_seq_len, mb.truncate)  # as the loader caps them
@@ -88,14 +96,16 @@ def shard_plan_for_run(
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return resolve_shard_plan(units, plugin, cost, lengths, world=1, host=host, model=model, seed=seed, plan=plan)
+    failure: Exception | None = None
     if dist.get_rank() == 0:
         try:
             found = resolve_shard_plan(
                 units, plugin, cost, lengths, world=dist.get_world_size(), host=host, model=model, seed=seed, plan=plan
             )
             payload = {"plan": found.to_dict()}
-        except (ValueError, FileNotFoundError) as exc:
-            payload = {"error": str(exc)}
+        except Exception as exc:  # every failure: the other ranks are already waiting in the broadcast
+            failure = exc
+            payload = {"error": f"rank 0 could not resolve the sharding plan: {type(exc).__name__}: {exc}"}
         data = torch.frombuffer(bytearray(json.dumps(payload).encode()), dtype=torch.uint8).to(device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     else:
@@ -106,5 +116,5 @@ def shard_plan_for_run(
     dist.broadcast(data, src=0)
     payload = json.loads(bytes(data.cpu().numpy()).decode())
     if "error" in payload:
-        raise ValueError(payload["error"])
+        raise ValueError(payload["error"]) from failure
     return ShardPlan.from_dict(payload["plan"])
