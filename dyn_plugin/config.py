@@ -8,7 +8,6 @@ the offending value and what is allowed; a misspelled key comes with the closest
 from __future__ import annotations
 
 import difflib
-import json
 import logging
 import os
 import types
@@ -17,7 +16,10 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .checks import MAX_RANKS, MAX_TOKENS
+from .jsonfile import read_json
 
 SECTION = "dyn_plugin"
 # how close a top-level key must be to SECTION to be taken for a misspelling of it (difflib
@@ -31,6 +33,8 @@ STRICT_HINTS = {  # strict mode refuses "8" for 8 and "true" for true: say what 
 
 logger = logging.getLogger(__name__)
 MIN_SECRET_BYTES = 16  # shortest shared secret the plan store accepts
+MAX_INT = 2**53  # any integer field: far above a real value, far below int64
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 class ConfigError(ValueError):
@@ -38,7 +42,18 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "8" for 8 is a mistake, not a value
+    # "8" for 8 is a mistake, not a value; so is Infinity or NaN (JSON writers emit them), which
+    # would pass every "> 0" check and then price every plan at 0 ms or refuse all of them
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _within_int64(cls, value: Any) -> Any:
+        # a count beyond int64 wraps to a negative number in numpy and the C++ planners
+        for v in value if isinstance(value, list) else (value,):
+            if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_INT:
+                raise ValueError(f"beyond any real count or size (at most 2**53 = {MAX_INT:,})")
+        return value
 
 
 class ModelShape(_Section):
@@ -113,8 +128,8 @@ class DeviceSpec(_Section):
 
 
 class ClusterConfig(_Section):
-    devices_per_node: int = Field(default=1, gt=0, description="devices in one node")
-    num_nodes: int = Field(default=1, gt=0, description="nodes")
+    devices_per_node: int = Field(default=1, gt=0, le=MAX_RANKS, description="devices in one node")
+    num_nodes: int = Field(default=1, gt=0, le=MAX_RANKS, description="nodes")
     device: DeviceSpec = DeviceSpec()
     intra_node_gb_per_s: float = Field(
         default=100.0, gt=0, description="device-to-device bandwidth inside a node, GB/s"
@@ -157,7 +172,7 @@ class MicrobatchingConfig(_Section):
         default="auto", description="micro-batch layout; 'auto' lets the planner pick the faster one"
     )
     global_tokens: int = Field(
-        default=65536, gt=0, description="tokens in one global batch, over all data-parallel ranks"
+        default=65536, gt=0, le=MAX_TOKENS, description="tokens in one global batch, over all data-parallel ranks"
     )
     max_seq_len: int = Field(default=8192, gt=0, description="longest sequence accepted")
     truncate: bool = Field(
@@ -480,7 +495,7 @@ class LoadedConfig:
 
     @property
     def zero_stage(self) -> int:
-        return int(self.deepspeed.get("zero_optimization", {}).get("stage", 0))
+        return self.deepspeed.get("zero_optimization", {}).get("stage", 0)
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -496,15 +511,14 @@ def load_config(source: str | os.PathLike | Mapping[str, Any]) -> LoadedConfig:
     if isinstance(source, Mapping):
         raw = dict(source)
         where = "config dict"
-    else:
+    elif isinstance(source, (str, os.PathLike)):
         where = str(source)
         try:
-            with open(source) as f:
-                raw = json.load(f, object_pairs_hook=_no_duplicates)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {where} does not exist") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where} is not valid JSON: {exc}") from None
+            raw = read_json(source, "config file", object_pairs_hook=_no_duplicates)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigError(str(exc)) from None
+    else:
+        raise ConfigError(f"config {source!r}: expected a path to a JSON file or a dict")
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: the top level must be a JSON object")
     for key in raw:
@@ -522,11 +536,28 @@ def load_config(source: str | os.PathLike | Mapping[str, Any]) -> LoadedConfig:
     if not isinstance(section, Mapping):
         raise ConfigError(f"{where}: '{SECTION}' must be an object, got {type(section).__name__}")
     deepspeed = {k: v for k, v in raw.items() if k != SECTION}
+    _check_zero_stage(deepspeed, where)
     try:
         plugin = DynPluginConfig.model_validate(section)
     except ValidationError as exc:
-        raise ConfigError(f"invalid '{SECTION}' section in {where}:\n" + format_errors(exc, DynPluginConfig)) from None
+        problems = format_errors(exc, DynPluginConfig)
+        # one problem reads on one line; several get a line each
+        sep = " " if "\n" not in problems else "\n"
+        raise ConfigError(
+            f"invalid '{SECTION}' section in {where}:{sep}{problems.lstrip() if sep == ' ' else problems}"
+        ) from None
     return LoadedConfig(plugin=plugin, deepspeed=deepspeed)
+
+
+def _check_zero_stage(deepspeed: dict[str, Any], where: str) -> None:
+    """DeepSpeed's ``zero_optimization.stage``, the one DeepSpeed key the plugin plans with."""
+    zero = deepspeed.get("zero_optimization")
+    zero = {} if zero is None else zero  # DeepSpeed reads null as absent
+    if not isinstance(zero, Mapping):
+        raise ConfigError(f'{where}: zero_optimization = {zero!r} must be an object, e.g. {{"stage": 1}}')
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in ZERO_STAGES:
+        raise ConfigError(f"{where}: zero_optimization.stage = {stage!r}: expected one of 0, 1, 2, 3 (a JSON integer)")
 
 
 def _submodel(annotation: Any) -> type[BaseModel] | None:

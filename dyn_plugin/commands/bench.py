@@ -8,6 +8,8 @@ import os
 import platform
 import time
 
+from .args import SEED, STEPS, TOKENS, count, number
+
 HELP = (
     "benchmarks that print JSON: cost (cost-model evaluation), planner (plans vs baselines on A100 costs), "
     "sp (dynamic sequence parallelism vs fixed and bucketed sizes, simulated), "
@@ -21,8 +23,8 @@ HELP = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="what", required=True, metavar="WHAT")
     cost = sub.add_parser("cost", help="cost-model queries per second, C++ evaluator vs the Python twin")
-    cost.add_argument("--queries", type=int, default=20000, help="micro-batches to price (default %(default)s)")
-    cost.add_argument("--seed", type=int, default=0)
+    cost.add_argument("--queries", type=STEPS, default=20000, help="micro-batches to price (default %(default)s)")
+    cost.add_argument("--seed", type=SEED, default=0)
     planner = sub.add_parser(
         "planner",
         help="planning time and simulated step time against the baselines, "
@@ -31,14 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     planner.add_argument("--distributions", default="code,prose,mixture")
     planner.add_argument("--global-tokens", default="16384,65536,262144")
     planner.add_argument("--parallel", default="1x1,4x2,8x8", help="pp x dp configurations")
-    planner.add_argument("--batches", type=int, default=10, help="global batches per configuration")
+    planner.add_argument("--batches", type=STEPS, default=10, help="global batches per configuration")
     planner.add_argument(
         "--python-batches",
-        type=int,
+        type=count(0),
         default=2,
         help="of those, how many also go through the (slow) pure-Python planner",
     )
-    planner.add_argument("--seed", type=int, default=0)
+    planner.add_argument("--seed", type=SEED, default=0)
     planner.add_argument(
         "--no-pyramid",
         action="store_true",
@@ -60,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="1,2,4,8,16,32",
         help="sequence-parallel group sizes allowed (those up to the column count apply)",
     )
-    sp.add_argument("--batches", type=int, default=4, help="global batches per configuration")
-    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--batches", type=STEPS, default=4, help="global batches per configuration")
+    sp.add_argument("--seed", type=SEED, default=0)
     shard = sub.add_parser(
         "shard",
         help="the sharding search (osdp) against full_shard, shard_grad_op and no_shard: "
@@ -74,10 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     shard.add_argument("--gpus", default="8,16", help="ranks (8 per node)")
     shard.add_argument("--budgets-mb", default="24000,30000,36000", help="memory budgets per rank")
-    shard.add_argument("--tokens-per-gpu", type=int, default=16384, help="global batch = this x gpus tokens")
-    shard.add_argument("--max-len", type=int, help="sequences are capped at this (default 8192; 4096 with --train)")
+    shard.add_argument("--tokens-per-gpu", type=TOKENS, default=16384, help="global batch = this x gpus tokens")
+    shard.add_argument("--max-len", type=TOKENS, help="sequences are capped at this (default 8192; 4096 with --train)")
     shard.add_argument("--lengths", default="code")
-    shard.add_argument("--seed", type=int, default=0)
+    shard.add_argument("--seed", type=SEED, default=0)
     shard.add_argument(
         "--train",
         action="store_true",
@@ -87,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     shard.add_argument(
         "--budget-mb",
-        type=float,
+        type=number(),
         help="with --train: memory per rank (model states + activations) "
         "the plans are searched for and trained under (default: the "
         "largest whole MB at which no_shard does not fit)",
@@ -98,10 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "without it the analytic cost model prices the plans",
     )
     shard.add_argument("--out", default="out/bench-shard-train", help="with --train: report folder")
-    shard.add_argument("--steps", type=int, default=4, help="with --train: timed steps per method")
-    shard.add_argument("--ranks", type=int, default=2, help="with --train: local ranks")
-    shard.add_argument("--global-tokens", type=int, default=16384, help="with --train: tokens per global batch")
-    shard.add_argument("--overlap", type=float, help="with --train: sharding.overlap (default: the config's)")
+    shard.add_argument("--steps", type=STEPS, default=4, help="with --train: timed steps per method")
+    shard.add_argument("--ranks", type=count(1, 1024), default=2, help="with --train: local ranks")
+    shard.add_argument("--global-tokens", type=TOKENS, default=16384, help="with --train: tokens per global batch")
+    shard.add_argument("--overlap", type=number(), help="with --train: sharding.overlap (default: the config's)")
     strategy = sub.add_parser(
         "strategy",
         help="heterogeneous strategies (hydraulis) against the seed's stage 1, the best "
@@ -115,24 +117,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="gpt-6.7b (measured A100 tables), llama-7b, llama-13b, llama-32b (calibrated on them)",
     )
     strategy.add_argument("--gpus", default="64,1024")
-    strategy.add_argument("--tokens-per-gpu", type=int, default=4096, help="global batch = this x gpus tokens")
-    strategy.add_argument("--max-len", type=int, default=32768, help="sequences are capped at this")
-    strategy.add_argument("--max-strategies", type=int, default=3)
-    strategy.add_argument("--batches", type=int, default=8, help="global batches per configuration")
+    strategy.add_argument("--tokens-per-gpu", type=TOKENS, default=4096, help="global batch = this x gpus tokens")
+    strategy.add_argument("--max-len", type=TOKENS, default=32768, help="sequences are capped at this")
+    strategy.add_argument("--max-strategies", type=count(1, 64), default=3)
+    strategy.add_argument("--batches", type=STEPS, default=8, help="global batches per configuration")
     strategy.add_argument("--plot-dir", help="a plot per configuration: the strategies and one step's pipeline loads")
-    strategy.add_argument("--seed", type=int, default=0)
+    strategy.add_argument("--seed", type=SEED, default=0)
     loader = sub.add_parser(
         "loader",
         help="loader steps/s, time each step waits for its plan (planning locally or "
         "ahead through a store), store round-trip latency",
     )
-    loader.add_argument("--steps", type=int, default=20)
+    loader.add_argument("--steps", type=STEPS, default=20)
     loader.add_argument("--step-ms", default="0,50,200", help="simulated training step times (ms), comma-separated")
-    loader.add_argument("--planners", type=int, default=2)
-    loader.add_argument("--prefetch", type=int, default=4)
+    loader.add_argument("--planners", type=count(1, 64), default=2)
+    loader.add_argument("--prefetch", type=count(1, 1024), default=4)
     loader.add_argument(
         "--samples",
-        type=int,
+        type=STEPS,
         help="instead, the loader's own cost on a dataset of this many samples: "
         "start-up and per-step overhead, planning and collation left out",
     )
@@ -170,12 +172,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "analytic cost model prices the plans, and every row says so",
     )
     train.add_argument("--out", default="out/bench-train")
-    train.add_argument("--steps", type=int, default=4)
-    train.add_argument("--ranks", type=int, default=2)
+    train.add_argument("--steps", type=STEPS, default=4)
+    train.add_argument("--ranks", type=count(1, 1024), default=2)
     train.add_argument(
-        "--max-len", type=int, help="sequences are truncated to this many tokens (default 4096; 16384 with --sp)"
+        "--max-len", type=TOKENS, help="sequences are truncated to this many tokens (default 4096; 16384 with --sp)"
     )
-    train.add_argument("--global-tokens", type=int, default=16384, help="tokens per global batch")
+    train.add_argument("--global-tokens", type=TOKENS, default=16384, help="tokens per global batch")
     train.add_argument(
         "--sp",
         action="store_true",
@@ -194,18 +196,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     families.add_argument("--families", help="comma-separated subset (default: all)")
     families.add_argument(
-        "--seq-len", type=int, default=512, help="the micro-batch's longest document (default %(default)s)"
+        "--seq-len", type=TOKENS, default=512, help="the micro-batch's longest document (default %(default)s)"
     )
     families.add_argument(
         "--micro-batch-size",
-        type=int,
+        type=count(1, 2**16),
         default=2,
         help="the micro-batch holds this many times --seq-len tokens, the rest cut into documents at random "
         "(default %(default)s: 1024 tokens, the largest a default profile measures)",
     )
-    families.add_argument("--warmup", type=int, default=1)
-    families.add_argument("--repeats", type=int, default=10, help="timed rounds; the minimum is kept")
-    families.add_argument("--seed", type=int, default=0)
+    families.add_argument("--warmup", type=count(0), default=1)
+    families.add_argument("--repeats", type=STEPS, default=10, help="timed rounds; the minimum is kept")
+    families.add_argument("--seed", type=SEED, default=0)
     for p in (cost, planner, sp, shard, strategy, loader, train, families):
         p.add_argument("--json", action="store_true", help="one JSON object per line, no indentation")
 
@@ -239,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
 
             args.max_len = args.max_len or 8192
             records = bench_shard(
-                args, {"gpt-6.7b": config_units("examples/gpt-6.7b.json")[1], "gpt-48l": config_units(GPT_48L)[1]}
+                args,
+                {"gpt-6.7b": config_units(example_config("gpt-6.7b.json"))[1], "gpt-48l": config_units(GPT_48L)[1]},
             )
         elif args.samples is not None:
             from ..bench.loader import bench_loader_scale
@@ -352,6 +355,16 @@ def bench_train(args: argparse.Namespace, host: dict) -> int:
         host,
         ["--max-len", str(max_len), "--global-tokens", str(args.global_tokens)] + extra,
     )
+
+
+def example_config(name: str) -> str:
+    """A model config in the checkout's examples/, found from this file (not the working directory);
+    a refusal where the package was installed without them."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(repo, "examples", name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: bench shard needs a source checkout of dyn-plugin (its examples/)")
+    return path
 
 
 def default_megatron_lm() -> str | None:

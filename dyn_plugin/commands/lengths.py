@@ -7,6 +7,8 @@ import json
 import logging
 import time
 
+from .args import output_file
+
 logger = logging.getLogger(__name__)
 
 HELP = "measure a real sequence-length distribution (code, prose, mixture) and write .npy/.json"
@@ -17,7 +19,7 @@ NAMES = ("code", "prose", "mixture")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", nargs="?", choices=NAMES, help="distribution to measure")
-    parser.add_argument("--out", help="output file, .npy or .json")
+    parser.add_argument("--out", type=output_file, help="output file, .npy or .json")
     parser.add_argument("--bundled", action="store_true", help="copy the bundled lengths instead of tokenizing")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -38,12 +40,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {L.BUNDLED_DIR}")
         return 0
     if args.name is None or args.out is None:
-        print("error: NAME and --out are required (or --update-bundled)")
-        return 2
-
+        raise ValueError("NAME and --out are required (or --update-bundled)")
     if not args.out.endswith((".npy", ".json")):  # fail before minutes of tokenizing, not after
-        print(f"error: --out {args.out!r} must end in .npy or .json")
-        return 2
+        raise ValueError(f"--out {args.out!r} must end in .npy or .json")
     if args.bundled:
         lengths = L.load_lengths(args.name)
     else:

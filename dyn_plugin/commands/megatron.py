@@ -15,6 +15,8 @@ import os
 import subprocess
 import sys
 
+from .args import RANKS, input_file
+
 HELP = (
     "run a Megatron training script with the plugin's patches applied (python -m megatron_patches.launch, "
     "under torchrun for --nproc-per-node > 1)"
@@ -30,11 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dyn-plugin-config",
         metavar="FILE",
         required=True,
+        type=input_file,
         help="the run's JSON config (DeepSpeed-style, with a dyn_plugin section)",
     )
     parser.add_argument(
         "--nproc-per-node",
-        type=int,
+        type=RANKS,
         default=1,
         help="processes on this node; above 1 the script runs under torchrun (default %(default)s)",
     )
@@ -82,8 +85,11 @@ def _child_env() -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not os.path.isfile(args.dyn_plugin_config):
-        raise FileNotFoundError(f"--dyn-plugin-config {args.dyn_plugin_config}: no such file")
+    from ..config import load_config
+
+    load_config(args.dyn_plugin_config)  # a broken config is refused here, not in every rank's traceback
+    if not os.path.isfile(args.script):
+        raise FileNotFoundError(f"script {args.script}: no such file")
     cmd = command(args)
     env = _child_env()
     logger.info("running %s", " ".join(cmd))

@@ -7,27 +7,36 @@ import json
 import logging
 from collections import Counter
 
+from .args import RANKS, SEED, STEPS, TOKENS, input_file, output_dir, output_file
+
 HELP = "plan global batches of a length distribution; per step: micro-batches, layout, recompute, time, bubble, memory, and the baselines"
 
 logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="DeepSpeed JSON config with a dyn_plugin section")
+    parser.add_argument(
+        "--config", required=True, type=input_file, help="DeepSpeed JSON config with a dyn_plugin section"
+    )
     parser.add_argument(
         "--lengths", required=True, help="lengths .npy/.json, or a bundled distribution (code, prose, mixture)"
     )
     parser.add_argument(
-        "--global-tokens", type=int, help="tokens per global batch (default: microbatching.global_tokens)"
+        "--global-tokens", type=TOKENS, help="tokens per global batch (default: microbatching.global_tokens)"
     )
-    parser.add_argument("--steps", type=int, default=3, help="global batches to plan (default %(default)s)")
-    parser.add_argument("--dp", type=int, help="data-parallel replicas (default: cluster devices / pipeline stages)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=STEPS, default=3, help="global batches to plan (default %(default)s)")
+    parser.add_argument("--dp", type=RANKS, help="data-parallel replicas (default: cluster devices / pipeline stages)")
+    parser.add_argument("--seed", type=SEED, default=0)
     parser.add_argument(
-        "--trace", metavar="JSON", help="Chrome trace of the first step's plan (Perfetto, chrome://tracing)"
+        "--trace",
+        metavar="JSON",
+        type=output_file,
+        help="Chrome trace of the first step's plan (Perfetto, chrome://tracing)",
     )
-    parser.add_argument("--plot", metavar="PNG", help="step time per method, as bars")
-    parser.add_argument("--plans", metavar="DIR", help="write the first step's execution plans (one JSON per rank)")
+    parser.add_argument("--plot", metavar="PNG", type=output_file, help="step time per method, as bars")
+    parser.add_argument(
+        "--plans", metavar="DIR", type=output_dir, help="write the first step's execution plans (one JSON per rank)"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON record per step and method instead of tables")
 
 
@@ -46,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     plugin = cfg.plugin
     cost = build_cost_model(plugin.cost_model, plugin.cluster)
     pp = plugin.pipeline.stages
-    dp = args.dp or max(1, plugin.cluster.world_size // pp)
+    dp = args.dp if args.dp is not None else max(1, plugin.cluster.world_size // pp)
     spec = planner_spec(cost, plugin, dp=dp, zero_stage=cfg.zero_stage, seed=args.seed)
     sp = plugin.sequence_parallel.enabled
     if sp:
@@ -55,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         plain = replace(spec, sp_sizes=(1,))
     max_len = plugin.microbatching.max_seq_len
     lengths = cap_lengths(load_lengths(args.lengths), max_len, plugin.microbatching.truncate)
-    tokens = args.global_tokens or plugin.microbatching.global_tokens
+    tokens = args.global_tokens if args.global_tokens is not None else plugin.microbatching.global_tokens
     batches = global_batches(lengths, tokens, args.steps, args.seed)
     records = []
     first_plan = None

@@ -5,22 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 
+from .args import TOKENS, count, counts, output_file
+
 HELP = (
     "measure a transformers model (tiny by default, no download) and write a fitted profile JSON; "
     "`profile import FILE` converts per-layer tables measured elsewhere (e.g. the A100 tables)"
 )
 
 logger = logging.getLogger(__name__)
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,20 +24,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="measure (default) a model here, or import FILE",
     )
     parser.add_argument("source", nargs="?", help="with import: per-layer cost tables JSON (a100-measured format)")
-    parser.add_argument("--num-layers", type=int, help="with import: layers of the model the tables describe")
-    parser.add_argument("--hidden-size", type=int, help="with import: the model's hidden size")
+    parser.add_argument("--num-layers", type=count(), help="with import: layers of the model the tables describe")
+    parser.add_argument("--hidden-size", type=count(), help="with import: the model's hidden size")
     parser.add_argument(
         "--num-heads",
-        type=int,
+        type=count(),
         help="with import: the model's attention heads (known for the A100 tables gpt-6.7b and t5-11b)",
     )
-    parser.add_argument("--num-kv-heads", type=int, help="with import: key/value heads, if fewer than --num-heads")
+    parser.add_argument("--num-kv-heads", type=count(), help="with import: key/value heads, if fewer than --num-heads")
     parser.add_argument(
         "--model",
         default="tiny-llama",
         help="preset (tiny-llama, llama-350m, tiny-gpt2) or path to a HF config.json (default: tiny-llama)",
     )
-    parser.add_argument("--out", required=True, help="profile JSON to write")
+    parser.add_argument("--out", required=True, type=output_file, help="profile JSON to write")
     parser.add_argument(
         "--device", help="torch device to measure on: cuda (the default where there is one), cuda:N or cpu"
     )
@@ -55,18 +47,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="training precision to measure in (default: bf16 on CUDA, fp32 on CPU); the "
         "DeepSpeed config's precision and cost_model.dtype must match it",
     )
-    parser.add_argument("--seq-lens", type=_ints, help="sequence lengths to measure, e.g. 16,64,256,1024")
-    parser.add_argument("--micro-batch-sizes", type=_ints, help="micro-batch sizes to measure, e.g. 1,4,16")
-    parser.add_argument("--max-tokens", type=int, help="skip grid points with more tokens than this")
+    parser.add_argument("--seq-lens", type=counts(1, 2**20), help="sequence lengths to measure, e.g. 16,64,256,1024")
+    parser.add_argument("--micro-batch-sizes", type=counts(1, 2**16), help="micro-batch sizes to measure, e.g. 1,4,16")
+    parser.add_argument("--max-tokens", type=TOKENS, help="skip grid points with more tokens than this")
     parser.add_argument(
         "--recompute",
         default="none,selective,full",
         help="recompute modes to measure (comma-separated; default all three)",
     )
-    parser.add_argument("--repeats", type=int, help="timed repeats per point (the minimum is kept)")
+    parser.add_argument("--repeats", type=count(), help="timed repeats per point (the minimum is kept)")
     parser.add_argument(
         "--ranks",
-        type=int,
+        type=count(1, 1024),
         default=1,
         help="measure as one of N training ranks on this host: on CPU N-1 processes train beside "
         "it; the gradient all-reduce, sharded data parallelism's all-gather and "
@@ -74,10 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "among N (on CUDA over NCCL, one GPU each: with fewer GPUs they are "
         "priced from the cluster link). Use the ranks per host you train with",
     )
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (training ranks often run with 1)")
+    parser.add_argument(
+        "--threads", type=count(1, 4096), help="torch intra-op threads (training ranks often run with 1)"
+    )
     parser.add_argument(
         "--validate",
-        type=int,
+        type=count(0),
         default=16,
         metavar="N",
         help="also time N held-out random micro-batches through the full model and report "
@@ -209,11 +203,15 @@ def print_summary(profile) -> None:
 def run_import(args: argparse.Namespace) -> int:
     from ..cost.measured_tables import import_measured_tables
     from ..cost.profile import save_profile
+    from ..jsonfile import read_json
 
-    if not (args.source and args.num_layers and args.hidden_size):
+    if args.source is None or args.num_layers is None or args.hidden_size is None:
         raise ValueError("usage: dynplugin profile import FILE --num-layers N --hidden-size H --out profile.json")
+    raw = read_json(args.source, "cost tables file")
+    if not isinstance(raw, dict):
+        raise ValueError(f"cost tables file {args.source}: expected a JSON object with 'tables'")
     profile = import_measured_tables(
-        args.source,
+        raw,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_heads=args.num_heads,

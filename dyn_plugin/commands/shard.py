@@ -7,6 +7,8 @@ import json
 import logging
 import os
 
+from .args import RANKS, SEED, input_file, output_file
+
 HELP = "search a sharding choice per module under the memory budget (OSDP); print it as a table and write the plan JSON"
 
 logger = logging.getLogger(__name__)
@@ -22,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         required=True,
+        type=input_file,
         help="DeepSpeed JSON config with a dyn_plugin section (sharding.memory_budget_mb, cluster, cost_model)",
     )
     parser.add_argument(
@@ -30,17 +33,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lengths .npy/.json or a bundled distribution; one global "
         "batch of it is the typical step the search prices",
     )
-    parser.add_argument("--world", type=int, help="ranks (default: cluster.devices_per_node * cluster.num_nodes)")
+    parser.add_argument("--world", type=RANKS, help="ranks (default: cluster.devices_per_node * cluster.num_nodes)")
     parser.add_argument(
         "--host",
         choices=("fsdp2", "fsdp1", "zero3"),
         help="whose semantics price the choices (default: sharding.host, auto = fsdp2)",
     )
-    parser.add_argument("--out", default="shard-plan.json", help="where the plan JSON goes (default %(default)s)")
     parser.add_argument(
-        "--plot", metavar="PNG", help="the memory/time frontier the search explored, with the chosen point"
+        "--out", default="shard-plan.json", type=output_file, help="where the plan JSON goes (default %(default)s)"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--plot",
+        metavar="PNG",
+        type=output_file,
+        help="the memory/time frontier the search explored, with the chosen point",
+    )
+    parser.add_argument("--seed", type=SEED, default=0)
     parser.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
 
 
@@ -55,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     plugin = cfg.plugin
     cost = build_cost_model(plugin.cost_model, plugin.cluster)
-    world = args.world or plugin.cluster.world_size
+    world = args.world if args.world is not None else plugin.cluster.world_size
     host = args.host or (plugin.sharding.host if plugin.sharding.host != "auto" else "fsdp2")
     name, units = config_units(args.model)
     lengths = cap_lengths(load_lengths(args.lengths), plugin.microbatching.max_seq_len, plugin.microbatching.truncate)

@@ -6,6 +6,8 @@ import argparse
 import logging
 import time
 
+from .args import RANKS, TOKENS, count, input_file, output_dir, output_file
+
 HELP = (
     "propose heterogeneous parallel strategies (Hydraulis) for a length distribution: pipelines of different "
     "tensor/pipeline/sequence-parallel schemes; print them and write the proposal JSON"
@@ -16,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("lengths", help="lengths .npy/.json or a bundled distribution (code, prose, mixture)")
-    parser.add_argument("--gpus", type=int, help="GPUs of the cluster (default: the config's cluster size)")
+    parser.add_argument("--gpus", type=RANKS, help="GPUs of the cluster (default: the config's cluster size)")
     parser.add_argument(
         "--model",
         help="a model for simulated strategies over every (tp, pp, sp): gpt-6.7b (measured "
@@ -24,24 +26,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--config",
+        type=input_file,
         help="instead, a run's DeepSpeed JSON config (dyn_plugin section): strategies it "
         "can run (its tp and pipeline stages; sequence_parallel.sizes), for "
         "dyn_plugin.strategy.proposal",
     )
     parser.add_argument(
         "--tokens",
-        type=int,
+        type=TOKENS,
         help="tokens per step (default: 4096 per GPU, or the config's microbatching.global_tokens)",
     )
     parser.add_argument(
-        "--max-len", type=int, default=32768, help="with --model: sequences are capped at this (default %(default)s)"
+        "--max-len", type=TOKENS, default=32768, help="with --model: sequences are capped at this (default %(default)s)"
     )
-    parser.add_argument("--max-strategies", type=int, default=3, help="strategies besides the homogeneous one")
+    parser.add_argument("--max-strategies", type=count(1, 64), default=3, help="strategies besides the homogeneous one")
     parser.add_argument(
-        "--cache", help="a directory of proposals keyed by their inputs (JSON): reused when the inputs match"
+        "--cache",
+        type=output_dir,
+        help="a directory of proposals keyed by their inputs (JSON): reused when the inputs match",
     )
-    parser.add_argument("--out", default="strategy.json", help="where the proposal JSON goes (default %(default)s)")
-    parser.add_argument("--plot", metavar="PNG", help="the strategies' GPUs by scheme")
+    parser.add_argument(
+        "--out", default="strategy.json", type=output_file, help="where the proposal JSON goes (default %(default)s)"
+    )
+    parser.add_argument("--plot", metavar="PNG", type=output_file, help="the strategies' GPUs by scheme")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from ..plan.strategy import cached_proposal
 
     if (args.model is None) == (args.config is None):
-        raise SystemExit("dynplugin strategy: give --model NAME (simulated strategies) or --config DS_JSON (a run's)")
+        raise ValueError("give --model NAME (simulated strategies) or --config DS_JSON (a run's), one of them")
     lengths = load_lengths(args.lengths)
     if args.model:
         make, key = model_proposal(lengths, args)
@@ -78,8 +85,8 @@ def model_proposal(lengths, args: argparse.Namespace):
     from ..plan.schemes import scheme_costs
     from ..plan.strategy import proposal_key, propose
 
-    gpus = args.gpus or 64
-    tokens = args.tokens or 4096 * gpus
+    gpus = args.gpus if args.gpus is not None else 64
+    tokens = args.tokens if args.tokens is not None else 4096 * gpus
     lens = np.minimum(lengths, args.max_len)
     cfg = strategy_config(args.max_len)
     kinds = scheme_costs(named_cost_model(args.model), cfg, gpus=gpus)
@@ -98,13 +105,13 @@ def config_proposal(lengths, args: argparse.Namespace):
     from ..plan.strategy import proposal_key, runnable_proposal, scheme_kinds
 
     plugin = load_config(args.config).plugin
-    gpus = args.gpus or plugin.cluster.world_size
+    gpus = args.gpus if args.gpus is not None else plugin.cluster.world_size
     pp = plugin.pipeline.stages
     if gpus % pp:
-        raise SystemExit(f"dynplugin strategy: {gpus} GPUs do not divide into pipeline.stages = {pp}")
+        raise ValueError(f"--gpus {gpus} does not divide into pipeline.stages = {pp}; give a multiple of {pp}")
     spec = planner_spec(build_cost_model(plugin.cost_model, plugin.cluster), plugin, dp=gpus // pp, zero_stage=1)
     lens = cap_lengths(lengths, plugin.microbatching.max_seq_len, plugin.microbatching.truncate)
-    tokens = args.tokens or plugin.microbatching.global_tokens
+    tokens = args.tokens if args.tokens is not None else plugin.microbatching.global_tokens
     key = proposal_key(
         lens,
         [k for k in scheme_kinds(lens, spec) if k.longest > 0],

@@ -21,10 +21,13 @@ import sysconfig
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from numpy.typing import ArrayLike
 
+from dyn_plugin.checks import MAX_TOKENS
+from dyn_plugin.jsonfile import read_json
 from dyn_plugin.lengths.corpus import (
     DISTRIBUTIONS,
     MAN_PAGES_PER_FAMILY,
@@ -97,26 +100,34 @@ def validate_lengths(values: ArrayLike) -> np.ndarray:
     """
     # Lists go through an object array so "7" or None are reported as themselves, not coerced.
     arr = values if isinstance(values, np.ndarray) else np.asarray(values, dtype=object)
+    if arr.dtype.kind not in "iufO":
+        raise ValueError(f"lengths must be integers, got an array of {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"lengths must be a 1-D list of ints, got an array of shape {arr.shape}")
     if arr.size == 0:
         raise ValueError("lengths is empty: need at least one sample")
-    if arr.dtype.kind not in "iuf":
+    if arr.dtype.kind == "O":
         for i, v in enumerate(arr.tolist()):
             if not _is_integral(v):
                 raise ValueError(f"lengths[{i}] = {v!r}: lengths must be integers")
-        arr = arr.astype(np.int64)
+        # Python ints may exceed int64; float64 holds them all (exact up to 2**53, far above the cap)
+        arr = arr.astype(np.float64)
     if arr.dtype.kind == "f":
         nonint = ~np.isfinite(arr) | (arr != np.round(arr))
         if nonint.any():
             raise _bad_entry(arr, nonint, "lengths must be integers")
     if (arr <= 0).any():
         raise _bad_entry(arr, arr <= 0, "every sample needs at least one token")
+    # checked before the cast: beyond int64 a length wraps to a negative number, and near it a sum overflows
+    if (arr > MAX_TOKENS).any():
+        raise _bad_entry(arr, arr > MAX_TOKENS, f"longer than any sequence (at most 2**40 = {MAX_TOKENS:,} tokens)")
     return arr.astype(np.int64)
 
 
 def load_lengths(source: str | os.PathLike) -> np.ndarray:
     """A bundled distribution by name, or a ``.npy`` / ``.json`` file, validated, as int64."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise ValueError(f"lengths source {source!r}: expected a bundled name or a path")
     if isinstance(source, str) and source in DISTRIBUTIONS:
         path = BUNDLED_DIR / f"{source}.npy"
         if not path.exists():
@@ -128,18 +139,36 @@ def load_lengths(source: str | os.PathLike) -> np.ndarray:
             f"{str(source)!r} is neither a bundled distribution ({', '.join(DISTRIBUTIONS)}) "
             "nor a path ending in .npy or .json"
         )
-    if not path.exists():
-        raise FileNotFoundError(f"lengths file {path} does not exist")
     if path.suffix == ".npy":
-        return validate_lengths(np.load(path, allow_pickle=False))
-    data = json.loads(path.read_text())
+        arr = _load_npy(path)
+        return _in_file(path, lambda: validate_lengths(arr))
+    data = read_json(path, "lengths file")
     if isinstance(data, dict):
         if "lengths" not in data:
             raise ValueError(f'{path}: a JSON object needs a "lengths" list, found keys {sorted(data)}')
         data = data["lengths"]
     if not isinstance(data, list):
         raise ValueError(f'{path}: expected a JSON list of ints or an object with a "lengths" list')
-    return validate_lengths(data)
+    return _in_file(path, lambda: validate_lengths(data))
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    if path.is_dir():
+        raise ValueError(f"lengths file {path} is a directory; give a .npy or .json file")
+    try:
+        return np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"lengths file {path} does not exist") from None
+    except (ValueError, OSError, EOFError) as exc:  # not .npy data, truncated, or pickled objects
+        raise ValueError(f"lengths file {path} is not a numpy .npy array: {exc}") from None
+
+
+def _in_file(path: Path, check: Callable[[], np.ndarray]) -> np.ndarray:
+    """``check()``, its ValueError prefixed by the file it read."""
+    try:
+        return check()
+    except ValueError as exc:
+        raise ValueError(f"lengths file {path}: {exc}") from None
 
 
 def save_lengths(lengths: ArrayLike, path: str | os.PathLike) -> Path:

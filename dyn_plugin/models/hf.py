@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
+
+from ..jsonfile import read_json
 
 # tiny-* presets are sized so a forward+backward of a few thousand tokens takes tens of ms on 2 CPU
 # cores; llama-350m is for a GPU.
@@ -52,8 +53,9 @@ def load_model_config(spec: str | os.PathLike | dict[str, Any]) -> dict[str, Any
     elif str(spec) in PRESETS:
         cfg = dict(PRESETS[str(spec)])
     elif os.path.exists(spec):
-        with open(spec) as f:
-            cfg = json.load(f)
+        cfg = read_json(spec, "model config")
+        if not isinstance(cfg, dict):
+            raise ValueError(f"model config {spec}: expected a JSON object (a transformers config.json)")
     else:
         raise ValueError(f"model {spec!r}: not a preset ({', '.join(PRESETS)}) and no such config file")
     if "model_type" not in cfg:

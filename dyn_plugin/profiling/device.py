@@ -51,9 +51,14 @@ class Target:
 
 def resolve_target(device: str | None = None, dtype: str | None = None) -> Target:
     """``device`` defaults to cuda when there is one, else cpu; ``dtype`` to bf16 on CUDA, fp32 on CPU."""
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise ValueError(f"--device {device!r}: not a torch device; use cuda, cuda:N or cpu") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this host has {torch.cuda.device_count()} CUDA devices (cuda:0 ...)")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     measures(dev.type)  # refuse a device the profiler cannot measure before building anything
