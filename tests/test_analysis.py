@@ -153,5 +153,7 @@ def test_command_table_and_errors(tmp_path, capsys, run_command):
     assert run_command(analyze_cmd, [str(path), "--batch-size", "3", "--max-len", "8"]) == 0
     out = capsys.readouterr().out
     assert "pad-random" in out and "33.3%" in out
-    assert run_command(analyze_cmd, ["nope"]) == 2
-    assert "neither a bundled distribution" in capsys.readouterr().out
+    from dyn_plugin.cli import main
+
+    assert main(["analyze", "nope"]) == 2  # one error line, exit 2 (the CLI prints what the command raises)
+    assert "neither a bundled distribution" in capsys.readouterr().err

@@ -274,5 +274,7 @@ def test_command_bundled(tmp_path, capsys, run_command):
 
 
 def test_command_rejects_bad_out(tmp_path, capsys, run_command):
-    assert run_command(lengths_cmd, ["code", "--bundled", "--out", str(tmp_path / "x.csv")]) == 2
-    assert "must end in .npy or .json" in capsys.readouterr().out
+    from dyn_plugin.cli import main
+
+    assert main(["lengths", "code", "--bundled", "--out", str(tmp_path / "x.csv")]) == 2
+    assert "must end in .npy or .json" in capsys.readouterr().err

@@ -65,7 +65,10 @@ def compute_lengths(name: str, *, progress: bool = True) -> np.ndarray:
 
 def _bad_entry(lengths: np.ndarray, mask: np.ndarray, why: str) -> ValueError:
     i = int(np.flatnonzero(mask)[0])
-    return ValueError(f"lengths[{i}] = {lengths[i].item()!r}: {why}")
+    value = lengths[i].item()
+    if isinstance(value, float) and value.is_integer():  # read as float64 to check the range: show it as given
+        value = int(value)
+    return ValueError(f"lengths[{i}] = {value!r}: {why}")
 
 
 def _is_integral(v: object) -> bool:
