@@ -58,11 +58,12 @@ class LinearFit:
     bands: tuple[Band, ...] = ()
 
     def __call__(self, f: Features) -> float:
-        c0, c1, c2 = self.coef
-        if self.bands:
-            length = f.attn / f.slots
-            c0, c1, c2 = next((b[1:] for b in self.bands if length <= b[0]), self.coef)
+        c0, c1, c2 = self.coef_at(f.attn / f.slots) if self.bands else self.coef
         return max(self.floor, c0 + c1 * f.slots + c2 * f.attn)
+
+    def coef_at(self, length: float) -> tuple[float, float, float]:
+        """The (c0, c1, c2) that price a micro-batch of length ``attn / slots``: its band's, else ``coef``."""
+        return next((tuple(b[1:]) for b in self.bands if length <= b[0]), self.coef)
 
     def map_terms(self, fn: Callable[[tuple[float, float, float]], tuple[float, float, float]]) -> "LinearFit":
         """The same fit with ``fn`` applied to the coefficients of every band."""
