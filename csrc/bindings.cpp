@@ -3,6 +3,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <limits>
+#include <optional>
 #include <stdexcept>
 
 #include <algorithm>
@@ -17,8 +19,10 @@ using dyn::CostTable;
 
 namespace {
 
-CostTable make_table(py::array_t<double, py::array::c_style | py::array::forcecast> coef, bool packed,
-                     int64_t pad_multiple, double max_tokens, double max_len) {
+using Doubles = py::array_t<double, py::array::c_style | py::array::forcecast>;
+
+CostTable make_table(Doubles coef, bool packed, int64_t pad_multiple, double max_tokens, double max_len,
+                     std::optional<Doubles> bands) {
   if (coef.ndim() != 3 || coef.shape(0) != dyn::kNumComponents || coef.shape(1) != dyn::kNumMetrics ||
       coef.shape(2) != 4)
     throw std::invalid_argument("coef must have shape [3 components, 4 metrics, 4 (c0, c1, c2, floor)]");
@@ -28,6 +32,18 @@ CostTable make_table(py::array_t<double, py::array::c_style | py::array::forceca
   for (int i = 0; i < dyn::kNumComponents; ++i)
     for (int j = 0; j < dyn::kNumMetrics; ++j)
       for (int k = 0; k < 4; ++k) t.coef[i][j][k] = c(i, j, k);
+  if (bands) {
+    // [component, metric, rows, 4]; rows with upper length -inf fill a fit's shorter list and never apply
+    if (bands->ndim() != 4 || bands->shape(0) != dyn::kNumComponents || bands->shape(1) != dyn::kNumMetrics ||
+        bands->shape(3) != 4)
+      throw std::invalid_argument("bands must have shape [3 components, 4 metrics, rows, 4 (upper, c0, c1, c2)]");
+    auto b = bands->unchecked<4>();
+    for (int i = 0; i < dyn::kNumComponents; ++i)
+      for (int j = 0; j < dyn::kNumMetrics; ++j)
+        for (py::ssize_t r = 0; r < b.shape(2); ++r)
+          if (b(i, j, r, 0) > -std::numeric_limits<double>::infinity())
+            t.bands[i][j].push_back({b(i, j, r, 0), b(i, j, r, 1), b(i, j, r, 2), b(i, j, r, 3)});
+  }
   t.packed = packed;
   t.pad_multiple = pad_multiple;
   t.max_tokens = max_tokens;
@@ -59,7 +75,7 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "dyn-plugin native hot paths";
   py::class_<CostTable>(m, "CostTable")
       .def(py::init(&make_table), py::arg("coef"), py::arg("packed"), py::arg("pad_multiple"),
-           py::arg("max_tokens"), py::arg("max_len"))
+           py::arg("max_tokens"), py::arg("max_len"), py::arg("bands") = py::none())
       .def(
           "stage_cost",
           [](const CostTable& t, py::array_t<int64_t, py::array::c_style | py::array::forcecast> lens,

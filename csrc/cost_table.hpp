@@ -28,6 +28,9 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 struct CostTable {
   // coef[component][metric] = {c0, c1, c2, floor}: y = max(floor, c0 + c1 * tokens + c2 * attn)
   std::array<std::array<std::array<double, 4>, kNumMetrics>, kNumComponents> coef{};
+  // bands[c][m]: rows of (upper length, c0, c1, c2), piecewise in the length attn / slots (cost/table.py
+  // LinearFit.bands): the first row whose upper length is not below it applies, coef beyond the last
+  std::array<std::array<std::vector<std::array<double, 4>>, kNumMetrics>, kNumComponents> bands{};
   bool packed = false;
   int64_t pad_multiple = 8;
   double max_tokens = 0, max_len = 0;
@@ -58,7 +61,17 @@ struct CostTable {
 
   double eval(int c, int m, const Features& f) const {
     const auto& k = coef[c][m];
-    return std::max(k[3], k[0] + k[1] * f.slots + k[2] * f.attn);
+    double c0 = k[0], c1 = k[1], c2 = k[2];
+    if (!bands[c][m].empty()) {
+      const double length = f.attn / f.slots;
+      for (const auto& b : bands[c][m]) {
+        if (length <= b[0]) {
+          c0 = b[1], c1 = b[2], c2 = b[3];
+          break;
+        }
+      }
+    }
+    return std::max(k[3], c0 + c1 * f.slots + c2 * f.attn);
   }
 
   bool in_range(const Features& f) const { return f.slots <= max_tokens && f.max_len <= max_len; }

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from dyn_plugin.config import DeviceSpec, ModelShape
 from dyn_plugin.cost import OutOfProfileRange, StageSpec, features, split_layers
 from dyn_plugin.cost.analytic import analytic_cost_model
-from dyn_plugin.cost.model import COMPONENTS, METRICS, Precision, zero_sharded_states
+from dyn_plugin.cost.model import COMPONENTS, METRICS, Features, Precision, zero_sharded_states
 from dyn_plugin.cost.native import core
-from dyn_plugin.cost.table import CostTable, LinearFit, TableCostModel, evaluate_stage, fit_linear
+from dyn_plugin.cost.table import CostTable, LinearFit, TableCostModel, evaluate_stage, fit_banded, fit_linear
 
 SHAPE = ModelShape(
     hidden_size=4096, num_layers=32, num_heads=32, ffn_hidden_size=16384, vocab_size=50257, gated_mlp=False
@@ -53,8 +53,20 @@ def test_zero_stages_shard_more_and_more():
 def random_table(rng, packed, pad=8, max_tokens=np.inf, max_len=np.inf):
     coef = rng.uniform(0, 1, size=(3, 4, 3)) * np.array([1.0, 1e-2, 1e-5])
     floor = rng.uniform(0, 40, size=(3, 4)) * (rng.random((3, 4)) < 0.5)
+    # memory fits in bands of lengths (cost.table.fit_banded), a random number of them each
+    uppers = np.sort(rng.uniform(1, 5000, size=(3, 4, 3)), axis=-1)
+    count = rng.integers(0, 4, size=(3, 4)) * np.isin(np.arange(4), [2, 3])
     fits = {
-        c: {m: LinearFit(tuple(coef[i, j]), floor=floor[i, j]) for j, m in enumerate(METRICS)}
+        c: {
+            m: LinearFit(
+                tuple(coef[i, j]),
+                floor=floor[i, j],
+                bands=tuple(
+                    (float(uppers[i, j, k]), *(rng.uniform(0, 1, 3) * [1.0, 1e-2, 1e-5])) for k in range(count[i, j])
+                ),
+            )
+            for j, m in enumerate(METRICS)
+        }
         for i, c in enumerate(COMPONENTS)
     }
     return CostTable("packed" if packed else "padded", "none", 1, fits, max_tokens, max_len)
@@ -73,7 +85,7 @@ def random_table(rng, packed, pad=8, max_tokens=np.inf, max_len=np.inf):
 )
 def test_native_matches_python_twin(lens, packed, layers, first, last, seed, pad):
     t = random_table(np.random.default_rng(seed), packed, pad, max_tokens=20000, max_len=3000)
-    native = core.CostTable(t.coef_array(), packed, pad, t.max_tokens, t.max_len)
+    native = core.CostTable(t.coef_array(), packed, pad, t.max_tokens, t.max_len, t.band_array())
     stage = StageSpec(layers, first, last)
     f = features(lens, t.layout, pad)
     want = evaluate_stage(t, f, stage, f.slots > t.max_tokens or f.max_len > t.max_len)
@@ -123,6 +135,32 @@ def test_fit_finds_a_floor():
     fit = fit_linear(tok, tok * 0, y, floor=True)
     assert fit.floor == pytest.approx(1.5) and fit.max_ape < 1e-6
     assert fit_linear(tok, tok * 0, y).max_ape > 0.2
+
+
+def test_banded_memory_follows_each_length_and_extrapolates_no_lower():
+    """A peak that is the larger of a per-token and a per-pair term bends at some length: one line
+    misses it by tens of percent, the bands hit every measured length and go on at the last slope."""
+    lengths = np.array([256, 512, 1024, 2048, 4096, 8192], dtype=float)
+    batch = np.array([1.0, 2, 4])
+    tok = (lengths[:, None] * batch).ravel()
+    att = (lengths[:, None] ** 2 * batch).ravel()
+    y = 0.5 + np.maximum(0.3 * tok, 2e-4 * att)
+    banded = fit_banded(tok, att, y)
+    assert banded.max_ape < 1e-9
+    assert fit_linear(tok, att, y).max_ape > 0.2
+    f = lambda s: banded(Features(s, s * s, s))  # noqa: E731
+    last = (f(8192) - f(4096)) / 4096
+    assert f(16384) >= f(8192) + last * 8192 - 1e-6
+    assert f(64) == pytest.approx(0.5 + 0.3 * 64)  # below the shortest: the per-token memory measured there
+
+
+def test_banded_memory_distrusts_a_drop():
+    """Per token, memory does not shrink for longer sequences: a drop at the end of the grid (measured
+    next to out of memory) is priced as the trend before it."""
+    lengths = np.array([1024.0, 2048, 4096, 8192])
+    y = lengths * np.array([1.0, 2.0, 4.0, 1.5])
+    fit = fit_banded(lengths, lengths**2, y)
+    assert fit(Features(8192, 8192.0**2, 8192)) == pytest.approx(8192 * 8.0)
 
 
 def test_fit_never_negative():

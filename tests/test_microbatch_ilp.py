@@ -18,7 +18,7 @@ from dyn_plugin.cost.bundled import load_bundled
 from dyn_plugin.cost.profile import cost_model_from_profile
 from dyn_plugin.lengths.io import load_lengths
 from dyn_plugin.plan.microbatch import InfeasibleError
-from dyn_plugin.plan.microbatch_ilp import dp_groups, ilp_partition, lpt_groups, pipeline_time_ms
+from dyn_plugin.plan.microbatch_ilp import _Model, dp_groups, ilp_partition, lpt_groups, pipeline_time_ms
 from dyn_plugin.plan.pricing import make_micro_batch, usable
 from dyn_plugin.plan.spec import planner_spec
 
@@ -179,3 +179,25 @@ def test_same_result_in_every_process():
     res = ilp_partition(draw(24, 5, 4, 2), spec_for(4, 2), node_limit=50)
     here = hashlib.sha256(json.dumps([res.groups, res.recompute, res.status]).encode()).hexdigest()
     assert digests == [here, here]
+
+
+@pytest.mark.parametrize("pp,sp", [(4, 1), (8, 2), (2, 4)])
+def test_memory_rows_never_accept_what_does_not_fit(pp, sp):
+    """The program's memory rows against exact pricing, short micro-batches to long: a banded
+    activation-memory fit (one line per measured length) needs a row per band; the last band's
+    line alone would accept many short micro-batches that run out of memory."""
+    spec = spec_for(pp, sp)
+    model = _Model(spec)
+    rng = np.random.default_rng(0)
+    top = longest_alone(pp, sp)
+    accepted = 0
+    for _ in range(300):
+        length = int(rng.integers(16, top + 1))
+        lens = [length] * int(rng.integers(1, max(2, 4 * top // length)))
+        tokens, squares = sum(lens), sum(x * x for x in lens)
+        for r, rc in enumerate(spec.recomputes):
+            if model.fits(r, tokens, squares, length):
+                accepted += 1
+                mb = make_micro_batch(list(range(len(lens))), lens, spec=spec, layout="packed", recompute=rc, sp=sp)
+                assert usable(mb, spec), (lens[:1], len(lens), rc)
+    assert accepted > 100  # the rows are safe without refusing everything

@@ -30,7 +30,10 @@ A100 = cost_model_from_profile(load_bundled("a100-gpt-6.7b"))
 MIXTURE = np.minimum(load_lengths("mixture"), 8192)
 
 
-def a100_spec(pp: int, dp: int, memory_mb: int = 36000, pyramid: bool = True):
+def a100_spec(pp: int, dp: int, memory_mb: int = 72000, pyramid: bool = True):
+    """An A100-80GB by default: priced per measured length (issue 24), an 8192-token sequence fits
+    no stage of a 36000 MB card even with full recompute. Memory still binds at 72000 MB: the
+    mixture's all-or-nothing plans keep recomputing a third of their micro-batches."""
     cfg = DynPluginConfig.model_validate(
         {
             "pipeline": {"stages": pp},

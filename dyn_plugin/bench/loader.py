@@ -46,7 +46,7 @@ def _loader(store: dict, planners: int, prefetch: int, samples: int | None = Non
                 "cost_model": {"kind": "profile", "profile": "a100-gpt-6.7b", "dtype": "fp16"},
                 "microbatching": {"global_tokens": 65536, "max_seq_len": MAX_LEN, "truncate": True},
                 "pipeline": {"stages": 4},
-                "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
+                "cluster": {"devices_per_node": 8, "device": {"memory_mb": 72000, "memory_fraction": 1.0}},
                 "store": store,
                 "loader": {"planners": planners, "prefetch": prefetch},
             },

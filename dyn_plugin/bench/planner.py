@@ -1,7 +1,8 @@
 """``dynplugin bench planner``: the planner against the baselines on measured A100 costs.
 
-A GPT-6.7B-class model (32 layers split over the pipeline stages, A100 40GB tables with a
-36000 MB limit, ZeRO-1), global batches drawn from the bundled length distributions.
+A GPT-6.7B-class model (32 layers split over the pipeline stages, the A100 tables on an
+A100-80GB with a 72000 MB limit, ZeRO-1: at 36000 MB, the 40GB card's, an 8192-token sequence
+fits no stage of 4 even with full recompute), global batches drawn from the bundled length distributions.
 Sequences longer than the tables measured (8192) are truncated to it, as a trainer with
 max_seq_len 8192 would. The plugin plans with pyramid checkpointing (the config's default);
 ``dynapipe_all_or_nothing`` is the same planner with every micro-batch recomputing all of its
@@ -47,7 +48,7 @@ def bench_planner(args: argparse.Namespace) -> Iterator[dict]:
                 cfg = DynPluginConfig.model_validate(
                     {
                         "pipeline": {"stages": pp},
-                        "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
+                        "cluster": {"devices_per_node": 8, "device": {"memory_mb": 72000, "memory_fraction": 1.0}},
                         "sequence_parallel": {"pyramid": not args.no_pyramid},
                     }
                 )

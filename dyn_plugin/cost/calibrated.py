@@ -107,10 +107,12 @@ def _scaled(measured: float, shape_term: float, ref_term: float) -> float:
 
 
 def _calibrated_fit(measured: LinearFit, shape_fit: LinearFit, ref_fit: LinearFit) -> LinearFit:
-    c0, c1, c2 = measured.coef
-    return replace(
-        measured,
-        coef=(c0, _scaled(c1, shape_fit.coef[1], ref_fit.coef[1]), _scaled(c2, shape_fit.coef[2], ref_fit.coef[2])),
+    return measured.map_terms(
+        lambda c: (
+            c[0],
+            _scaled(c[1], shape_fit.coef[1], ref_fit.coef[1]),
+            _scaled(c[2], shape_fit.coef[2], ref_fit.coef[2]),
+        )
     )
 
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ..config import ModelShape
 from .model import COMPONENTS, METRICS, features
 from .sequence_parallel import SequenceParallelCost
-from .table import CostTable, LinearFit, TableCostModel, fit_error, fit_linear, nnls_relative
+from .table import CostTable, LinearFit, TableCostModel, fit_banded, fit_error, fit_linear, nnls_relative
 from .update import UpdateCost
 
 SCHEMA = "dyn_plugin.profile"
@@ -31,6 +31,7 @@ VERSION = 4
 # Version 4 added model.shape, the shape measured; an older file cannot be checked against the
 # model a run trains (from_config.py).
 READS = (1, 2, 3, 4)
+MEMORY_METRICS = ("stored_bytes", "peak_bytes")
 
 
 class _Record(BaseModel):
@@ -61,6 +62,11 @@ class Fit(_Record):
     max_ape: float = 0.0
     n: int = 0
     floor: float = Field(default=0.0, ge=0, description="the fit is max(floor, c0 + c1*tokens + c2*attn)")
+    bands: list[tuple[float, float, float, float]] = Field(
+        default=[],
+        description="(upper length, c0, c1, c2): piecewise in the length attn/tokens, the first band whose upper "
+        "length is not below it applies, coef beyond the last (activation memory, cost/table.py fit_banded)",
+    )
 
 
 class Table(_Record):
@@ -224,8 +230,12 @@ def fit_component(samples: list[Sample], layout, pad_multiple) -> dict[str, Line
     out = {}
     for metric in METRICS:
         y = np.array([getattr(s, metric) for s in samples], dtype=float)
-        # A component that keeps no memory (the embedding's stored bytes) fits to zero.
-        out[metric] = fit_linear(tok, att, y, floor=True) if np.all(y > 0) else LinearFit((0.0, 0.0, 0.0))
+        if not np.all(y > 0):  # a component that keeps no memory (the embedding's stored bytes) fits to zero
+            out[metric] = LinearFit((0.0, 0.0, 0.0))
+        elif metric in MEMORY_METRICS and samples[0].component == "layer":
+            out[metric] = fit_banded(tok, att, y)
+        else:
+            out[metric] = fit_linear(tok, att, y, floor=True)
     return out
 
 
@@ -254,7 +264,10 @@ def fit_tables(samples: list[Sample], pad_multiple: int = 8) -> list[Table]:
         used = [s for c in by_comp.values() for s in c]
         feats = [features(s.seq_lens, layout, pad_multiple) for s in used]
         fit_records = {
-            c: {m: Fit(coef=f.coef, mape=f.mape, max_ape=f.max_ape, n=f.n, floor=f.floor) for m, f in fits[c].items()}
+            c: {
+                m: Fit(coef=f.coef, mape=f.mape, max_ape=f.max_ape, n=f.n, floor=f.floor, bands=list(f.bands))
+                for m, f in fits[c].items()
+            }
             for c in COMPONENTS
         }
         tables.append(
@@ -306,7 +319,7 @@ def cost_model_from_profile(profile: Profile, *, allow_extrapolation: bool = Fal
     tables = {}
     for t in profile.tables or fit_tables(profile.samples, profile.pad_multiple):
         fits = {
-            c: {m: LinearFit(f.coef, f.mape, f.max_ape, f.n, f.floor) for m, f in ms.items()}
+            c: {m: LinearFit(f.coef, f.mape, f.max_ape, f.n, f.floor, tuple(f.bands)) for m, f in ms.items()}
             for c, ms in t.fits.items()
         }
         layouts = ("padded", "packed") if profile.packed_from_padded and t.layout == "padded" else (t.layout,)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -35,11 +35,19 @@ from .update import UpdateCost
 logger = logging.getLogger(__name__)
 
 
+Band = tuple[float, float, float, float]  # (upper length, c0, c1, c2)
+
+
 @dataclass(frozen=True)
 class LinearFit:
     """``max(floor, c0 + c1*tokens + c2*attn)``; error figures are on the data it was fitted to.
 
     The floor is what a GPU takes for any small kernel: below some size time stops shrinking.
+
+    ``bands`` make it piecewise in the micro-batch's length ``attn / tokens`` (a padded row's
+    length, a packed row's token-weighted mean length): the first band whose upper length is not
+    below it gives the coefficients, ``coef`` serves beyond the last. Activation memory needs it:
+    its transient is the larger of a per-token and a per-pair term, which no single line follows.
     """
 
     coef: tuple[float, float, float]
@@ -47,10 +55,19 @@ class LinearFit:
     max_ape: float = 0.0
     n: int = 0
     floor: float = 0.0
+    bands: tuple[Band, ...] = ()
 
     def __call__(self, f: Features) -> float:
-        c0, c1, c2 = self.coef
+        c0, c1, c2 = self.coef_at(f.attn / f.slots) if self.bands else self.coef
         return max(self.floor, c0 + c1 * f.slots + c2 * f.attn)
+
+    def coef_at(self, length: float) -> tuple[float, float, float]:
+        """The (c0, c1, c2) that price a micro-batch of length ``attn / slots``: its band's, else ``coef``."""
+        return next((tuple(b[1:]) for b in self.bands if length <= b[0]), self.coef)
+
+    def map_terms(self, fn: Callable[[tuple[float, float, float]], tuple[float, float, float]]) -> "LinearFit":
+        """The same fit with ``fn`` applied to the coefficients of every band."""
+        return replace(self, coef=fn(self.coef), bands=tuple((b[0], *fn(b[1:])) for b in self.bands))
 
 
 @dataclass(frozen=True)
@@ -74,6 +91,18 @@ class CostTable:
             [[(*self.fits[c][m].coef, self.fits[c][m].floor) for m in METRICS] for c in COMPONENTS],
             dtype=np.float64,
         )
+
+    def band_array(self) -> np.ndarray:
+        """[component, metric, most bands, 4] = (upper length, c0, c1, c2) for the C++ evaluator;
+        fits with fewer bands are filled with rows of upper length -inf, which never apply."""
+        k = max((len(self.fits[c][m].bands) for c in COMPONENTS for m in METRICS), default=0)
+        out = np.zeros((len(COMPONENTS), len(METRICS), k, 4))
+        out[..., 0] = -np.inf
+        for i, c in enumerate(COMPONENTS):
+            for j, m in enumerate(METRICS):
+                for r, band in enumerate(self.fits[c][m].bands):
+                    out[i, j, r] = band
+        return out
 
 
 def nnls_relative(X: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -133,6 +162,45 @@ def fit_linear(tokens: np.ndarray, attn: np.ndarray, y: np.ndarray, *, floor: bo
     return LinearFit(tuple(float(c) for c in coef), *fit_error(pred, y), len(y), floor=f)
 
 
+def fit_banded(tokens: np.ndarray, attn: np.ndarray, y: np.ndarray) -> LinearFit:
+    """Activation memory interpolated over the measured lengths instead of one curve over all.
+
+    Per measured length ``L = attn / tokens`` the memory per token ``g(L)`` (median over its
+    micro-batch sizes, above a common per-micro-batch constant), then ``tokens * g`` with ``g``
+    linear between neighbouring lengths: per band exactly ``c0 + c1*tokens + c2*attn``. ``g`` is
+    made non-decreasing and convex: per token, a longer sequence keeps at least as much, and its
+    growth never slows (the attention term grows with the length, the per-token term does not
+    shrink), so a measured drop or bend (lengths measured at one size only, next to out of
+    memory; two lengths at tp 1 read the same 15,650 MB) is not trusted. Below the shortest length ``g`` stays at its value there; beyond the longest the last
+    band's line continues, never below the last measured slope. One length only: a plain line.
+    """
+    tokens, attn, y = (np.asarray(a, dtype=float) for a in (tokens, attn, y))
+    length = np.round(attn / tokens, 6)
+    lengths = np.unique(length)
+    if len(lengths) < 2:
+        return fit_linear(tokens, attn, y)
+    # The constant per micro-batch, from each length's line over its sizes; its largest size is
+    # left out there (where the measurements stop, next to out of memory, memory bends away).
+    intercepts = []
+    for L in lengths:
+        at = np.flatnonzero(length == L)
+        at = at[np.argsort(tokens[at])][:-1]
+        if len(np.unique(tokens[at])) >= 2:
+            intercepts.append(np.polyfit(tokens[at], y[at], 1)[1])
+    c0 = max(0.0, float(np.median(intercepts))) if intercepts else 0.0
+    per_token = np.maximum.accumulate([float(np.median((y[length == L] - c0) / tokens[length == L])) for L in lengths])
+    for k in range(2, len(lengths)):
+        slope = (per_token[k - 1] - per_token[k - 2]) / (lengths[k - 1] - lengths[k - 2])
+        per_token[k] = max(per_token[k], per_token[k - 1] + slope * (lengths[k] - lengths[k - 1]))
+    bands: list[Band] = [(float(lengths[0]), c0, float(per_token[0]), 0.0)]
+    for (a, b), (ga, gb) in zip(zip(lengths, lengths[1:]), zip(per_token, per_token[1:])):
+        slope = float((gb - ga) / (b - a))
+        bands.append((float(b), c0, float(ga - slope * a), slope))
+    fit = LinearFit(bands[-1][1:], bands=tuple(bands))
+    pred = np.array([fit(Features(t, a, 0)) for t, a in zip(tokens, attn)])
+    return replace(fit, mape=fit_error(pred, y)[0], max_ape=fit_error(pred, y)[1], n=len(y))
+
+
 @dataclass
 class TableCostModel:
     """A :class:`~dyn_plugin.cost.model.CostModel` over cost tables.
@@ -179,7 +247,10 @@ class TableCostModel:
                     "tp": t.tp,
                     "max_tokens": t.max_tokens,
                     "max_len": t.max_len,
-                    "fits": {c: {m: [*f.coef, f.floor] for m, f in ms.items()} for c, ms in t.fits.items()},
+                    "fits": {
+                        c: {m: [*f.coef, f.floor, *(x for b in f.bands for x in b)] for m, f in ms.items()}
+                        for c, ms in t.fits.items()
+                    },
                 }
                 for t in self.tables.values()
             ],
@@ -189,7 +260,15 @@ class TableCostModel:
     def from_dict(cls, d: dict) -> "TableCostModel":
         tables = {}
         for t in d["tables"]:
-            fits = {c: {m: LinearFit(tuple(v[:3]), floor=v[3]) for m, v in ms.items()} for c, ms in t["fits"].items()}
+            fits = {
+                c: {
+                    m: LinearFit(
+                        tuple(v[:3]), floor=v[3], bands=tuple(tuple(v[i : i + 4]) for i in range(4, len(v), 4))
+                    )
+                    for m, v in ms.items()
+                }
+                for c, ms in t["fits"].items()
+            }
             tables[(t["layout"], t["recompute"], t["tp"])] = CostTable(
                 t["layout"], t["recompute"], t["tp"], fits, t["max_tokens"], t["max_len"]
             )
@@ -238,7 +317,12 @@ class TableCostModel:
             # with extrapolation allowed every query is in range (the Python side flags it)
             unbounded = float("inf") if self.allow_extrapolation else None
             self._native[key] = core.CostTable(
-                t.coef_array(), layout == "packed", self.pad_multiple, unbounded or t.max_tokens, unbounded or t.max_len
+                t.coef_array(),
+                layout == "packed",
+                self.pad_multiple,
+                unbounded or t.max_tokens,
+                unbounded or t.max_len,
+                t.band_array(),
             )
         return self._native[key]
 

@@ -16,8 +16,9 @@ p of the longest-first order:
   at k > 1 (the tokens rounded up to a multiple of k, over k) and attn = Q / k; the padding
   document's own attention (under k^2 / k pairs) is left out of the time;
 - memory per stage and mode: in_flight * stored + transient <= budget (``StageMemory.fits``),
-  linear in (z, W, Q) the same way, with that padding attention and the fits' floors added on
-  top, so a grouping the program accepts always fits when priced exactly;
+  linear in (z, W, Q) the same way, one row per interval of a banded fit's lengths (activation
+  memory is priced per measured length), with that padding attention and the fits' floors added
+  on top, so a grouping the program accepts always fits when priced exactly;
 - objective: the 1F1B estimate sum_j t_j + (pp - 1) * max_j t_j (M >= t_j), as the DP's.
 
 Symmetry breaking: sequence p may join micro-batch j only if a longer sequence (p' < p) is in
@@ -55,6 +56,7 @@ import highspy
 import numpy as np
 
 from ..cost.model import COMPONENTS
+from ..cost.table import LinearFit
 from .microbatch import InfeasibleError, partition
 from .pricing import cheapest_feasible, make_micro_batch, usable
 from .spec import PlannerSpec
@@ -168,14 +170,13 @@ class _Model:
                             a += n[c] * np.array(fits[c][m].coef)
                 a += stage.num_layers * np.array([comm_fwd[0] + comm_bwd[0], comm_fwd[1] + comm_bwd[1], 0.0])
                 linear.append(tuple(float(v) for v in a))
-                # StageMemory.fits: in_flight * stored + max(0, max_c (peak_c - stored_c)) <= budget; every
-                # stored_c keeps a non-negative coefficient (in_flight * count >= 1), so bounding each fit from
-                # above (floor added, padding document included) keeps the rows safe
-                upper = {
-                    c: (self._upper(fits[c]["stored_bytes"]), self._upper(fits[c]["peak_bytes"])) for c in COMPONENTS
-                }
-                stored = mem.in_flight * sum(n[c] * upper[c][0] for c in COMPONENTS)
-                rows = [stored] + [stored + upper[c][1] - upper[c][0] for c in COMPONENTS if n[c]]
+                # StageMemory.fits: in_flight * stored + max(0, max_c (peak_c - stored_c)) <= budget, one
+                # sum of weighted fits per row (a stored_c's weights add up to in_flight * count - 1 >= 0)
+                stored = [(fits[c]["stored_bytes"], float(mem.in_flight * n[c])) for c in COMPONENTS if n[c]]
+                sums = [stored] + [
+                    stored + [(fits[c]["peak_bytes"], 1.0), (fits[c]["stored_bytes"], -1.0)] for c in COMPONENTS if n[c]
+                ]
+                rows = [r for terms in sums for r in self._rows(terms)]
                 memory += [
                     (float(r[0]) / mem.budget - 1.0, float(r[1]) / mem.budget, float(r[2]) / mem.budget) for r in rows
                 ]  # over the budget: rows of order 1 for the solver
@@ -186,11 +187,28 @@ class _Model:
             self.linear.append(linear)
             self.memory.append(memory)
 
-    def _upper(self, fit) -> np.ndarray:
-        """(z, slots, attn) coefficients of an upper bound of a fit: floor plus line, with the
-        padding document's attention (under k tokens, a causal block of its own) added."""
-        c0, c1, c2 = fit.coef
-        return np.array([c0 + max(fit.floor, 0.0) + max(c2, 0.0) * (self.k - 1) ** 2 / self.k, c1, c2])
+    def _rows(self, terms: list[tuple[LinearFit, float]]) -> list[tuple[float, float, float]]:
+        """(z, slots, attn) rows whose largest bounds ``sum(weight * fit)`` from above.
+
+        A banded fit (activation memory) takes its line from the micro-batch's length attn /
+        slots, so the sum is one line per interval between the bands' upper lengths (the union
+        over the terms) and beyond the last: one row per interval. At any point the row of its
+        own interval is the sum exactly, so the largest row is never below it (and equals it when
+        the fits are convex in the length, as ``fit_banded`` makes them); the last band's line
+        alone would price short micro-batches under their measured memory. Each fit weighted
+        up is bounded from above (its floor added, and the padding document's attention, under k
+        tokens, a causal block of its own), each weighted down from below (the line alone)."""
+        pad = (self.k - 1) ** 2 / self.k
+        uppers = sorted({b[0] for fit, _ in terms for b in fit.bands})
+        rows = set()
+        for length in [*uppers, math.inf]:  # an interval's upper end picks every fit's band there
+            row = np.zeros(3)
+            for fit, w in terms:
+                c0, c1, c2 = fit.coef_at(length)
+                extra = max(fit.floor, 0.0) + max(c2, 0.0) * pad if w > 0 else min(c2, 0.0) * pad
+                row += w * np.array([c0 + extra, c1, c2])
+            rows.add(tuple(float(v) for v in row))
+        return sorted(rows)
 
     def features(self, tokens: int, squares: int) -> tuple[float, float]:
         """Per-rank (slots, attn) as the program has them: the padding document's attention left out."""
