@@ -39,12 +39,11 @@ def _ms(fn) -> tuple[object, float]:
 
 def bench_planner(args: argparse.Namespace) -> Iterator[dict]:
     cost = cost_model_from_profile(load_bundled("a100-gpt-6.7b"))
-    for dist in args.distributions.split(","):
+    for dist in args.distributions:
         lengths = np.minimum(load_lengths(dist), MAX_LEN)
-        for tokens in (int(t) for t in args.global_tokens.split(",")):
+        for tokens in args.global_tokens:
             batches = [[int(lengths[i]) for i in b] for b in global_batches(lengths, tokens, args.batches, args.seed)]
-            for par in args.parallel.split(","):
-                pp, dp = (int(x) for x in par.split("x"))
+            for pp, dp in args.parallel:
                 cfg = DynPluginConfig.model_validate(
                     {
                         "pipeline": {"stages": pp},

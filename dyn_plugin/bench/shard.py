@@ -66,9 +66,9 @@ def bench_shard(args: argparse.Namespace, units: dict[str, Sequence[ShardUnit]])
     """One record per (model, gpus, budget, method); ``units`` per model name (models/shard_units.py)."""
     records = []
     lengths = cap_lengths(load_lengths(args.lengths), args.max_len, True)
-    for setup in args.models.split(","):
-        for gpus in (int(g) for g in args.gpus.split(",")):
-            for budget in (float(b) for b in args.budgets_mb.split(",")):
+    for setup in args.models:
+        for gpus in args.gpus:
+            for budget in args.budgets_mb:
                 config = plugin_config(setup, gpus, budget, args.tokens_per_gpu, args.max_len)
                 ids = global_batches(lengths, config.microbatching.global_tokens, 1, args.seed)[0]
                 batch = [int(lengths[i]) for i in ids]

@@ -42,16 +42,16 @@ def bench_sp(args: argparse.Namespace) -> Iterator[dict]:
         num_heads=HEADS,
         num_kv_heads=HEADS,
     )
-    for dist in args.distributions.split(","):
+    for dist in args.distributions:
         raw = load_lengths(dist)
-        for max_len in (int(x) for x in args.max_len.split(",")):
+        for max_len in args.max_len:
             lengths = np.minimum(raw, max_len)
-            for tokens in (int(t) for t in args.global_tokens.split(",")):
+            for tokens in args.global_tokens:
                 batches = [
                     [int(lengths[i]) for i in b] for b in global_batches(lengths, tokens, args.batches, args.seed)
                 ]
-                for gpus in (int(g) for g in args.gpus.split(",")):
-                    for pp in (int(p) for p in args.pp.split(",")):
+                for gpus in args.gpus:
+                    for pp in args.pp:
                         base = {
                             "distribution": dist,
                             "global_tokens": tokens,
@@ -67,7 +67,7 @@ def _spec(cost, dp: int, pp: int, args: argparse.Namespace, max_len: int, *, sp:
         {
             "pipeline": {"stages": pp},
             "microbatching": {"max_seq_len": max_len},
-            "sequence_parallel": {"enabled": sp, "sizes": [int(k) for k in args.sizes.split(",")], "pyramid": pyramid},
+            "sequence_parallel": {"enabled": sp, "sizes": list(args.sizes), "pyramid": pyramid},
             "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
         }
     )

@@ -59,12 +59,12 @@ def strategy_config(max_len: int):
 
 
 def bench_strategy(args: argparse.Namespace) -> Iterator[dict]:
-    for model in args.models.split(","):
+    for model in args.models:
         cost = named_cost_model(model)
         cfg = strategy_config(args.max_len)
-        for dist in args.distributions.split(","):
+        for dist in args.distributions:
             lengths = np.minimum(load_lengths(dist), args.max_len)
-            for gpus in (int(g) for g in args.gpus.split(",")):
+            for gpus in args.gpus:
                 yield from _bench_one(model, cost, cfg, dist, lengths, gpus, args)
 
 

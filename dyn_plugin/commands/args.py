@@ -53,6 +53,34 @@ def numbers(low: float = 0.0) -> Callable[[str], tuple[float, ...]]:
     return lambda text: tuple(one(part) for part in text.split(","))
 
 
+def powers_of_two(high: int = MAX_RANKS) -> Callable[[str], tuple[int, ...]]:
+    """Comma-separated powers of two up to ``high``: group sizes (``1,2,4,8``)."""
+    many = counts(1, high)
+
+    def parse(text: str) -> tuple[int, ...]:
+        sizes = many(text)
+        bad = [k for k in sizes if k & (k - 1)]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{','.join(map(str, bad))}: group sizes are powers of two (1, 2, 4, ...)")
+        return sizes
+
+    return parse
+
+
+def grids(text: str) -> tuple[tuple[int, int], ...]:
+    """Comma-separated ``PPxDP`` pipeline x data-parallel layouts (``1x1,4x2``), each at least 1x1."""
+    one = count(1, MAX_RANKS)
+    out = []
+    for part in text.split(","):
+        pp, x, dp = part.partition("x")
+        if not x:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not PPxDP (pipeline stages x data-parallel columns, e.g. 4x2)"
+            )
+        out.append((one(pp), one(dp)))
+    return tuple(out)
+
+
 def choices(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
     """Comma-separated names, each one of ``allowed``."""
 

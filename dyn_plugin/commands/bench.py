@@ -8,7 +8,11 @@ import os
 import platform
 import time
 
-from .args import SEED, STEPS, TOKENS, count, number
+from ..bench.shard import SETUPS
+from ..checks import MAX_RANKS, MAX_TOKENS
+from ..cost.calibrated import MODELS
+from ..lengths.corpus import DISTRIBUTIONS
+from .args import SEED, STEPS, TOKENS, choices, count, counts, grids, number, numbers, powers_of_two
 
 HELP = (
     "benchmarks that print JSON: cost (cost-model evaluation), planner (plans vs baselines on A100 costs), "
@@ -18,6 +22,9 @@ HELP = (
     "loader (planning ahead, plan wait, store latency), train (DeepSpeed or Megatron on 2 CPU ranks, batchings "
     "side by side), families (each model family's step, predicted from a profile of another, against measured)"
 )
+
+
+DISTS = choices(tuple(DISTRIBUTIONS))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,9 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="planning time and simulated step time against the baselines, "
         "A100 GPT-6.7B costs, bundled length distributions",
     )
-    planner.add_argument("--distributions", default="code,prose,mixture")
-    planner.add_argument("--global-tokens", default="16384,65536,262144")
-    planner.add_argument("--parallel", default="1x1,4x2,8x8", help="pp x dp configurations")
+    planner.add_argument("--distributions", type=DISTS, default="code,prose,mixture")
+    planner.add_argument("--global-tokens", type=counts(1, MAX_TOKENS), default="16384,65536,262144")
+    planner.add_argument("--parallel", type=grids, default="1x1,4x2,8x8", help="pp x dp configurations")
     planner.add_argument("--batches", type=STEPS, default=10, help="global batches per configuration")
     planner.add_argument(
         "--python-batches",
@@ -52,13 +59,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="dynamic sequence parallelism vs fixed sizes, Megatron's hybrid CP and DCP's "
         "buckets: simulated step on A100 GPT-6.7B costs with priced attention collectives",
     )
-    sp.add_argument("--distributions", default="code,prose,mixture")
-    sp.add_argument("--global-tokens", default="65536,262144")
-    sp.add_argument("--gpus", default="8,32")
-    sp.add_argument("--pp", default="4,1", help="pipeline stages, comma-separated (columns = gpus / pp)")
-    sp.add_argument("--max-len", default="8192,32768", help="sequences are capped at each of these")
+    sp.add_argument("--distributions", type=DISTS, default="code,prose,mixture")
+    sp.add_argument("--global-tokens", type=counts(1, MAX_TOKENS), default="65536,262144")
+    sp.add_argument("--gpus", type=counts(1, MAX_RANKS), default="8,32")
+    sp.add_argument(
+        "--pp", type=counts(1, MAX_RANKS), default="4,1", help="pipeline stages, comma-separated (columns = gpus / pp)"
+    )
+    sp.add_argument(
+        "--max-len", type=counts(1, MAX_TOKENS), default="8192,32768", help="sequences are capped at each of these"
+    )
     sp.add_argument(
         "--sizes",
+        type=powers_of_two(),
         default="1,2,4,8,16,32",
         help="sequence-parallel group sizes allowed (those up to the column count apply)",
     )
@@ -71,11 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     shard.add_argument(
         "--models",
+        type=choices(tuple(SETUPS)),
         default="gpt-6.7b,gpt-48l",
         help="gpt-6.7b (A100-measured layers), gpt-48l (GPT-2 XL's shape, analytic A100 costs)",
     )
-    shard.add_argument("--gpus", default="8,16", help="ranks (8 per node)")
-    shard.add_argument("--budgets-mb", default="24000,30000,36000", help="memory budgets per rank")
+    shard.add_argument("--gpus", type=counts(1, MAX_RANKS), default="8,16", help="ranks (8 per node)")
+    shard.add_argument("--budgets-mb", type=numbers(), default="24000,30000,36000", help="memory budgets per rank")
     shard.add_argument("--tokens-per-gpu", type=TOKENS, default=16384, help="global batch = this x gpus tokens")
     shard.add_argument("--max-len", type=TOKENS, help="sequences are capped at this (default 8192; 4096 with --train)")
     shard.add_argument("--lengths", default="code")
@@ -110,13 +123,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "homogeneous strategy and dynapipe: planning time per step and "
         "simulated step on A100 costs",
     )
-    strategy.add_argument("--distributions", default="code,prose,mixture")
+    strategy.add_argument("--distributions", type=DISTS, default="code,prose,mixture")
     strategy.add_argument(
         "--models",
+        type=choices(tuple(MODELS)),
         default="gpt-6.7b",
         help="gpt-6.7b (measured A100 tables), llama-7b, llama-13b, llama-32b (calibrated on them)",
     )
-    strategy.add_argument("--gpus", default="64,1024")
+    strategy.add_argument("--gpus", type=counts(1, MAX_RANKS), default="64,1024")
     strategy.add_argument("--tokens-per-gpu", type=TOKENS, default=4096, help="global batch = this x gpus tokens")
     strategy.add_argument("--max-len", type=TOKENS, default=32768, help="sequences are capped at this")
     strategy.add_argument("--max-strategies", type=count(1, 64), default=3)
@@ -129,7 +143,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "ahead through a store), store round-trip latency",
     )
     loader.add_argument("--steps", type=STEPS, default=20)
-    loader.add_argument("--step-ms", default="0,50,200", help="simulated training step times (ms), comma-separated")
+    loader.add_argument(
+        "--step-ms", type=numbers(-1.0), default="0,50,200", help="simulated training step times (ms), comma-separated"
+    )
     loader.add_argument("--planners", type=count(1, 64), default=2)
     loader.add_argument("--prefetch", type=count(1, 1024), default=4)
     loader.add_argument(
@@ -253,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
 
             records = bench_loader(
                 steps=args.steps,
-                step_ms=tuple(float(x) for x in args.step_ms.split(",")),
+                step_ms=args.step_ms,
                 planners=args.planners,
                 prefetch=args.prefetch,
                 redis_url=args.redis_url,
