@@ -17,17 +17,20 @@ PKG = ROOT / "dyn_plugin"
 
 # package -> the dyn_plugin packages it may import (besides itself)
 ALLOWED = {
-    "config": set(),
+    # stdlib-only helpers at the bottom: bounds on counts and amounts, JSON files read with their name in errors
+    "checks": set(),
+    "jsonfile": set(),
+    "config": {"checks", "jsonfile"},
     "child": set(),
-    "lengths": set(),
+    "lengths": {"checks", "jsonfile"},
     "layout": set(),
     "device": set(),
-    "cost": {"config"},
-    "plan": {"config", "lengths", "cost", "layout"},
+    "cost": {"config", "checks", "jsonfile"},
+    "plan": {"config", "lengths", "cost", "layout", "checks", "jsonfile"},
     "store": {"config", "child"},
-    "models": {"cost", "plan"},
+    "models": {"cost", "plan", "checks", "jsonfile"},
     "profiling": {"config", "cost", "models", "child", "device"},
-    "runtime": {"config", "lengths", "cost", "plan", "store", "child", "layout", "device"},
+    "runtime": {"config", "lengths", "cost", "plan", "store", "child", "layout", "device", "checks", "jsonfile"},
     "host": {"config", "cost", "plan", "runtime", "models", "layout", "device"},
     # bench sits above the hosts: its training benchmarks (train_*.py) train through the FSDP entry,
     # DeepSpeed's and (in child processes only) Megatron's adapters, so it may import them
@@ -59,12 +62,25 @@ ALLOWED = {
         "layout",
         "device",
     },
-    "commands": {"config", "lengths", "cost", "plan", "store", "runtime", "profiling", "models", "bench", "layout"},
+    "commands": {
+        "config",
+        "lengths",
+        "cost",
+        "plan",
+        "store",
+        "runtime",
+        "profiling",
+        "models",
+        "bench",
+        "layout",
+        "checks",
+        "jsonfile",
+    },
     "cli": {"commands"},
     "__main__": {"cli"},
     "__init__": {"cost"},
 }
-PURE = ("config", "lengths", "cost", "plan", "layout")
+PURE = ("checks", "jsonfile", "config", "lengths", "cost", "plan", "layout")
 # the modules that may import megatron_patches: the Megatron training benchmark, which runs only as the
 # ranks' main module, launched by name (``dynplugin bench train --host megatron``) in child processes, and
 # the rank script of ``bench train --host megatron-lm``, launched by path in place of pretrain_gpt.py

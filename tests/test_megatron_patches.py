@@ -427,8 +427,10 @@ def _command_args(argv):
 
 
 def test_dynplugin_megatron_command_lines(tmp_path):
-    config = tmp_path / "ds.json"
-    one = megatron_command.command(_command_args(["--dyn-plugin-config", str(config), "--", "s.py", "--lr", "1"]))
+    config, script = tmp_path / "ds.json", tmp_path / "s.py"  # both checked to exist before launching
+    config.write_text("{}")
+    script.write_text("")
+    one = megatron_command.command(_command_args(["--dyn-plugin-config", str(config), "--", str(script), "--lr", "1"]))
     assert one == [
         sys.executable,
         "-m",
@@ -436,12 +438,12 @@ def test_dynplugin_megatron_command_lines(tmp_path):
         "--dyn-plugin-config",
         str(config),
         "--",
-        "s.py",
+        str(script),
         "--lr",
         "1",
     ]
     many = megatron_command.command(
-        _command_args(["--dyn-plugin-config", str(config), "--nproc-per-node", "4", "s.py", "--lr", "1"])
+        _command_args(["--dyn-plugin-config", str(config), "--nproc-per-node", "4", str(script), "--lr", "1"])
     )
     assert (
         many[:7]
@@ -451,17 +453,19 @@ def test_dynplugin_megatron_command_lines(tmp_path):
 
 
 def test_dynplugin_megatron_missing_config_is_a_clear_error(tmp_path, capsys):
-    assert cli_main(["megatron", "--dyn-plugin-config", str(tmp_path / "nope.json"), "--", "s.py"]) == 2
-    assert "--dyn-plugin-config" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:  # refused while the command line is read
+        cli_main(["megatron", "--dyn-plugin-config", str(tmp_path / "nope.json"), "--", "s.py"])
+    assert exit.value.code == 2 and "--dyn-plugin-config" in capsys.readouterr().err
 
 
 def test_dynplugin_megatron_runs_the_launcher_and_returns_its_exit_code(tmp_path, monkeypatch):
-    config = tmp_path / "ds.json"
+    config, script = tmp_path / "ds.json", tmp_path / "s.py"
     config.write_text("{}")
+    script.write_text("")
     calls = []
     monkeypatch.setattr(megatron_command.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 3)
-    assert cli_main(["megatron", "--dyn-plugin-config", str(config), "--", "s.py", "--lr", "1"]) == 3
+    assert cli_main(["megatron", "--dyn-plugin-config", str(config), "--", str(script), "--lr", "1"]) == 3
     ((cmd, env),) = calls
-    assert cmd[1:3] == ["-m", "megatron_patches.launch"] and cmd[-3:] == ["s.py", "--lr", "1"]
+    assert cmd[1:3] == ["-m", "megatron_patches.launch"] and cmd[-3:] == [str(script), "--lr", "1"]
     root = launch.os.path.dirname(launch.os.path.dirname(launch.__file__))
     assert env["PYTHONPATH"].split(launch.os.pathsep)[0] == root

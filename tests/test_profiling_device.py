@@ -22,8 +22,11 @@ def test_defaults_follow_the_device(monkeypatch):
     assert resolve_target("cpu", "bf16") == Target(torch.device("cpu"), "bf16")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a host with two GPUs
     assert resolve_target() == Target(torch.device("cuda", 0), "bf16")
     assert resolve_target("cuda:1", "fp16") == Target(torch.device("cuda", 1), "fp16")
+    with pytest.raises(ValueError, match="--device cuda:2: this host has 2 CUDA devices"):
+        resolve_target("cuda:2")
     assert resolve_target("cpu") == Target(torch.device("cpu"), "fp32")
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..config import ModelShape
+from ..jsonfile import read_json
 from .model import COMPONENTS, METRICS, features
 from .sequence_parallel import SequenceParallelCost
 from .table import CostTable, LinearFit, TableCostModel, fit_banded, fit_error, fit_linear, nnls_relative
@@ -289,8 +290,7 @@ def load_profile(source: str | os.PathLike | dict[str, Any]) -> Profile:
         raw, where = source, "profile dict"
     else:
         where = str(source)
-        with open(source) as f:
-            raw = json.load(f)
+        raw = read_json(source, "profile")
     if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
         raise ValueError(f'{where} is not a dyn_plugin profile (expected "schema": "{SCHEMA}")')
     if raw.get("version") not in READS:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..checks import MAX_RANKS, check_count
 from ..config import DynPluginConfig
 from ..cost.model import LAYOUTS, RECOMPUTES, Layout, Recompute, StageSpec, features, split_layers
 from ..cost.sequence_parallel import LayerComm, attention_kind, group_sizes
@@ -98,6 +99,8 @@ def planner_spec(
     device's memory) minus them, the budget the plan was searched for. Sharded modules gather in
     step on every rank, so the plan then has ZeRO-3's rules whatever ``zero_stage`` says: equal
     micro-batch counts and the same recompute per micro-batch index."""
+    check_count("dp", dp, high=MAX_RANKS)
+    check_count("tp", tp, high=MAX_RANKS)
     pipe, cluster, mb = config.pipeline, config.cluster, config.microbatching
     cost = cost.with_pad_multiple(mb.pad_multiple)
     if pipe.layers_per_stage:

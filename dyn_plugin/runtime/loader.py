@@ -40,6 +40,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from ..checks import MAX_SEED, check_count, check_number
 from ..config import DynPluginConfig, LoadedConfig, load_config
 from ..cost.table import TableCostModel
 from ..device import collective_device
@@ -128,6 +129,9 @@ class DynLoader:
         if not 0 <= replica < tp:
             raise ValueError(f"replica {replica} is not in [0, tp={tp}): give this rank's tensor-parallel rank")
         self.tp, self.replica = tp, replica
+        check_count("seed", seed, low=0, high=MAX_SEED)
+        if state_bytes is not None:
+            check_number("state_bytes", state_bytes, low=-1e-9)  # 0 is a plan keeping nothing; below is not
         self.dataset = dataset
         self.layout, self.stage, self.column = layout, stage, column
         self.seed, self.pad_id = seed, pad_id

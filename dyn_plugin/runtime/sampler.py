@@ -13,6 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ..checks import MAX_TOKENS, check_count
+
 
 def epoch_batches(
     lengths: Sequence[int], tokens: int, *, seed: int, epoch: int, min_sequences: int = 1
@@ -55,8 +57,8 @@ def epoch_batches(
 
 def global_batches(lengths: Sequence[int], tokens: int, count: int, seed: int) -> list[list[int]]:
     """The first ``count`` global batches, epoch after epoch (for planning and benchmarks)."""
-    if count <= 0:
-        raise ValueError(f"need a positive batch count, got {count}")
+    check_count("count", count)
+    check_count("tokens", tokens, high=MAX_TOKENS)
     out: list[list[int]] = []
     epoch = 0
     while len(out) < count:
