@@ -77,7 +77,7 @@ def pretrain_gpt(path: str | None) -> str:
     """``pretrain_gpt.py`` of the Megatron-LM checkout ``path``; a clear error naming the option where it is not."""
     script = os.path.join(path or "", "pretrain_gpt.py")
     if not path or not os.path.isfile(script):
-        raise SystemExit(
+        raise ValueError(
             f"no Megatron-LM checkout with pretrain_gpt.py at {path or '(none given)'}: pass --megatron-lm PATH "
             "(or set $MEGATRON_LM) naming a Megatron-LM checkout (core_v0.16.1 is tested)"
         )

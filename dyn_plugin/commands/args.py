@@ -121,6 +121,15 @@ def output_dir(text: str) -> str:
     return text
 
 
+def redis_url(text: str) -> str:
+    """A Redis URL: redis://, rediss:// (TLS) or unix:// (a socket)."""
+    if not text.startswith(("redis://", "rediss://", "unix://")):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a Redis URL (redis://host:port/db, rediss://..., unix://...)"
+        )
+    return text
+
+
 RANKS = count(1, MAX_RANKS)
 TOKENS = count(1, MAX_TOKENS)
 STEPS = count()

@@ -8,11 +8,26 @@ import os
 import platform
 import time
 
+from ..bench.families import FAMILIES
 from ..bench.shard import SETUPS
 from ..checks import MAX_RANKS, MAX_TOKENS
 from ..cost.calibrated import MODELS
 from ..lengths.corpus import DISTRIBUTIONS
-from .args import SEED, STEPS, TOKENS, choices, count, counts, grids, number, numbers, powers_of_two
+from .args import (
+    SEED,
+    STEPS,
+    TOKENS,
+    choices,
+    count,
+    counts,
+    grids,
+    input_file,
+    number,
+    numbers,
+    output_dir,
+    powers_of_two,
+    redis_url,
+)
 
 HELP = (
     "benchmarks that print JSON: cost (cost-model evaluation), planner (plans vs baselines on A100 costs), "
@@ -109,10 +124,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     shard.add_argument(
         "--profile",
+        type=input_file,
         help="with --train: tiny-llama profile of this machine (dynplugin profile --ranks 2); "
         "without it the analytic cost model prices the plans",
     )
-    shard.add_argument("--out", default="out/bench-shard-train", help="with --train: report folder")
+    shard.add_argument("--out", type=output_dir, default="out/bench-shard-train", help="with --train: report folder")
     shard.add_argument("--steps", type=STEPS, default=4, help="with --train: timed steps per method")
     shard.add_argument("--ranks", type=count(1, 1024), default=2, help="with --train: local ranks")
     shard.add_argument("--global-tokens", type=TOKENS, default=16384, help="with --train: tokens per global batch")
@@ -135,7 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     strategy.add_argument("--max-len", type=TOKENS, default=32768, help="sequences are capped at this")
     strategy.add_argument("--max-strategies", type=count(1, 64), default=3)
     strategy.add_argument("--batches", type=STEPS, default=8, help="global batches per configuration")
-    strategy.add_argument("--plot-dir", help="a plot per configuration: the strategies and one step's pipeline loads")
+    strategy.add_argument(
+        "--plot-dir", type=output_dir, help="a plot per configuration: the strategies and one step's pipeline loads"
+    )
     strategy.add_argument("--seed", type=SEED, default=0)
     loader = sub.add_parser(
         "loader",
@@ -156,6 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     loader.add_argument(
         "--redis-url",
+        type=redis_url,
         help="measure this Redis server (password in $DYN_PLUGIN_REDIS_PASSWORD) rather "
         "than a throwaway local redis-server",
     )
@@ -184,10 +203,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     train.add_argument(
         "--profile",
+        type=input_file,
         help="tiny-llama profile of this machine (dynplugin profile); without it the "
         "analytic cost model prices the plans, and every row says so",
     )
-    train.add_argument("--out", default="out/bench-train")
+    train.add_argument("--out", type=output_dir, default="out/bench-train")
     train.add_argument("--steps", type=STEPS, default=4)
     train.add_argument("--ranks", type=count(1, 1024), default=2)
     train.add_argument(
@@ -208,9 +228,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "machine through the family's shape, against its measured step (dyn_plugin/bench/families.py)",
     )
     families.add_argument(
-        "--profile", required=True, help="a tiny-llama profile of this machine (dynplugin profile; CPU)"
+        "--profile",
+        type=input_file,
+        required=True,
+        help="a tiny-llama profile of this machine (dynplugin profile; CPU)",
     )
-    families.add_argument("--families", help="comma-separated subset (default: all)")
+    families.add_argument("--families", type=choices(tuple(FAMILIES)), help="comma-separated subset (default: all)")
     families.add_argument(
         "--seq-len", type=TOKENS, default=512, help="the micro-batch's longest document (default %(default)s)"
     )
@@ -348,11 +371,7 @@ def bench_train(args: argparse.Namespace, host: dict) -> int:
         return bench_train_megatron_lm(args, host)
     if args.host == "megatron":
         if args.sp:
-            raise SystemExit(
-                "bench train --sp runs with --host deepspeed only: under Megatron the plugin does not run "
-                "sequence parallelism (megatron-core 0.16's context parallelism fixes one group size at "
-                "initialize_model_parallel); drop --sp or --host megatron"
-            )
+            raise ValueError("--sp compares sequence-parallel plans with --host deepspeed only; drop --sp or --host")
         return launch_comparison(
             "dyn_plugin.bench.train_megatron",
             "train-megatron",
@@ -394,7 +413,7 @@ def bench_train_megatron_lm(args: argparse.Namespace, host: dict) -> int:
     """Megatron-LM's pretrain_gpt.py side by side (padded, alone, the plugin), each run in child processes
     (this process imports megatron-core only to write the corpus, megatron_patches never); its summary rows."""
     if args.sp:
-        raise SystemExit("bench train --sp runs with --host deepspeed only; drop --sp or --host megatron-lm")
+        raise ValueError("--sp compares sequence-parallel plans with --host deepspeed only; drop --sp or --host")
     from ..bench.train_common import cost_model_label
     from ..bench.train_megatron_lm import bench_train_megatron_lm as run_benchmark
 
