@@ -506,16 +506,6 @@ def deadline():
     signal.signal(signal.SIGALRM, previous)
 
 
-# Rows still failing (a traceback, a line that does not name the input, or work started): kept in
-# the table so they are counted, not run, until fixed (see the part 5).
-NOT_YET = frozenset(Path(__file__).with_name("bad_inputs_not_yet.txt").read_text().splitlines())
-
-
-def _row(case_id: str):
-    marks = [pytest.mark.xfail(run=False, reason="not yet refused cleanly")] if case_id in NOT_YET else []
-    return marks
-
-
 def _one_clear_line(text: str, needle: str) -> None:
     assert "Traceback" not in text, text
     lines = [line for line in text.splitlines() if line.strip()]
@@ -523,7 +513,7 @@ def _one_clear_line(text: str, needle: str) -> None:
     assert needle.lower() in lines[0].lower(), f"{needle!r} not named in: {lines[0]}"
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.argv or "(nothing)", marks=_row(c.argv)) for c in CLI])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.argv or "(nothing)") for c in CLI])
 def test_cli_refuses_bad_input(case: Cli, files: Path, capsys, deadline) -> None:
     argv = [a.replace("{t}", str(files)) for a in case.argv.split()]
     try:
@@ -536,7 +526,7 @@ def test_cli_refuses_bad_input(case: Cli, files: Path, capsys, deadline) -> None
     assert "Traceback" not in out
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=_row(c.name)) for c in API])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in API])
 def test_api_refuses_bad_input(case: Api, files: Path, deadline) -> None:
     with pytest.raises(case.error) as info:
         case.call(files)
