@@ -234,8 +234,7 @@ class PlanPipelineEngine(PipelineEngine):
         if shard is None:
             desc = self._step.plan.micro_batches[mb]
             return position_ids(desc.seq_lens, desc.layout, desc.shape).to(self.device)
-        width = shard.position_ids.shape[1] // shard.size
-        return shard.position_ids[:, shard.index * width : (shard.index + 1) * width]
+        return shard.own_positions
 
     def _exec_load(self, ins: LoadMicroBatch) -> None:
         tensors = self._tensors[ins.mb]

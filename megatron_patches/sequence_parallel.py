@@ -98,12 +98,6 @@ def _backward_step(original: Callable) -> Callable:
     return backward_step
 
 
-def shard_positions(shard: SequenceShard) -> torch.Tensor:
-    """[rows, width / k]: the positions of this rank's part of every row."""
-    own = shard.position_ids.shape[1] // shard.size
-    return shard.position_ids[:, shard.index * own : (shard.index + 1) * own]
-
-
 def _rotary(original: Callable) -> Callable:
     @functools.wraps(original)
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
@@ -120,7 +114,7 @@ def _rotary(original: Callable) -> Callable:
         # every position a row can hold ([width, 1, 1, dim], cached by megatron-core), gathered at
         # each token's own: [s/k, rows, 1, dim], which RoPE's bshd path broadcasts over the heads
         table = original(self, width, 0, False, cp_group)
-        return table[shard_positions(shard).t()].squeeze(2)
+        return table[shard.own_positions.t()].squeeze(2)
 
     return forward
 

@@ -313,7 +313,12 @@ def test_rope_in_a_shard_is_megatrons_rope_of_the_whole_row_at_the_shards_tokens
     table = RotaryEmbedding.forward(rope, 16)
     packed = apply_rotary_pos_emb(x[:, 0], table, config, cu_seqlens=torch.tensor([0, 5, 8], dtype=torch.int32))
     padded = apply_rotary_pos_emb(x[:, 1:], table[:8], config)[:, 0]
-    monkeypatch.setattr(msp, "current", lambda: SimpleNamespace(position_ids=positions, size=2, index=1))
+    from dyn_plugin.models.sequence_parallel import SequenceShard
+
+    # rank 1 of 2 without a process group: SequenceShard's own slicing applied to a stand-in
+    stand_in = SimpleNamespace(position_ids=positions, size=2, index=1)
+    stand_in.own_positions = SequenceShard.own_positions.fget(stand_in)
+    monkeypatch.setattr(msp, "current", lambda: stand_in)
     sharded = apply_rotary_pos_emb(x[4:], msp._rotary(RotaryEmbedding.forward)(rope, 4), config)
     assert torch.allclose(sharded[:, 0], packed[4:], atol=1e-6)
     assert torch.allclose(sharded[:, 1], padded[4:], atol=1e-6)

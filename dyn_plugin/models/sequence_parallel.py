@@ -73,6 +73,12 @@ class SequenceShard:
                 "of k)"
             )
 
+    @property
+    def own_positions(self) -> torch.Tensor:
+        """[rows, width / size]: the positions of this rank's part of every row."""
+        own = self.position_ids.shape[1] // self.size
+        return self.position_ids[:, self.index * own : (self.index + 1) * own]
+
     @functools.cached_property
     def documents(self) -> torch.Tensor:
         """[rows, width] document number of every position (computed once per micro-batch, on its device)."""
