@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-kv-heads", type=count(), help="with import: key/value heads, if fewer than --num-heads")
     parser.add_argument(
+        "--vocab-size", type=count(), help="with import: the vocabulary, which sizes the loss's memory on the head"
+    )
+    parser.add_argument(
         "--model",
         default="tiny-llama",
         help="preset (tiny-llama, llama-350m, tiny-gpt2) or path to a HF config.json (default: tiny-llama)",
@@ -216,6 +219,7 @@ def run_import(args: argparse.Namespace) -> int:
         hidden_size=args.hidden_size,
         num_heads=args.num_heads,
         num_kv_heads=args.num_kv_heads,
+        vocab_size=args.vocab_size,
     )
     save_profile(profile, args.out)
     print_summary(profile)

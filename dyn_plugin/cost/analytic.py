@@ -19,7 +19,7 @@ hold one layer). A tied head holds no weights of its own.
 from __future__ import annotations
 
 from ..config import DeviceSpec, ModelShape
-from .model import LAYOUTS, RECOMPUTES, Precision
+from .model import HF_LOSS_BYTES, LAYOUTS, RECOMPUTES, Precision
 from .table import CostTable, LinearFit, TableCostModel
 
 ACT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -113,11 +113,9 @@ def analytic_cost_model(
             head = {
                 "forward_ms": LinearFit((ovh, head_flops / tp / flops_ms, 0.0)),
                 "backward_ms": LinearFit((2 * ovh, 2 * head_flops / tp / flops_ms, 0.0)),
-                # the loss's fp32 log-softmax over the vocabulary dominates the head's activations: it
-                # is saved for backward, which adds its gradient and the logits' (measured, HF loss on
-                # torch's CPU kernels, fp32 and bf16 alike: 4 and 12 bytes per token and vocabulary entry)
-                "stored_bytes": LinearFit((0.0, 4 * shape.vocab_size / tp, 0.0)),
-                "peak_bytes": LinearFit((0.0, 12 * shape.vocab_size / tp, 0.0)),
+                # the loss's fp32 log-softmax over the vocabulary dominates the head's activations
+                "stored_bytes": LinearFit((0.0, HF_LOSS_BYTES[0] * shape.vocab_size / tp, 0.0)),
+                "peak_bytes": LinearFit((0.0, HF_LOSS_BYTES[1] * shape.vocab_size / tp, 0.0)),
             }
             embedding = {
                 "forward_ms": LinearFit((ovh, 0.0, 0.0)),

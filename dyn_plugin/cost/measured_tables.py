@@ -10,7 +10,8 @@ Two documented assumptions, both recorded in the profile's ``grid``:
 - packed micro-batches cost what the padded fit predicts for their features (tokens and
   sum(s_i^2)): true of varlen attention kernels, which the tables' Megatron layers are
   comparable to per token; the tables themselves hold padded batches only;
-- MB means 2^20 bytes; the head's memory was not measured and counts as zero.
+- MB means 2^20 bytes; the head's memory was not measured: it is priced as Megatron's loss holds
+  it (``MEGATRON_LOSS_BYTES`` per token and entry of the rank's share of the vocabulary).
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ import os
 from collections import defaultdict
 from typing import Any
 
-from .model import features
+from .model import MEGATRON_LOSS_BYTES, features
 from .profile import SCHEMA, VERSION, DeviceInfo, ModelInfo, Profile, Sample, fit_component, fit_tables
 
 MB = 1 << 20
 # Attention heads of the artifact's models (its Megatron configs; the tables do not say):
 # GPT 6.7B: 32 heads of 128 over hidden 4096; T5 11B: 128 heads of 128 (d_kv) over hidden 1024.
 HEADS = {"gpt-6.7b": 32, "t5-11b": 128}
+# Their vocabularies (GPT-2's BPE padded to a multiple of 128, T5's SentencePiece), which size the head's loss.
+VOCAB = {"gpt-6.7b": 50304, "t5-11b": 32128}
 
 
 def _rows(table: dict[str, Any], key: str, name: str) -> dict[tuple[int, int], float]:
@@ -40,9 +43,11 @@ def import_measured_tables(
     hidden_size: int,
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
+    vocab_size: int | None = None,
 ) -> Profile:
     """The tables hold one layer; the model's depth and width come from the caller, and so do its
-    attention heads (default: those of the artifact's models by table name, else unknown)."""
+    attention heads and vocabulary (default: those of the artifact's models by table name, else
+    unknown heads and the embedding's rows)."""
     if isinstance(source, dict):
         raw = source
     else:
@@ -53,6 +58,7 @@ def import_measured_tables(
         raise ValueError(f"{where}: expected an object with 'tables' (see the a100-measured README)")
     samples: list[Sample] = []
     params = None
+    vocab = vocab_size or VOCAB.get(raw.get("name")) or _embedding_rows(raw, hidden_size)
     for t in raw["tables"]:
         tp, rc = int(t["tp"]), t["recompute"]
         fwd = _rows(t, "time_ms", "encoder.forward")
@@ -87,8 +93,8 @@ def import_measured_tables(
                     seq_lens=[s] * b,
                     forward_ms=hf[key],
                     backward_ms=hb[key],
-                    stored_bytes=0.0,
-                    peak_bytes=0.0,
+                    stored_bytes=s * b * MEGATRON_LOSS_BYTES[0] * vocab / tp,
+                    peak_bytes=s * b * MEGATRON_LOSS_BYTES[1] * vocab / tp,
                 )
             )
         if tp == 1 and params is None:
@@ -112,11 +118,23 @@ def import_measured_tables(
             config={"description": raw.get("description", "")},
         ),
         device=DeviceInfo(type="gpu", name=raw.get("measured_on", "unknown").split(",")[0]),
-        grid={"source": raw.get("source", ""), "memory_unit": "MB = 2^20 bytes; head memory not measured"},
+        grid={
+            "source": raw.get("source", ""),
+            "memory_unit": "MB = 2^20 bytes; head memory priced from the vocabulary, not measured",
+        },
         packed_from_padded=True,
         samples=samples,
         tables=fit_tables(samples),
     )
+
+
+def _embedding_rows(raw: dict[str, Any], hidden_size: int) -> int:
+    """The embedding's rows from its fp16 parameters at tp=1: the vocabulary, or more where the
+    embedding holds learned positions too (then the head is priced high, never low)."""
+    for t in raw["tables"]:
+        if int(t["tp"]) == 1 and "embedding" in t.get("params_mb", {}):
+            return round(t["params_mb"]["embedding"] * MB / 2 / hidden_size)
+    raise ValueError("measured tables: no tp=1 table with params_mb.embedding (the vocabulary prices the head)")
 
 
 def held_out_memory(profile: Profile, pad_multiple: int = 8) -> list[dict[str, Any]]:

@@ -25,6 +25,15 @@ COMPONENTS = ("embedding", "layer", "head")
 METRICS = ("forward_ms", "backward_ms", "stored_bytes", "peak_bytes")
 
 
+# The head's activations per token and entry of the (tensor-parallel rank's share of the)
+# vocabulary, (stored for backward, peak), by the loss that runs: transformers' loss saves its fp32
+# log-softmax and at its peak holds the logits, that copy and its gradient (measured on torch's
+# CPU kernels, fp32 and bf16 alike); Megatron's vocab-parallel cross-entropy on the logits upcast
+# to fp32 saves the fp32 softmax, computed in place, next to the 16-bit logits.
+HF_LOSS_BYTES = (4, 12)
+MEGATRON_LOSS_BYTES = (4, 6)
+
+
 def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
