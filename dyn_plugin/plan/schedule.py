@@ -85,6 +85,10 @@ def choose_schedule(
     best: tuple[Schedule, SimResult] | None = None
     overflow: ValueError | None = None
     orders = SCHEDULES[policy]([mb.time_ms for mb in micro_batches], seed, candidates)
+    if num_stages == 1:
+        # one stage runs its micro-batches back to back, one in flight: every order takes the same
+        # time (to rounding, far inside the tie margin) and memory, and a tie keeps the first
+        orders = orders[:1]
     for n, order in enumerate(orders):
         try:
             schedule, result = _fit(micro_batches, link, order, num_stages, memory_budget, capped=capped)

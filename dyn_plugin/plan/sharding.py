@@ -29,7 +29,7 @@ import logging
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -69,6 +69,66 @@ class Selection:
     choice: tuple[int, ...]
     unit_bytes: float  # bytes per memory unit of the frontier
     frontier: np.ndarray  # [units + 1]: least time within m units (inf: nothing fits)
+
+
+class _Reuse:
+    """Typical steps planned so far. The planner tests memory only as "does this fit the room
+    left": given less room (more model states) than a step was planned with, but still as much as
+    that step's activation peak, every test it passed still passes (what it chose needs no more
+    than the peak) and every test it failed still fails, so it plans that same step again."""
+
+    def __init__(self) -> None:
+        self.planned: list[TypicalStep] = []
+
+    def find(self, state_bytes: float, budget: float) -> TypicalStep | None:
+        for typ in self.planned:
+            if typ.state_bytes <= state_bytes and typ.activation_bytes <= budget - state_bytes:
+                return typ
+        return None
+
+    def add(self, typ: TypicalStep) -> None:
+        self.planned.append(typ)
+
+
+class _Candidate:
+    """One column per unit (forward order) priced on a typical step, with its step time and model
+    states computed as ``ShardPlan`` computes them (the same sums in the same order, so the same
+    floats); the plan itself is built only for the winner."""
+
+    __slots__ = (
+        "search",
+        "choice",
+        "cols",
+        "prices",
+        "typ",
+        "shard_size",
+        "selection",
+        "state_bytes",
+        "exposed_ms",
+        "step_ms",
+    )
+
+    def __init__(self, search, choice, cols, prices, typ, shard_size, selection=None) -> None:
+        self.search, self.choice, self.cols, self.prices = search, choice, cols, prices
+        self.typ, self.shard_size, self.selection = typ, shard_size, selection
+        rows = search.unit_rows
+        chosen = np.asarray(choice)[rows]
+        opened = prices.opens[np.asarray(choice)]
+        reserve = float(prices.reserve_bytes[opened].max()) if opened.any() else 0.0
+        self.state_bytes = sum(prices.memory_bytes[rows, chosen].tolist()) + reserve
+        self.exposed_ms = sum(prices.exposed_ms[rows, chosen].tolist())
+        if typ is None:
+            self.step_ms = math.nan
+        else:
+            compute = (
+                typ.compute_ms
+                + search.optimizer_fixed_ms
+                + float(prices.optimizer_ms[np.arange(len(choice)), np.asarray(choice)].sum())
+            )
+            self.step_ms = compute + self.exposed_ms
+
+    def plan(self) -> ShardPlan:
+        return self.search.shard_plan(self.choice, self.cols, self.prices, self.typ, self.shard_size, self.selection)
 
 
 def shard_sizes(config: DynPluginConfig, world: int) -> list[int]:
@@ -246,18 +306,30 @@ class _Search:
             [self.longest], planner_spec(cost, config, dp=world, zero_stage=3, state_bytes=0.0)
         )
         self._steps: dict[float, TypicalStep] = {}
-        self._prices: dict[tuple[float, int, tuple[Choice, ...]], Prices] = {}
+        self._reuse = _Reuse()
+        self._prices: dict[tuple[int, int, tuple[Choice, ...]], Prices] = {}
+        at = {i: r for r, i in enumerate(self.order)}  # unit index -> its row in forward order
+        self.unit_rows = np.array([at[i] for i in range(len(self.units))], dtype=np.int64)
         optimizer = cost.update.optimizer
         self.optimizer_fixed_ms = optimizer[0] if optimizer else 0.0
         self.seconds: Counter[str] = Counter()  # planning (typical steps), pricing, knapsack
         self.solves = 0
+        self.plans = 0  # typical steps planned (the rest reused)
 
     def step(self, state_bytes: float) -> TypicalStep:
+        """The typical step planned with ``state_bytes`` of model states. A step planned with fewer
+        states whose activation peak also fits beside these is that same step (``_Reuse``): the
+        planner's memory tests only ever reject more, and what it chose still fits."""
         if state_bytes not in self._steps:
             t0 = time.perf_counter()
-            self._steps[state_bytes] = typical_step(
-                self.lengths, self.cost, self.config, world=self.world, state_bytes=state_bytes, native=self.native
-            )
+            planned = self._reuse.find(state_bytes, self.budget)
+            if planned is None:
+                planned = typical_step(
+                    self.lengths, self.cost, self.config, world=self.world, state_bytes=state_bytes, native=self.native
+                )
+                self._reuse.add(planned)
+                self.plans += 1
+            self._steps[state_bytes] = replace(planned, state_bytes=state_bytes)
             self.seconds["planning"] += time.perf_counter() - t0
         return self._steps[state_bytes]
 
@@ -271,7 +343,8 @@ class _Search:
     def prices(self, typ: TypicalStep | None, shard_size: int, cols: Sequence[Choice]) -> Prices:
         """Prices in forward order; without a step (memory only: it does not depend on the step) one
         micro-batch of no compute."""
-        key = (typ.state_bytes if typ else -1.0, shard_size, tuple(cols))
+        # a reused step shares its planned twin's component times: priced once
+        key = (id(typ.component_ms) if typ else 0, shard_size, tuple(cols))
         if key not in self._prices:
             t0 = time.perf_counter()
             ordered = [self.units[i] for i in self.order]
@@ -358,9 +431,20 @@ class _Search:
             f"{math.ceil(need)} MB, or train on more ranks"
         )
 
+    def candidate(
+        self,
+        choice: Sequence[int],
+        cols: Sequence[Choice],
+        prices: Prices,
+        typ: TypicalStep | None,
+        shard_size: int,
+        selection: Selection | None = None,
+    ) -> _Candidate:
+        return _Candidate(self, tuple(choice), cols, prices, typ, shard_size, selection)
+
     def chain(
         self, shard_size: int, cols: list[Choice], choice: tuple[int, ...], state_bytes: float, rounds: int
-    ) -> list[tuple[ShardPlan, tuple[int, ...]]]:
+    ) -> list[_Candidate]:
         """Plan, search, plan again with the states found, ...: each round's plan (and its choice)
         is the previous round's choices priced on the step planned with exactly their states."""
         out = []
@@ -369,8 +453,8 @@ class _Search:
             prices = self.prices(typ, shard_size, cols)
             # room for the typical step's activations, and for the run's longest sequence alone
             found = self.select(prices, self.budget - max(typ.activation_bytes, self.least_activation))
-            plan = self.shard_plan(choice, cols, prices, typ, shard_size, found)
-            out.append((plan, choice))
+            plan = self.candidate(choice, cols, prices, typ, shard_size, found)
+            out.append(plan)
             logger.debug(
                 "sharding search, shard size %d, round %d: %d micro-batches, activations %.0f MB, model "
                 "states %.0f MB, step %.1f ms (exposed %.1f ms)",
@@ -385,23 +469,21 @@ class _Search:
             if found is None or found.choice == choice:
                 break
             choice = found.choice
-            state_bytes = self.shard_plan(choice, cols, prices, None, shard_size).state_bytes
+            state_bytes = self.candidate(choice, cols, prices, None, shard_size).state_bytes
         return out
 
-    def on_tighter_steps(self, plan: ShardPlan, choice: tuple[int, ...], cols: list[Choice]) -> list[ShardPlan]:
+    def on_tighter_steps(self, plan: _Candidate) -> list[_Candidate]:
         """``plan``'s choices priced on every typical step planned with more model states than it
         holds (less room for activations, which it still fits in): where the planner, given the
         room, cuts more micro-batches than the communication is worth."""
-        n = plan.shard_size
+        n, cols = plan.shard_size, plan.cols
         return [
-            self.shard_plan(choice, cols, self.prices(typ, n, cols), typ, n)
+            self.candidate(plan.choice, cols, self.prices(typ, n, cols), typ, n)
             for typ in list(self._steps.values())
             if typ.state_bytes > plan.state_bytes
         ]
 
-    def ladder(
-        self, shard_size: int, cols: list[Choice], least_state: float
-    ) -> list[tuple[ShardPlan, tuple[int, ...]]]:
+    def ladder(self, shard_size: int, cols: list[Choice], least_state: float) -> list[_Candidate]:
         """The step planner given activation budgets on a ladder (the least any plan needs, times
         sqrt(2) per rung, up to what the smallest model states leave), and the fastest choices
         whose states fit beside each: the search over how the budget splits between model states
@@ -414,10 +496,10 @@ class _Search:
             prices = self.prices(typ, shard_size, cols)
             found = self.select(prices, self.budget - activations)
             if found is not None:
-                out.append((self.shard_plan(found.choice, cols, prices, typ, shard_size, found), found.choice))
+                out.append(self.candidate(found.choice, cols, prices, typ, shard_size, found))
         return out
 
-    def uniform(self, shard_size: int, cols: list[Choice], memory: Prices) -> list[tuple[ShardPlan, tuple[int, ...]]]:
+    def uniform(self, shard_size: int, cols: list[Choice], memory: Prices) -> list[_Candidate]:
         """Every unit the same choice (FSDP's strategies), each priced on its own planned step: the
         planner does not see communication, so a chain may settle on more micro-batches than one of
         these plans; with them among the candidates the search is never slower than a uniform plan."""
@@ -426,21 +508,20 @@ class _Search:
             if col.kind == "split":
                 continue
             choice = (j,) * len(self.units)
-            state = self.shard_plan(choice, cols, memory, None, shard_size).state_bytes
+            state = self.candidate(choice, cols, memory, None, shard_size).state_bytes
             if state + self.least_activation <= self.budget:
                 typ = self.step(state)
-                plans.append(
-                    (self.shard_plan(choice, cols, self.prices(typ, shard_size, cols), typ, shard_size), choice)
-                )
+                plans.append(self.candidate(choice, cols, self.prices(typ, shard_size, cols), typ, shard_size))
         return plans
 
     def run(self, rounds: int) -> ShardPlan:
-        candidates, least = [], math.inf
+        candidates: list[_Candidate] = []
+        least = math.inf
         for n in shard_sizes(self.config, self.world):
             cols = choice_columns(self.config, self.host, n)
             memory = self.prices(None, n, cols)
             small = tuple(int(c) for c in smallest(memory)[1])
-            small_state = self.shard_plan(small, cols, memory, None, n).state_bytes
+            small_state = self.candidate(small, cols, memory, None, n).state_bytes
             least = min(least, small_state)
             if small_state + self.least_activation > self.budget:
                 continue
@@ -449,17 +530,18 @@ class _Search:
             big = self.select(prices, self.budget - self.least_activation)
             starts = [(small, small_state)]
             if big is not None and big.choice != small:
-                starts.append((big.choice, self.shard_plan(big.choice, cols, memory, None, n).state_bytes))
+                starts.append((big.choice, self.candidate(big.choice, cols, memory, None, n).state_bytes))
             for choice, state in starts:
-                candidates += [(p, c, cols) for p, c in self.chain(n, cols, choice, state, rounds)]
-            candidates += [(p, c, cols) for p, c in self.uniform(n, cols, memory) + self.ladder(n, cols, small_state)]
+                candidates += self.chain(n, cols, choice, state, rounds)
+            candidates += self.uniform(n, cols, memory) + self.ladder(n, cols, small_state)
         if not candidates:
             raise self.minimum_error(least)
-        candidates += [(p, c, cols) for plan, c, cols in list(candidates) for p in self.on_tighter_steps(plan, c, cols)]
-        best = min((p for p, _, _ in candidates), key=lambda p: p.step_ms)
+        candidates += [p for plan in list(candidates) for p in self.on_tighter_steps(plan)]
+        best = min(candidates, key=lambda p: p.step_ms).plan()
         logger.info(
             "sharding plan for %s on %d ranks (shard size %d, %s): %d micro-batches, peak %.0f of %.0f MB, "
-            "step %.1f ms (compute %.1f, exposed communication %.1f); %d candidates from %d planned steps",
+            "step %.1f ms (compute %.1f, exposed communication %.1f); %d candidates from %d typical steps "
+            "(%d planned, the rest reused)",
             self.model or "the model",
             self.world,
             best.shard_size,
@@ -472,6 +554,7 @@ class _Search:
             best.exposed_ms,
             len(candidates),
             len(self._steps),
+            self.plans,
         )
         return best
 
@@ -514,7 +597,12 @@ def search_sharding(
         return search.run(rounds)
     finally:
         if timings is not None:
-            timings.update({f"{k}_ms": v * 1e3 for k, v in search.seconds.items()}, knapsack_solves=search.solves)
+            timings.update(
+                {f"{k}_ms": v * 1e3 for k, v in search.seconds.items()},
+                knapsack_solves=search.solves,
+                typical_steps=len(search._steps),
+                typical_plans=search.plans,
+            )
 
 
 def uniform_plan(
@@ -551,7 +639,7 @@ def uniform_plan(
     cols = sorted(set(per_unit.values()), key=lambda c: c.label)
     forward = tuple(cols.index(per_unit[units[i].name]) for i in search.order)
     memory = search.prices(None, n, cols)
-    state = search.shard_plan(forward, cols, memory, None, n).state_bytes
+    state = search.candidate(forward, cols, memory, None, n).state_bytes
     if state + search.least_activation > search.budget:
         raise ValueError(
             f"every module {choice.label} over {n} ranks does not fit: {state / MB:.0f} MB of model "
