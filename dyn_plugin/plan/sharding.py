@@ -29,7 +29,7 @@ import logging
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -69,25 +69,6 @@ class Selection:
     choice: tuple[int, ...]
     unit_bytes: float  # bytes per memory unit of the frontier
     frontier: np.ndarray  # [units + 1]: least time within m units (inf: nothing fits)
-
-
-class _Reuse:
-    """Typical steps planned so far. The planner tests memory only as "does this fit the room
-    left": given less room (more model states) than a step was planned with, but still as much as
-    that step's activation peak, every test it passed still passes (what it chose needs no more
-    than the peak) and every test it failed still fails, so it plans that same step again."""
-
-    def __init__(self) -> None:
-        self.planned: list[TypicalStep] = []
-
-    def find(self, state_bytes: float, budget: float) -> TypicalStep | None:
-        for typ in self.planned:
-            if typ.state_bytes <= state_bytes and typ.activation_bytes <= budget - state_bytes:
-                return typ
-        return None
-
-    def add(self, typ: TypicalStep) -> None:
-        self.planned.append(typ)
 
 
 class _Candidate:
@@ -306,30 +287,20 @@ class _Search:
             [self.longest], planner_spec(cost, config, dp=world, zero_stage=3, state_bytes=0.0)
         )
         self._steps: dict[float, TypicalStep] = {}
-        self._reuse = _Reuse()
-        self._prices: dict[tuple[int, int, tuple[Choice, ...]], Prices] = {}
+        self._prices: dict[tuple[float, int, tuple[Choice, ...]], Prices] = {}
         at = {i: r for r, i in enumerate(self.order)}  # unit index -> its row in forward order
         self.unit_rows = np.array([at[i] for i in range(len(self.units))], dtype=np.int64)
         optimizer = cost.update.optimizer
         self.optimizer_fixed_ms = optimizer[0] if optimizer else 0.0
         self.seconds: Counter[str] = Counter()  # planning (typical steps), pricing, knapsack
         self.solves = 0
-        self.plans = 0  # typical steps planned (the rest reused)
 
     def step(self, state_bytes: float) -> TypicalStep:
-        """The typical step planned with ``state_bytes`` of model states. A step planned with fewer
-        states whose activation peak also fits beside these is that same step (``_Reuse``): the
-        planner's memory tests only ever reject more, and what it chose still fits."""
         if state_bytes not in self._steps:
             t0 = time.perf_counter()
-            planned = self._reuse.find(state_bytes, self.budget)
-            if planned is None:
-                planned = typical_step(
-                    self.lengths, self.cost, self.config, world=self.world, state_bytes=state_bytes, native=self.native
-                )
-                self._reuse.add(planned)
-                self.plans += 1
-            self._steps[state_bytes] = replace(planned, state_bytes=state_bytes)
+            self._steps[state_bytes] = typical_step(
+                self.lengths, self.cost, self.config, world=self.world, state_bytes=state_bytes, native=self.native
+            )
             self.seconds["planning"] += time.perf_counter() - t0
         return self._steps[state_bytes]
 
@@ -343,8 +314,7 @@ class _Search:
     def prices(self, typ: TypicalStep | None, shard_size: int, cols: Sequence[Choice]) -> Prices:
         """Prices in forward order; without a step (memory only: it does not depend on the step) one
         micro-batch of no compute."""
-        # a reused step shares its planned twin's component times: priced once
-        key = (id(typ.component_ms) if typ else 0, shard_size, tuple(cols))
+        key = (typ.state_bytes if typ else -1.0, shard_size, tuple(cols))
         if key not in self._prices:
             t0 = time.perf_counter()
             ordered = [self.units[i] for i in self.order]
@@ -540,8 +510,7 @@ class _Search:
         best = min(candidates, key=lambda p: p.step_ms).plan()
         logger.info(
             "sharding plan for %s on %d ranks (shard size %d, %s): %d micro-batches, peak %.0f of %.0f MB, "
-            "step %.1f ms (compute %.1f, exposed communication %.1f); %d candidates from %d typical steps "
-            "(%d planned, the rest reused)",
+            "step %.1f ms (compute %.1f, exposed communication %.1f); %d candidates from %d planned steps",
             self.model or "the model",
             self.world,
             best.shard_size,
@@ -554,7 +523,6 @@ class _Search:
             best.exposed_ms,
             len(candidates),
             len(self._steps),
-            self.plans,
         )
         return best
 
@@ -600,8 +568,7 @@ def search_sharding(
             timings.update(
                 {f"{k}_ms": v * 1e3 for k, v in search.seconds.items()},
                 knapsack_solves=search.solves,
-                typical_steps=len(search._steps),
-                typical_plans=search.plans,
+                typical_plans=len(search._steps),
             )
 
 
