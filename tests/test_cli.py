@@ -134,10 +134,16 @@ def test_bench_planner_prints_json(capsys):
 def test_bench_shard_prints_json(capsys):
     assert main(["bench", "shard", "--models", "gpt-48l", "--gpus", "16", "--budgets-mb", "30000", "--json"]) == 0
     records = {r["method"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
-    assert set(records) == {"osdp", "full_shard", "shard_grad_op", "no_shard", "hybrid_shard"}
+    assert set(records) == {"osdp", "full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "best_uniform"}
     assert not records["no_shard"]["fits"]  # 48 replicated layers do not fit in 30 GB
     osdp = records["osdp"]
     assert osdp["layers"] == 48 and osdp["peak_mem_mb"] <= 30000 and osdp["knapsack_solves"] >= 1
+    # every plan within the budget by its own estimate; the analytic model has no measured tables
+    assert all(r["within_budget"] and r["peak_mem_mb_tables"] is None for r in records.values() if r["fits"])
+    # the best uniform plan is at least as fast as each named one
+    best = records["best_uniform"]
+    assert all(best["sim_iter_ms"] <= r["sim_iter_ms"] for r in records.values() if r["fits"] and r is not osdp)
+    assert osdp["speedup_vs_best_uniform"] >= 1.0
     # the search's plans include every uniform one, priced the same way: none of them is faster
     for r in records.values():
         if r["fits"]:

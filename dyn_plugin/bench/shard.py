@@ -5,7 +5,10 @@ strategies (``full_shard``, ``shard_grad_op``, ``no_shard`` where it fits, and `
 FULL_SHARD inside a node, replicated across nodes, with more than one node), each priced the same
 way on the step the planner cuts for the memory its model states leave (plan/sharding.py), so
 a method that keeps more gathered also gets fewer, smaller micro-batches or more recompute.
-Records: search time (with its planning, pricing and knapsack parts), simulated step, peak.
+Records: search time (with its planning, pricing and knapsack parts), simulated step, peak by
+the plan's own estimate and, for GPT-6.7B, by the measured tables (``table_peak_bytes``: the
+step the loader plans for the plan, its layers' activations read off the A100 tables without any
+fit), and whether each is within the budget.
 """
 
 from __future__ import annotations
@@ -17,16 +20,26 @@ from collections import Counter
 from typing import Sequence
 
 from ..config import DynPluginConfig
+from ..cost.bundled import MEASURED_DIR
 from ..cost.from_config import build_cost_model
+from ..cost.model import features
+from ..cost.table import TableCostModel
+from ..cost.table_memory import MeasuredLayerMemory
 from ..lengths.io import cap_lengths, load_lengths
+from ..plan.planner import plan_step
 from ..plan.shard_plan import MB, Choice, ShardPlan, ShardUnit
-from ..plan.sharding import BASELINES, search_sharding, uniform_plan
+from ..plan.sharding import BASELINES, choice_columns, search_sharding, uniform_plan
+from ..plan.spec import planner_spec
+from ..plan.types import MicroBatch
 from ..runtime.sampler import global_batches
 
 logger = logging.getLogger(__name__)
 
-# hybrid_shard: FULL_SHARD inside each node, replicated across nodes (FSDP's HYBRID_SHARD), where there are nodes
-METHODS = ("osdp",) + tuple(BASELINES) + ("hybrid_shard",)
+# hybrid_shard: FULL_SHARD inside each node, replicated across nodes (FSDP's HYBRID_SHARD), where there are nodes;
+# best_uniform: the fastest plan with one choice for every module that fits (what a user tunes: FSDP2's
+# reshard_after_forward True / False / a node's ranks, reshard_after_backward False (keep), replicate, over
+# the world or, hybrid, a node), its choice and shard size recorded
+METHODS = ("osdp",) + tuple(BASELINES) + ("hybrid_shard", "best_uniform")
 # The two models: the A100-measured GPT-6.7B (its profile's fp16 layers) and a 48-layer GPT
 # (GPT-2 XL's shape) priced by the analytic model at A100 figures, for the search at depth.
 SETUPS = {
@@ -46,6 +59,8 @@ SETUPS = {
         }
     },
 }
+# the measured tables each setup's layers can be priced by independently (the analytic model has none)
+TABLES = {"gpt-6.7b": MEASURED_DIR / "a100-gpt-6.7b.json"}
 A100 = {"name": "A100-40GB", "memory_mb": 40000, "memory_fraction": 1.0, "peak_tflops": 312, "achieved_fraction": 0.5}
 
 
@@ -84,20 +99,91 @@ def bench_shard(args: argparse.Namespace, units: dict[str, Sequence[ShardUnit]])
     return records
 
 
+def table_micro_batch_bytes(mb: MicroBatch, tables: MeasuredLayerMemory, cost: TableCostModel, tp: int = 1) -> float:
+    """One micro-batch's activation peak on a one-stage model: its layers' stored activations read
+    off the measured tables (``checkpointed`` layers under its recompute mode, the rest under none),
+    the embedding's and head's from the cost model (the tables did not measure them), plus the
+    largest in-flight extra of any of them (one runs at a time)."""
+    rows = [mb.shape[1]] * mb.shape[0] if mb.layout == "padded" else list(mb.seq_lens)
+    layers = cost.num_layers
+    k = mb.checkpointed[0] if mb.checkpointed else layers
+    stored, extra = tables.micro_batch(rows, mb.recompute, tp)
+    stored *= k
+    if k < layers:
+        kept, kept_extra = tables.micro_batch(rows, "none", tp)
+        stored += (layers - k) * kept
+        extra = max(extra, kept_extra)
+    fits = cost.table(mb.layout, mb.recompute, tp).fits
+    f = features(mb.seq_lens, mb.layout, cost.pad_multiple, mb.sp)
+    for comp in ("embedding", "head"):
+        s = fits[comp]["stored_bytes"](f)
+        stored += s
+        extra = max(extra, fits[comp]["peak_bytes"](f) - s)
+    return stored + max(extra, 0.0)
+
+
+def table_peak_bytes(
+    plan: ShardPlan, batch: list[int], cost: TableCostModel, config: DynPluginConfig, tables: MeasuredLayerMemory
+) -> float:
+    """The plan's peak per rank with activations priced by the measured tables: its model states
+    plus the worst micro-batch of the step the loader plans for it (``planning_state_bytes``, as
+    ``DynLoader(state_bytes=...)`` does; one micro-batch in flight on one stage)."""
+    spec = planner_spec(cost, config, dp=plan.world, zero_stage=3, state_bytes=plan.planning_state_bytes)
+    step = plan_step(batch, spec)
+    worst = max(
+        table_micro_batch_bytes(mb, tables, spec.cost, spec.tp) for r in step.replicas for mb in r.micro_batches
+    )
+    return plan.state_bytes + worst
+
+
+def best_uniform(
+    units: Sequence[ShardUnit],
+    cost: TableCostModel,
+    config: DynPluginConfig,
+    batch: list[int],
+    model: str,
+    longest: int,
+) -> ShardPlan:
+    """The fastest uniform plan that fits: every choice but split (a per-module rewrite, not a
+    knob) for every module, sharded over the world and, with more than one node, over a node."""
+    gpus = config.cluster.world_size
+    sizes = [gpus] + ([config.cluster.devices_per_node] if config.cluster.num_nodes > 1 else [])
+    best = None
+    for n in sizes:
+        for choice in choice_columns(config, "fsdp2", n):
+            if choice.kind == "split":
+                continue
+            try:
+                plan = uniform_plan(
+                    units, cost, config, choice, world=gpus, lengths=batch, model=model, shard_size=n, longest=longest
+                )
+            except ValueError:  # does not fit
+                continue
+            if best is None or plan.step_ms < best.step_ms:
+                best = plan
+    if best is None:
+        raise ValueError("no uniform plan fits the budget")
+    return best
+
+
 def compare_methods(
     units: Sequence[ShardUnit], config: DynPluginConfig, batch: list[int], base: dict, longest: int
 ) -> list[dict]:
     """Every method on one model, cluster, budget and global batch, side by side; each leaves room
     for the ``longest`` sequence of the run alone."""
     cost = build_cost_model(config.cost_model, config.cluster)
+    tables = MeasuredLayerMemory(TABLES[base["model"]]) if base["model"] in TABLES else None
+    budget_mb = config.sharding.memory_budget_mb
     gpus, nodes = config.cluster.world_size, config.cluster.num_nodes
     plans: dict[str, ShardPlan] = {}
     rows = []
-    for method in METHODS if nodes > 1 else METHODS[:-1]:
+    for method in METHODS if nodes > 1 else tuple(m for m in METHODS if m != "hybrid_shard"):
         timings: dict = {}
         t0 = time.perf_counter()
         try:
-            if method == "osdp":
+            if method == "best_uniform":
+                plan = best_uniform(units, cost, config, batch, base["model"], longest)
+            elif method == "osdp":
                 plan = search_sharding(
                     units,
                     cost,
@@ -126,25 +212,31 @@ def compare_methods(
             )
             rows.append({**base, "layers": cost.num_layers, "method": method, "fits": False})
             continue
+        search_ms = (time.perf_counter() - t0) * 1e3
         plans[method] = plan
+        table_mb = table_peak_bytes(plan, batch, cost, config, tables) / MB if tables else None
         rows.append(
             {
                 **base,
                 "layers": cost.num_layers,
                 "method": method,
                 "fits": True,
-                "search_ms": (time.perf_counter() - t0) * 1e3,
+                "search_ms": search_ms,
                 **timings,
                 "sim_iter_ms": plan.step_ms,
                 "exposed_ms": plan.exposed_ms,
                 "peak_mem_mb": plan.peak_bytes / MB,
+                "within_budget": plan.peak_bytes / MB <= budget_mb,
+                # null for setups without measured tables (the analytic 48-layer GPT)
+                "peak_mem_mb_tables": table_mb,
+                "within_budget_tables": None if table_mb is None else table_mb <= budget_mb,
                 "micro_batches": plan.micro_batches,
                 "shard_size": plan.shard_size,
                 "choices": dict(sorted(Counter(u.choice.label for u in plan.units).items())),
             }
         )
     for r in rows:
-        for other in ("full_shard", "hybrid_shard"):
+        for other in ("full_shard", "hybrid_shard", "best_uniform"):
             if other in plans and r["fits"]:
                 r[f"speedup_vs_{other}"] = plans[other].step_ms / r["sim_iter_ms"]
     return rows
