@@ -119,7 +119,7 @@ PYBIND11_MODULE(_core, m) {
         if (dp < 1) throw std::invalid_argument("dp must be >= 1");
         check_sp(sp);
         if (!comm.empty() && comm.size() != tables.size())
-          throw std::invalid_argument("comm needs one (fa, fb, ba, bb) per table (recompute mode), or none");
+          throw std::invalid_argument("comm needs one (fa, fb, ba, bb, ss, sa, t0, ts, ta) per table (recompute mode), or none");
         std::vector<int64_t> lens(sorted_lens.data(), sorted_lens.data() + sorted_lens.shape(0));
         std::vector<const CostTable*> ts(tables.begin(), tables.end());
         std::vector<dyn::StageShape> ss;
@@ -136,7 +136,8 @@ PYBIND11_MODULE(_core, m) {
       py::arg("sorted_lens"), py::arg("tables"), py::arg("stages"), py::arg("memory"), py::arg("dp"), py::arg("thin"),
       py::arg("sp") = 1, py::arg("comm") = std::vector<dyn::LayerComm>{},
       "DynaPipe partition DP: (ok, bounds, modes, t_max, objective, infeasible_at); runs priced per rank of a "
-      "sequence-parallel group of sp, plus per layer the collectives comm[mode] = (fa, fb, ba, bb)");
+      "sequence-parallel group of sp, plus per layer the collectives and buffers comm[mode] = (fa, fb, ba, bb, "
+      "stored per token, per pair, transient fixed, per token, per pair)");
 
   m.def(
       "knapsack",

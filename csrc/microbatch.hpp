@@ -23,9 +23,11 @@ struct StageMemory {
   int64_t in_flight;
 };
 
-// Attention collectives of one transformer layer (cost/sequence_parallel.py LayerComm):
-// ms = a + b * token slots per rank, {forward a, forward b, backward a, backward b}.
-using LayerComm = std::array<double, 4>;
+// What sequence parallelism adds to one transformer layer (cost/sequence_parallel.py LayerComm):
+// collectives, ms = a + b * token slots per rank, {forward a, forward b, backward a, backward b},
+// then the executor's buffers, bytes = per slot * slots + per pair * attention pairs per rank,
+// {stored per slot, stored per pair, transient fixed, transient per slot, transient per pair}.
+using LayerComm = std::array<double, 9>;
 
 struct RunCosts {
   // times[i][w], modes[i][w]: run [i, i + w + 1) of the longest-first order
@@ -59,14 +61,21 @@ inline RunCosts run_costs(const std::vector<int64_t>& lens, const std::vector<co
         bool fits = true;
         for (size_t s = 0; s < stages.size(); ++s) {
           const StageCost c = t.stage_cost(f, stages[s].num_layers, stages[s].first, stages[s].last);
-          if (double(memory[s].in_flight) * c.stored_bytes + (c.peak_bytes - c.stored_bytes) > memory[s].budget) {
+          const double layers = double(stages[s].num_layers);
+          double stored = c.stored_bytes, peak = c.peak_bytes;
+          if (!comm.empty()) {
+            const LayerComm& k = comm[mi];
+            const double kept = layers * (k[4] * f.slots + k[5] * f.attn);
+            stored += kept;
+            peak += kept + (k[6] + k[7] * f.slots + k[8] * f.attn);
+          }
+          if (double(memory[s].in_flight) * stored + (peak - stored) > memory[s].budget) {
             fits = false;
             break;
           }
           double fwd = c.forward_ms, bwd = c.backward_ms;
           if (!comm.empty()) {
             const LayerComm& k = comm[mi];
-            const double layers = double(stages[s].num_layers);
             fwd += layers * (k[0] + k[1] * f.slots);
             bwd += layers * (k[2] + k[3] * f.slots);
           }

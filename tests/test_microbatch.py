@@ -139,7 +139,7 @@ def test_fewer_sequences_than_replicas_is_refused():
 
 
 # Sequence parallelism: runs split over sp ranks, priced per rank plus each layer's collectives.
-SP_LINK = dict(hidden=1024, kv_hidden=1024, act_bytes=2, link_gb_per_s=25.0, latency_us=10.0)
+SP_LINK = dict(hidden=1024, kv_hidden=1024, heads=16, act_bytes=2, link_gb_per_s=25.0, latency_us=10.0)
 
 
 def layer_comms(sp, kind="ulysses", cost=SequenceParallelCost()):

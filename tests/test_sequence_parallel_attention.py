@@ -10,7 +10,7 @@ from ranks import run
 @pytest.mark.parametrize(
     "world, checks",
     [
-        (2, "attention,rng,llama"),
+        (2, "attention,rng,llama,memory"),
         (4, "attention,groups"),
         (3, "groups"),
     ],

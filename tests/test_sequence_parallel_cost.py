@@ -6,7 +6,7 @@ import pytest
 from dyn_plugin.cost.sequence_parallel import LayerComm, SequenceParallelCost, attention_kind
 
 # a GQA layer: 1024 wide, keys and values 256 wide, 2-byte activations
-SHAPE = dict(hidden=1024, kv_hidden=256, act_bytes=2)
+SHAPE = dict(hidden=1024, kv_hidden=256, heads=16, act_bytes=2)
 LINK = dict(link_gb_per_s=100.0, latency_us=10.0)
 
 
@@ -48,7 +48,7 @@ def test_ring_measured_and_recompute():
     full = layer(cost, 4, "ring", "full")  # ... and re-runs the forward's exchanges first
     assert full.forward == got.forward
     assert full.backward == pytest.approx((0.45, 3 * 3 * 2e-9 * 1024), rel=1e-12)
-    assert full.as_tuple() == (*full.forward, *full.backward)
+    assert full.as_tuple() == (*full.forward, *full.backward, *full.stored, *full.transient)
 
 
 def test_ring_from_the_link():

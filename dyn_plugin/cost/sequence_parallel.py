@@ -10,7 +10,19 @@ A micro-batch split over ``k`` ranks computes 1/k of its tokens and attention on
 
 Recompute re-runs the forward's collectives in backward. Every term is linear in the tokens a
 rank holds, so a layer's collectives cost ``a + b * tokens_per_rank`` forward and backward: the
-four numbers the planners (and the C++ evaluator) add per layer. Times come from all-to-all and
+four numbers the planners (and the C++ evaluator) add per layer.
+
+The executors' own buffers (``models/sequence_parallel.py``) are memory the measured tables do not
+hold, priced per layer from the tokens a rank holds and the attention pairs it computes:
+
+- Ulysses: each all-to-all's output lives beside its input, for q, k, v and the output: a
+  transient of (2 hidden + 2 kv_hidden) activations per token.
+- ring: the blocks are computed in fp32. It keeps its fp32 output and log-sum-exp for backward
+  (stored; a layer that recomputes keeps none) and, while it runs, holds fp32 copies of the query,
+  output, their gradients and the travelling key/value gradients, the key/value blocks in flight,
+  and up to six fp32 score chunks of its queries against one key block (scores, masked scores,
+  probabilities, their gradients), each ``RING_QUERY_CHUNK`` queries of a row against its keys.
+ Times come from all-to-all and
 point-to-point exchanges measured by ``dynplugin profile --ranks N`` on the backend training
 uses, scaled to k ranks; without a measurement, from the cluster's link bandwidth and latency.
 """
@@ -26,12 +38,31 @@ from .update import fit_line
 AttentionKind = Literal["ulysses", "ring"]
 
 
+MATH_BYTES = 4  # the ring's blocks are computed in fp32 (half-precision inputs are upcast)
+# The ring computes a block's scores this many queries at a time (models/sequence_parallel.py reads
+# it from here), so they grow with the tokens a rank holds, not with their square.
+RING_QUERY_CHUNK = 256
+# fp32 score blocks alive at once in the ring's backward (s, masked s, s - lse, p, dp, dp - delta,
+# ds: measured 5.8 on CPU, tests/sp_attention_worker.py memory)
+SCORE_BLOCKS = 6
+
+
 @dataclass(frozen=True)
 class LayerComm:
-    """Collective time of one layer, ms = intercept + slope * tokens each rank holds."""
+    """What sequence parallelism adds to one layer: collective time, ms = intercept + slope *
+    tokens each rank holds, and the executor's buffers, bytes = per token * tokens + per pair *
+    attention pairs each rank computes (``Features.slots`` and ``Features.attn``)."""
 
     forward: tuple[float, float] = (0.0, 0.0)
     backward: tuple[float, float] = (0.0, 0.0)
+    stored: tuple[float, float] = (0.0, 0.0)  # kept from forward to backward: per token, per pair
+    transient: tuple[float, float, float] = (0.0, 0.0, 0.0)  # while the attention runs: fixed, per token, per pair
+
+    def stored_bytes(self, slots: float, attn: float) -> float:
+        return self.stored[0] * slots + self.stored[1] * attn
+
+    def transient_bytes(self, slots: float, attn: float) -> float:
+        return self.transient[0] + self.transient[1] * slots + self.transient[2] * attn
 
     def forward_ms(self, tokens_per_rank: float) -> float:
         return self.forward[0] + self.forward[1] * tokens_per_rank
@@ -39,9 +70,10 @@ class LayerComm:
     def backward_ms(self, tokens_per_rank: float) -> float:
         return self.backward[0] + self.backward[1] * tokens_per_rank
 
-    def as_tuple(self) -> tuple[float, float, float, float]:
-        """(forward a, forward b, backward a, backward b): the form the C++ evaluator takes."""
-        return (*self.forward, *self.backward)
+    def as_tuple(self) -> tuple[float, ...]:
+        """(forward a, forward b, backward a, backward b, stored per token, per pair, transient
+        fixed, per token, per pair): the form the C++ evaluator takes."""
+        return (*self.forward, *self.backward, *self.stored, *self.transient)
 
 
 @dataclass(frozen=True)
@@ -79,11 +111,13 @@ class SequenceParallelCost:
         *,
         hidden: int,
         kv_hidden: int,
+        heads: int,
         act_bytes: int,
         link_gb_per_s: float,
         latency_us: float,
     ) -> LayerComm:
-        """One transformer layer's collectives for a micro-batch split over ``k`` ranks."""
+        """One transformer layer's collectives and buffers for a micro-batch split over ``k``
+        ranks; ``hidden``, ``kv_hidden`` and ``heads`` are a tensor-parallel rank's share."""
         if k <= 1:
             return LayerComm()
         rerun = recompute != "none"  # selective and full both re-run the attention, collectives included
@@ -91,15 +125,24 @@ class SequenceParallelCost:
             a, b = self.alltoall_ms(1.0, k, link_gb_per_s, latency_us)
             per_token = (2 * hidden + 2 * kv_hidden) * act_bytes  # q and output, k and v
             fwd = (4 * a, b * per_token)
+            stored, transient = (0.0, 0.0), (0.0, float(per_token), 0.0)
         elif kind == "ring":
             a, b = self.exchange_ms(link_gb_per_s, latency_us)
             per_token = 2 * kv_hidden * act_bytes  # one key and one value block
             fwd = ((k - 1) * a, (k - 1) * b * per_token)
+            # fp32 output and log-sum-exp, and the whole rows' document ids (int64)
+            kept = 0.0 if rerun else float(MATH_BYTES * (hidden + heads) + 8 * k)
+            # fp32 query, output and their gradients; key/value blocks held and incoming; their
+            # fp32 gradients held and incoming
+            working = MATH_BYTES * 4 * hidden + 2 * per_token + 2 * MATH_BYTES * 2 * kv_hidden
+            # score chunks: RING_QUERY_CHUNK queries of each row against the rank's keys, per head
+            score = SCORE_BLOCKS * MATH_BYTES * heads * RING_QUERY_CHUNK
+            stored, transient = (kept, 0.0), (0.0, float(working + score), 0.0)
         else:
             raise ValueError(f"attention kind must be 'ulysses' or 'ring', got {kind!r}")
         bwd_factor = 1.0 if kind == "ulysses" else 2.0  # ring backward also moves the key/value gradients
         bwd = (fwd[0] * (bwd_factor + rerun), fwd[1] * (bwd_factor + rerun))
-        return LayerComm(fwd, bwd)
+        return LayerComm(fwd, bwd, stored, transient)
 
     def to_dict(self) -> dict:
         return {"alltoall": self.alltoall, "p2p": self.p2p, "ranks": self.ranks}

@@ -32,6 +32,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from ..cost import sequence_parallel as priced
+
 KINDS = ("ulysses", "ring")
 
 # The per-document kernel the Ulysses path runs on whole rows: (query, key, value, position_ids,
@@ -209,22 +211,30 @@ def _wait(works: list) -> None:
         w.wait()
 
 
+def _chunks(n: int) -> list[slice]:
+    """Query slices of a block of ``n`` queries: ``RING_QUERY_CHUNK`` at a time, the bound the
+    planners price the ring's score memory by."""
+    step = priced.RING_QUERY_CHUNK
+    return [slice(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
+
 def _scores(
-    q: torch.Tensor, k: torch.Tensor, docs: torch.Tensor, index: int, block: int, limits: tuple
+    q: torch.Tensor, k: torch.Tensor, docs: torch.Tensor, index: int, block: int, limits: tuple, rows: slice
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Masked scores of my query block against key block ``block``: q [b, kv, g, n, d] (scaled, in
-    the math dtype), k [b, kv, n, d] -> [b, kv, g, n, n], and the soft-cap's derivative (None
-    without one). A query sees a key of its own document at or before its global position, fewer
-    than ``window`` positions back (positions run on within a document); earlier blocks are before
-    it, so only the diagonal block needs the causal triangle."""
+    """Masked scores of my queries ``rows`` (a chunk of my block) against key block ``block``: q
+    [b, kv, g, c, d] (those queries, scaled, in the math dtype), k [b, kv, n, d] -> [b, kv, g, c, n],
+    and the soft-cap's derivative (None without one). A query sees a key of its own document at or
+    before its global position, fewer than ``window`` positions back (positions run on within a
+    document); earlier blocks are before it, so only the diagonal block needs the causal triangle."""
     window, softcap = limits
-    n = q.shape[3]
-    seen = docs[:, index * n : (index + 1) * n, None] == docs[:, None, block * n : (block + 1) * n]
+    n = k.shape[2]
+    mine = torch.arange(rows.start, rows.stop, device=docs.device)[:, None]  # query offsets in my block
+    keys = torch.arange(n, device=docs.device)
+    seen = docs[:, index * n + rows.start : index * n + rows.stop, None] == docs[:, None, block * n : (block + 1) * n]
     if block == index:
-        seen &= torch.ones(n, n, dtype=torch.bool, device=seen.device).tril()
+        seen &= keys <= mine
     if window is not None:
-        back = (index - block) * n + torch.arange(n, device=seen.device)[:, None] - torch.arange(n, device=seen.device)
-        seen &= back < window
+        seen &= (index - block) * n + mine - keys < window
     s = q @ k.to(q.dtype).unsqueeze(2).transpose(-1, -2)
     slope = None
     if softcap is not None:  # capped before masking: tanh would turn -inf into -softcap
@@ -239,8 +249,9 @@ def _math_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class _RingAttention(torch.autograd.Function):
-    """Blocks are computed in fp32 at least. Rank i needs key blocks j <= i only (causal), but
-    every block passes every rank, so the ring's exchanges stay in step."""
+    """Blocks are computed in fp32 at least, in chunks of queries (``_chunks``). Rank i
+    needs key blocks j <= i only (causal), but every block passes every rank, so the ring's
+    exchanges stay in step."""
 
     @staticmethod
     def forward(ctx, query, key, value, docs, group, index: int, size: int, scale: float, limits: tuple):
@@ -255,11 +266,15 @@ class _RingAttention(torch.autograd.Function):
             if step < size - 1:  # the next block is on its way while this one is computed
                 incoming, works = _pass_on(kv, group, index, size)
             if block <= index:  # step 0 is the diagonal block, where every query sees itself: lse is finite after it
-                s, _ = _scores(q, kv[0], docs, index, block, limits)
-                merged = torch.logaddexp(lse, torch.logsumexp(s, dim=-1))
                 v = kv[1].to(q.dtype).unsqueeze(2)
-                out = out * torch.exp(lse - merged).unsqueeze(-1) + torch.exp(s - merged.unsqueeze(-1)) @ v
-                lse = merged
+                for rows in _chunks(n):
+                    s, _ = _scores(q[..., rows, :], kv[0], docs, index, block, limits, rows)
+                    merged = torch.logaddexp(lse[..., rows], torch.logsumexp(s, dim=-1))
+                    out[..., rows, :] = (
+                        out[..., rows, :] * torch.exp(lse[..., rows] - merged).unsqueeze(-1)
+                        + torch.exp(s - merged.unsqueeze(-1)) @ v
+                    )
+                    lse[..., rows] = merged
             if step < size - 1:
                 _wait(works)
                 kv = incoming
@@ -285,14 +300,15 @@ class _RingAttention(torch.autograd.Function):
                 incoming, works = _pass_on(kv, group, index, size)
             if block <= index:
                 k, v = kv[0].to(q.dtype).unsqueeze(2), kv[1].to(q.dtype).unsqueeze(2)
-                s, slope = _scores(q, kv[0], docs, index, block, limits)
-                p = torch.exp(s - lse.unsqueeze(-1))
-                dkv[1] += (p.transpose(-1, -2) @ dout).sum(2)
-                ds = p * (dout @ v.transpose(-1, -2) - delta)
-                if slope is not None:  # through the cap to the raw score
-                    ds = ds * slope
-                dq += ds @ k
-                dkv[0] += (ds.transpose(-1, -2) @ q).sum(2)  # q carries the scale already
+                for rows in _chunks(n):
+                    s, slope = _scores(q[..., rows, :], kv[0], docs, index, block, limits, rows)
+                    p = torch.exp(s - lse[..., rows].unsqueeze(-1))
+                    dkv[1] += (p.transpose(-1, -2) @ dout[..., rows, :]).sum(2)
+                    ds = p * (dout[..., rows, :] @ v.transpose(-1, -2) - delta[..., rows, :])
+                    if slope is not None:  # through the cap to the raw score
+                        ds = ds * slope
+                    dq[..., rows, :] += ds @ k
+                    dkv[0] += (ds.transpose(-1, -2) @ q[..., rows, :]).sum(2)  # q carries the scale already
             if step < size - 1:  # finished before the gradients go, so the two exchanges never interleave
                 _wait(works)
                 kv = incoming

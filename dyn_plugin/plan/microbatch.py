@@ -117,12 +117,16 @@ def run_costs(
                 t, fits = 0.0, True
                 for spec, mem in zip(stages, memory):
                     c = evaluate_stage(table, f, spec)
-                    if not mem.fits(c.stored_bytes, c.peak_bytes):
+                    stored, peak = c.stored_bytes, c.peak_bytes
+                    if per_layer is not None:
+                        fa, fb, ba, bb, kept_slot, kept_pair, live, live_slot, live_pair = per_layer[mi]
+                        kept = spec.num_layers * (kept_slot * f.slots + kept_pair * f.attn)
+                        stored, peak = stored + kept, peak + kept + (live + live_slot * f.slots + live_pair * f.attn)
+                    if not mem.fits(stored, peak):
                         fits = False
                         break
                     fwd, bwd = c.forward_ms, c.backward_ms
                     if per_layer is not None:
-                        fa, fb, ba, bb = per_layer[mi]
                         fwd += spec.num_layers * (fa + fb * f.slots)
                         bwd += spec.num_layers * (ba + bb * f.slots)
                     t = max(t, fwd + bwd)

@@ -158,7 +158,8 @@ class _Model:
             fits = table.fits
             floored = [(c, m) for c in COMPONENTS for m in TIME_METRICS if fits[c][m].floor > 0]
             self.floored.append([(fits[c][m].floor, *fits[c][m].coef) for c, m in floored])
-            comm_bwd = spec.layer_comm(k, rc).backward
+            buffers = spec.layer_comm(k, rc)
+            comm_bwd = buffers.backward
             weights, linear, memory = [], [], []
             for stage, mem in zip(spec.stages, spec.memory):
                 n = {"embedding": int(stage.first), "layer": stage.num_layers, "head": int(stage.last)}
@@ -177,8 +178,17 @@ class _Model:
                     stored + [(fits[c]["peak_bytes"], 1.0), (fits[c]["stored_bytes"], -1.0)] for c in COMPONENTS if n[c]
                 ]
                 rows = [r for terms in sums for r in self._rows(terms)]
+                # the executor's buffers, linear: kept by every micro-batch in flight, one transient
+                extra = np.array(buffers.transient) + mem.in_flight * stage.num_layers * np.array(
+                    [0.0, *buffers.stored]
+                )
                 memory += [
-                    (float(r[0]) / mem.budget - 1.0, float(r[1]) / mem.budget, float(r[2]) / mem.budget) for r in rows
+                    (
+                        float(r[0] + extra[0]) / mem.budget - 1.0,
+                        float(r[1] + extra[1]) / mem.budget,
+                        float(r[2] + extra[2]) / mem.budget,
+                    )
+                    for r in rows
                 ]  # over the budget: rows of order 1 for the solver
             if not cost.allow_extrapolation:  # the measured range: slots (with padding) <= max_tokens
                 memory.append((-1.0, 1.0 / table.max_tokens, 0.0))

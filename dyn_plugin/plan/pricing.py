@@ -45,11 +45,16 @@ def make_micro_batch(
         extrapolated = extrapolated or not plain.covers(f.slots, f.max_len)
         costs = [evaluate_checkpointed(table, plain, f, s, c) for s, c in zip(spec.stages, counts)]
     fwd, bwd = [c.forward_ms for c in costs], [c.backward_ms for c in costs]
+    stored, peak = [c.stored_bytes for c in costs], [c.peak_bytes for c in costs]
     if sp > 1:
         comm, rerun = spec.layer_comm(sp, "none"), spec.layer_comm(sp, recompute)
         for i, (s, c) in enumerate(zip(spec.stages, counts)):
             fwd[i] += s.num_layers * comm.forward_ms(f.slots)
             bwd[i] += (s.num_layers - c) * comm.backward_ms(f.slots) + c * rerun.backward_ms(f.slots)
+            # the executor's buffers: kept by the layers that do not recompute, transient in any one
+            kept = (s.num_layers - c) * comm.stored_bytes(f.slots, f.attn) + c * rerun.stored_bytes(f.slots, f.attn)
+            stored[i] += kept
+            peak[i] += kept + (comm.transient_bytes(f.slots, f.attn) if s.num_layers else 0.0)
     shape = tensor_shape(lens, layout, spec.cost.pad_multiple, sp)
     act = shape[0] * shape[1] // sp * spec.hidden_size * ACT_BYTES.get(spec.cost.dtype, 2) / spec.tp
     return MicroBatch(
@@ -59,8 +64,8 @@ def make_micro_batch(
         recompute=recompute,
         forward_ms=tuple(fwd),
         backward_ms=tuple(bwd),
-        stored_bytes=tuple(c.stored_bytes for c in costs),
-        peak_bytes=tuple(c.peak_bytes for c in costs),
+        stored_bytes=tuple(stored),
+        peak_bytes=tuple(peak),
         activation_bytes=act,
         shape=shape,
         sp=sp,

@@ -54,7 +54,7 @@ class PlannerSpec:
         return len(self.stages)
 
     def layer_comm(self, sp: int, recompute: Recompute) -> LayerComm:
-        """Per layer, the attention collectives of a micro-batch split over ``sp`` ranks."""
+        """Per layer, the attention collectives and buffers of a micro-batch split over ``sp`` ranks."""
         if sp <= 1:
             return LayerComm()
         key = (sp, recompute)
@@ -68,6 +68,9 @@ class PlannerSpec:
                 recompute,
                 hidden=self.hidden_size // self.tp,
                 kv_hidden=(self.cost.kv_hidden_size or self.hidden_size) // self.tp,
+                # unknown heads: as many as 64-wide heads make, the most a common model has (the
+                # ring's score blocks grow with the heads)
+                heads=(self.cost.num_heads or self.hidden_size // 64) // self.tp,
                 act_bytes=ACT_BYTES.get(self.cost.dtype, 2),
                 link_gb_per_s=link.gb_per_s,
                 latency_us=link.latency_us,
