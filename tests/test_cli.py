@@ -333,3 +333,9 @@ def test_bench_strategy_prints_every_method(capsys):
     hydra, seed, homo = rows[0], rows[1], rows[2]
     assert hydra["dispatch_ms"] <= seed["dispatch_ms"] * (1 + 1e-9)
     assert homo["speedup_vs_homogeneous"] == 1.0 and hydra["sim_iter_ms"] >= hydra["bound_ms"] * (1 - 1e-9)
+    for r in rows:  # memory by the cost model and by the measured tables, each against the device's limit
+        if r.get("infeasible"):
+            continue
+        assert r["memory_limit_mb"] == 36000 and r["memory_budget_mb"] in (36000, 36000 * (1 - 0.08))
+        assert r["fits"] == (r["peak_mem_mb"] <= 36000 * (1 + 1e-9))
+        assert r["fits_tables"] == (r["peak_mem_mb_tables"] <= 36000 * (1 + 1e-9))

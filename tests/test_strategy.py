@@ -206,3 +206,35 @@ def test_rebalancing_never_slows_a_step(setting):
         again, _ = plan_cluster_step(lens, proposal.strategies, by_scheme, rebalance=True)
         assert again.iteration_ms <= plain.iteration_ms
         assert sorted(i for mb in again.micro_batches for i in mb.sample_ids) == list(range(len(lens)))
+
+
+def test_memory_record_prices_plans_by_the_model_and_by_the_measured_tables(setting):
+    """A strategy step's peak per GPU: activations (simulated in-flight peak) plus the model states
+    its spec charges; by the cost model the plan fits the memory it was planned for, and the
+    measured tables price the same schedules independently (issue 24)."""
+    from dataclasses import replace
+
+    from dyn_plugin.bench.strategy import MB, TABLES, memory_record, table_micro_batch
+    from dyn_plugin.cost.table_memory import MeasuredLayerMemory
+
+    kinds, by_scheme, _, proposal, batches = setting
+    specs = {(k.scheme.tp, k.scheme.pp, k.scheme.sp): k.spec for k in kinds}
+    device = 36000 * MB
+    tables = MeasuredLayerMemory(TABLES["gpt-6.7b"])
+    plans = [plan_cluster_step(b, proposal.strategies, by_scheme)[0] for b in batches[:2]]
+    rec = memory_record(plans, specs, device, tables=tables)
+    assert rec["fits"] and rec["memory_limit_mb"] == 36000 and 0 < rec["peak_mem_mb"] <= 36000 * (1 + 1e-9)
+    states = min(device - m.budget for k in kinds for m in k.spec.memory)
+    assert rec["peak_mem_mb"] * MB > states and rec["peak_mem_mb_tables"] * MB > states
+    assert rec["fits_tables"] == (rec["peak_mem_mb_tables"] <= 36000 * (1 + 1e-9))
+    # a limit just under the peak is exceeded; the states stay those the specs were built with
+    tight = memory_record(plans, specs, device, rec["peak_mem_mb"] * MB * 0.999, tables=tables)
+    assert not tight["fits"] and tight["peak_mem_mb"] == rec["peak_mem_mb"]
+    # the tables' pricing of one micro-batch: per stage, stored <= peak, and a longer sequence holds more
+    rep = plans[0].replicas[0]
+    spec = specs[(rep.tp, len(rep.schedule.stages), rep.size)]
+    mb = rep.micro_batches[0]
+    priced, beyond = table_micro_batch(mb, spec, tables)
+    assert beyond in (0, 1) and all(0 < s <= p for s, p in zip(priced.stored_bytes, priced.peak_bytes))
+    longer = replace(mb, seq_lens=tuple(s * 2 for s in mb.seq_lens))
+    assert sum(table_micro_batch(longer, spec, tables)[0].stored_bytes) > sum(priced.stored_bytes)

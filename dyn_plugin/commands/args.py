@@ -32,6 +32,11 @@ def number(low: float = 0.0) -> Callable[[str], float]:
     return _parsed(float, "a number", lambda v: check_number("value", v, low))
 
 
+def fraction(high: float = 1.0) -> Callable[[str], float]:
+    """A number in ``[0, high]`` (0 turns the thing off)."""
+    return _parsed(float, "a number", lambda v: 0.0 if v == 0 else check_number("value", v, 0.0, high))
+
+
 def _parsed(convert: Callable[[str], object], kind: str, check: Callable[[object], object]) -> Callable[[str], object]:
     """Text -> value -> checked value, each failure an ArgumentTypeError argparse prints after the flag."""
 

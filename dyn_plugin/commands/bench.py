@@ -20,6 +20,7 @@ from .args import (
     choices,
     count,
     counts,
+    fraction,
     grids,
     input_file,
     number,
@@ -155,6 +156,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plot-dir", type=output_dir, help="a plot per configuration: the strategies and one step's pipeline loads"
     )
     strategy.add_argument("--seed", type=SEED, default=0)
+    strategy.add_argument(
+        "--memory-margin",
+        type=fraction(0.5),
+        default=0.08,
+        help="a method whose plans exceed the device's memory by the measured tables is planned again for "
+        "this fraction less (default %(default)s: the most the tables measured above the cost model's "
+        "estimate on this benchmark, 6.5%%; 0: no second try)",
+    )
     loader = sub.add_parser(
         "loader",
         help="loader steps/s, time each step waits for its plan (planning locally or "
