@@ -111,6 +111,13 @@ class ModelShape(_Section):
         return (self.num_kv_heads or self.num_heads) * (self.head_dim or self.hidden_size // self.num_heads)
 
 
+# What the caching allocator needs above the bytes tensors hold at the peak, measured on an H200
+# (benchmarks/gpu-memory-2026-11-26: variable-length training steps with the allocator capped):
+# the default allocator ran with 6.3% (out of memory at 3%), expandable segments at 1% (at 0%).
+CACHING_ALLOCATOR_MARGIN = 0.065
+EXPANDABLE_SEGMENTS_MARGIN = 0.01
+
+
 class DeviceSpec(_Section):
     """One accelerator (or CPU socket) as the planners see it."""
 
@@ -122,9 +129,30 @@ class DeviceSpec(_Section):
         le=1,
         description="share of memory_mb plans may use; ranks see different free memory and an OOM on one rank deadlocks the rest",
     )
+    allocator_margin: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="what the memory allocator needs above the bytes plans price, as a fraction of them; default "
+        "measured: 0.065 for PyTorch's caching allocator, 0.01 with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    )
     peak_tflops: float = Field(default=1.0, gt=0, description="peak dense TFLOP/s at the training precision")
     achieved_fraction: float = Field(default=0.5, gt=0, le=1, description="fraction of peak_tflops kernels reach")
     layer_overhead_ms: float = Field(default=0.05, ge=0, description="fixed cost per layer per pass (launches)")
+
+    @property
+    def margin(self) -> float:
+        """``allocator_margin``, else the measured one of the allocator this process is set up with."""
+        if self.allocator_margin is not None:
+            return self.allocator_margin
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+        return EXPANDABLE_SEGMENTS_MARGIN if "expandable_segments:true" in conf else CACHING_ALLOCATOR_MARGIN
+
+    @property
+    def plannable_mb(self) -> float:
+        """The memory a plan's own estimate may reach: the usable share of the device, less the
+        allocator's margin above it, so estimate x (1 + margin) stays within the share."""
+        return self.memory_mb * self.memory_fraction / (1 + self.margin)
 
 
 class ClusterConfig(_Section):
@@ -257,8 +285,8 @@ class ShardingConfig(_Section):
     memory_budget_mb: float | None = Field(
         default=None,
         gt=0,
-        description="per-rank memory the plan (model states + activations) may use; "
-        "default cluster.device.memory_mb * memory_fraction",
+        description="per-rank memory the plan (model states + activations) may use, as priced; "
+        "default cluster.device.memory_mb * memory_fraction less the allocator's margin",
     )
     plan: str | None = Field(
         default=None, description="a plan JSON written by `dynplugin shard`; unset: searched at start-up"

@@ -1,5 +1,6 @@
 """One gloo rank asking for the run's sharding plan from a file (tests/test_sharding_search.py)."""
 
+import os
 import sys
 
 import torch
@@ -34,4 +35,6 @@ try:
     )
 except ValueError as exc:
     print(f"rank {dist.get_rank()} raised: {exc}", flush=True)
-    sys.exit(3)
+    # gloo can abort in interpreter teardown with its group still up: tear it down, then leave at once
+    dist.destroy_process_group()
+    os._exit(3)

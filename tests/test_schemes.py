@@ -88,7 +88,7 @@ def test_sequence_ms_is_the_marginal_cost(costs_1024):
         wide = 2048 * scheme.sp
         lens = [
             n
-            for n in sorted({wide, 2 * wide, 16384, sc.by_mode["none"] + 1, *sc.by_mode.values()})
+            for n in sorted({wide, 3 * wide // 2, 2 * wide, 16384, sc.by_mode["none"] + 1, *sc.by_mode.values()})
             if wide <= n <= sc.longest
         ]
         assert len(lens) >= 3

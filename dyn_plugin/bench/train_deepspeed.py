@@ -84,7 +84,7 @@ def split_memory_mb(profile: str, max_len: int, ranks: int) -> float:
     cost = cost_model_from_profile(load_profile(profile))
     peak = cost.micro_batch_cost([max_len], layout="packed", recompute="full").peak_bytes
     states = cost.model_state_bytes(zero_stage=1, dp=ranks).total
-    return (1.1 * peak + states) / DeviceSpec().memory_fraction / 2**20
+    return (1.1 * peak + states) * DeviceSpec().memory_mb / DeviceSpec().plannable_mb / 2**20
 
 
 def run_mode(mode: str, args, docs, lengths, device: torch.device, dtype: str) -> list[dict]:

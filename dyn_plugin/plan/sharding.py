@@ -280,7 +280,7 @@ class _Search:
         self.links = Links.of(config.cluster, cost.update)
         cluster = config.cluster
         budget_mb = config.sharding.memory_budget_mb
-        self.budget = budget_mb * MB if budget_mb else cluster.device.memory_mb * MB * cluster.device.memory_fraction
+        self.budget = (budget_mb or cluster.device.plannable_mb) * MB
         # every step must fit the run's longest sequence alone, not only the typical batch's
         self.longest = max(longest or 0, max(self.lengths))
         self.least_activation = smallest_activation(

@@ -114,7 +114,7 @@ def planner_spec(
         stages = tuple(StageSpec(n, i == 0, i == pipe.stages - 1) for i, n in enumerate(pipe.layers_per_stage))
     else:
         stages = balanced_split(cost, pipe.stages, tp=tp)
-    device_bytes = cluster.device.memory_mb * MB * cluster.device.memory_fraction
+    device_bytes = cluster.device.plannable_mb * MB
     if state_bytes is not None:
         if len(stages) > 1:
             raise ValueError(
@@ -139,7 +139,8 @@ def planner_spec(
         if states >= device_bytes:
             raise ValueError(
                 f"pipeline stage {i} needs {states / MB:.0f} MB for model states (ZeRO-{zero_stage}, dp={dp}) but "
-                f"a device has {device_bytes / MB:.0f} MB; add pipeline stages, raise the ZeRO stage or the memory"
+                f"plans may use {device_bytes / MB:.0f} MB of a device (memory_mb x memory_fraction, less the "
+                f"allocator's margin); add pipeline stages, raise the ZeRO stage or the memory"
             )
         memory.append(StageMemory(budget=device_bytes - states, in_flight=len(stages) - i))
     same_node = len(stages) * tp <= cluster.devices_per_node
