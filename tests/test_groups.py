@@ -184,3 +184,18 @@ def test_runtime_warns_when_costs_are_extrapolated(caplog):
         for step in range(len(ctx.batches(0))):
             ctx.plan(0, step)
     assert "beyond what cost model" in caplog.text
+
+
+def test_the_gap_to_the_ideal_step_adds_up_term_by_term():
+    from dyn_plugin.plan.bounds import gap_terms
+
+    spec = spec_for(4)
+    for batch in batches(65536, 2):
+        for plan in (plan_step(batch, spec), plan_baseline("fixed_sp_smallest", batch, spec, 8192)):
+            terms = gap_terms(plan, batch, spec)
+            assert sum(terms.values()) == pytest.approx(plan.iteration_ms - ideal_ms(batch, spec), rel=1e-9)
+            assert terms["bubble"] > 0 and terms["fixed"] > 0
+            assert all(v >= -1e-6 for v in terms.values()), terms
+            if any(mb.recompute != "none" for mb in plan.micro_batches):
+                assert terms["recompute"] > 0
+            assert (terms["communication"] > 0) == any(mb.sp > 1 for mb in plan.micro_batches)

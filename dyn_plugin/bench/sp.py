@@ -1,7 +1,7 @@
 """``dynplugin bench sp``: dynamic sequence parallelism against fixed and bucketed sizes, simulated.
 
-A GPT-6.7B-class model on the measured A100 tables (36000 MB per device, ZeRO-1, 8 devices per
-node) with the attention collectives priced from the link bandwidths; global batches drawn from
+A GPT-6.7B-class model on the measured A100 tables (an A100-80GB: 72000 MB per device, less the
+allocator's margin, ZeRO-1, 8 devices per node) with the attention collectives priced from the link bandwidths; global batches drawn from
 the bundled length distributions, sequences capped at ``max_len``. The tables were measured up
 to 8192 tokens, so longer sequences are priced by extrapolation; every record counts the
 micro-batches that were (``extrapolated``). Methods (plan/baselines.py for the baselines):
@@ -25,7 +25,7 @@ from ..cost.bundled import load_bundled
 from ..cost.profile import cost_model_from_profile
 from ..lengths.io import load_lengths
 from ..plan.baselines import SP_BASELINES, plan_baseline
-from ..plan.bounds import ideal_ms
+from ..plan.bounds import critical_path_ms, gap_terms, ideal_ms
 from ..plan.planner import plan_step
 from ..plan.spec import planner_spec
 from ..runtime.sampler import global_batches
@@ -33,6 +33,9 @@ from ..runtime.sampler import global_batches
 logger = logging.getLogger(__name__)
 
 HEADS = 32  # GPT-6.7B: 32 heads of 128
+# An A100-80GB at the share of the card DynaPipe's 36000 MB left of a 40 GB one: at 36000 MB the
+# measured per-length activations leave no room for an 8192-token sequence on a pipeline stage
+MEMORY_MB = 72000
 
 
 def bench_sp(args: argparse.Namespace) -> Iterator[dict]:
@@ -68,7 +71,7 @@ def _spec(cost, dp: int, pp: int, args: argparse.Namespace, max_len: int, *, sp:
             "pipeline": {"stages": pp},
             "microbatching": {"max_seq_len": max_len},
             "sequence_parallel": {"enabled": sp, "sizes": list(args.sizes), "pyramid": pyramid},
-            "cluster": {"devices_per_node": 8, "device": {"memory_mb": 36000, "memory_fraction": 1.0}},
+            "cluster": {"devices_per_node": 8, "device": {"memory_mb": MEMORY_MB, "memory_fraction": 1.0}},
         }
     )
     return planner_spec(cost, cfg, dp=dp, zero_stage=1, seed=args.seed)
@@ -90,6 +93,7 @@ def _bench_config(base: dict, batches: list[list[int]], cost, dp: int, args: arg
         **{name: (lambda b, n=name: plan_baseline(n, b, sp_spec, max_len)) for name in SP_BASELINES},
     }
     ideal = [ideal_ms(b, sp_spec) for b in batches]
+    critical = [critical_path_ms(b, sp_spec) for b in batches]
     for method, fn in methods.items():
         rec = {**base, "method": method, "batches": len(batches)}
         plans, times = [], []
@@ -103,14 +107,19 @@ def _bench_config(base: dict, batches: list[list[int]], cost, dp: int, args: arg
             continue
         iters = [p.iteration_ms for p in plans]
         sizes = [k for p in plans for k in p.group_sizes]
+        gaps = [gap_terms(p, b, sp_spec) for p, b in zip(plans, batches)]
         yield {
             **rec,
             "plan_ms_p50": float(np.percentile(times, 50)),
             "sim_iter_ms": float(np.mean(iters)),
             "ideal_ms": float(np.mean(ideal)),
+            # the longest sequence's own pass through the pipeline: no plan of this batch is faster
+            "critical_path_ms": float(np.mean(critical)),
             "vs_ideal": float(np.mean([i / d for i, d in zip(iters, ideal)])),
             "group_sizes": {str(k): sizes.count(k) / len(plans) for k in sorted(set(sizes))},
             "micro_batches": float(np.mean([len(p.micro_batches) for p in plans])),
             "extrapolated": int(sum(p.extrapolated for p in plans)),
             "bubble": float(np.mean([p.bubble_fraction for p in plans])),
+            # ms of the step beyond ideal_ms, term by term (plan/bounds.py gap_terms)
+            "gap_ms": {k: float(np.mean([g[k] for g in gaps])) for k in gaps[0]},
         }
