@@ -214,13 +214,12 @@ def test_memory_record_prices_plans_by_the_model_and_by_the_measured_tables(sett
     measured tables price the same schedules independently (issue 24)."""
     from dataclasses import replace
 
-    from dyn_plugin.bench.strategy import MB, TABLES, memory_record, table_micro_batch
-    from dyn_plugin.cost.table_memory import MeasuredLayerMemory
+    from dyn_plugin.bench.memory import MB, measured_tables, memory_record, table_micro_batch
 
     kinds, by_scheme, _, proposal, batches = setting
     specs = {(k.scheme.tp, k.scheme.pp, k.scheme.sp): k.spec for k in kinds}
     device = 36000 * MB
-    tables = MeasuredLayerMemory(TABLES["gpt-6.7b"])
+    tables = measured_tables("gpt-6.7b")
     plans = [plan_cluster_step(b, proposal.strategies, by_scheme)[0] for b in batches[:2]]
     rec = memory_record(plans, specs, device, tables=tables)
     assert rec["fits"] and rec["memory_limit_mb"] == 36000 and 0 < rec["peak_mem_mb"] <= 36000 * (1 + 1e-9)

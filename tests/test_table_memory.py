@@ -25,8 +25,11 @@ def test_measured_points_are_read_as_measured_and_lines_between_them_lie_above()
     stored, extra = tables.micro_batch([1024, 1024], "none")
     one = tables.sequence(1024, "none")
     assert stored == pytest.approx(2 * one[0]) and extra == pytest.approx(2 * (one[1] - one[0]))
-    with pytest.raises(ValueError, match="beyond the longest measured"):
-        tables.sequence(8193, "full")
+    # beyond the longest measured length the bytes per token run on along their last line
+    assert tables.longest("full") == 8192
+    per_token = [tables.sequence(n, "full")[1] / n for n in (6144, 8192, 10240, 12288)]
+    assert per_token[2] - per_token[1] == pytest.approx(per_token[1] - per_token[0])
+    assert per_token[3] - per_token[2] == pytest.approx(per_token[1] - per_token[0])
 
 
 def test_bench_shard_prices_each_plan_by_the_measured_tables(capsys):

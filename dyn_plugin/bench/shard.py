@@ -20,9 +20,7 @@ from collections import Counter
 from typing import Sequence
 
 from ..config import DynPluginConfig
-from ..cost.bundled import MEASURED_DIR
 from ..cost.from_config import build_cost_model
-from ..cost.model import features
 from ..cost.table import TableCostModel
 from ..cost.table_memory import MeasuredLayerMemory
 from ..lengths.io import cap_lengths, load_lengths
@@ -30,8 +28,8 @@ from ..plan.planner import plan_step
 from ..plan.shard_plan import MB, Choice, ShardPlan, ShardUnit
 from ..plan.sharding import BASELINES, choice_columns, search_sharding, uniform_plan
 from ..plan.spec import planner_spec
-from ..plan.types import MicroBatch
 from ..runtime.sampler import global_batches
+from .memory import measured_tables, table_micro_batch
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +58,6 @@ SETUPS = {
     },
 }
 # the measured tables each setup's layers can be priced by independently (the analytic model has none)
-TABLES = {"gpt-6.7b": MEASURED_DIR / "a100-gpt-6.7b.json"}
 A100 = {"name": "A100-40GB", "memory_mb": 40000, "memory_fraction": 1.0, "peak_tflops": 312, "achieved_fraction": 0.5}
 
 
@@ -99,29 +96,6 @@ def bench_shard(args: argparse.Namespace, units: dict[str, Sequence[ShardUnit]])
     return records
 
 
-def table_micro_batch_bytes(mb: MicroBatch, tables: MeasuredLayerMemory, cost: TableCostModel, tp: int = 1) -> float:
-    """One micro-batch's activation peak on a one-stage model: its layers' stored activations read
-    off the measured tables (``checkpointed`` layers under its recompute mode, the rest under none),
-    the embedding's and head's from the cost model (the tables did not measure them), plus the
-    largest in-flight extra of any of them (one runs at a time)."""
-    rows = [mb.shape[1]] * mb.shape[0] if mb.layout == "padded" else list(mb.seq_lens)
-    layers = cost.num_layers
-    k = mb.checkpointed[0] if mb.checkpointed else layers
-    stored, extra = tables.micro_batch(rows, mb.recompute, tp)
-    stored *= k
-    if k < layers:
-        kept, kept_extra = tables.micro_batch(rows, "none", tp)
-        stored += (layers - k) * kept
-        extra = max(extra, kept_extra)
-    fits = cost.table(mb.layout, mb.recompute, tp).fits
-    f = features(mb.seq_lens, mb.layout, cost.pad_multiple, mb.sp)
-    for comp in ("embedding", "head"):
-        s = fits[comp]["stored_bytes"](f)
-        stored += s
-        extra = max(extra, fits[comp]["peak_bytes"](f) - s)
-    return stored + max(extra, 0.0)
-
-
 def table_peak_bytes(
     plan: ShardPlan, batch: list[int], cost: TableCostModel, config: DynPluginConfig, tables: MeasuredLayerMemory
 ) -> float:
@@ -130,9 +104,7 @@ def table_peak_bytes(
     ``DynLoader(state_bytes=...)`` does; one micro-batch in flight on one stage)."""
     spec = planner_spec(cost, config, dp=plan.world, zero_stage=3, state_bytes=plan.planning_state_bytes)
     step = plan_step(batch, spec)
-    worst = max(
-        table_micro_batch_bytes(mb, tables, spec.cost, spec.tp) for r in step.replicas for mb in r.micro_batches
-    )
+    worst = max(table_micro_batch(mb, spec, tables)[0].peak_bytes[0] for r in step.replicas for mb in r.micro_batches)
     return plan.state_bytes + worst
 
 
@@ -172,7 +144,7 @@ def compare_methods(
     """Every method on one model, cluster, budget and global batch, side by side; each leaves room
     for the ``longest`` sequence of the run alone."""
     cost = build_cost_model(config.cost_model, config.cluster)
-    tables = MeasuredLayerMemory(TABLES[base["model"]]) if base["model"] in TABLES else None
+    tables = measured_tables(base["model"])
     budget_mb = config.sharding.memory_budget_mb
     gpus, nodes = config.cluster.world_size, config.cluster.num_nodes
     plans: dict[str, ShardPlan] = {}

@@ -23,12 +23,14 @@ import numpy as np
 from ..config import DynPluginConfig
 from ..cost.bundled import load_bundled
 from ..cost.profile import cost_model_from_profile
+from ..cost.table_memory import MeasuredLayerMemory
 from ..lengths.io import load_lengths
 from ..plan.baselines import SP_BASELINES, plan_baseline
 from ..plan.bounds import critical_path_ms, gap_terms, ideal_ms
 from ..plan.planner import plan_step
 from ..plan.spec import planner_spec
 from ..runtime.sampler import global_batches
+from .memory import measured_tables, memory_record
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ def bench_sp(args: argparse.Namespace) -> Iterator[dict]:
         num_heads=HEADS,
         num_kv_heads=HEADS,
     )
+    tables = measured_tables("gpt-6.7b")
     for dist in args.distributions:
         raw = load_lengths(dist)
         for max_len in args.max_len:
@@ -62,7 +65,7 @@ def bench_sp(args: argparse.Namespace) -> Iterator[dict]:
                             "pp": pp,
                             "max_len": max_len,
                         }
-                        yield from _bench_config(base, batches, cost, gpus // pp, args)
+                        yield from _bench_config(base, batches, cost, gpus // pp, args, tables)
 
 
 def _spec(cost, dp: int, pp: int, args: argparse.Namespace, max_len: int, *, sp: bool, pyramid: bool = True):
@@ -77,7 +80,9 @@ def _spec(cost, dp: int, pp: int, args: argparse.Namespace, max_len: int, *, sp:
     return planner_spec(cost, cfg, dp=dp, zero_stage=1, seed=args.seed)
 
 
-def _bench_config(base: dict, batches: list[list[int]], cost, dp: int, args: argparse.Namespace) -> Iterator[dict]:
+def _bench_config(
+    base: dict, batches: list[list[int]], cost, dp: int, args: argparse.Namespace, tables: MeasuredLayerMemory
+) -> Iterator[dict]:
     max_len, pp = base["max_len"], base["pp"]
     try:
         sp_spec = _spec(cost, dp, pp, args, max_len, sp=True)
@@ -108,6 +113,13 @@ def _bench_config(base: dict, batches: list[list[int]], cost, dp: int, args: arg
         iters = [p.iteration_ms for p in plans]
         sizes = [k for p in plans for k in p.group_sizes]
         gaps = [gap_terms(p, b, sp_spec) for p, b in zip(plans, batches)]
+        # every plan's peak per GPU, by the cost model and by the measured tables, against the
+        # memory plans may fill (the device's less the allocator's margin)
+        plannable = (
+            sp_spec.memory[0].budget
+            + sp_spec.cost.model_state_bytes(stage=sp_spec.stages[0], zero_stage=1, dp=sp_spec.dp).total
+        )
+        memory = memory_record(plans, {(1, pp, k): sp_spec for k in sp_spec.sp_sizes}, plannable, tables=tables)
         yield {
             **rec,
             "plan_ms_p50": float(np.percentile(times, 50)),
@@ -122,4 +134,5 @@ def _bench_config(base: dict, batches: list[list[int]], cost, dp: int, args: arg
             "bubble": float(np.mean([p.bubble_fraction for p in plans])),
             # ms of the step beyond ideal_ms, term by term (plan/bounds.py gap_terms)
             "gap_ms": {k: float(np.mean([g[k] for g in gaps])) for k in gaps[0]},
+            **memory,
         }

@@ -24,8 +24,10 @@ class MeasuredLayerMemory:
     two lies on or above the truth: conservative), the shortest measured length's below it. A
     micro-batch holds the sum over its sequences of both stored bytes and in-flight extra (peak
     minus stored): its sequences run the layer together, as a padded batch's rows do (the tables'
-    ``b > 1`` rows are ``b`` times the ``b = 1`` row within a few percent). Lengths beyond the
-    longest measured are refused: not measured."""
+    ``b > 1`` rows are ``b`` times the ``b = 1`` row within a few percent). Beyond the longest
+    measured length the bytes per token run on along the line through the last two lengths' (a
+    layer holding a + b*s per token of an s-token sequence, as the tables' attention matrices make
+    it, is extrapolated exactly); ``longest`` says where measurement stops."""
 
     def __init__(self, source: str | os.PathLike | dict[str, Any]) -> None:
         if isinstance(source, dict):
@@ -51,9 +53,17 @@ class MeasuredLayerMemory:
         if (tp, recompute) not in self.points:
             raise ValueError(f"{self.name}: no table for tp={tp}, recompute={recompute!r}")
         lens, stored, peak = self.points[(tp, recompute)]
-        if length > lens[-1]:
-            raise ValueError(f"{self.name}: {length} tokens is beyond the longest measured ({lens[-1]})")
-        return float(np.interp(length, lens, stored)), float(np.interp(length, lens, peak))
+        if length <= lens[-1] or len(lens) < 2:
+            return float(np.interp(length, lens, stored)), float(np.interp(length, lens, peak))
+        (a, b), out = lens[-2:], []
+        for values in (stored, peak):
+            pa, pb = values[-2] / a, values[-1] / b
+            out.append(length * (pb + max(0.0, (pb - pa) / (b - a)) * (length - b)))
+        return out[0], out[1]
+
+    def longest(self, recompute: str, tp: int = 1) -> int:
+        """The longest sequence measured under ``recompute`` at ``tp``."""
+        return self.points[(tp, recompute)][0][-1]
 
     def micro_batch(self, seq_lens: Sequence[int], recompute: str, tp: int = 1) -> tuple[float, float]:
         """(stored, in-flight extra) bytes of one layer running ``seq_lens`` together."""
