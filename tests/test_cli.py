@@ -336,6 +336,6 @@ def test_bench_strategy_prints_every_method(capsys):
     for r in rows:  # memory by the cost model and by the measured tables, each against the device's limit
         if r.get("infeasible"):
             continue
-        assert r["memory_limit_mb"] == 36000 and r["memory_budget_mb"] in (36000, 36000 * (1 - 0.08))
+        assert r["memory_limit_mb"] == 36000 and r["memory_budget_mb"] in [36000 * (1 - 0.08 * i) for i in range(4)]
         assert r["fits"] == (r["peak_mem_mb"] <= 36000 * (1 + 1e-9))
         assert r["fits_tables"] == (r["peak_mem_mb_tables"] <= 36000 * (1 + 1e-9))

@@ -33,26 +33,22 @@ from typing import Iterator
 
 import numpy as np
 
-from ..cost.bundled import MEASURED_DIR
 from ..cost.calibrated import named_cost_model
-from ..cost.model import features
 from ..cost.table_memory import MeasuredLayerMemory
 from ..lengths.io import load_lengths
 from ..plan.dispatch import dispatch, seed_dispatch
 from ..plan.microbatch import InfeasibleError
 from ..plan.planner import plan_step
 from ..plan.schemes import scheme_costs
-from ..plan.simulator import stage_peak_bytes
 from ..plan.strategy import Strategy, plan_cluster_step, propose
 from ..runtime.sampler import global_batches
+from .memory import MB, measured_tables, memory_record
 
 logger = logging.getLogger(__name__)
-MB = 1 << 20
-# the measured tables a model's layers can be priced by independently of the cost model's fit
-TABLES = {"gpt-6.7b": MEASURED_DIR / "a100-gpt-6.7b.json"}
 
 # The cluster of the measured A100 tables (their planner's 36000 MB limit, 8 GPUs per node), for --model
 A100_CLUSTER = {"devices_per_node": 8, "device": {"name": "A100-40GB", "memory_mb": 36000, "memory_fraction": 1.0}}
+RETRIES = 3  # plans for the memory less 1, 2, 3 x --memory-margin before a method is reported not fitting
 
 
 def strategy_config(max_len: int, memory_mb: float | None = None):
@@ -84,8 +80,8 @@ def bench_strategy(args: argparse.Namespace) -> Iterator[dict]:
 def _bench_one(model: str, cost, dist: str, lengths: np.ndarray, gpus: int, args: argparse.Namespace) -> Iterator[dict]:
     """Every method planned for the device's memory; a method (for homogeneous_best and dynapipe:
     a scheme) whose plans exceed it by the measured tables is planned again for the memory less
-    ``args.memory_margin`` (the worst the tables measured above the cost model's estimate, see
-    BENCHMARKS.md), so each runs with the most memory its plans fit in."""
+    ``args.memory_margin``, up to ``RETRIES`` times that, so each runs with the most memory its
+    plans fit in (``memory_budget_mb``)."""
     tokens = args.tokens_per_gpu * gpus
     base = {
         "benchmark": "strategy",
@@ -96,36 +92,37 @@ def _bench_one(model: str, cost, dist: str, lengths: np.ndarray, gpus: int, args
         "max_len": args.max_len,
     }
     limit_mb = float(A100_CLUSTER["device"]["memory_mb"])
-    budgets = [limit_mb] + ([limit_mb * (1 - args.memory_margin)] if args.memory_margin > 0 else [])
+    steps = RETRIES if args.memory_margin > 0 else 0
+    budgets = [limit_mb * (1 - i * args.memory_margin) for i in range(steps + 1)]
     batches = [
         np.asarray([int(lengths[i]) for i in b]) for b in global_batches(lengths, tokens, args.batches, args.seed)
     ]
-    tables = MeasuredLayerMemory(TABLES[model]) if model in TABLES else None
-    passes: dict[float, dict] = {}
-
-    def at(budget: float) -> dict:
-        if budget not in passes:
-            passes[budget] = _methods(model, cost, dist, lengths, gpus, batches, args, budget, limit_mb, tables)
-        return passes[budget]
+    tables = measured_tables(model)
 
     def fits(r: dict) -> bool:
         return r["memory"].get("fits_tables", r["memory"]["fits"])
 
-    chosen: dict[str, dict | None] = {}
-    for method in ("hydraulis", "seed_stage1"):
-        chosen[method] = None
-        for budget in budgets:
-            r = at(budget)[method]
-            chosen[method] = r
-            if r is None or fits(r):
-                break
+    # each budget plans only what has not fitted yet: the strategies (hydraulis and seed_stage1
+    # share a proposal) and the schemes of homogeneous_best and dynapipe
+    chosen: dict = {"hydraulis": None, "seed_stage1": None, "homogeneous_best": {}, "dynapipe": {}}
+    want: dict = {"strategies": True, "homogeneous_best": None, "dynapipe": None}  # None: every scheme
+    for budget in budgets:
+        got = _methods(model, cost, dist, lengths, gpus, batches, args, budget, limit_mb, tables, want)
+        for method in ("hydraulis", "seed_stage1"):
+            if want["strategies"] and (chosen[method] is None or not fits(chosen[method])):
+                chosen[method] = got[method] or chosen[method]
+        for method in ("homogeneous_best", "dynapipe"):
+            for scheme, r in got[method].items():
+                chosen[method][scheme] = r
+        want = {
+            "strategies": any(chosen[m] is not None and not fits(chosen[m]) for m in ("hydraulis", "seed_stage1")),
+            "homogeneous_best": {sc for sc, r in chosen["homogeneous_best"].items() if not fits(r)},
+            "dynapipe": {sc for sc, r in chosen["dynapipe"].items() if not fits(r)},
+        }
+        if not (want["strategies"] or want["homogeneous_best"] or want["dynapipe"]):
+            break
     for method in ("homogeneous_best", "dynapipe"):  # the fastest scheme, each at the most memory it fits in
-        best = {}
-        for budget in budgets:
-            for scheme, r in at(budget)[method].items():
-                if scheme not in best or not fits(best[scheme]):
-                    best[scheme] = r
-        ok = [r for r in best.values() if fits(r)] or list(best.values())
+        ok = [r for r in chosen[method].values() if fits(r)] or list(chosen[method].values())
         chosen[method] = min(ok, key=lambda r: r["sim"], default=None)
     homo = chosen["homogeneous_best"]
     ref = homo["sim"] if homo else None
@@ -171,10 +168,12 @@ def _methods(
     budget_mb: float,
     limit_mb: float,
     tables: MeasuredLayerMemory | None,
+    want: dict,
 ) -> dict:
-    """Every method planned for ``budget_mb`` of each device: hydraulis and seed_stage1 as one
-    result each (None where infeasible), homogeneous_best and dynapipe per scheme; each result
-    carries its memory (``memory_record`` against ``limit_mb``) and its record's extra fields."""
+    """The methods ``want`` names planned for ``budget_mb`` of each device: hydraulis and
+    seed_stage1 (``want["strategies"]``) as one result each (None where infeasible),
+    homogeneous_best and dynapipe per scheme (``want[method]``: the schemes, None for all); each
+    result carries its memory (``memory_record`` against ``limit_mb``) and its record's extra fields."""
     tokens = args.tokens_per_gpu * gpus
     cfg = strategy_config(args.max_len, budget_mb)
     kinds = scheme_costs(cost, cfg, gpus=gpus)
@@ -188,54 +187,59 @@ def _methods(
         memory = memory_record(r["plans"], specs, device_bytes, limit_mb * MB, tables=tables)
         return {**r, "memory": memory, "extra": extra, "budget_mb": budget_mb}
 
-    t = time.perf_counter()
-    proposal = propose(lengths, kinds, gpus=gpus, tokens=tokens, max_strategies=args.max_strategies, model=model)
-    propose_ms = (time.perf_counter() - t) * 1e3
-    logger.info(
-        "%s %s %d GPUs, %.0f MB: %d schemes, proposal in %.0f ms: %s",
-        model,
-        dist,
-        gpus,
-        budget_mb,
-        len(kinds),
-        propose_ms,
-        " | ".join(s.describe() for s in proposal.strategies),
-    )
-    out: dict = {}
-    hydra = _run(batches, lambda lens: plan_cluster_step(lens, proposal.strategies, by_scheme))
-    # the seed's 50 trials run in C++ here (the same result as its Python twin, which is timed once below)
-    seed = _run(batches, lambda lens: plan_cluster_step(lens, proposal.strategies, by_scheme, dispatcher=seed_dispatch))
-    # stage 1 alone, the same strategy and batch for both rules
-    d_ours, d_seed, seed_python_ms = [], [], None
-    for i, (lens, s) in enumerate(zip(batches, hydra.get("strategies", []))):
-        order = list(dict.fromkeys(s.pipelines))
-        times = np.stack([by_scheme[k].sequence_ms(lens) for k in order])
-        kind_of, fill = [order.index(p) for p in s.pipelines], [k.pp - 1 for k in order]
-        d_ours.append(dispatch(times, kind_of, fill, lens).makespan_ms)
-        d_seed.append(seed_dispatch(times, kind_of, fill, lens, native=True).makespan_ms)
-        if i == 0:
-            t = time.perf_counter()
-            seed_dispatch(times, kind_of, fill, lens)
-            seed_python_ms = (time.perf_counter() - t) * 1e3
-    stage1 = bool(d_ours)
-    out["hydraulis"] = done(
-        hydra,
-        {
-            "propose_ms": propose_ms,
-            "dispatch_ms": float(np.mean(d_ours)) if stage1 else None,
-            "strategies": [s.describe() for s in proposal.strategies],
-            "bound_ms": bound_ms(batches, kinds, gpus),
-        },
-    )
-    if out["hydraulis"] is not None:
-        out["hydraulis"]["proposal"] = proposal
-    out["seed_stage1"] = done(
-        seed, {"dispatch_ms": float(np.mean(d_seed)) if stage1 else None, "python_dispatch_ms": seed_python_ms}
-    )
+    out: dict = {"hydraulis": None, "seed_stage1": None}
+    if want["strategies"]:
+        t = time.perf_counter()
+        proposal = propose(lengths, kinds, gpus=gpus, tokens=tokens, max_strategies=args.max_strategies, model=model)
+        propose_ms = (time.perf_counter() - t) * 1e3
+        logger.info(
+            "%s %s %d GPUs, %.0f MB: %d schemes, proposal in %.0f ms: %s",
+            model,
+            dist,
+            gpus,
+            budget_mb,
+            len(kinds),
+            propose_ms,
+            " | ".join(s.describe() for s in proposal.strategies),
+        )
+        hydra = _run(batches, lambda lens: plan_cluster_step(lens, proposal.strategies, by_scheme))
+        # the seed's 50 trials run in C++ here (the same result as its Python twin, which is timed once below)
+        seed = _run(
+            batches, lambda lens: plan_cluster_step(lens, proposal.strategies, by_scheme, dispatcher=seed_dispatch)
+        )
+        # stage 1 alone, the same strategy and batch for both rules
+        d_ours, d_seed, seed_python_ms = [], [], None
+        for i, (lens, s) in enumerate(zip(batches, hydra.get("strategies", []))):
+            order = list(dict.fromkeys(s.pipelines))
+            times = np.stack([by_scheme[k].sequence_ms(lens) for k in order])
+            kind_of, fill = [order.index(p) for p in s.pipelines], [k.pp - 1 for k in order]
+            d_ours.append(dispatch(times, kind_of, fill, lens).makespan_ms)
+            d_seed.append(seed_dispatch(times, kind_of, fill, lens, native=True).makespan_ms)
+            if i == 0:
+                t = time.perf_counter()
+                seed_dispatch(times, kind_of, fill, lens)
+                seed_python_ms = (time.perf_counter() - t) * 1e3
+        stage1 = bool(d_ours)
+        out["hydraulis"] = done(
+            hydra,
+            {
+                "propose_ms": propose_ms,
+                "dispatch_ms": float(np.mean(d_ours)) if stage1 else None,
+                "strategies": [s.describe() for s in proposal.strategies],
+                "bound_ms": bound_ms(batches, kinds, gpus),
+            },
+        )
+        if out["hydraulis"] is not None:
+            out["hydraulis"]["proposal"] = proposal
+        out["seed_stage1"] = done(
+            seed, {"dispatch_ms": float(np.mean(d_seed)) if stage1 else None, "python_dispatch_ms": seed_python_ms}
+        )
     longest = int(lengths.max())
     out["homogeneous_best"] = {}
     for k in kinds:
         if k.longest < longest or gpus // k.scheme.gpus == 0:
+            continue
+        if want["homogeneous_best"] is not None and k.scheme not in want["homogeneous_best"]:
             continue
         only = Strategy((k.scheme,) * (gpus // k.scheme.gpus), k.longest)
         r = done(
@@ -247,6 +251,8 @@ def _methods(
     out["dynapipe"] = {}
     for k in kinds:
         if k.scheme.sp != 1 or k.longest < longest:
+            continue
+        if want["dynapipe"] is not None and k.scheme not in want["dynapipe"]:
             continue
         spec = replace(k.spec, dp=gpus // k.scheme.gpus)
         r = done(_run(batches, lambda lens: (plan_step(lens, spec), None)), {"scheme": k.scheme.name})
@@ -297,105 +303,6 @@ def _run(batches: list[np.ndarray], plan_one) -> dict:
         "sim": float(np.mean([p.iteration_ms for p in plans])),
         "plans": plans,
     }
-
-
-def memory_record(
-    plans: list,
-    specs: dict,
-    device_bytes: float,
-    limit_bytes: float | None = None,
-    tables: MeasuredLayerMemory | None = None,
-) -> dict:
-    """Peak memory per GPU over the steps' plans. ``peak_mem_mb``: by the cost model's memory (the
-    per-length fit of the measured tables): each stage's simulated activation peak (every
-    micro-batch in flight under its schedule, plus the transient of the one running) plus the model
-    states its spec charges (``device_bytes``, the memory the specs were built for, less that
-    stage's activation budget). ``peak_mem_mb_tables`` (with ``tables``): the same schedules with
-    every micro-batch's transformer layers read off the measured tables instead
-    (``table_micro_batch``); ``beyond_tables_mbs`` counts micro-batches with a per-rank share of a
-    sequence longer than the tables measured (scaled linearly from the longest row: not measured).
-    ``specs`` maps a pipeline's (tp, pp, sp) to its spec. ``fits`` / ``fits_tables``: no rank of any
-    step exceeds ``limit_bytes`` (default ``device_bytes``); ``extrapolated_mbs``: micro-batches the
-    cost model priced beyond its measured lengths."""
-    limit = device_bytes if limit_bytes is None else limit_bytes
-    peak, by_tables, extrapolated, beyond = 0.0, 0.0, 0, 0
-    for plan in plans:
-        extrapolated += plan.extrapolated
-        for rep in plan.replicas:
-            spec = specs[(rep.tp, len(rep.schedule.stages), rep.size)]
-            states = [device_bytes - mem.budget for mem in spec.memory]
-            for act, st in zip(rep.sim.peak_bytes, states):
-                peak = max(peak, act + st)
-            if tables is None:
-                continue
-            priced = []
-            for mb in rep.micro_batches:
-                mb2, out = table_micro_batch(mb, spec, tables)
-                priced.append(mb2)
-                beyond += out
-            for stage, st in enumerate(states):
-                by_tables = max(by_tables, stage_peak_bytes(priced, rep.schedule.stages[stage], stage) + st)
-    out = {
-        "peak_mem_mb": peak / MB,
-        "memory_limit_mb": limit / MB,
-        "fits": bool(peak <= limit * (1 + 1e-9)),
-        "extrapolated_mbs": extrapolated,
-    }
-    if tables is not None:
-        out.update(
-            peak_mem_mb_tables=by_tables / MB,
-            fits_tables=bool(by_tables <= limit * (1 + 1e-9)),
-            beyond_tables_mbs=beyond,
-        )
-    return out
-
-
-def table_micro_batch(mb, spec, tables: MeasuredLayerMemory):
-    """``mb`` with its per-stage stored and peak bytes priced by the measured tables: each layer
-    of a stage holds, per rank, what the tables measured for its sequences' per-rank shares
-    (ceil(s / sp) tokens each: sequence parallelism splits every row over the group), under the
-    micro-batch's recompute mode for its checkpointed layers and none for the others; the
-    embedding's and head's from the cost model (the tables did not measure them); the peak adds
-    the largest in-flight extra of any one of them; under sequence parallelism, the executor's
-    all-to-all / ring buffers as ``plan/pricing.py`` prices them (the tables ran without it). Returns (micro-batch, 1 if some share was
-    beyond the tables' longest row, else 0)."""
-    rows = [-(-int(s) // mb.sp) for s in mb.seq_lens]
-    longest = max(tables.points[(spec.tp, "none")][0][-1], 1) if (spec.tp, "none") in tables.points else None
-    beyond = int(longest is not None and max(rows) > longest)
-
-    def layer(rc: str) -> tuple[float, float]:
-        if not beyond:
-            return tables.micro_batch(rows, rc, spec.tp)
-        stored = extra = 0.0
-        for r in rows:  # beyond the tables: the longest row's bytes scaled by the length
-            st, pk = tables.sequence(min(r, longest), rc, spec.tp)
-            stored += st * max(r / longest, 1.0)
-            extra += (pk - st) * max(r / longest, 1.0)
-        return stored, extra
-
-    fits = spec.cost.table(mb.layout, mb.recompute, spec.tp).fits
-    f = features(mb.seq_lens, mb.layout, spec.cost.pad_multiple, mb.sp)
-    ckpt, none = layer(mb.recompute), layer("none")
-    stored_by, peak_by = [], []
-    for i, stage in enumerate(spec.stages):
-        n = stage.num_layers
-        k = mb.checkpointed[i] if mb.checkpointed else (n if mb.recompute != "none" else 0)
-        stored = k * ckpt[0] + (n - k) * none[0]
-        extra = max(ckpt[1] if k else 0.0, none[1] if k < n else 0.0)
-        for comp, on in (("embedding", stage.first), ("head", stage.last)):
-            if on:
-                s = fits[comp]["stored_bytes"](f)
-                stored += s
-                extra = max(extra, fits[comp]["peak_bytes"](f) - s)
-        peak = stored + max(extra, 0.0)
-        if mb.sp > 1:  # the executor's buffers, as plan/pricing.py prices them (the tables ran no sp)
-            comm, rerun = spec.layer_comm(mb.sp, "none"), spec.layer_comm(mb.sp, mb.recompute)
-            kept = (n - k) * comm.stored_bytes(f.slots, f.attn) + k * rerun.stored_bytes(f.slots, f.attn)
-            stored += kept
-            peak += kept + (comm.transient_bytes(f.slots, f.attn) if n else 0.0)
-        stored_by.append(stored)
-        peak_by.append(peak)
-    return replace(mb, stored_bytes=tuple(stored_by), peak_bytes=tuple(peak_by)), beyond
 
 
 def plot_strategies(proposal, path: str, *, title: str = "", plan=None) -> None:
