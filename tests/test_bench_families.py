@@ -59,6 +59,7 @@ def test_bench_families_prices_each_family_by_its_shape(profile_path, capsys):
 def test_a_profile_without_a_shape_or_an_unknown_family_is_refused(profile_path, tmp_path, capsys):
     raw = json.loads(profile_path.read_text())
     raw["model"]["shape"] = None
+    del raw["sha256"]  # edited on purpose: without its checksum, as the refusal of a damaged profile says
     old = tmp_path / "old.json"
     old.write_text(json.dumps(raw))
     assert main(["bench", "families", "--profile", str(old)]) == 2

@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from dyn_plugin import atomic
 from dyn_plugin.device import DTYPE_NAMES, DTYPES, dtype_name, local_rank, training_dtype
 from dyn_plugin.host import checkpoint
 from dyn_plugin.layout import RankLayout
@@ -55,10 +56,12 @@ def test_loader_state_round_trips_and_replaces_atomically(tmp_path, monkeypatch)
     def crash(*_a, **_k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint.json, "dump", crash)
+    monkeypatch.setattr(atomic.os, "replace", crash)
     with pytest.raises(OSError, match="disk full"):
         checkpoint.write_loader_state(directory, {**state, "step": 6})
+    monkeypatch.undo()
     assert checkpoint.read_loader_state(directory) == state
+    assert os.listdir(directory) == [checkpoint.LOADER_STATE]  # the temporary file removed
     with pytest.raises(FileNotFoundError):
         checkpoint.read_loader_state(tmp_path / "elsewhere")
 

@@ -17,21 +17,23 @@ PKG = ROOT / "dyn_plugin"
 
 # package -> the dyn_plugin packages it may import (besides itself)
 ALLOWED = {
-    # stdlib-only helpers at the bottom: bounds on counts and amounts, JSON files read with their name in errors
+    # stdlib-only helpers at the bottom: bounds on counts and amounts, JSON files read with their name in errors,
+    # files written whole or not at all (atomic)
     "checks": set(),
     "jsonfile": set(),
+    "atomic": set(),
     "config": {"checks", "jsonfile"},
     "child": set(),
-    "lengths": {"checks", "jsonfile"},
+    "lengths": {"checks", "jsonfile", "atomic"},
     "layout": set(),
     "device": set(),
-    "cost": {"config", "checks", "jsonfile"},
-    "plan": {"config", "lengths", "cost", "layout", "checks", "jsonfile"},
+    "cost": {"config", "checks", "jsonfile", "atomic"},
+    "plan": {"config", "lengths", "cost", "layout", "checks", "jsonfile", "atomic"},
     "store": {"config", "child"},
     "models": {"cost", "plan", "checks", "jsonfile"},
     "profiling": {"config", "cost", "models", "child", "device"},
     "runtime": {"config", "lengths", "cost", "plan", "store", "child", "layout", "device", "checks", "jsonfile"},
-    "host": {"config", "cost", "plan", "runtime", "models", "layout", "device"},
+    "host": {"config", "cost", "plan", "runtime", "models", "layout", "device", "jsonfile", "atomic"},
     # bench sits above the hosts: its training benchmarks (train_*.py) train through the FSDP entry,
     # DeepSpeed's and (in child processes only) Megatron's adapters, so it may import them
     "bench": {
@@ -47,6 +49,7 @@ ALLOWED = {
         "host",
         "layout",
         "device",
+        "atomic",
     },
     "fsdp": {
         "config",
@@ -75,12 +78,13 @@ ALLOWED = {
         "layout",
         "checks",
         "jsonfile",
+        "atomic",
     },
     "cli": {"commands"},
     "__main__": {"cli"},
     "__init__": {"cost"},
 }
-PURE = ("checks", "jsonfile", "config", "lengths", "cost", "plan", "layout")
+PURE = ("checks", "jsonfile", "atomic", "config", "lengths", "cost", "plan", "layout")
 # the modules that may import megatron_patches: the Megatron training benchmark, which runs only as the
 # ranks' main module, launched by name (``dynplugin bench train --host megatron``) in child processes, and
 # the rank script of ``bench train --host megatron-lm``, launched by path in place of pretrain_gpt.py

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..atomic import atomic_path, write_atomic, write_json_atomic
 from ..device import rank_device
 
 
@@ -76,10 +77,8 @@ def synchronize(device: torch.device) -> None:
 def write_results(out: str, records: list[dict], rows: list[dict]) -> None:
     """Rank 0's files: ``out``/records.jsonl (one line per timed step) and summary.json (the rows
     ``dynplugin bench`` prints)."""
-    with open(os.path.join(out, "records.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(rows, f)
+    write_atomic(os.path.join(out, "records.jsonl"), "".join(json.dumps(r) + "\n" for r in records))
+    write_json_atomic(os.path.join(out, "summary.json"), rows)
 
 
 def batchings_preamble(title: str, args: argparse.Namespace, legend: str, how: str = "") -> str:
@@ -121,7 +120,8 @@ def tokenized_corpus(name: str, max_len: int, out: str) -> tuple[list[np.ndarray
             for e in get_tokenizer().encode_batch(list(iter_documents(name)))
         ]
         ids = [x for x in ids if len(x) > 1]
-        np.savez(path, flat=np.concatenate(ids), offsets=np.cumsum([0] + [len(x) for x in ids]))
+        with atomic_path(path) as tmp:  # ranks of other runs may be reading the cached corpus
+            np.savez(tmp, flat=np.concatenate(ids), offsets=np.cumsum([0] + [len(x) for x in ids]))
     if ranked:
         dist.barrier()
     z = np.load(path)
@@ -206,8 +206,7 @@ def report(rows: list[dict], out: str, preamble: str, baselines: Sequence[str]) 
         for r in rows
     )
     text = preamble + head + body
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write(text)
+    write_atomic(os.path.join(out, "report.md"), text)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -225,6 +224,7 @@ def report(rows: list[dict], out: str, preamble: str, baselines: Sequence[str]) 
     ax.set_title(f"Same model, same data, {len(rows)} batchings")
     ax.set_ylim(0, max(r["effective_tokens_per_s"] for r in rows) * 1.25)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "report.png"), dpi=120)
+    with atomic_path(os.path.join(out, "report.png")) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
     return text

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import time
 
@@ -32,6 +31,7 @@ from tqdm import tqdm
 
 import deepspeed_ext
 
+from ..atomic import write_json_atomic
 from ..models.hf import build_causal_lm, load_model_config
 from .train_common import (
     add_model_argument,
@@ -231,8 +231,7 @@ def write_step_trace(step, timings: list, cost, out: str, device: torch.device) 
                 "dur": vals[-1] * 1e3,
             }
         )
-    with open(os.path.join(out, "step-trace.json"), "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    write_json_atomic(os.path.join(out, "step-trace.json"), {"traceEvents": events, "displayTimeUnit": "ms"})
 
 
 def preamble(args) -> str:

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from ..atomic import write_atomic
 from ..config import DynPluginConfig, load_config
 from ..cost.from_config import live_cost_model, model_shape
 from ..cost.table import TableCostModel
@@ -358,8 +359,7 @@ def report(rows: list[dict], args: argparse.Namespace, ranks_on: str, load: tupl
         + body
         + ("\n" + missing if missing else "")
     )
-    with open(os.path.join(args.out, "report.md"), "w") as f:
-        f.write(text)
+    write_atomic(os.path.join(args.out, "report.md"), text)
     return text
 
 

@@ -40,6 +40,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from ..atomic import write_json_atomic
 from .train_common import batchings_preamble, cost_model_section, report, summarize, tokenized_corpus, write_results
 
 logger = logging.getLogger(__name__)
@@ -140,8 +141,7 @@ def run_mode(mode: str, args: argparse.Namespace, script: str, prefix: str) -> l
             "microbatching": {"method": method, "max_seq_len": args.max_len},  # global_tokens: the flags' product
             "cluster": {"devices_per_node": args.ranks, "device": {"memory_mb": args.memory_mb}},
         }
-        with open(cfg, "w") as f:
-            json.dump({"dyn_plugin": plugin}, f)
+        write_json_atomic(cfg, {"dyn_plugin": plugin})
         cmd = [sys.executable, "-m", "dyn_plugin", "megatron", "--dyn-plugin-config", cfg]
         cmd += ["--nproc-per-node", str(args.ranks), "--", RANK_SCRIPT]
     log = os.path.join(folder, "output.log")

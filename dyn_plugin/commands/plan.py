@@ -161,6 +161,7 @@ def _write_trace(plan, link, path: str) -> None:
 def _write_plans(plan, spec, directory: str) -> None:
     import os
 
+    from ..atomic import write_atomic
     from ..plan.instructions import check_plans, plan_to_json
     from ..plan.planner import execution_plans
 
@@ -168,13 +169,14 @@ def _write_plans(plan, spec, directory: str) -> None:
     every = list(execution_plans(plan, spec.hidden_size).values())
     check_plans(every)
     for p in every:
-        with open(os.path.join(directory, f"rank{p.rank}.json"), "w") as f:
-            f.write(plan_to_json(p))
+        write_atomic(os.path.join(directory, f"rank{p.rank}.json"), plan_to_json(p))
     print(f"execution plans of step 0 -> {directory}/rank*.json ({len(every)} ranks)")
 
 
 def _plot(records: list[dict], path: str) -> None:
     import matplotlib
+
+    from ..atomic import atomic_path
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -200,5 +202,6 @@ def _plot(records: list[dict], path: str) -> None:
     ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
     ax.legend(fontsize=8, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.08), frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 
+from ..atomic import atomic_path
 from .args import RANKS, SEED, input_file, output_file
 
 HELP = "search a sharding choice per module under the memory budget (OSDP); print it as a table and write the plan JSON"
@@ -177,5 +178,6 @@ def plot_frontier(plan, path: str) -> None:
     ax.set_title(f"{os.path.basename(plan.model)}: {plan.world} ranks, {plan.micro_batches} micro-batch(es) per rank")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)

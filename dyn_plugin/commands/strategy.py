@@ -69,9 +69,11 @@ def run(args: argparse.Namespace) -> int:
     print_proposal(proposal)
     print(f"proposal -> {args.out}")
     if args.plot:
+        from ..atomic import atomic_path
         from ..bench.strategy import plot_strategies
 
-        plot_strategies(proposal, args.plot, title=f"{args.lengths}: {proposal.inputs.get('model', '')}")
+        with atomic_path(args.plot) as tmp:  # the plot written whole or not at all
+            plot_strategies(proposal, tmp, title=f"{args.lengths}: {proposal.inputs.get('model', '')}")
         print(f"plot -> {args.plot}")
     return 0
 

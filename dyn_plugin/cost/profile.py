@@ -9,7 +9,6 @@ its ``tables`` are the fits. A profile written elsewhere (another machine, a GPU
 
 from __future__ import annotations
 
-import json
 import os
 from collections import defaultdict
 from typing import Any, Literal
@@ -17,6 +16,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..atomic import CHECKSUM_KEY, check_sha256, with_sha256, write_json_atomic
 from ..config import ModelShape
 from ..jsonfile import read_json
 from .model import COMPONENTS, METRICS, features
@@ -298,6 +298,9 @@ def load_profile(source: str | os.PathLike | dict[str, Any]) -> Profile:
             f"{where} has profile schema version {raw.get('version')!r}; this dyn-plugin reads versions "
             f"{', '.join(map(str, READS))}. Re-run `dynplugin profile` or upgrade dyn-plugin"
         )
+    # a file's checksum (save_profile writes one) is checked; a dict is the caller's, perhaps edited
+    raw = check_sha256(raw, f"profile {where}") if not isinstance(source, dict) else raw
+    raw = {k: v for k, v in raw.items() if k != CHECKSUM_KEY}
     try:
         profile = Profile.model_validate(raw)
     except ValidationError as exc:
@@ -310,9 +313,8 @@ def load_profile(source: str | os.PathLike | dict[str, Any]) -> Profile:
 
 
 def save_profile(profile: Profile, path: str | os.PathLike) -> None:
-    with open(path, "w") as f:
-        json.dump(profile.model_dump(mode="json", by_alias=True), f, separators=(",", ":"))
-        f.write("\n")
+    """Written whole or not at all, with the checksum ``load_profile`` checks (``dyn_plugin.atomic``)."""
+    write_json_atomic(path, with_sha256(profile.model_dump(mode="json", by_alias=True)), separators=(",", ":"))
 
 
 def cost_model_from_profile(profile: Profile, *, allow_extrapolation: bool = False) -> TableCostModel:

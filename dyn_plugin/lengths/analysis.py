@@ -49,6 +49,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..atomic import atomic_path
 from .io import summarize, validate_lengths
 from .packing import pack_rows
 
@@ -427,6 +428,7 @@ def plot_analysis(lengths, a: Analysis, path: str | Path, name: str = "lengths")
 
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
     return path

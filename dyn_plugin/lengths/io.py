@@ -12,7 +12,6 @@ in ``bundled/`` instead, which are the same everywhere.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -26,6 +25,7 @@ from typing import Callable
 import numpy as np
 from numpy.typing import ArrayLike
 
+from dyn_plugin.atomic import atomic_path, write_json_atomic
 from dyn_plugin.checks import MAX_TOKENS
 from dyn_plugin.jsonfile import read_json
 from dyn_plugin.lengths.corpus import (
@@ -179,9 +179,10 @@ def save_lengths(lengths: ArrayLike, path: str | os.PathLike) -> Path:
     path = Path(path)
     lengths = validate_lengths(lengths)
     if path.suffix == ".npy":
-        np.save(path, lengths)
+        with atomic_path(path) as tmp:
+            np.save(tmp, lengths)
     elif path.suffix == ".json":
-        path.write_text(json.dumps({"lengths": lengths.tolist()}) + "\n")
+        write_json_atomic(path, {"lengths": lengths.tolist()})
     else:
         raise ValueError(f"cannot save lengths to {str(path)!r}: the path must end in .npy or .json")
     return path
@@ -247,7 +248,8 @@ def update_bundled(directory: Path = BUNDLED_DIR, *, progress: bool = True) -> d
         sources = dict(Counter(source for source, _ in labeled))
         # The smallest dtype that fits keeps the files at tens of KB; load_lengths widens to int64.
         dtype = np.uint16 if lengths.max() < 2**16 else np.uint32
-        np.save(directory / f"{name}.npy", lengths.astype(dtype))
+        with atomic_path(directory / f"{name}.npy") as tmp:
+            np.save(tmp, lengths.astype(dtype))
         manifest["distributions"][name] = {
             "description": DISTRIBUTIONS[name],
             "sources": sources,
@@ -256,5 +258,5 @@ def update_bundled(directory: Path = BUNDLED_DIR, *, progress: bool = True) -> d
             "summary": summarize(lengths),
         }
         logger.info("%s: %d samples", name, len(lengths))
-    (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    write_json_atomic(directory / "manifest.json", manifest, indent=2)
     return manifest

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from dyn_plugin.atomic import atomic_path
 from dyn_plugin.lengths.corpus import pydoc_topics, stdlib_texts
 
 if TYPE_CHECKING:
@@ -115,9 +116,8 @@ def get_tokenizer() -> Tokenizer:
     tokenizer = train_tokenizer(texts)
     logger.info("trained tokenizer in %.1f s, caching it at %s", time.perf_counter() - start, path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tokenizer.save(str(tmp))
-    os.replace(tmp, path)  # atomic, so concurrent runs never read a half-written file
+    with atomic_path(path) as tmp:  # concurrent runs never read a half-written file
+        tokenizer.save(tmp)
     return tokenizer
 
 

@@ -31,10 +31,12 @@ another model by naming the units it does not have.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, replace
 from typing import Iterable, Literal, Sequence
+
+from ..atomic import check_sha256, with_sha256, write_json_atomic
+from ..jsonfile import read_json
 
 SCHEMA = "dyn_plugin.shard_plan"
 VERSION = 1
@@ -201,29 +203,36 @@ class ShardPlan:
         return {"schema": SCHEMA, **d}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ShardPlan":
-        if d.get("schema") != SCHEMA:
-            raise ValueError(f"not a sharding plan: schema {d.get('schema')!r}, expected {SCHEMA!r}")
+    def from_dict(cls, d: object, where: str = "sharding plan") -> "ShardPlan":
+        """Check and read a plan's dict; every problem is a ValueError naming ``where`` (its file). A
+        ``sha256`` checksum (``save`` writes one) must match the rest."""
+        again = "search the plan again with `dynplugin shard --out`"
+        if not isinstance(d, dict) or d.get("schema") != SCHEMA:
+            schema = d.get("schema") if isinstance(d, dict) else type(d).__name__
+            raise ValueError(f"{where} is not a sharding plan: schema {schema!r}, expected {SCHEMA!r}")
         if d.get("version") != VERSION:
             raise ValueError(
-                f"sharding plan version {d.get('version')} is not readable by this version "
-                f"(reads {VERSION}); search the plan again with `dynplugin shard`"
+                f"{where} has sharding plan version {d.get('version')!r}, not readable by this version "
+                f"(reads {VERSION}); {again}"
             )
+        d = check_sha256(d, where)
         d = {k: v for k, v in d.items() if k != "schema"}
-        units = tuple(UnitPlan(**{**u, "choice": Choice.parse(u["choice"])}) for u in d.pop("units"))
-        frontier = tuple(tuple(p) for p in d.pop("frontier", ()))
-        return cls(**d, units=units, frontier=frontier)
+        try:
+            units = tuple(UnitPlan(**{**u, "choice": Choice.parse(u["choice"])}) for u in d.pop("units"))
+            frontier = tuple(tuple(p) for p in d.pop("frontier", ()))
+            return cls(**d, units=units, frontier=frontier)
+        except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as exc:
+            what = f"missing key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+            raise ValueError(f"{where} does not have the shape of a sharding plan ({what}); {again}") from None
 
     def save(self, path: str | os.PathLike) -> None:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-        os.replace(tmp, path)
+        """Written whole or not at all, with its checksum (``dyn_plugin.atomic``)."""
+        write_json_atomic(path, with_sha256(self.to_dict()), indent=1)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ShardPlan":
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        """FileNotFoundError when ``path`` does not exist; a ValueError naming it for anything wrong with it."""
+        return cls.from_dict(read_json(path, "sharding plan"), f"sharding plan {os.fspath(path)}")
 
     def with_choices(self, choices: dict[str, Choice]) -> "ShardPlan":
         """The same plan with some units' choices replaced (costs left as priced): for tests and hosts' fallbacks."""

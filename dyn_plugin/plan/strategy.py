@@ -44,6 +44,8 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from ..atomic import check_sha256, with_sha256, write_atomic
+from ..jsonfile import read_json
 from .dispatch import Dispatch, dispatch
 from .groups import size_limits
 from .microbatch import InfeasibleError
@@ -142,38 +144,74 @@ class Proposal:
     key: str  # digest of the inputs (proposal_key)
     inputs: dict = field(default_factory=dict, compare=False)
 
-    def to_json(self) -> str:
-        return json.dumps(
+    def to_dict(self) -> dict:
+        """The JSON document, with the checksum of its payload (``sha256``) that ``from_dict`` checks."""
+        return with_sha256(
             {
                 "schema": PROPOSAL_SCHEMA,
                 "version": PROPOSAL_VERSION,
                 "key": self.key,
                 "inputs": self.inputs,
                 "strategies": [s.to_json() for s in self.strategies],
-            },
-            indent=1,
+            }
         )
 
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
     @classmethod
-    def from_json(cls, text: str) -> "Proposal":
-        d = json.loads(text)
-        if d.get("schema") != PROPOSAL_SCHEMA or d.get("version") != PROPOSAL_VERSION:
+    def from_json(cls, text: str, where: str = "strategy proposal") -> "Proposal":
+        """Parse and check a proposal; every problem is a ValueError naming ``where`` (its file)."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where} is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ValueError(f"{where} is nested too deeply to be a strategy proposal") from None
+        return cls.from_dict(d, where)
+
+    @classmethod
+    def from_dict(cls, d: object, where: str = "strategy proposal") -> "Proposal":
+        again = "write it again with `dynplugin strategy`"
+        if not isinstance(d, dict) or d.get("schema") != PROPOSAL_SCHEMA or d.get("version") != PROPOSAL_VERSION:
+            schema, version = (d.get("schema"), d.get("version")) if isinstance(d, dict) else (None, None)
             raise ValueError(
-                f"not a strategy proposal of version {PROPOSAL_VERSION} (schema {d.get('schema')!r}, "
-                f"version {d.get('version')!r}); write one with `dynplugin strategy`"
+                f"{where} is not a strategy proposal of version {PROPOSAL_VERSION} (schema {schema!r}, "
+                f"version {version!r}); write one with `dynplugin strategy`"
             )
-        if not d["strategies"]:
-            raise ValueError("a strategy proposal needs at least one strategy")
-        return cls(tuple(Strategy.from_json(s) for s in d["strategies"]), d["key"], d.get("inputs", {}))
+        d = check_sha256(d, where)
+        try:
+            strategies = tuple(_strategy_from_json(s) for s in d["strategies"])
+            key, inputs = d["key"], d.get("inputs", {})
+            if not isinstance(key, str) or not isinstance(inputs, dict):
+                raise TypeError("key must be a string and inputs an object")
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            what = f"missing key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+            raise ValueError(f"{where} does not have the shape of a strategy proposal ({what}); {again}") from None
+        if not strategies:
+            raise ValueError(f"{where}: a strategy proposal needs at least one strategy")
+        return cls(strategies, key, inputs)
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            f.write(self.to_json())
+        """Written whole or not at all (``dyn_plugin.atomic``)."""
+        write_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Proposal":
-        with open(path) as f:
-            return cls.from_json(f.read())
+        """FileNotFoundError when ``path`` does not exist; a ValueError naming it for anything wrong with it."""
+        return cls.from_dict(read_json(path, "strategy proposal"), f"strategy proposal {os.fspath(path)}")
+
+
+def _strategy_from_json(d: dict) -> Strategy:
+    """A strategy of a proposal file, its counts and degrees checked (a KeyError, TypeError or ValueError
+    for a malformed one, which ``Proposal.from_dict`` turns into one naming the file)."""
+    for scheme, n in d["pipelines"]:
+        if int(n) < 1 or min(int(scheme["tp"]), int(scheme["pp"]), int(scheme["sp"])) < 1:
+            raise ValueError(f"pipeline {scheme} x {n}: counts and degrees must be >= 1")
+    strategy = Strategy.from_json(d)
+    if strategy.longest < 1:
+        raise ValueError(f"longest {strategy.longest} must be >= 1")
+    return strategy
 
 
 def _ordered(pipes: Sequence[Scheme]) -> tuple[Scheme, ...]:
@@ -682,16 +720,25 @@ def _cut(
 
 
 def cached_proposal(key: str, directory: str | os.PathLike, make: Callable[[], Proposal]) -> Proposal:
-    """The proposal stored under ``key`` in ``directory`` (JSON), else ``make()``'s, stored there."""
+    """The proposal stored under ``key`` in ``directory`` (JSON with its checksum), else ``make()``'s,
+    stored there. A cached file that is unreadable, damaged (its checksum), has none, or holds another
+    key is proposed again and replaced, with a warning naming it."""
     path = os.path.join(directory, f"strategy-{key}.json")
     if os.path.exists(path):
-        found = Proposal.load(path)
-        if found.key == key:
+        where = f"strategy proposal {path}"
+        try:
+            d = read_json(path, "strategy proposal")
+            if isinstance(d, dict):
+                check_sha256(d, where, required=True)  # the cache holds only files it wrote whole
+            found = Proposal.from_dict(d, where)
+            if found.key != key:
+                raise ValueError(f"strategy proposal {path} holds key {found.key!r}, not {key!r}")
+        except (ValueError, OSError) as exc:
+            logger.warning("strategy proposal cache %s is not usable (%s); proposing again and replacing it", path, exc)
+        else:
             logger.info("strategy proposal %s from the cache %s", key, path)
             return found
     made = make()
     os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    made.save(tmp)
-    os.replace(tmp, path)  # readers never see half a file
+    made.save(path)  # a unique temporary file renamed into place: readers never see half a file
     return made

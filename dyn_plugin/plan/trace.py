@@ -6,11 +6,11 @@ stage, so a planned step can be compared with a profiler trace of the real one.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Sequence
 
+from ..atomic import write_json_atomic
 from .simulator import memory_timeline
 from .types import MicroBatch, SimResult
 
@@ -76,7 +76,7 @@ def write_chrome_trace(path: str | Path, traces: list[dict]) -> None:
     if len(pids) != len(set(pids)):
         raise ValueError(f"traces share a replica id ({sorted(pids)}); give each its own replica=")
     merged = {"traceEvents": [e for t in traces for e in t["traceEvents"]], "displayTimeUnit": "ms"}
-    Path(path).write_text(json.dumps(merged))
+    write_json_atomic(path, merged)
 
 
 def _tid(stage: int, stream: str) -> int:
