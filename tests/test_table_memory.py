@@ -18,9 +18,12 @@ def test_measured_points_are_read_as_measured_and_lines_between_them_lie_above()
     full = next(t for t in raw["tables"] if t["tp"] == 1 and t["recompute"] == "full")
     peak = {s: v for s, b, v in full["peak_activation_mb"]["encoder"] if b == 1}
     assert tables.sequence(8192, "full")[1] == pytest.approx(peak[8192] * MB)  # 15,650 MB: the point
-    # halfway between two measured lengths: the chord, at or above the convex points
+    # halfway between two measured lengths: the bytes per token halfway, below the chord of the convex points
     mid = tables.sequence(6144 + 1024, "full")[1]
-    assert mid == pytest.approx((peak[6144] + peak[8192]) / 2 * MB)
+    assert mid == pytest.approx(7168 * (peak[6144] / 6144 + peak[8192] / 8192) / 2 * MB)
+    assert mid <= (peak[6144] + peak[8192]) / 2 * MB
+    # below the shortest measured length: its bytes per token
+    assert tables.sequence(8, "full")[1] == pytest.approx(tables.sequence(16, "full")[1] / 2)
     # a micro-batch sums its sequences (as a padded batch's rows add up)
     stored, extra = tables.micro_batch([1024, 1024], "none")
     one = tables.sequence(1024, "none")

@@ -19,15 +19,11 @@ def _rows(table: dict[str, Any], key: str, name: str) -> dict[tuple[int, int], f
 
 class MeasuredLayerMemory:
     """One transformer layer's activation memory read off the measured tables, independent of any
-    fit: per sequence, the ``b = 1`` rows of ``stored_activation_mb`` and ``peak_activation_mb``,
-    linear between measured lengths (the points rise convexly in the length, so the line between
-    two lies on or above the truth: conservative), the shortest measured length's below it. A
-    micro-batch holds the sum over its sequences of both stored bytes and in-flight extra (peak
-    minus stored): its sequences run the layer together, as a padded batch's rows do (the tables'
-    ``b > 1`` rows are ``b`` times the ``b = 1`` row within a few percent). Beyond the longest
-    measured length the bytes per token run on along the line through the last two lengths' (a
-    layer holding a + b*s per token of an s-token sequence, as the tables' attention matrices make
-    it, is extrapolated exactly); ``longest`` says where measurement stops."""
+    fit: per sequence, the ``b = 1`` rows of ``stored_activation_mb`` and ``peak_activation_mb``
+    (``sequence``). A micro-batch holds the sum over its sequences of both stored bytes and
+    in-flight extra (peak minus stored): its sequences run the layer together, as a padded batch's
+    rows do (the tables' ``b > 1`` rows are ``b`` times the ``b = 1`` row within a few percent);
+    ``longest`` says where measurement stops."""
 
     def __init__(self, source: str | os.PathLike | dict[str, Any]) -> None:
         if isinstance(source, dict):
@@ -49,15 +45,21 @@ class MeasuredLayerMemory:
                 )
 
     def sequence(self, length: int, recompute: str, tp: int = 1) -> tuple[float, float]:
-        """(stored, peak) bytes of one sequence of ``length`` tokens in one layer."""
+        """(stored, peak) bytes of one sequence of ``length`` tokens in one layer: the bytes per
+        token run along straight lines between the measured lengths and on beyond the last two
+        (a layer holding a + b*s bytes per token of an s-token sequence, as its attention matrices
+        make it, is read exactly between and beyond its points); below the shortest measured
+        length, the shortest's bytes per token."""
         if (tp, recompute) not in self.points:
             raise ValueError(f"{self.name}: no table for tp={tp}, recompute={recompute!r}")
         lens, stored, peak = self.points[(tp, recompute)]
-        if length <= lens[-1] or len(lens) < 2:
-            return float(np.interp(length, lens, stored)), float(np.interp(length, lens, peak))
-        (a, b), out = lens[-2:], []
+        out = []
         for values in (stored, peak):
-            pa, pb = values[-2] / a, values[-1] / b
+            per_token = [v / n for v, n in zip(values, lens)]
+            if length <= lens[-1] or len(lens) < 2:
+                out.append(length * float(np.interp(length, lens, per_token)))
+                continue
+            (a, b), (pa, pb) = lens[-2:], per_token[-2:]
             out.append(length * (pb + max(0.0, (pb - pa) / (b - a)) * (length - b)))
         return out[0], out[1]
 
