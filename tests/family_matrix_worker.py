@@ -194,7 +194,8 @@ def reference(ref: torch.nn.Module, samples) -> tuple[float, dict[str, torch.Ten
 def plugin_section(memory_mb: float, layout: str = "packed") -> dict:
     return {
         "microbatching": {"layout": layout, "global_tokens": 800, "max_seq_len": 128, "recompute": "none"},
-        "cluster": {"device": {"memory_mb": memory_mb, "memory_fraction": 1.0}},
+        # a device sized to the model states plus ACTIVATION_MB exactly: no allocator margin on top
+        "cluster": {"device": {"memory_mb": memory_mb, "memory_fraction": 1.0, "allocator_margin": 0.0}},
         "cost_model": {"kind": "analytic", "dtype": "fp32"},
     }
 
