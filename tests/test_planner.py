@@ -254,3 +254,21 @@ def test_a_host_that_cannot_cap_micro_batches_in_flight_gets_more_recompute_inst
     tiny = replace(SPEC, memory=tuple(replace(m, budget=1.0) for m in SPEC.memory))
     with pytest.raises(ValueError, match="cannot hold the micro-batches the host's 1F1B keeps in flight"):
         recompute_to_fit(mbs, natural, spec=tiny)
+
+
+def test_the_optimizer_steps_fp32_gradients_must_fit_too():
+    """Mixed precision: the step works on an fp32 copy of its partition's gradients, alive when no
+    activation is; a device that holds the states but not the step is refused, naming it."""
+    states = COST.model_state_bytes(zero_stage=1, dp=2)
+    assert states.update == pytest.approx(4 * COST.stage_params() / 2)
+    between = (states.total + states.update / 2) / 2**20
+
+    def spec(memory_mb):
+        cfg = DynPluginConfig.model_validate(
+            {"cluster": {"device": {"memory_mb": memory_mb, "memory_fraction": 1.0, "allocator_margin": 0.0}}}
+        )
+        return planner_spec(COST, cfg, dp=2, zero_stage=1)
+
+    with pytest.raises(ValueError, match="optimizer step needs .* fp32 gradients"):
+        spec(between)
+    assert spec(states.update_peak / 2**20 + 1).memory[0].budget > 0

@@ -117,10 +117,18 @@ class ModelStateBytes:
     params: float
     grads: float
     optimizer: float
+    # alive only in the optimizer step, when no activation is: the fp32 copy of the gradients the
+    # step works on under mixed precision (DeepSpeed's and torch's AMP optimizers alike)
+    update: float = 0.0
 
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer
+
+    @property
+    def update_peak(self) -> float:
+        """What the device holds during the optimizer step."""
+        return self.total + self.update
 
 
 class OutOfProfileRange(ValueError):
@@ -159,13 +167,14 @@ class Precision:
     param: int
     grad: int
     optimizer: int
+    update: int = 0  # the step's fp32 copy of the gradients of the optimizer's partition
 
     @classmethod
     def of(cls, dtype: str) -> "Precision":
         if dtype == "fp32":
             return cls(param=4, grad=4, optimizer=8)  # Adam m and v
         if dtype in ("fp16", "bf16"):
-            return cls(param=2, grad=2, optimizer=12)  # fp32 master copy + m + v
+            return cls(param=2, grad=2, optimizer=12, update=4)  # fp32 master copy + m + v
         raise ValueError(f"dtype must be one of fp32, fp16, bf16; got {dtype!r}")
 
 
@@ -179,4 +188,5 @@ def zero_sharded_states(num_params: float, precision: Precision, zero_stage: int
         params=num_params * precision.param / (dp if zero_stage >= 3 else 1),
         grads=num_params * precision.grad / (dp if zero_stage >= 2 else 1),
         optimizer=num_params * precision.optimizer / (dp if zero_stage >= 1 else 1),
+        update=num_params * precision.update / (dp if zero_stage >= 1 else 1),
     )

@@ -131,16 +131,19 @@ def planner_spec(
             )
     memory = []
     for i, s in enumerate(stages):
-        states = (
-            state_bytes
-            if state_bytes is not None
-            else cost.model_state_bytes(stage=s, zero_stage=zero_stage, dp=dp, tp=tp).total
-        )
+        held = None if state_bytes is not None else cost.model_state_bytes(stage=s, zero_stage=zero_stage, dp=dp, tp=tp)
+        states = state_bytes if held is None else held.total
         if states >= device_bytes:
             raise ValueError(
                 f"pipeline stage {i} needs {states / MB:.0f} MB for model states (ZeRO-{zero_stage}, dp={dp}) but "
                 f"plans may use {device_bytes / MB:.0f} MB of a device (memory_mb x memory_fraction, less the "
                 f"allocator's margin); add pipeline stages, raise the ZeRO stage or the memory"
+            )
+        if held is not None and held.update_peak > device_bytes:
+            raise ValueError(
+                f"pipeline stage {i}'s optimizer step needs {held.update_peak / MB:.0f} MB (model states and "
+                f"the step's fp32 gradients, ZeRO-{zero_stage}, dp={dp}) but plans may use {device_bytes / MB:.0f} MB "
+                "of a device; add pipeline stages, raise the ZeRO stage or the memory"
             )
         memory.append(StageMemory(budget=device_bytes - states, in_flight=len(stages) - i))
     same_node = len(stages) * tp <= cluster.devices_per_node
