@@ -68,7 +68,7 @@ demo: install
 	@echo "  plan.png, plan-trace.json     A100 GPT-6.7B plans vs baselines; open the trace in https://ui.perfetto.dev"
 	@echo "  plans/rank*.json              per-rank execution plans (instructions) of the first step"
 	@echo "  (printed)                     sequence parallelism per micro-batch: dynamic vs fixed sizes, Megatron's hybrid CP, DCP's buckets"
-	@echo "  shard-plan.json, shard-frontier.png  GPT-6.7B on 2 A100 nodes: a sharding choice per module under 30 GB (OSDP)"
+	@echo "  shard-plan.json, shard-frontier.png  GPT-6.7B on 2 A100 nodes: a sharding choice per module under 32 GB (OSDP)"
 	@echo "  strategy.json, strategy.png   GPT-6.7B on 64 A100s: heterogeneous strategies proposed for code lengths (Hydraulis)"
 	@echo "  train/report.md, report.png   DeepSpeed on 2 CPU ranks: padded, token budget, fixed-length and varlen packing, dyn_plugin"
 	@echo "  train/step-trace.json         one executed plugin step, measured vs predicted per micro-batch"
