@@ -334,6 +334,7 @@ CLI: list[Cli] = [
     Cli("bench loader --samples 0", "--samples"),
     Cli("bench loader --samples " + BIG, "--samples"),
     Cli("bench loader --redis-url notaurl", "--redis-url"),
+    Cli("bench loader --redis-url redis://127.0.0.1:1", "redis://127.0.0.1:1 unavailable"),
     Cli("bench train --ranks 0", "--ranks"),
     Cli("bench train --ranks -1", "--ranks"),
     Cli("bench train --steps 0", "--steps"),

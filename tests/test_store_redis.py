@@ -209,6 +209,15 @@ def test_wrong_password(redis_server, monkeypatch):  # noqa: F811
         open_store(_config(redis_server), rank=0, world_size=1)
 
 
+def test_bench_loader_names_a_wrong_password_in_one_line_before_it_runs(redis_server, monkeypatch, capsys):  # noqa: F811
+    from dyn_plugin.cli import main
+
+    monkeypatch.setenv(PASSWORD_ENV, "not-the-password")
+    assert main(["bench", "loader", "--redis-url", redis_server.url]) == 2
+    out, err = capsys.readouterr()
+    assert not out and len(err.strip().splitlines()) == 1 and "refused authentication" in err, err
+
+
 def test_missing_password(redis_server):  # noqa: F811
     with pytest.raises(StoreAuthError, match=f"set \\${PASSWORD_ENV}"):
         open_store(_config(redis_server), rank=0, world_size=1)

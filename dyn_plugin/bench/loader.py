@@ -118,6 +118,10 @@ def bench_loader(
     port: int | None = None,
     redis_url: str | None = None,
 ) -> Iterator[dict]:
+    if redis_url is not None:  # a dead server or a wrong password: said now, not after the loader runs
+        from .store import check_redis
+
+        check_redis(redis_url)
     modes = [("local", {"backend": "none"})]
     modes.append(("tcp-store", {"backend": "tcp", "namespace": f"bench-{time.time_ns()}", "port": port or 0}))
     for mode, store in modes:

@@ -42,6 +42,13 @@ def round_trip_latency(store: PlanStore, *, payload_bytes: int, count: int) -> d
     return {"payload_bytes": payload_bytes, "count": count, "p50_ms": float(p50), "p99_ms": float(p99)}
 
 
+def check_redis(url: str) -> None:
+    """Connect to the Redis server at ``url`` (password from $DYN_PLUGIN_REDIS_PASSWORD) and go:
+    StoreUnavailable or StoreAuthError, each one line, if it cannot be used."""
+    with RedisPlanStore.open(StoreConfig(backend="redis", url=url, namespace="bench-check"), secret=None):
+        pass
+
+
 def bench_stores(
     count: int = 200, payload_bytes: Sequence[int] = (1024, 65536), redis_url: str | None = None
 ) -> list[dict]:

@@ -31,12 +31,13 @@ class StoreError(RuntimeError):
     """Any plan-store failure; the message names the key and the backend address."""
 
 
-class StoreUnavailable(StoreError):
-    """The backend cannot be reached (down, gone away, or never there)."""
+class StoreUnavailable(StoreError, ConnectionError):
+    """The backend cannot be reached (down, gone away, or never there). A ConnectionError too: the
+    environment's fault, which the CLI reports as one line, not as an internal error."""
 
 
-class StoreAuthError(StoreError):
-    """The backend refused our credentials."""
+class StoreAuthError(StoreError, PermissionError):
+    """The backend refused our credentials (a PermissionError too, for the same reason)."""
 
 
 class StoreTimeout(StoreError):
