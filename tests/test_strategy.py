@@ -223,11 +223,14 @@ def test_memory_record_prices_plans_by_the_model_and_by_the_measured_tables(sett
     plans = [plan_cluster_step(b, proposal.strategies, by_scheme)[0] for b in batches[:2]]
     rec = memory_record(plans, specs, device, tables=tables)
     assert rec["fits"] and rec["memory_limit_mb"] == 36000 and 0 < rec["peak_mem_mb"] <= 36000 * (1 + 1e-9)
-    states = min(device - m.budget for k in kinds for m in k.spec.memory)
+    states = min(m.states for k in kinds for m in k.spec.memory)
     assert rec["peak_mem_mb"] * MB > states and rec["peak_mem_mb_tables"] * MB > states
+    # by its own estimate a plan stays within what plans may fill (the device less the allocator's margin)
+    plannable = max(m.states + m.budget for k in kinds for m in k.spec.memory)
+    assert plannable < device and rec["peak_mem_mb"] * MB <= plannable * (1 + 1e-9)
     assert rec["fits_tables"] == (rec["peak_mem_mb_tables"] <= 36000 * (1 + 1e-9))
     # a limit just under the peak is exceeded; the states stay those the specs were built with
-    tight = memory_record(plans, specs, device, rec["peak_mem_mb"] * MB * 0.999, tables=tables)
+    tight = memory_record(plans, specs, rec["peak_mem_mb"] * MB * 0.999, tables=tables)
     assert not tight["fits"] and tight["peak_mem_mb"] == rec["peak_mem_mb"]
     # the tables' pricing of one micro-batch: per stage, stored <= peak, and a longer sequence holds more
     rep = plans[0].replicas[0]

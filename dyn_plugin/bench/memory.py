@@ -14,6 +14,7 @@ from dataclasses import replace
 from ..cost.bundled import MEASURED_DIR
 from ..cost.model import features
 from ..cost.table_memory import MeasuredLayerMemory
+from ..plan.pricing import sp_buffer_bytes
 from ..plan.simulator import stage_peak_bytes
 from ..plan.spec import PlannerSpec
 from ..plan.types import MicroBatch, StepPlan
@@ -31,28 +32,26 @@ def measured_tables(model: str) -> MeasuredLayerMemory | None:
 def memory_record(
     plans: list[StepPlan],
     specs: dict[tuple[int, int, int], PlannerSpec],
-    device_bytes: float,
-    limit_bytes: float | None = None,
+    limit_bytes: float,
     tables: MeasuredLayerMemory | None = None,
 ) -> dict:
     """Peak memory per GPU over the steps' plans. ``peak_mem_mb``: by the cost model's memory (the
     per-length fit of the measured tables): each stage's simulated activation peak (every
     micro-batch in flight under its schedule, plus the transient of the one running) plus the model
-    states its spec charges (``device_bytes``, the memory the specs were built for, less that
-    stage's activation budget). ``peak_mem_mb_tables`` (with ``tables``): the same schedules with
+    states its spec charges (``StageMemory.states``). ``peak_mem_mb_tables`` (with ``tables``): the same schedules with
     every micro-batch's transformer layers read off the measured tables instead
     (``table_micro_batch``); ``beyond_tables_mbs`` counts micro-batches with a row longer than the
     tables measured (extrapolated there, not measured).
     ``specs`` maps a pipeline's (tp, pp, sp) to its spec. ``fits`` / ``fits_tables``: no rank of any
-    step exceeds ``limit_bytes`` (default ``device_bytes``); ``extrapolated_mbs``: micro-batches the
-    cost model priced beyond its measured lengths."""
-    limit = device_bytes if limit_bytes is None else limit_bytes
+    step exceeds ``limit_bytes``; ``extrapolated_mbs``: micro-batches the cost model priced beyond
+    its measured lengths."""
+    limit = limit_bytes
     peak, by_tables, extrapolated, beyond = 0.0, 0.0, 0, 0
     for plan in plans:
         extrapolated += plan.extrapolated
         for rep in plan.replicas:
             spec = specs[(rep.tp, len(rep.schedule.stages), rep.size)]
-            states = [device_bytes - mem.budget for mem in spec.memory]
+            states = [mem.states for mem in spec.memory]
             for act, st in zip(rep.sim.peak_bytes, states):
                 peak = max(peak, act + st)
             if tables is None:
@@ -111,12 +110,8 @@ def table_micro_batch(mb: MicroBatch, spec: PlannerSpec, tables: MeasuredLayerMe
                 s = fits[comp]["stored_bytes"](f)
                 stored += s
                 extra = max(extra, fits[comp]["peak_bytes"](f) - s)
-        peak = stored + max(extra, 0.0)
-        if mb.sp > 1:  # the executor's buffers, as plan/pricing.py prices them (the tables ran no sp)
-            comm, rerun = spec.layer_comm(mb.sp, "none"), spec.layer_comm(mb.sp, mb.recompute)
-            kept = (n - k) * comm.stored_bytes(f.slots, f.attn) + k * rerun.stored_bytes(f.slots, f.attn)
-            stored += kept
-            peak += kept + (comm.transient_bytes(f.slots, f.attn) if n else 0.0)
-        stored_by.append(stored)
-        peak_by.append(peak)
+        # the executor's buffers, as the planner prices them (the tables ran no sequence parallelism)
+        kept, transient = sp_buffer_bytes(spec, mb.sp, mb.recompute, f, n, k)
+        stored_by.append(stored + kept)
+        peak_by.append(stored + max(extra, 0.0) + kept + transient)
     return replace(mb, stored_bytes=tuple(stored_by), peak_bytes=tuple(peak_by)), beyond

@@ -115,10 +115,7 @@ def _bench_config(
         gaps = [gap_terms(p, b, sp_spec) for p, b in zip(plans, batches)]
         # every plan's peak per GPU, by the cost model and by the measured tables, against the
         # memory plans may fill (the device's less the allocator's margin)
-        plannable = (
-            sp_spec.memory[0].budget
-            + sp_spec.cost.model_state_bytes(stage=sp_spec.stages[0], zero_stage=1, dp=sp_spec.dp).total
-        )
+        plannable = sp_spec.memory[0].budget + sp_spec.memory[0].states
         memory = memory_record(plans, {(1, pp, k): sp_spec for k in sp_spec.sp_sizes}, plannable, tables=tables)
         yield {
             **rec,

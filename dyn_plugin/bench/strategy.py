@@ -179,12 +179,11 @@ def _methods(
     kinds = scheme_costs(cost, cfg, gpus=gpus)
     by_scheme = {k.scheme: k for k in kinds}
     specs = {(k.scheme.tp, k.scheme.pp, k.scheme.sp): k.spec for k in kinds}
-    device_bytes = cfg.cluster.device.memory_mb * MB * cfg.cluster.device.memory_fraction
 
     def done(r: dict, extra: dict) -> dict | None:
         if not r["ok"]:
             return None
-        memory = memory_record(r["plans"], specs, device_bytes, limit_mb * MB, tables=tables)
+        memory = memory_record(r["plans"], specs, limit_mb * MB, tables=tables)
         return {**r, "memory": memory, "extra": extra, "budget_mb": budget_mb}
 
     out: dict = {"hydraulis": None, "seed_stage1": None}

@@ -57,10 +57,12 @@ class InfeasibleError(ValueError):
 @dataclass(frozen=True)
 class StageMemory:
     """What one pipeline stage can hold: ``budget`` bytes for activations, and how many
-    micro-batches keep theirs alive at once under 1F1B (stages - stage index)."""
+    micro-batches keep theirs alive at once under 1F1B (stages - stage index). ``states``: the
+    model states the device holds beside them (what was taken off its memory to leave the budget)."""
 
     budget: float
     in_flight: int
+    states: float = 0.0
 
     def fits(self, stored: float, peak: float) -> bool:
         """Every micro-batch in flight keeps as much as this one, plus this one's transient."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from ..cost.model import RECOMPUTES, Layout, Recompute, features, tensor_shape
+from ..cost.model import RECOMPUTES, Features, Layout, Recompute, features, tensor_shape
 from ..cost.table import evaluate_checkpointed, evaluate_stage
 from .simulator import simulate, stage_peak_bytes
 from .spec import ACT_BYTES, PlannerSpec
@@ -51,10 +51,9 @@ def make_micro_batch(
         for i, (s, c) in enumerate(zip(spec.stages, counts)):
             fwd[i] += s.num_layers * comm.forward_ms(f.slots)
             bwd[i] += (s.num_layers - c) * comm.backward_ms(f.slots) + c * rerun.backward_ms(f.slots)
-            # the executor's buffers: kept by the layers that do not recompute, transient in any one
-            kept = (s.num_layers - c) * comm.stored_bytes(f.slots, f.attn) + c * rerun.stored_bytes(f.slots, f.attn)
+            kept, transient = sp_buffer_bytes(spec, sp, recompute, f, s.num_layers, c)
             stored[i] += kept
-            peak[i] += kept + (comm.transient_bytes(f.slots, f.attn) if s.num_layers else 0.0)
+            peak[i] += kept + transient
     shape = tensor_shape(lens, layout, spec.cost.pad_multiple, sp)
     act = shape[0] * shape[1] // sp * spec.hidden_size * ACT_BYTES.get(spec.cost.dtype, 2) / spec.tp
     return MicroBatch(
@@ -72,6 +71,21 @@ def make_micro_batch(
         checkpointed=() if whole else counts,
         extrapolated=extrapolated,
     )
+
+
+def sp_buffer_bytes(
+    spec: PlannerSpec, sp: int, recompute: Recompute, f: Features, layers: int, checkpointed: int
+) -> tuple[float, float]:
+    """(kept, transient) bytes of sequence parallelism's executor buffers on a stage of ``layers``
+    layers, ``checkpointed`` of them under ``recompute``: kept by the layers that do not recompute
+    (``SequenceParallelCost.layer``), transient in any one. Zeros without sequence parallelism."""
+    if sp <= 1:
+        return 0.0, 0.0
+    comm, rerun = spec.layer_comm(sp, "none"), spec.layer_comm(sp, recompute)
+    kept = (layers - checkpointed) * comm.stored_bytes(f.slots, f.attn) + checkpointed * rerun.stored_bytes(
+        f.slots, f.attn
+    )
+    return kept, comm.transient_bytes(f.slots, f.attn) if layers else 0.0
 
 
 def relax_recompute(

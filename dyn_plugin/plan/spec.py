@@ -145,7 +145,7 @@ def planner_spec(
                 f"the step's fp32 gradients, ZeRO-{zero_stage}, dp={dp}) but plans may use {device_bytes / MB:.0f} MB "
                 "of a device; add pipeline stages, raise the ZeRO stage or the memory"
             )
-        memory.append(StageMemory(budget=device_bytes - states, in_flight=len(stages) - i))
+        memory.append(StageMemory(budget=device_bytes - states, in_flight=len(stages) - i, states=states))
     same_node = len(stages) * tp <= cluster.devices_per_node
     link = LinkSpec(cluster.intra_node_gb_per_s if same_node else cluster.inter_node_gb_per_s, cluster.latency_us)
     hidden = hidden_size or cost.hidden_size
