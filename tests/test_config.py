@@ -1,6 +1,7 @@
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from dyn_plugin.config import ConfigError, DynPluginConfig, load_config
 
@@ -183,3 +184,33 @@ def test_config_names_are_the_registries(section, key, registry):
     assert set(typing.get_args(field.annotation)) == set(names), (
         f"dyn_plugin.config: {section}.{key} allows {typing.get_args(field.annotation)}, {registry} has {tuple(names)}"
     )
+
+
+def test_plans_keep_the_measured_margin_of_the_allocator_in_use(monkeypatch):
+    from dyn_plugin.config import CACHING_ALLOCATOR_MARGIN, EXPANDABLE_SEGMENTS_MARGIN, DeviceSpec
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    device = DeviceSpec(memory_mb=72000, memory_fraction=0.9)
+    assert device.margin == CACHING_ALLOCATOR_MARGIN == 0.065
+    assert device.plannable_mb == pytest.approx(72000 * 0.9 / 1.065)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6, expandable_segments:True")
+    assert device.margin == EXPANDABLE_SEGMENTS_MARGIN == 0.01
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert device.margin == CACHING_ALLOCATOR_MARGIN
+    assert DeviceSpec(memory_mb=72000, allocator_margin=0.2).margin == 0.2  # a stated margin wins
+    with pytest.raises(ValidationError):
+        DeviceSpec(allocator_margin=-0.1)
+
+
+def test_the_planner_fills_the_plannable_memory_only():
+    from dyn_plugin.cost.bundled import load_bundled
+    from dyn_plugin.cost.profile import cost_model_from_profile
+    from dyn_plugin.plan.spec import planner_spec
+
+    cost = cost_model_from_profile(load_bundled("a100-gpt-6.7b"))
+    cfg = DynPluginConfig.model_validate(
+        {"pipeline": {"stages": 4}, "cluster": {"device": {"memory_mb": 72000, "memory_fraction": 1.0}}}
+    )
+    spec = planner_spec(cost, cfg, dp=2, zero_stage=1)
+    for mem in spec.memory:
+        assert mem.budget + mem.states == pytest.approx(cfg.cluster.device.plannable_mb * 2**20)

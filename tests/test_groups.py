@@ -199,3 +199,23 @@ def test_the_gap_to_the_ideal_step_adds_up_term_by_term():
             if any(mb.recompute != "none" for mb in plan.micro_batches):
                 assert terms["recompute"] > 0
             assert (terms["communication"] > 0) == any(mb.sp > 1 for mb in plan.micro_batches)
+
+
+def test_bench_sp_records_memory_and_the_ideal_gap_beside_time(capsys):
+    import json
+
+    from dyn_plugin.cli import main
+
+    args = ["bench", "sp", "--distributions", "code", "--global-tokens", "65536", "--gpus", "8", "--pp", "4"]
+    assert main(args + ["--max-len", "8192", "--batches", "1", "--json"]) == 0
+    rows = {r["method"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    dynamic = rows["dynamic_sp"]
+    for r in rows.values():
+        if "error" in r:
+            continue
+        assert sum(r["gap_ms"].values()) == pytest.approx(r["sim_iter_ms"] - r["ideal_ms"], rel=1e-9)
+        assert r["critical_path_ms"] <= r["sim_iter_ms"] and r["fits"]
+        assert r["peak_mem_mb"] <= r["memory_limit_mb"] * (1 + 1e-9) and r["peak_mem_mb_tables"] > 0
+    assert rows["fixed_sp"]["sim_iter_ms"] <= rows["fixed_sp_smallest"]["sim_iter_ms"]  # the tuned size
+    assert dynamic["sim_iter_ms"] <= rows["fixed_sp"]["sim_iter_ms"] * (1 + 1e-9)
+    assert dynamic["memory_limit_mb"] < 72000  # the card less the allocator's margin
