@@ -47,7 +47,7 @@ def _mode(target: str) -> int:
         return 0o666 & ~_umask()
 
 
-def _fsync_directory(directory: str) -> None:
+def fsync_directory(directory: str) -> None:
     """Make the rename itself durable; some file systems cannot open or fsync a directory."""
     with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
@@ -73,7 +73,7 @@ def _temporary(target: str, directory: str) -> tuple[int, str]:
 def _publish(tmp: str, target: str, directory: str) -> None:
     os.chmod(tmp, _mode(target))
     os.replace(tmp, target)
-    _fsync_directory(directory)
+    fsync_directory(directory)
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str) -> str:
@@ -156,6 +156,7 @@ __all__ = [
     "CHECKSUM_KEY",
     "atomic_path",
     "check_sha256",
+    "fsync_directory",
     "payload_sha256",
     "with_sha256",
     "write_atomic",

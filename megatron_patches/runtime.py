@@ -16,6 +16,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from dyn_plugin.config import ConfigError, LoadedConfig, ModelShape, load_config
+from dyn_plugin.host import checkpoint
 from dyn_plugin.host.sequence_parallel import SequenceRuntime
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.runtime.loader import DynLoader, Step
@@ -48,7 +49,7 @@ class PluginRun:
     loader: DynLoader | None = None
     sequence: SequenceRuntime | None = None  # the sequence-parallel groups, with sequence_parallel.enabled
     step: Step | None = None
-    resume: dict | None = None  # a checkpoint's loader position, until the loader exists
+    resume: Any = None  # the checkpoint (dyn_plugin.host.checkpoint.Checkpoint) to continue from, until the loader exists
     _steps: Iterator[Step] | None = field(default=None, repr=False)
 
     def set_documents(self, documents: Documents) -> None:
@@ -61,12 +62,12 @@ class PluginRun:
             "dyn_plugin plans the %d training documents (%d tokens)", len(documents), int(documents.lengths.sum())
         )
 
-    def restore(self, state: dict) -> None:
+    def restore(self, ckpt: Any) -> None:
         """Continue from a checkpoint's loader position (now, or when the loader is built)."""
         if self.loader is None:
-            self.resume = state
+            self.resume = ckpt
         else:
-            self.loader.load_state_dict(state)
+            checkpoint.restore(self.loader, ckpt)
             self._steps = None
 
     def next_step(self, model: Any) -> Step:
@@ -75,7 +76,7 @@ class PluginRun:
             self.loader = build_loader(self, model)
             self.sequence = build_sequence(self, model)
             if self.resume is not None:
-                self.loader.load_state_dict(self.resume)
+                checkpoint.restore(self.loader, self.resume)
                 self.resume = None
         for _ in range(2):
             if self._steps is None:

@@ -5,18 +5,20 @@ its token budget is ``--global-batch-size`` samples of ``--seq-length`` tokens (
 Megatron-LM's ``consumed_train_samples`` and learning-rate schedule (warm-up, decay, both in
 samples) advance by ``--global-batch-size`` per iteration as they would without the plugin.
 
-Checkpoints: the loader's position (epoch, step and what identifies the plan) is saved as JSON
-beside Megatron's distributed checkpoint, by each node's local rank 0 (no shared filesystem
-assumed), and restored when that checkpoint is loaded: the run continues with exactly the
-samples the interrupted epoch had left. The loader may not exist yet at load time (it is built
-at the first step), so the position waits in the run until it does.
+Checkpoints follow the plugin's protocol (``dyn_plugin.host.checkpoint``): each node's local rank 0
+takes a re-used folder's marker away before ``dist_checkpointing.save`` writes, and writes the marker
+(the loader's position, what the plans depend on) once every rank's files are written, before
+Megatron-LM's tracker file names the iteration; an asynchronous save (``--async-save``) commits from
+the save's finalize step, when its files are. A kill anywhere leaves the tracker naming the last
+whole checkpoint. On load the marker's position is restored (the loader may not exist yet: it is
+built at the first step, so the position waits in the run until it does); a checkpoint without one
+is refused on every rank, unless Megatron-LM's ``--finetune`` says the data starts afresh.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Callable
 
 from .registry import Patch
@@ -26,49 +28,79 @@ logger = logging.getLogger(__name__)
 CHECKPOINTING = "megatron.core.dist_checkpointing.serialization"
 
 
-def save_loader_state(checkpoint_dir: str) -> None:
-    from dyn_plugin.device import local_rank
-    from dyn_plugin.host.checkpoint import write_loader_state
+def _barrier() -> None:
+    import torch.distributed as dist
 
-    from . import runtime
-
-    run = runtime.RUN
-    if run is None or run.loader is None or local_rank() != 0:
-        return
-    write_loader_state(checkpoint_dir, run.loader.state_dict())
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
-def load_loader_state(checkpoint_dir: str) -> None:
-    from dyn_plugin.host.checkpoint import LOADER_STATE, loader_state_path, read_loader_state
+def _finetuning() -> bool:
+    """Megatron-LM's ``--finetune``: the weights are loaded, the iteration and the data start afresh."""
+    try:
+        from megatron.training.global_vars import get_args
 
-    from . import runtime
-
-    run = runtime.RUN
-    if run is None:
-        return
-    if not os.path.exists(loader_state_path(checkpoint_dir)):
-        logger.warning("%s has no %s: the loader starts from the beginning of the data", checkpoint_dir, LOADER_STATE)
-        return
-    run.restore(read_loader_state(checkpoint_dir))
+        return bool(getattr(get_args(), "finetune", False))
+    except (ImportError, AssertionError):  # megatron-core alone, or Megatron-LM's args not parsed
+        return False
 
 
-def _then(hook: Callable[[str], None]) -> Callable[[Callable], Callable]:
-    """A patch maker: ``dist_checkpointing.save``/``load``, then ``hook`` on the checkpoint folder."""
+def _save(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def save(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        from dyn_plugin.host import checkpoint
 
-    def make(original: Callable) -> Callable:
-        @functools.wraps(original)
-        def run(sharded_state_dict, checkpoint_dir, *args, **kwargs):
-            out = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-            hook(str(checkpoint_dir))
+        from . import runtime
+
+        run = runtime.RUN
+        if run is None or run.loader is None:  # no planned step yet: nothing of the data to keep
+            return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        record = checkpoint.Record.of(run.loader)  # now: an asynchronous save commits after more steps
+        directory = str(checkpoint_dir)
+        if checkpoint.is_writer():
+            checkpoint.begin(directory)
+        _barrier()
+
+        def publish() -> None:
+            if checkpoint.is_writer():
+                checkpoint.commit(directory, record)
+            _barrier()  # every node's marker is written before Megatron-LM's tracker names the folder
+
+        request = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        if request is None:
+            publish()
+        else:  # --async-save: the files are written when the request finalizes, after its own metadata
+            request.finalize_fns.append(publish)
+        return request
+
+    return save
+
+
+def _load(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        from dyn_plugin.host import checkpoint
+
+        from . import runtime
+
+        out = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        run = runtime.RUN
+        if run is None or _finetuning():
             return out
+        run.restore(
+            checkpoint.read_everywhere(
+                str(checkpoint_dir),
+                "load a whole checkpoint (the previous iteration's), or pass Megatron-LM's --finetune to "
+                "start the data from its beginning on purpose",
+            )
+        )
+        return out
 
-        return run
-
-    return make
+    return load
 
 
 def train_state_patches() -> list[Patch]:
     return [
-        Patch("train_state.save_checkpoint", f"{CHECKPOINTING}.save", _then(save_loader_state)),
-        Patch("train_state.load_checkpoint", f"{CHECKPOINTING}.load", _then(load_loader_state)),
+        Patch("train_state.save_checkpoint", f"{CHECKPOINTING}.save", _save),
+        Patch("train_state.load_checkpoint", f"{CHECKPOINTING}.load", _load),
     ]

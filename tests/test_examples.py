@@ -37,7 +37,7 @@ def test_the_examples_train_and_log_the_loss(tmp_path):
         ]
     )
     assert "step 0:" in out and "step 1:" in out and "loss" in out
-    assert (tmp_path / "ckpt" / "step2" / "dyn_plugin_loader.json").exists()
+    assert (tmp_path / "ckpt" / "step2" / "dyn_plugin_checkpoint.json").exists()
     out = launch(
         [
             os.path.join(BIN, "torchrun"),

@@ -155,7 +155,8 @@ def test_every_writer_goes_through_the_atomic_writer(tmp_path, published):
     _shard_plan().save(tmp_path / "shard.json")
     _proposal().save(tmp_path / "strategy.json")
     cached_proposal("k2", tmp_path / "cache", lambda: _proposal("k2"))
-    checkpoint.write_loader_state(tmp_path / "ckpt", {"epoch": 1, "step": 2})
+    (tmp_path / "ckpt").mkdir()
+    checkpoint.commit(tmp_path / "ckpt", checkpoint.Record(2, {"epoch": 1, "step": 2}, {}))
     save_lengths([3, 4, 5], tmp_path / "lengths.npy")
     save_lengths([3, 4, 5], tmp_path / "lengths.json")
     write_chrome_trace(tmp_path / "trace.json", [])
@@ -164,7 +165,7 @@ def test_every_writer_goes_through_the_atomic_writer(tmp_path, published):
         "shard.json",
         "strategy.json",
         "strategy-k2.json",
-        checkpoint.LOADER_STATE,
+        checkpoint.MARKER,
         "lengths.npy",
         "lengths.json",
         "trace.json",
@@ -374,11 +375,17 @@ def test_a_damaged_proposal_cache_is_rebuilt_with_a_warning(tmp_path, caplog, ho
     assert _leftovers(tmp_path) == []
 
 
-def test_a_damaged_loader_position_names_its_file(tmp_path):
-    path = Path(checkpoint.write_loader_state(tmp_path, {"epoch": 0, "step": 3}))
-    path.write_text('{"epoch": 0, "st')
-    with pytest.raises(ValueError, match=f"loader position {path} is not valid JSON"):
-        checkpoint.read_loader_state(tmp_path)
+def test_a_damaged_checkpoint_marker_names_its_file(tmp_path):
+    path = Path(checkpoint.commit(tmp_path, checkpoint.Record(3, {"epoch": 0, "step": 3}, {})))
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=f"checkpoint marker {path} is not valid JSON"):
+        checkpoint.read(tmp_path)
     path.write_text("[0, 3]")
-    with pytest.raises(ValueError, match=f"loader position {path} holds list"):
-        checkpoint.read_loader_state(tmp_path)
+    with pytest.raises(ValueError, match=f"checkpoint marker {path} holds list"):
+        checkpoint.read(tmp_path)
+    path.write_text(text.replace('"step": 3', '"step": 4'))  # still parses: the checksum catches it
+    with pytest.raises(ValueError, match=f"checkpoint marker {path} is corrupt"):
+        checkpoint.read(tmp_path)
+
+

@@ -1,4 +1,4 @@
-"""The host-neutral core: the rank layout, the loader-position file, typed planned micro-batches."""
+"""The host-neutral core: the rank layout, the checkpoint protocol, typed planned micro-batches."""
 
 import json
 import os
@@ -44,26 +44,55 @@ def test_layout_groups_and_rejections():
         layout.world = 4  # frozen
 
 
-def test_loader_state_round_trips_and_replaces_atomically(tmp_path, monkeypatch):
-    state = {"version": 1, "epoch": 2, "step": 5, "seed": 7, "fingerprint": "abc"}
-    directory = tmp_path / "step5"  # not made yet: the writer makes it
-    path = checkpoint.write_loader_state(directory, state)
-    assert path == os.path.join(directory, checkpoint.LOADER_STATE)
-    assert checkpoint.read_loader_state(directory) == state
-    assert os.listdir(directory) == [checkpoint.LOADER_STATE]  # no temporary file left behind
+def _record(position: int) -> "checkpoint.Record":
+    return checkpoint.Record(position, {"epoch": 0, "step": position}, {"world_size": 2})
 
-    # a crash while writing the new state leaves the old file whole
+
+def test_a_checkpoint_is_whole_only_once_committed(tmp_path, monkeypatch, caplog):
+    first, second = tmp_path / "step3", tmp_path / "step5"
+    for directory, position in ((first, 3), (second, 5)):
+        checkpoint.begin(directory)
+        (directory / "model.pt").write_bytes(b"weights")  # the host's files
+        checkpoint.commit(directory, _record(position))
+    assert sorted(os.listdir(second)) == sorted(["model.pt", checkpoint.MARKER])  # no temporary file left
+    assert checkpoint.newest(tmp_path).path == str(second)
+    assert checkpoint.read(second).loader == {"epoch": 0, "step": 5}
+
+    # a save killed between the host's files and the marker: the directory is skipped, named
+    (tmp_path / "step7").mkdir()
+    (tmp_path / "step7" / "model.pt").write_bytes(b"half")
+    # a save into a re-used directory, killed before its commit: begin took the old marker away,
+    # so the old checkpoint's files, half replaced, never pass for it
+    checkpoint.begin(second)
+    with caplog.at_level("WARNING"):
+        assert checkpoint.newest(tmp_path).path == str(first)
+    skipped = " ".join(r.getMessage() for r in caplog.records)
+    assert "step7 has no" in skipped and "step5 has no" in skipped
+
+    # a crash while writing the marker leaves none: the checkpoint stays incomplete, not half-published
     def crash(*_a, **_k):
         raise OSError("disk full")
 
     monkeypatch.setattr(atomic.os, "replace", crash)
     with pytest.raises(OSError, match="disk full"):
-        checkpoint.write_loader_state(directory, {**state, "step": 6})
+        checkpoint.commit(second, _record(5))
     monkeypatch.undo()
-    assert checkpoint.read_loader_state(directory) == state
-    assert os.listdir(directory) == [checkpoint.LOADER_STATE]  # the temporary file removed
-    with pytest.raises(FileNotFoundError):
-        checkpoint.read_loader_state(tmp_path / "elsewhere")
+    assert os.listdir(second) == ["model.pt"]
+    assert checkpoint.newest(tmp_path).path == str(first)
+    assert checkpoint.newest(tmp_path / "elsewhere") is None
+    with pytest.raises(RuntimeError, match="step5 is not whole: it has no dyn_plugin_checkpoint.json"):
+        checkpoint.agreed_newest(tmp_path, "step5")  # named, an incomplete checkpoint is refused
+
+
+def test_a_resume_says_what_changed_before_training():
+    saved = {"config_sha256": "a", "world_size": 4, "stages": 1, "columns": 4, "tp": 1}
+    assert checkpoint.differences(saved, dict(saved)) == []
+    now = {**saved, "config_sha256": "b", "world_size": 2, "columns": 2}
+    assert checkpoint.differences(saved, now) == [
+        "the dyn_plugin config changed",
+        "ranks: 4 -> 2",
+        "data-parallel columns: 4 -> 2",
+    ]
 
 
 def test_device_helpers(monkeypatch):

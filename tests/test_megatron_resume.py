@@ -64,7 +64,7 @@ def test_a_stopped_run_resumes_with_exactly_the_remaining_steps(tmp_path):
     (tmp_path / "cfg.json").write_text(json.dumps(CONFIG))
     megatron(tmp_path, "--steps", 4, "--records", tmp_path / "whole.jsonl")
     megatron(tmp_path, "--steps", 2, "--save", tmp_path / "ckpt", "--records", tmp_path / "first.jsonl")
-    assert (tmp_path / "ckpt" / "dyn_plugin_loader.json").exists()
+    assert (tmp_path / "ckpt" / "dyn_plugin_checkpoint.json").exists()
     megatron(tmp_path, "--steps", 4, "--load", tmp_path / "ckpt", "--records", tmp_path / "rest.jsonl")
     whole = records(tmp_path / "whole.jsonl")
     resumed = records(tmp_path / "first.jsonl") + records(tmp_path / "rest.jsonl")

@@ -49,10 +49,11 @@ from ..lengths.io import cap_lengths, validate_lengths
 from ..plan.instructions import ExecutionPlan, PlannedMicroBatch
 from .collate import collate, shard
 from .planning import PlanningContext, RankPlan
+from .sampler import epoch_batches
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 # How often a rank waiting for its plan looks for a planner failure another process published.
 FAILURE_POLL_S = 0.25
 # What the ranks compare each step; the last three say why digests differ.
@@ -373,28 +374,60 @@ class DynLoader:
         return Step(rp.epoch, rp.step, rp.plan, tensors, ids, rp.scored_tokens, rp.digest, rp.predicted_ms)
 
     def state_dict(self) -> dict:
+        """The position (epoch, step) and what it means: the data's identity (lengths, seed, token
+        budget) and the data-parallel columns that shaped the epoch's global batches."""
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
             "step": self.step,
             "seed": self.seed,
             "fingerprint": self._state_fingerprint,
+            "columns": self.layout.columns,
         }
 
     def load_state_dict(self, state: Mapping) -> None:
+        """Continue from ``state``. The data must be the same (lengths, seed, token budget); the
+        data-parallel size may differ where the interrupted epoch's order survives it: a global batch
+        holds at least one sequence per column, so only batches that the minimum shaped can differ,
+        and the resume is refused when one of those lies in the part of the epoch already trained."""
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"loader state version {state.get('version')!r}; this dyn-plugin reads {STATE_VERSION}")
+            raise ValueError(
+                f"loader state version {state.get('version')!r}; this dyn-plugin reads {STATE_VERSION} "
+                "(the checkpoint was written by another dyn-plugin version)"
+            )
         if state["fingerprint"] != self._state_fingerprint:
             raise ValueError(
-                "loader state was saved for different lengths, seed, token budget or parallel sizes; "
+                "loader state was saved for different lengths, seed or token budget; "
                 "resume with the same dataset and dyn_plugin config"
             )
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        epoch, step, columns = int(state["epoch"]), int(state["step"]), int(state["columns"])
+        if columns != self.layout.columns and step > 0:
+            mb = self.config.microbatching
+            saved = epoch_batches(self.lengths, mb.global_tokens, seed=self.seed, epoch=epoch, min_sequences=columns)
+            if saved[:step] != self.context.batches(epoch)[:step]:
+                raise ValueError(
+                    f"the checkpoint was saved on {columns} data-parallel columns, this run has "
+                    f"{self.layout.columns}: epoch {epoch}'s first {step} global batches differ between the two, so "
+                    f"the samples left would not be the ones the interrupted run had left; resume on {columns} "
+                    "columns, or from a checkpoint taken at an epoch's end"
+                )
+            logger.info(
+                "resuming on %d data-parallel columns (saved on %d): epoch %d keeps its order",
+                self.layout.columns,
+                columns,
+                epoch,
+            )
+        self.epoch, self.step = epoch, step
+
+    @property
+    def position(self) -> int:
+        """Global batches handed out since the run began (over every epoch): orders checkpoints."""
+        return self.context.position(self.epoch, self.step)
 
     def _fingerprint(self, h: "hashlib._Hash") -> str:
-        """``h``: the lengths' sha256, extended here; computed once (state_dict() runs at every checkpoint)."""
-        sizes = (self.seed, self.config.microbatching.global_tokens, self.layout.columns, self.layout.stages)
-        h.update(repr(sizes).encode())
+        """``h``: the lengths' sha256, extended here; computed once (state_dict() runs at every checkpoint).
+        The layout is not in it: ``load_state_dict`` judges a change of data-parallel size itself."""
+        h.update(repr((self.seed, self.config.microbatching.global_tokens)).encode())
         return h.hexdigest()[:16]
 
     def close(self) -> None:
