@@ -46,9 +46,7 @@ def save_checkpoint(
     return tag
 
 
-def load_checkpoint(
-    engine, loader: DynLoader, load_dir: str | os.PathLike, tag: str | None = None
-) -> tuple[str, dict]:
+def load_checkpoint(engine, loader: DynLoader, load_dir: str | os.PathLike, tag: str | None = None) -> tuple[str, dict]:
     """Restore the engine and the loader from the newest whole checkpoint under ``load_dir`` (or
     ``tag``, refused on every rank unless whole): training then continues with exactly the samples
     the interrupted epoch had left. Returns the checkpoint's path and ``client_state``, as DeepSpeed's

@@ -49,7 +49,9 @@ class PluginRun:
     loader: DynLoader | None = None
     sequence: SequenceRuntime | None = None  # the sequence-parallel groups, with sequence_parallel.enabled
     step: Step | None = None
-    resume: Any = None  # the checkpoint (dyn_plugin.host.checkpoint.Checkpoint) to continue from, until the loader exists
+    resume: Any = (
+        None  # the checkpoint (dyn_plugin.host.checkpoint.Checkpoint) to continue from, until the loader exists
+    )
     _steps: Iterator[Step] | None = field(default=None, repr=False)
 
     def set_documents(self, documents: Documents) -> None:

@@ -41,20 +41,27 @@ class Kill:
 
     def env(self) -> str:
         who = "all" if self.victim is None else str(self.victim)
-        return f"{self.point}:{self.at}@{who}"
+        return "none" if self.point == "none" else f"{self.point}:{self.at}@{who}"
+
+
+NONE = Kill("none", 0, None)
 
 
 def draw(rng: np.random.Generator, world: int, *, forwards: int, saves: int) -> Kill:
     """A kill point: a random kind (every kind equally), when in the launch, and on whom."""
     victim = None if rng.random() < 0.3 else int(rng.integers(world))
     point = str(rng.choice(("startup",) + POINTS))
+    if point == "commit" and victim is not None:
+        victim = 0  # only a node's local rank 0 commits (the tests run one node)
     if point == "startup":
         return Kill(point, 0, victim)
     count = forwards if point in ("forward", "pre-forward") else saves
     return Kill(point, int(rng.integers(1, count + 1)), victim)
 
 
-def _launch(launch: Callable[[dict], list[subprocess.Popen]], kill: Kill, timeout: float) -> tuple[list[int], list[str]]:
+def _launch(
+    launch: Callable[[dict], list[subprocess.Popen]], kill: Kill, timeout: float
+) -> tuple[list[int], list[str]]:
     """One launch; once any rank has died, the rest are killed a moment later, as torchrun would."""
     procs = launch({"KILL": kill.env()})
     deadline = time.time() + timeout
@@ -73,6 +80,11 @@ def _launch(launch: Callable[[dict], list[subprocess.Popen]], kill: Kill, timeou
     return [p.returncode for p in procs], [log.decode(errors="replace") for log in logs]
 
 
+def killed_ranks(codes: list[int], logs: list[str]) -> list[int]:
+    """The launch's processes that exited by SIGKILL, each process one rank."""
+    return [r for r, c in enumerate(codes) if c == -signal.SIGKILL]
+
+
 def train_with_kills(
     launch: Callable[[dict], list[subprocess.Popen]],
     *,
@@ -84,27 +96,33 @@ def train_with_kills(
     forwards: int,
     saves: int,
     timeout: float = 240,
+    died: Callable[[list[int], list[str]], list[int]] | None = None,
 ) -> int:
     """Train to the end again and again (``fresh()`` wipes the last round's checkpoints, ``check()``
     judges a finished round) until ``kills`` launches were killed; returns how many were.
 
     Within a round ``launch(env)`` (the ranks' processes, output captured) is run with a kill point
     drawn from ``seed`` until a launch finishes: one whose point lay beyond the work left finishes
-    its round early. ``forwards``/``saves``: how many of each one launch makes at most."""
+    its round early. ``forwards``/``saves``: how many of each one launch makes at most. ``died(codes,
+    logs)``: the ranks a failed launch lost to SIGKILL; by default those of its processes that
+    exited by it (one process a rank); where one launcher process (torchrun) runs the ranks, the
+    test reads them from its output."""
+    died = died or killed_ranks
     rng = np.random.default_rng(seed)
     print(f"kill points drawn with seed {seed}")
     killed, rounds = 0, 0
     while killed < kills:
         fresh()
         while True:
-            kill = draw(rng, world, forwards=forwards, saves=saves)
+            kill = draw(rng, world, forwards=forwards, saves=saves) if killed < kills else NONE
             codes, logs = _launch(launch, kill, timeout)
             print(f"round {rounds}, kill at {kill.env()}: exit codes {codes}")
             if all(c == 0 for c in codes):
                 break
-            died = [r for r, c in enumerate(codes) if c == -signal.SIGKILL]
-            assert died, "\n".join(log[-3000:] for log in logs)  # a failure, not a kill
-            assert kill.victim is None or kill.victim in died, logs[kill.victim][-3000:]
+            assert kill is not NONE, "\n".join(log[-3000:] for log in logs)
+            dead = died(codes, logs)
+            assert dead, "\n".join(log[-3000:] for log in logs)  # a failure, not a kill
+            assert kill.victim is None or kill.victim in dead, "\n".join(log[-3000:] for log in logs)
             killed += 1
         check()
         rounds += 1
@@ -123,8 +141,11 @@ class KillSwitch:
             self.at = int(at or 0)
             self.mine = who == "all" or int(who) == rank
         self.counts = {p: 0 for p in POINTS}
+        self.pid = os.getpid()
 
     def _die(self) -> None:
+        # the rank dies even where a process it forked hits the point (Megatron's checkpoint writers)
+        os.kill(self.pid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def hit(self, point: str) -> None:

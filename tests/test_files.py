@@ -387,5 +387,3 @@ def test_a_damaged_checkpoint_marker_names_its_file(tmp_path):
     path.write_text(text.replace('"step": 3', '"step": 4'))  # still parses: the checksum catches it
     with pytest.raises(ValueError, match=f"checkpoint marker {path} is corrupt"):
         checkpoint.read(tmp_path)
-
-

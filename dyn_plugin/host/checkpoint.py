@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..atomic import fsync_directory, check_sha256, with_sha256, write_json_atomic
+from ..atomic import check_sha256, fsync_directory, with_sha256, write_json_atomic
 from ..device import local_rank
 from ..jsonfile import read_json
 from ..runtime.loader import DynLoader
@@ -124,7 +124,9 @@ def read(directory: str | os.PathLike) -> Checkpoint:
         raise ValueError(f"checkpoint marker {path} holds {type(doc).__name__}, not an object")
     doc = check_sha256(doc, f"checkpoint marker {path}", required=True)
     if doc.get("version") != VERSION:
-        raise ValueError(f"checkpoint marker {path} has version {doc.get('version')!r}; this dyn-plugin reads {VERSION}")
+        raise ValueError(
+            f"checkpoint marker {path} has version {doc.get('version')!r}; this dyn-plugin reads {VERSION}"
+        )
     return Checkpoint(os.fspath(directory), int(doc["position"]), doc["loader"], doc["run"])
 
 
@@ -204,7 +206,12 @@ def differences(saved: dict, now: dict) -> list[str]:
     out = []
     if saved.get("config_sha256") != now["config_sha256"]:
         out.append("the dyn_plugin config changed")
-    names = {"world_size": "ranks", "stages": "pipeline stages", "columns": "data-parallel columns", "tp": "tensor-parallel ranks"}
+    names = {
+        "world_size": "ranks",
+        "stages": "pipeline stages",
+        "columns": "data-parallel columns",
+        "tp": "tensor-parallel ranks",
+    }
     for key, what in names.items():
         if saved.get(key) != now[key]:
             out.append(f"{what}: {saved.get(key)} -> {now[key]}")

@@ -23,6 +23,16 @@ of the lengths, the cost model and the config) is all-gathered over the world, a
 when the step is handed out, and checked when a later step is asked for (without waiting on the
 device: a gather not finished yet is checked later) and, blocking, at the first step and at the
 end of each epoch. Ranks that disagree raise :class:`PlanMismatch`, naming them and what differs.
+
+Faults, with a store: a plan the planners cannot give is made on the waiting rank, and it is the
+same plan (plans are deterministic in (epoch, step) and the planning context), so ranks need not
+agree on who planned what: a planner that exited, one late by ``loader.local_plan_after_s`` (stopped,
+frozen; the rank then stops waiting on it until it publishes again), a plan the store lost (expired,
+a server restarted without its data) and a store that does not answer. A store down for
+``loader.plan_timeout_s`` ends the run on every rank at the same step: the rank that gives up says
+so in its next plan check, and every rank waits for the check ``GIVE_UP_LAG`` steps old before
+each step, so all of them raise there, none is left inside a collective the others never enter.
+Under ``strategy.ilp_time_budget_ms`` plans cannot be remade identically: ranks wait and fail instead.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ import logging
 import os
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -56,12 +66,34 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 2
 # How often a rank waiting for its plan looks for a planner failure another process published.
 FAILURE_POLL_S = 0.25
+# While the store is down a rank plans each step itself and tries the store at most this often:
+# a try can take store.timeout_s, which no step should pay every time.
+OUTAGE_PROBE_S = 1.0
 # What the ranks compare each step; the last three say why digests differ.
 CHECKED = ("plan digest", "lengths", "cost model", "config")
+# Each gathered row ends, after CHECKED, with 1 where that rank gave up on a store that stopped answering.
+ROW = len(CHECKED) + 1
+# A rank's giving up is acted on this many steps later, when every rank waits for that step's check
+# (two steps old: done long since, unless the host runs that far ahead of the device).
+GIVE_UP_LAG = 2
 
 
 class PlanMismatch(RuntimeError):
     """Ranks hold different plans for the same step."""
+
+
+@dataclass
+class _StoreHealth:
+    """What a rank knows, between steps, of the store and the planners behind it."""
+
+    down_since: float | None = None  # when this rank's first failed try of this outage began
+    probed: float = 0.0  # when it last tried the store during the outage
+    gave_up: bool = False  # down for plan_timeout_s: said in every later plan check
+    given_up: tuple[int, int, list[int]] | None = None  # (epoch, step, ranks) of the first giving up gathered
+    stalled: dict[int, bytes | None] = field(default_factory=dict)  # planner -> its progress when found late
+    planners_failed: bool = False  # a planner exited: every step is planned here unless its plan is there
+    served: bool = False  # a plan came from the store: the planners started, so a late plan is late
+    warned_lost: bool = False  # plans the store lost are reported once per outage
 
 
 @dataclass
@@ -151,6 +183,10 @@ class DynLoader:
         sizes = (seed, layout.columns, layout.stages, zero_stage or 0, tp, state_bytes)
         self._local_fingerprints = _fingerprints(lengths_hash.digest(), cost_model, config, sizes)
         self._store = self._pool = None
+        self._health = _StoreHealth()
+        st = config.strategy
+        # a wall-clock limit makes a solve depend on the machine's load: another process may plan otherwise
+        self._remakeable = not (st.enabled and st.ilp_time_budget_ms is not None)
         if config.store.backend != "none":
             self._open_store()
 
@@ -233,6 +269,8 @@ class DynLoader:
         """The rest of the current epoch; the next iteration starts the next epoch."""
         epoch = self.epoch
         while self.epoch == epoch and self.step < len(self.context.batches(epoch)):
+            self._check_plans(block=False, settle=self.step - GIVE_UP_LAG)
+            self._raise_if_given_up(self.step - GIVE_UP_LAG)
             rank_plan = self._plan(epoch, self.step)
             self._check_plans(block=False)
             self._start_check(rank_plan)
@@ -244,6 +282,7 @@ class DynLoader:
             self.step += 1
             yield self._build(rank_plan)
         self._check_plans(block=True)
+        self._raise_if_given_up(None)
         if self.epoch == epoch:
             self.epoch, self.step = epoch + 1, 0
 
@@ -251,13 +290,14 @@ class DynLoader:
         """All-gather this step's digest and fingerprints without waiting for the result."""
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if not _agreeing():
             return
         world = dist.get_world_size()
-        local = torch.tensor([_as_int63(rp.digest), *self._local_fingerprints], dtype=torch.int64)
+        row = [_as_int63(rp.digest), *self._local_fingerprints, int(self._health.gave_up)]
+        local = torch.tensor(row, dtype=torch.int64)
         if self.device.type == "cuda":  # from pinned memory, so the copy does not wait for the device either
             local = local.pin_memory().to(self.device, non_blocking=True)
-        gathered = torch.empty(world * len(CHECKED), dtype=torch.int64, device=self.device)
+        gathered = torch.empty(world * ROW, dtype=torch.int64, device=self.device)
         work = dist.all_gather_into_tensor(gathered, local, async_op=True)
         event = None
         if gathered.is_cuda:
@@ -270,65 +310,103 @@ class DynLoader:
             gathered = host
         self._checks.append((rp.epoch, rp.step, work, event, gathered))
 
-    def _check_plans(self, *, block: bool) -> None:
-        """Compare the gathered plans, oldest first; unless ``block``, stop at one not gathered yet."""
+    def _check_plans(self, *, block: bool, settle: int = -1) -> None:
+        """Compare the gathered plans, oldest first; unless ``block``, wait only for those of steps up
+        to ``settle`` and stop at a later one not gathered yet. Records the first rank(s) giving up."""
         while self._checks:
             epoch, step, work, event, gathered = self._checks[0]
-            if not block and not (event.query() if event is not None else work.is_completed()):
+            done = block or step <= settle
+            if not done and not (event.query() if event is not None else work.is_completed()):
                 return
             if event is not None:
                 event.synchronize()
             else:
                 work.wait()
             self._checks.popleft()
-            rows = gathered.view(-1, len(CHECKED)).tolist()
-            if any(row != rows[0] for row in rows):
-                raise PlanMismatch(_mismatch_message(epoch, step, rows))
+            rows = gathered.view(-1, ROW).tolist()
+            checked = [row[: len(CHECKED)] for row in rows]
+            if any(row != checked[0] for row in checked):
+                raise PlanMismatch(_mismatch_message(epoch, step, checked))
+            quitting = [r for r, row in enumerate(rows) if row[-1]]
+            if quitting and self._health.given_up is None:
+                self._health.given_up = (epoch, step, quitting)
+
+    def _raise_if_given_up(self, due: int | None) -> None:
+        """Raise, alike on every rank, when a rank gave up on the store at a step up to ``due`` of
+        this epoch (None: any step): every rank has waited for that step's check by now."""
+        given = self._health.given_up
+        if given is None or (due is not None and given[1] > due):
+            return
+        from ..store import StoreUnavailable
+
+        epoch, step, ranks = given
+        raise StoreUnavailable(
+            f"the plan store at {self._store.address} did not answer for loader.plan_timeout_s = "
+            f"{self.config.loader.plan_timeout_s:g} s (rank(s) {ranks} gave up at epoch {epoch} step {step}); every "
+            "rank stops at this step: check the store is up and reachable from every rank, or raise "
+            "loader.plan_timeout_s to ride out longer outages"
+        )
 
     def _plan(self, epoch: int, step: int) -> RankPlan:
         t0 = time.perf_counter()
-        if self._store is None:
-            rp = self.context.plan(epoch, step)[(self.column, self.stage)]
-        else:
-            rp = self._plan_from_store(epoch, step)
+        rp = self._plan_here(epoch, step) if self._store is None else self._plan_from_store(epoch, step)
         self.plan_wait_s.append(time.perf_counter() - t0)
         return rp
 
+    def _plan_here(self, epoch: int, step: int) -> RankPlan:
+        return self.context.plan(epoch, step)[(self.column, self.stage)]
+
     def _plan_from_store(self, epoch: int, step: int) -> RankPlan:
-        from ..store import StoreTimeout
+        """This rank's plan as the planners published it, or made here when they cannot give it (the
+        module docstring's Faults)."""
+        from ..store import StoreTimeout, StoreUnavailable
         from ..store.payload import decode
-        from .planner_pool import CURSOR_KEY, ERROR_KEY, PlannerError, plan_key, progress_key
+        from .planner_pool import CURSOR_KEY, plan_key
         from .planning import RANK_PLAN_SCHEMA
 
         position = self.context.position(epoch, step)
         if self.is_host and self._pool is None:
             self._start_planners()
         key = plan_key(position, self.column, self.stage, self.replica)
-        timeout = self.config.loader.plan_timeout_s
-        deadline = time.monotonic() + timeout
+        health, owner = self._health, position % self.config.loader.planners
+        start = time.monotonic()
+        late, deadline = start + self.config.loader.plan_late_s, start + self.config.loader.plan_timeout_s
         while True:  # in short waits, so a planner's death (any rank may learn of it) ends this at once
-            if self.is_host:  # at every poll: the cursor (it has the store's TTL) must outlive slow planners
-                self._store.put(CURSOR_KEY, str(position).encode())
+            tried = time.monotonic()
+            if health.down_since is not None and tried - health.probed < OUTAGE_PROBE_S:
+                if self._remakeable:
+                    return self._plan_here(epoch, step)
+                time.sleep(OUTAGE_PROBE_S - (tried - health.probed))
+                continue
             try:
-                data = self._store.wait(key, min(FAILURE_POLL_S, max(deadline - time.monotonic(), 1e-3)))
+                if self.is_host:  # at every poll: the cursor (it has the store's TTL) must outlive slow
+                    # planners, and a server restarted without its data needs it again
+                    self._store.put(CURSOR_KEY, str(position).encode())
+                if health.planners_failed or owner in health.stalled:
+                    data = self._store.get(key)  # no waiting on a planner that exited or was found stopped
+                else:
+                    try:
+                        data = self._store.wait(key, min(FAILURE_POLL_S, max(deadline - time.monotonic(), 1e-3)))
+                    except StoreTimeout:
+                        data = None
+                if data is not None:
+                    self._store.delete(key)
+                plan_here = data is None and self._plan_here_instead(epoch, step, key, owner, late, deadline)
+            except StoreUnavailable as exc:
+                self._store_down(exc, tried)
+                if self._remakeable:
+                    return self._plan_here(epoch, step)
+                continue
+            if health.down_since is not None:
+                logger.warning(
+                    "the plan store at %s answers again after %.1f s", self._store.address, tried - health.down_since
+                )
+                health.down_since, health.warned_lost = None, False
+            if plan_here:
+                return self._plan_here(epoch, step)
+            if data is not None:
+                health.served = True
                 break
-            except StoreTimeout:
-                why = self._store.get(ERROR_KEY)
-                if why is not None:
-                    raise PlannerError(
-                        f"rank (column {self.column}, stage {self.stage}) waiting for the plan of epoch "
-                        f"{epoch} step {step}: {why.decode(errors='replace')}"
-                    ) from None
-                progress = [self._store.get(progress_key(k)) for k in range(self.config.loader.planners)]
-                if all(p is not None and int(p) >= position for p in progress):
-                    return self._replan(epoch, step, key)  # published, so it expired or the server lost it
-                if time.monotonic() >= deadline:
-                    raise StoreTimeout(
-                        f"no plan for epoch {epoch} step {step} under '{key}' on {self._store.address} "
-                        f"after {timeout:g} s (loader.plan_timeout_s); the planner processes run on "
-                        "the rank at stage 0, column 0: check it is alive and not overloaded"
-                    ) from None
-        self._store.delete(key)
         meta, _ = decode(data, max_bytes=int(self.config.store.max_payload_mb * 2**20), schema=RANK_PLAN_SCHEMA)
         rp = RankPlan.from_meta(meta)
         if (rp.epoch, rp.step) != (epoch, step):
@@ -338,21 +416,109 @@ class DynLoader:
             )
         return rp
 
-    def _replan(self, epoch: int, step: int, key: str) -> RankPlan:
-        """This rank's plan, made here: the planners published it under ``key``, but it is gone."""
+    def _plan_here_instead(self, epoch: int, step: int, key: str, owner: int, late: float, deadline: float) -> bool:
+        """Whether this rank plans the step itself, its plan not (yet) in a store that answers; raises
+        where it cannot and must not wait longer. ``owner``: the planner that owes the plan."""
+        from ..store import StoreTimeout
+        from .planner_pool import CURSOR_KEY, ERROR_KEY, PlannerError, progress_key
+
+        health = self._health
+        if health.planners_failed:
+            return True
+        position = self.context.position(epoch, step)
+        if not self.is_host and self._store.get(CURSOR_KEY) is None:
+            # a server restarted without its data lost the cursor the planners need, and the host may
+            # be inside a collective, waiting for this rank
+            self._store.put(CURSOR_KEY, str(position).encode())
+        where = f"rank (column {self.column}, stage {self.stage}) waiting for the plan of epoch {epoch} step {step}"
+        why = self._store.get(ERROR_KEY)
+        if why is not None:
+            if not self._remakeable:
+                raise PlannerError(f"{where}: {why.decode(errors='replace')}")
+            health.planners_failed = True
+            logger.warning(
+                "%s: %s; planning on this rank each step whose plan is not in the store already (plans are "
+                "deterministic: the same plans)",
+                where,
+                why.decode(errors="replace"),
+            )
+            return True
+        progress = [self._store.get(progress_key(k)) for k in range(self.config.loader.planners)]
+        if all(p is not None and int(p) >= position for p in progress):
+            self._lost(epoch, step, key)  # published, so it expired or the server lost it
+            return True
+        if owner in health.stalled:
+            if progress[owner] == health.stalled[owner]:
+                return True  # still where it stopped
+            del health.stalled[owner]
+            logger.warning("planner process %d publishes again: waiting for its plans again", owner)
+        now = time.monotonic()
+        if self._remakeable and health.served and now >= late:
+            health.stalled[owner] = progress[owner]
+            logger.warning(
+                "%s: planner process %d has not published it after %g s (loader.local_plan_after_s) though the "
+                "store at %s answers: it is stopped or overloaded; planning on this rank (plans are deterministic: "
+                "the same plan), and without waiting on that planner until it publishes again",
+                where,
+                owner,
+                self.config.loader.plan_late_s,
+                self._store.address,
+            )
+            return True
+        if now >= deadline:
+            raise StoreTimeout(
+                f"no plan for epoch {epoch} step {step} under '{key}' on {self._store.address} "
+                f"after {self.config.loader.plan_timeout_s:g} s (loader.plan_timeout_s); the planner processes run "
+                "on the rank at stage 0, column 0: check it is alive and not overloaded"
+            )
+        return False
+
+    def _lost(self, epoch: int, step: int, key: str) -> None:
+        """The planners published this rank's plan under ``key``, but it is gone: say so once per
+        outage, or refuse where it cannot be remade identically."""
         gone = (
             f"the plan of epoch {epoch} step {step} under '{key}' on {self._store.address} was published but is "
             f"gone: it expired (store.ttl_s = {self.config.store.ttl_s:g} s) or the server lost it"
         )
-        st = self.config.strategy
-        if st.enabled and st.ilp_time_budget_ms is not None:
-            # a wall-clock limit makes a solve depend on the machine's load: this rank could plan otherwise
+        if not self._remakeable:
             raise RuntimeError(
                 f"{gone}; plans solved under strategy.ilp_time_budget_ms cannot be remade identically on this "
                 "rank: raise store.ttl_s above the longest pause in training, or unset ilp_time_budget_ms"
             )
-        logger.warning("%s; planning it on this rank (plans are deterministic: the same plan)", gone)
-        return self.context.plan(epoch, step)[(self.column, self.stage)]
+        if not self._health.warned_lost:
+            self._health.warned_lost = True
+            logger.warning("%s; planning it on this rank (plans are deterministic: the same plan)", gone)
+
+    def _store_down(self, exc: Exception, tried: float) -> None:
+        """The store did not answer a try begun at ``tried``: start (or go on with) the outage; once
+        it has lasted plan_timeout_s, give up: at once without a process group to agree through (or
+        without local plans), else alike on every rank a few steps later (_raise_if_given_up)."""
+        from ..store import StoreUnavailable
+
+        health, timeout = self._health, self.config.loader.plan_timeout_s
+        health.probed = time.monotonic()
+        if health.down_since is None:
+            health.down_since = tried
+            logger.warning(
+                "%s; %s, and every rank stops if it stays down for loader.plan_timeout_s = %g s",
+                exc,
+                "planning on this rank while it is down (plans are deterministic: the same plans)"
+                if self._remakeable
+                else "waiting for it (plans solved under strategy.ilp_time_budget_ms cannot be remade here)",
+                timeout,
+            )
+        down = health.probed - health.down_since
+        if down < timeout or health.gave_up:
+            return
+        if self._remakeable and _agreeing():
+            health.gave_up = True
+            logger.error("the plan store at %s has not answered for %.1f s: giving up", self._store.address, down)
+            return
+        raise StoreUnavailable(
+            f"the plan store at {self._store.address} has not answered for {down:.1f} s, beyond "
+            f"loader.plan_timeout_s = {timeout:g} s (last error: {exc}); check the store is up and reachable "
+            "from every rank, or raise loader.plan_timeout_s to ride out longer outages"
+        ) from None
 
     def _build(self, rp: RankPlan) -> Step:
         tensors, ids = [], []
@@ -449,6 +615,13 @@ def _close(store, pool=None) -> None:
             logger.warning("could not publish the planners' stop key (%s); terminating them", exc)
         pool.close()
     store.close()
+
+
+def _agreeing() -> bool:
+    """Whether ranks have a process group to check their plans through (and to agree on giving up)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _as_int63(hex_digest: str) -> int:
