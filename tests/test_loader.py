@@ -94,6 +94,41 @@ def test_resume_refuses_a_different_run():
         other.load_state_dict(state)
 
 
+def _epoch_samples(cfg, cm, lens, data, dp: int, state: dict | None = None) -> list[int]:
+    """Every sample the rest of epoch 0 hands out over ``dp`` columns (from ``state`` when given)."""
+    out = []
+    for column in range(dp):
+        loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(dp), column=column, seed=3)
+        if state is not None:
+            loader.load_state_dict(state)
+        out += [i for step in loader for mb in step.sample_ids for i in mb]
+    return out
+
+
+def test_resume_on_another_data_parallel_size_keeps_the_epoch_when_its_order_survives():
+    cfg, cm, lens, data = make()
+    first = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(2), column=0, seed=3)
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    state = first.state_dict()
+    trained = [i for batch in first.context.batches(0)[:3] for i in batch]
+    for dp in (1, 4):  # batches hold ~10 sequences: at least 1, 2 or 4 per batch changes none of them
+        assert sorted(trained + _epoch_samples(cfg, cm, lens, data, dp, state)) == list(range(len(lens)))
+
+    # 12 columns need 12 sequences a batch: the epoch's batches change, and where a changed one was
+    # already trained the samples left would not be the interrupted run's
+    wide = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(12), column=0, seed=3)
+    changed = next(k for k, (a, b) in enumerate(zip(first.context.batches(0), wide.context.batches(0))) if a != b)
+    later = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(2), column=0, seed=3)
+    it = iter(later)
+    for _ in range(changed + 1):
+        next(it)
+    with pytest.raises(ValueError, match="saved on 2 data-parallel columns, this run has 12"):
+        wide.load_state_dict(later.state_dict())
+    wide.load_state_dict({**later.state_dict(), "epoch": 1, "step": 0})  # at an epoch's start: any size
+
+
 def test_bad_input_names_the_index():
     cfg, cm, lens, data = make()
     with pytest.raises(ValueError, match="lengths has 119 entries but the dataset has 120"):
