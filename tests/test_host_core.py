@@ -147,3 +147,22 @@ def test_unknown_or_missing_micro_batch_fields_are_refused():
     del doc["micro_batches"][0]["group"]
     with pytest.raises(ValueError, match=r"missing fields \['group'\]"):
         plan_from_json(json.dumps(doc))
+
+
+def test_restore_moves_the_loader_and_warns_of_what_changed(caplog):
+    from dyn_plugin.runtime.loader import DynLoader
+    from test_loader import make
+
+    cfg, cm, lens, data = make()
+    saved = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, seed=3)
+    next(iter(saved))
+    record = checkpoint.Record.of(saved)
+    same = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, seed=3)
+    with caplog.at_level("WARNING"):
+        checkpoint.restore(same, checkpoint.Checkpoint("ckpt", record.position, record.loader, record.run))
+    assert same.step == 1 and not caplog.records
+    other_cfg = cfg.model_copy(update={"loader": cfg.loader.model_copy(update={"prefetch": 7})})
+    other = DynLoader(data, lengths=lens, config=other_cfg, cost_model=cm, seed=3)
+    with caplog.at_level("WARNING"):
+        checkpoint.restore(other, checkpoint.Checkpoint("ckpt", record.position, record.loader, record.run))
+    assert other.step == 1 and "resuming from ckpt with the dyn_plugin config changed" in caplog.text
