@@ -24,6 +24,7 @@ import torch
 from ..models.recompute import RecomputeSwitch, planned_layers
 from ..runtime.collate import MODEL_KEYS, scored_tokens
 from ..runtime.loader import Step
+from .feed import DeviceFeed
 
 
 def _no_context(index: int, tensors: dict[str, torch.Tensor]) -> ContextManager[None]:
@@ -62,10 +63,10 @@ def token_mean_step(step: Step, host: HostHooks, dp: int, timings: list | None =
     # On the device: NCCL all-reduces device tensors only, and a host copy per micro-batch would
     # stall the device queue; the one host read is the return value.
     total = torch.zeros((), dtype=torch.float64, device=host.device)
-    for i, (desc, mb) in enumerate(zip(step.loaded, step.micro_batches)):
+    feed = DeviceFeed(step.micro_batches, host.device, MODEL_KEYS)  # the next one copied while this one runs
+    for i, (desc, mb, inputs) in enumerate(zip(step.loaded, step.micro_batches, feed)):
         host.recompute.set(desc.recompute, planned_layers(desc, stage=0))  # no pipeline: the one stage
         host.boundary(i == n - 1)
-        inputs = {k: v.to(host.device) if torch.is_tensor(v) else v for k, v in mb.items() if k in MODEL_KEYS}
         if desc.sp > 1:  # a shard: HF sums the loss over its labels, shifted before the split
             inputs.update(labels=inputs["shift_labels"], num_items_in_batch=1)
         with host.micro_batch(i, mb):

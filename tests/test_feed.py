@@ -1,0 +1,31 @@
+"""The device feed every host's micro-batches go through: one batch ahead, the chosen keys moved,
+host ints left on the host (the CUDA side, pinned copies on a side stream with no host sync, is
+checked on a GPU: BENCHMARKS.md, issue 26)."""
+
+import torch
+
+from dyn_plugin.host.feed import DeviceFeed
+
+
+def test_the_feed_moves_the_next_batch_while_this_one_is_in_use():
+    pulled = []
+
+    def batches():
+        for i in range(3):
+            pulled.append(i)
+            yield {"x": torch.full((2,), i), "n": 5, "dropped": torch.zeros(1), "longest": torch.tensor([7 + i])}
+
+    feed = DeviceFeed(batches(), torch.device("cpu"), keys=("x", "n", "longest"), host_keys=("longest",))
+    assert pulled == [0]  # the first batch starts moving at once
+    got = []
+    for batch in feed:
+        got.append(batch)
+        assert pulled == list(range(min(len(got) + 1, 3)))  # handing one out starts the next
+    assert [b["x"].tolist() for b in got] == [[0, 0], [1, 1], [2, 2]]
+    assert all(set(b) == {"x", "n", "longest"} and b["n"] == 5 for b in got)
+    assert [int(b["longest"][0]) for b in got] == [7, 8, 9]
+    assert next(feed, None) is None
+
+
+def test_an_empty_step_feeds_nothing():
+    assert list(DeviceFeed([], torch.device("cpu"))) == []
