@@ -535,6 +535,8 @@ class DynLoader:
             )
             if desc.sp > 1:
                 batch = shard(batch, desc.sp, rp.plan.column - desc.group)
+            if self.device.type == "cuda":  # page-locked: the hosts' copies to the GPU run asynchronously
+                batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
             tensors.append(batch)
             ids.append(list(desc.sample_ids))
         return Step(rp.epoch, rp.step, rp.plan, tensors, ids, rp.scored_tokens, rp.digest, rp.predicted_ms)
