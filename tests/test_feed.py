@@ -1,6 +1,6 @@
-"""The device feed every host's micro-batches go through: one batch ahead, the chosen keys moved,
-host ints left on the host (the CUDA side, pinned copies on a side stream with no host sync, is
-checked on a GPU: BENCHMARKS.md, issue 26)."""
+"""The device feed every host's micro-batches go through (one batch ahead, the chosen keys moved,
+host ints left on the host), and the loader's pinned tensors for a GPU (the CUDA side, side-stream
+copies with no host sync, is to be checked on a GPU: BENCHMARKS.md, issue 26)."""
 
 import torch
 
@@ -29,3 +29,18 @@ def test_the_feed_moves_the_next_batch_while_this_one_is_in_use():
 
 def test_an_empty_step_feeds_nothing():
     assert list(DeviceFeed([], torch.device("cpu"))) == []
+
+
+def test_the_loader_hands_a_gpu_pinned_tensors(monkeypatch):
+    from dyn_plugin.runtime.loader import DynLoader
+    from test_loader import make
+
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self) or self)  # no CUDA here
+    cfg, cm, lens, data = make()
+    step = next(iter(DynLoader(data, lengths=lens, config=cfg, cost_model=cm, device="cuda")))
+    handed = [v for mb in step.micro_batches for v in mb.values() if torch.is_tensor(v)]
+    assert handed and len(pinned) == len(handed) and all(any(p is v for p in pinned) for v in handed)
+    pinned.clear()
+    next(iter(DynLoader(data, lengths=lens, config=cfg, cost_model=cm, device="cpu")))
+    assert pinned == []  # a CPU run copies nothing
