@@ -18,9 +18,14 @@ def launch(cmd: list[str]) -> str:
     return done.stdout
 
 
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    """The token ids, tokenized by the first example and read by the other."""
+    return str(tmp_path_factory.mktemp("data"))
+
+
 @pytest.mark.slow
-def test_the_examples_train_and_log_the_loss(tmp_path):
-    data = str(tmp_path / "data")  # tokenized once, read by both
+def test_the_deepspeed_example_trains_logs_the_loss_and_saves(tmp_path, data):
     # DeepSpeed's own launcher (it adds --local_rank), and a checkpoint of the engine and the loader's position
     out = launch(
         [
@@ -38,6 +43,11 @@ def test_the_examples_train_and_log_the_loss(tmp_path):
     )
     assert "step 0:" in out and "step 1:" in out and "loss" in out
     assert (tmp_path / "ckpt" / "step2" / "dyn_plugin_checkpoint.json").exists()
+
+
+@pytest.mark.slow
+def test_the_fsdp_example_trains_logs_the_loss_and_saves(tmp_path, data):
+    # torchrun, and a checkpoint of the sharded model and optimizer and the loader's position
     out = launch(
         [
             os.path.join(BIN, "torchrun"),
@@ -47,6 +57,10 @@ def test_the_examples_train_and_log_the_loss(tmp_path):
             "2",
             "--data",
             data,
+            "--save",
+            str(tmp_path / "ckpt"),
         ]
     )
     assert "plan:" in out and "step 1:" in out
+    assert (tmp_path / "ckpt" / "step2" / "dyn_plugin_checkpoint.json").exists()
+    assert (tmp_path / "ckpt" / "step2" / ".metadata").exists()

@@ -6,8 +6,9 @@ Your model, your data, and the plugin's lines: ``fsdp.initialize`` searches a sh
 module for the memory budget (model states + activations per rank), wraps the model with
 ``fully_shard`` as the plan says and returns the plugin's loader, which cuts each global batch
 into micro-batches for the memory the plan leaves; ``fsdp.train_step`` runs one planned step (the
-update is the exact token mean of its global batch). To train every sharding method side by side
-under one budget: ``dynplugin bench shard --train``.
+update is the exact token mean of its global batch) and, optionally, ``fsdp.save_checkpoint`` writes
+the sharded model and optimizer (torch.distributed.checkpoint) beside the loader's position. To
+train every sharding method side by side under one budget: ``dynplugin bench shard --train``.
 """
 
 import argparse
@@ -28,6 +29,9 @@ def main() -> None:
     p.add_argument("--profile", help="a profile of this machine (dynplugin profile --ranks 2); default: analytic costs")
     p.add_argument("--data", default="out/example-data", help="folder where rank 0 caches the token ids")
     p.add_argument("--fsdp", choices=("fsdp2", "fsdp1"), default="fsdp2")
+    p.add_argument(
+        "--save", help="checkpoint folder (the sharded model and optimizer, the loader's position), after the last step"
+    )
     args = p.parse_args()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -64,6 +68,8 @@ def main() -> None:
             print(f"step {n}: {len(step.micro_batches)} micro-batches on rank 0, loss {loss:.3f}", flush=True)
         if n + 1 == args.steps:
             break
+    if args.save:
+        fsdp.save_checkpoint(model, optimizer, loader, args.save)  # fsdp.load_checkpoint resumes
     loader.close()
     dist.destroy_process_group()
     os._exit(0)
