@@ -360,7 +360,36 @@ class StrategyConfig(_Section):
 class LoaderConfig(_Section):
     planners: int = Field(default=1, ge=1, description="background planner processes (with a store)")
     prefetch: int = Field(default=4, ge=1, description="global batches planned ahead of training (with a store)")
-    plan_timeout_s: float = Field(default=120, gt=0, description="how long a rank waits for its plan before failing")
+    plan_timeout_s: float = Field(
+        default=120,
+        gt=0,
+        description="how long a rank waits for its plan, or for a plan store that stopped answering, before "
+        "failing (every rank fails at the same step, naming the store)",
+    )
+    local_plan_after_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="how late a plan from the planner processes may be (the store answers, the plan is not "
+        "there) before the rank plans that step itself, which gives the same plan (plans are deterministic); "
+        "it then stops waiting on that planner until it publishes again. Counted once the rank has had a plan "
+        "from the store (before, the planners may still be starting). Unset: plan_timeout_s / 4. Must be "
+        "below plan_timeout_s. Under strategy.ilp_time_budget_ms plans cannot be remade identically, so "
+        "ranks wait plan_timeout_s and fail instead",
+    )
+
+    @model_validator(mode="after")
+    def _fallback_before_timeout(self) -> "LoaderConfig":
+        if self.local_plan_after_s is not None and self.local_plan_after_s >= self.plan_timeout_s:
+            raise ValueError(
+                f"local_plan_after_s = {self.local_plan_after_s:g} would never come before plan_timeout_s = "
+                f"{self.plan_timeout_s:g}: set it below, or leave it unset (plan_timeout_s / 4)"
+            )
+        return self
+
+    @property
+    def plan_late_s(self) -> float:
+        """``local_plan_after_s``, or its default when unset."""
+        return self.local_plan_after_s if self.local_plan_after_s is not None else self.plan_timeout_s / 4
 
 
 def with_password(url: str, password: str | None) -> str:

@@ -3,10 +3,10 @@
 The host rank (data-parallel rank 0, pipeline stage 0) starts ``num_planners`` processes
 (``python -m dyn_plugin.runtime.planner_worker``, so nothing is pickled: they read the planning
 context and the store config as JSON files; a Redis password travels in their environment, never
-on their command line). Planner k plans global batches k, k+n, k+2n, ... of the run (epochs one after
-another), at most ``prefetch`` batches ahead of the host's cursor, and publishes one payload per
-rank under ``plan/{position}/{dp_rank}-{pp_rank}``; each rank waits for its own key, reads it and
-deletes it.
+on their command line). Planner k plans the global batches at run positions p with p % n == k
+(epochs one after another; so every rank knows which planner owes a plan), at most ``prefetch``
+batches ahead of the host's cursor, and publishes one payload per rank under
+``plan/{position}/{dp_rank}-{pp_rank}``; each rank waits for its own key, reads it and deletes it.
 
 Lifecycle: the processes stop when the pool is closed or garbage-collected (the loader writes
 the pool's own stop key, ``stop/{random token}``, so a stop key left in the store by an earlier
@@ -16,11 +16,17 @@ parent dies (and check it besides), when the trainer dies, even by SIGKILL.
 Failure: planners only exit when told to, so a watcher thread treats any other exit as a
 failure and hands ``on_failure`` the reason (exit code or signal, the last lines of the
 planner's stderr) within ~0.1 s; the loader publishes it under ``ERROR_KEY`` for every rank, so
-no rank sits out ``plan_timeout_s`` waiting for a plan that will never come.
+no rank waits for a plan that will never come (each plans its steps itself from then on). A
+planner that stops without exiting (SIGSTOP, a frozen node) is noticed by the ranks when its
+plan is late (``loader.local_plan_after_s``). A store that is down does not end a planner: it
+retries until the store answers.
 
 Expiry: a plan that waited longer than ``store.ttl_s`` (a long pause in training) or that a
 restarted server lost is gone for good; each planner keeps ``progress_key`` fresh, so the
-waiting rank sees its plan was published and re-plans that step itself (the loader).
+waiting rank sees its plan was published and re-plans that step itself (the loader). A server
+that restarted without its data also lost the progress keys and the cursor: the host publishes
+the cursor again at its next wait, and a planner that finds its ``canary_key`` gone (or lost the
+store for a while) publishes again from the cursor on.
 """
 
 from __future__ import annotations
@@ -51,6 +57,13 @@ def progress_key(worker: int) -> str:
     is missing although every planner has passed its position knows the plan expired (or the
     server lost it) rather than being still on its way."""
     return f"progress/{worker}"
+
+
+def canary_key(worker: int) -> str:
+    """A key planner ``worker`` writes when it starts publishing from a cursor (and, rarely, to keep
+    it alive), never beside a plan, so no write of its own in flight when a server restarts brings
+    it back: gone means the server lost its data (the progress key, the next plan rewrites)."""
+    return f"canary/{worker}"
 
 
 CURSOR_KEY = "cursor"
@@ -179,6 +192,7 @@ def _shutdown(procs: list[subprocess.Popen], directory: str, closing: threading.
     for p in procs:
         if p.poll() is None:
             p.terminate()
+            p.send_signal(signal.SIGCONT)  # a stopped planner (SIGSTOP) acts on SIGTERM only once continued
     for p in procs:
         try:
             p.wait(timeout=5)

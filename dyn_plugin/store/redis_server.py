@@ -99,9 +99,9 @@ class RedisServer:
             self.stop()
             raise
 
-    def _try_start(self) -> bool:
+    def _try_start(self, port: int | None = None) -> bool:
         assert self._dir is not None
-        self.port = free_port()
+        self.port = port or free_port()
         conf = Path(self._dir) / "redis.conf"
         conf.touch(mode=0o600)
         conf.write_text(
@@ -155,6 +155,18 @@ class RedisServer:
         if self._proc is not None:
             self._proc.kill()
             self._proc.wait()
+
+    def restart(self) -> "RedisServer":
+        """Start again on the same port and password after :meth:`kill`, with no data (the server
+        keeps none on disk), as a crashed server brought back by its supervisor (for fault tests)."""
+        if self._proc is not None and self._proc.poll() is None:
+            raise RuntimeError(f"redis-server pid {self._proc.pid} is still running: kill() it first")
+        if self._dir is None:
+            raise RuntimeError("redis-server was never started: start() it")
+        if not self._try_start(self.port):
+            raise RuntimeError(f"redis-server could not bind its port {self.port} again:\n{self._log_tail()}")
+        logger.info("redis-server restarted, pid %d on %s", self.pid, self.url)
+        return self
 
     def stop(self) -> None:
         """SHUTDOWN NOSAVE, then SIGKILL if it lingers; always reaps the process and its files."""
