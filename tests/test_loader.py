@@ -358,25 +358,28 @@ def _kill_first_planner(loader):
 
 
 @pytest.mark.parametrize("rank", ["host", "other"])
-def test_a_killed_planner_fails_every_waiting_rank_at_once(rank):
-    """Not after loader.plan_timeout_s (120 s here): the watcher publishes the exit, each rank raises it."""
+def test_a_killed_planner_is_planned_around_at_once(rank, caplog):
+    """Not after loader.local_plan_after_s: the watcher publishes the exit, each rank plans the step
+    itself (the same plan: plans are deterministic) and says so once."""
     import time
 
     from dyn_plugin.child import free_port
-    from dyn_plugin.runtime.planner_pool import PlannerError
 
     store = {"backend": "tcp", "port": free_port(), "namespace": "killed-planner"}
     cfg, cm, lens, data = make(store=store, loader={"planners": 1, "plan_timeout_s": 120})
     host, other = (
         DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(2), column=r, seed=7) for r in (0, 1)
     )
+    alone = DynLoader(data, lengths=lens, config=make()[0], cost_model=cm, layout=RankLayout(2), column=1, seed=7)
     try:
         _kill_first_planner(host)
         t0 = time.monotonic()
-        with pytest.raises(PlannerError, match=r"planner process 0 \(pid \d+\) was killed by signal SIGKILL") as err:
-            next(iter(host if rank == "host" else other))
+        with caplog.at_level("WARNING"):
+            step = next(iter(host if rank == "host" else other))
         assert time.monotonic() - t0 < 3.0
-        assert f"column {0 if rank == 'host' else 1}, stage 0" in str(err.value)
+        assert "killed by signal SIGKILL" in caplog.text
+        if rank == "other":
+            assert step.digest == next(iter(alone)).digest  # what a rank planning alone plans
     finally:
         other.close()
         host.close()
