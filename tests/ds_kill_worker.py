@@ -30,7 +30,8 @@ SAMPLES = 90
 SAVE_EVERY = 2
 PATHS = {
     "zero0": {"zero": 0},
-    "zero1": {"zero": 1},
+    # planned ahead by a planner process through the TCP store: its kills are drawn too
+    "zero1": {"zero": 1, "plugin": {"store": {"backend": "tcp"}, "loader": {"planners": 1, "prefetch": 2}}},
     "zero2": {"zero": 2},
     "zero3": {"zero": 3},
     "pipe": {"zero": 1, "plugin": {"pipeline": {"stages": 2}}},
@@ -95,6 +96,8 @@ def main() -> None:
             **spec.get("plugin", {}),
         },
     }
+    if "store" in config["dyn_plugin"]:  # a port of this launch's own (MASTER_PORT + 1 may be taken)
+        config["dyn_plugin"]["store"] = {"backend": "tcp", "port": int(os.environ["STORE_PORT"])}
     engine, _, loader, _ = deepspeed_ext.initialize(
         model=model,
         config=config,
@@ -104,6 +107,7 @@ def main() -> None:
         seed=5,
     )
     switch.arm_model(engine.module)
+    switch.arm_planners(loader)
     ckpt = os.path.join(out, "ckpt")
     consumed: list = []
     try:

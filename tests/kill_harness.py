@@ -12,7 +12,9 @@ Two halves:
   of this launch, half-way through the model: during a micro-batch), ``pre-forward:N`` (as the N-th
   forward starts: between micro-batches), ``save:N`` (inside the N-th checkpoint save, after its
   first file is half written), ``commit:N`` (the N-th save's files all written, its marker not yet),
-  ``after-save:N`` (the N-th save published).
+  ``after-save:N`` (the N-th save published), ``planner:N`` (the job's planner processes, as the
+  N-th forward starts: the ranks plan around them and the launch goes on; only where the worker
+  runs planners and calls ``arm_planners``).
 
 Each worker keeps, inside its checkpoints, what every step trained (the ``consumed`` log: each
 step's global position and sample ids), so a resumed launch carries the history of the steps its
@@ -24,6 +26,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -47,10 +50,12 @@ class Kill:
 NONE = Kill("none", 0, None)
 
 
-def draw(rng: np.random.Generator, world: int, *, forwards: int, saves: int) -> Kill:
+def draw(rng: np.random.Generator, world: int, *, forwards: int, saves: int, planners: bool = False) -> Kill:
     """A kill point: a random kind (every kind equally), when in the launch, and on whom."""
     victim = None if rng.random() < 0.3 else int(rng.integers(world))
-    point = str(rng.choice(("startup",) + POINTS))
+    point = str(rng.choice(("startup",) + POINTS + (("planner",) if planners else ())))
+    if point == "planner":
+        return Kill(point, int(rng.integers(1, forwards + 1)), 0)  # the host rank runs the planners
     if point == "commit" and victim is not None:
         victim = 0  # only a node's local rank 0 commits (the tests run one node)
     if point == "startup":
@@ -62,8 +67,19 @@ def draw(rng: np.random.Generator, world: int, *, forwards: int, saves: int) -> 
 def _launch(
     launch: Callable[[dict], list[subprocess.Popen]], kill: Kill, timeout: float
 ) -> tuple[list[int], list[str]]:
-    """One launch; once any rank has died, the rest are killed a moment later, as torchrun would."""
+    """One launch; once any rank has died, the rest are killed a moment later, as torchrun would.
+    The output is read as it comes: a process writing more than a pipe holds would wait on it."""
     procs = launch({"KILL": kill.env()})
+    logs = [b""] * len(procs)
+
+    def read(i: int) -> None:
+        if procs[i].stdout is not None:
+            with procs[i].stdout as out:
+                logs[i] = out.read()
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
+    for reader in readers:
+        reader.start()
     deadline = time.time() + timeout
     while time.time() < deadline and any(p.poll() is None for p in procs):
         if any(p.returncode not in (None, 0) for p in procs):
@@ -76,7 +92,9 @@ def _launch(
     for p in procs:
         if p.poll() is None:
             p.kill()
-    logs = [p.communicate()[0] or b"" for p in procs]
+    for p, reader in zip(procs, readers):
+        p.wait()
+        reader.join()
     return [p.returncode for p in procs], [log.decode(errors="replace") for log in logs]
 
 
@@ -95,6 +113,7 @@ def train_with_kills(
     world: int,
     forwards: int,
     saves: int,
+    planners: bool = False,
     timeout: float = 240,
     died: Callable[[list[int], list[str]], list[int]] | None = None,
 ) -> int:
@@ -103,7 +122,9 @@ def train_with_kills(
 
     Within a round ``launch(env)`` (the ranks' processes, output captured) is run with a kill point
     drawn from ``seed`` until a launch finishes: one whose point lay beyond the work left finishes
-    its round early. ``forwards``/``saves``: how many of each one launch makes at most. ``died(codes,
+    its round early, as does one whose planners were killed (counted: the ranks planned around
+    them). ``forwards``/``saves``: how many of each one launch makes at most; ``planners``: the
+    workers run planner processes, so ``planner`` kills are drawn too. ``died(codes,
     logs)``: the ranks a failed launch lost to SIGKILL; by default those of its processes that
     exited by it (one process a rank); where one launcher process (torchrun) runs the ranks, the
     test reads them from its output."""
@@ -114,10 +135,11 @@ def train_with_kills(
     while killed < kills:
         fresh()
         while True:
-            kill = draw(rng, world, forwards=forwards, saves=saves) if killed < kills else NONE
+            kill = draw(rng, world, forwards=forwards, saves=saves, planners=planners) if killed < kills else NONE
             codes, logs = _launch(launch, kill, timeout)
             print(f"round {rounds}, kill at {kill.env()}: exit codes {codes}")
             if all(c == 0 for c in codes):
+                killed += kill.point == "planner" and "planners killed" in logs[0]
                 break
             assert kill is not NONE, "\n".join(log[-3000:] for log in logs)
             dead = died(codes, logs)
@@ -141,6 +163,7 @@ class KillSwitch:
             self.at = int(at or 0)
             self.mine = who == "all" or int(who) == rank
         self.counts = {p: 0 for p in POINTS}
+        self._before_forward: Callable[[], None] = lambda: None
         self.pid = os.getpid()
 
     def _die(self) -> None:
@@ -157,13 +180,30 @@ class KillSwitch:
         elif self.mine and point == self.point:
             self._die()
 
+    def arm_planners(self, loader) -> None:
+        """``planner:N``: this rank's planner processes killed as its N-th forward starts."""
+
+        def kill_planners() -> None:
+            pool = loader._pool
+            if pool is not None and self.point == "planner" and self.counts["pre-forward"] == self.at:
+                for proc in pool.procs:
+                    os.kill(proc.pid, signal.SIGKILL)
+                print(f"planners killed at forward {self.at}", flush=True)
+
+        self._before_forward = kill_planners
+
     def arm_model(self, model) -> None:
         """Forward hooks: the model's own (between micro-batches) and its middle block's (during one)."""
         import torch
 
         blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
         middle = blocks[0][len(blocks[0]) // 2] if blocks else model
-        model.register_forward_pre_hook(lambda *_: self.hit("pre-forward"))
+
+        def before(*_) -> None:
+            self.hit("pre-forward")
+            self._before_forward()
+
+        model.register_forward_pre_hook(before)
         middle.register_forward_hook(lambda *_: self.hit("forward"))
 
     def arm_saves(self) -> None:

@@ -14,13 +14,13 @@ import torch
 
 from ds_kill_worker import PATHS, SAMPLES
 from kill_harness import check_exactly_once, train_with_kills
-from ranks import launch
+from ranks import free_port, launch
 
 FORWARDS, SAVES = 18, 4  # at most, in one launch's epoch (about 21 forwards, 4 saves): where kill points are drawn
 
 
 def start(out, path: str, env: dict) -> list:
-    return launch("ds_kill_worker.py", out, path, env=env, capture=True)
+    return launch("ds_kill_worker.py", out, path, env={**env, "STORE_PORT": str(free_port())}, capture=True)
 
 
 @functools.cache
@@ -57,6 +57,7 @@ def kills_on(tmp_path_factory, path: str, kills: int) -> int:
         world=2,
         forwards=FORWARDS,
         saves=SAVES,
+        planners="store" in PATHS[path].get("plugin", {}),
     )
 
 
