@@ -11,8 +11,9 @@ takes a re-used folder's marker away before ``dist_checkpointing.save`` writes, 
 Megatron-LM's tracker file names the iteration; an asynchronous save (``--async-save``) commits from
 the save's finalize step, when its files are. A kill anywhere leaves the tracker naming the last
 whole checkpoint. On load the marker's position is restored (the loader may not exist yet: it is
-built at the first step, so the position waits in the run until it does); a checkpoint without one
-is refused on every rank, unless Megatron-LM's ``--finetune`` says the data starts afresh.
+built at the first step, so the position waits in the run until it does, and a save before then, as
+Megatron-LM's after a loop with nothing left to train, commits that position); a checkpoint without
+one is refused on every rank, unless Megatron-LM's ``--finetune`` says the data starts afresh.
 """
 
 from __future__ import annotations
@@ -53,9 +54,12 @@ def _save(original: Callable) -> Callable:
         from . import runtime
 
         run = runtime.RUN
-        if run is None or run.loader is None:  # no planned step yet: nothing of the data to keep
+        if run is None or (run.loader is None and run.resume is None):  # no data trained: nothing to keep
             return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-        record = checkpoint.Record.of(run.loader)  # now: an asynchronous save commits after more steps
+        if run.loader is not None:
+            record = checkpoint.Record.of(run.loader)  # now: an asynchronous save commits after more steps
+        else:  # resumed, no step yet (Megatron-LM saves again after a loop with nothing left): where it resumed
+            record = checkpoint.Record(run.resume.position, run.resume.loader, run.resume.run)
         directory = str(checkpoint_dir)
         if checkpoint.is_writer():
             checkpoint.begin(directory)
