@@ -269,11 +269,16 @@ def main() -> None:
             log.flush()
     if args.save:
         os.makedirs(args.save, exist_ok=True)
-        dist_checkpointing.save(model.module.sharded_state_dict(), args.save)
+        # the optimizer and the counters before dist_checkpointing.save, which publishes the
+        # checkpoint (under the plugin its marker is written last, inside it): a kill in between
+        # must not leave a whole-looking checkpoint with old counters (megatron-core warns of the
+        # folder being non-empty; the files are ours)
         torch.save(optimizer.state_dict(), os.path.join(args.save, f"optim-{dist.get_rank()}.pt"))
         if dist.get_rank() == 0:
             with open(os.path.join(args.save, "train_state.json"), "w") as f:
                 json.dump({"iteration": args.steps, "scheduler_steps": scheduler.num_steps}, f)
+        dist.barrier()
+        dist_checkpointing.save(model.module.sharded_state_dict(), args.save)
     dist.barrier()
     dist.destroy_process_group()
 
