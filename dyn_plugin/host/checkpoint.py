@@ -172,7 +172,8 @@ def agreed_newest(save_dir: str | os.PathLike, tag: str | None = None) -> Checkp
     common = set(mine).intersection(*map(set, everyone))
     if not common:
         return None
-    return max((mine[n] for n in common), key=lambda c: (c.position, os.stat(marker_path(c.path)).st_mtime))
+    # by position, then name: a file's time is a node's own, and every rank must pick the same one
+    return mine[max(common, key=lambda n: (mine[n].position, n))]
 
 
 def read_everywhere(directory: str | os.PathLike, missing: str) -> Checkpoint:
