@@ -18,13 +18,6 @@ from dyn_plugin.runtime.loader import DynLoader
 LATEST = "latest"  # DeepSpeed's own file: the tag its load_checkpoint(tag=None) reads
 
 
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def save_checkpoint(
     engine, loader: DynLoader, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None
 ) -> str:
@@ -34,15 +27,11 @@ def save_checkpoint(
     tag = tag or f"step{engine.global_steps}"
     directory = os.path.join(save_dir, tag)
     record = checkpoint.Record.of(loader)
-    if checkpoint.is_writer():
-        checkpoint.begin(directory)
-    _barrier()  # no rank writes into a directory that still carries its old marker
+    checkpoint.prepare(directory)
     engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state or {}, save_latest=False)
-    _barrier()  # every rank's files are written
-    if checkpoint.is_writer():
-        checkpoint.commit(directory, record)
+    checkpoint.publish(directory, record)
+    if checkpoint.is_writer():  # after the marker: `latest` names only a whole checkpoint
         write_atomic(os.path.join(save_dir, LATEST), tag)
-    _barrier()
     return tag
 
 

@@ -29,13 +29,6 @@ logger = logging.getLogger(__name__)
 CHECKPOINTING = "megatron.core.dist_checkpointing.serialization"
 
 
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def _finetuning() -> bool:
     """Megatron-LM's ``--finetune``: the weights are loaded, the iteration and the data start afresh."""
     try:
@@ -61,14 +54,10 @@ def _save(original: Callable) -> Callable:
         else:  # resumed, no step yet (Megatron-LM saves again after a loop with nothing left): where it resumed
             record = checkpoint.Record(run.resume.position, run.resume.loader, run.resume.run)
         directory = str(checkpoint_dir)
-        if checkpoint.is_writer():
-            checkpoint.begin(directory)
-        _barrier()
+        checkpoint.prepare(directory)
 
-        def publish() -> None:
-            if checkpoint.is_writer():
-                checkpoint.commit(directory, record)
-            _barrier()  # every node's marker is written before Megatron-LM's tracker names the folder
+        def publish() -> None:  # every node's marker is written before Megatron-LM's tracker names the folder
+            checkpoint.publish(directory, record)
 
         request = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         if request is None:

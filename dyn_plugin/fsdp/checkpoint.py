@@ -18,7 +18,6 @@ import pickle
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -29,11 +28,6 @@ from ..runtime.loader import DynLoader
 # client_state, and whether the optimizer had stepped, as one pickled leaf: DCP loads only the keys
 # the caller's state dict names, and a resuming rank cannot name the keys of a state it has not read
 EXTRA = "dyn_plugin"
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, extra: bytes) -> dict[str, Any]:
@@ -65,18 +59,13 @@ def save_checkpoint(
     tag = tag or f"step{loader.position if step is None else step}"
     directory = os.path.join(save_dir, tag)
     record = checkpoint.Record.of(loader)
-    if checkpoint.is_writer():
-        checkpoint.begin(directory)
-    _barrier()  # no rank writes into a directory that still carries its old marker
+    checkpoint.prepare(directory)
     stepped = bool(optimizer.state)
     state = _state(model, optimizer, scheduler, pickle.dumps({"client_state": client_state or {}, "stepped": stepped}))
     if not stepped:
         optimizer.state.clear()  # a save before the first step leaves the training as it was
     dcp.save(state, checkpoint_id=directory)
-    _barrier()  # every rank's files are written
-    if checkpoint.is_writer():
-        checkpoint.commit(directory, record)
-    _barrier()
+    checkpoint.publish(directory, record)
     return tag
 
 

@@ -91,6 +91,31 @@ def begin(directory: str | os.PathLike) -> None:
         fsync_directory(os.fspath(directory))
 
 
+def barrier() -> None:
+    """Every rank here before any goes on (nothing to wait for without a process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def prepare(directory: str | os.PathLike) -> None:
+    """Before a host writes a checkpoint into ``directory``: the writer ``begin``s it, and no rank
+    writes into a directory that still carries its old marker. Every rank calls it."""
+    if is_writer():
+        begin(directory)
+    barrier()
+
+
+def publish(directory: str | os.PathLike, record: Record) -> None:
+    """Once this rank's files are written: every rank's are, then each node's writer commits, and no
+    rank goes on before every node's marker is written. Every rank calls it."""
+    barrier()
+    if is_writer():
+        commit(directory, record)
+    barrier()
+
+
 def _fsync_tree(directory: str) -> None:
     """Every file the host wrote, on disk before the marker says they are: hosts save with
     ``torch.save``, which leaves them in the page cache."""
