@@ -11,13 +11,15 @@ would). Where the attention is plain causal softmax attention (no bias, no softm
 sliding window, no mask beyond causality, no active dropout: the common case and the tests'), it
 runs torch's ``scaled_dot_product_attention``, per document for packed rows: the kernels the
 plugin's profiler measures on the transformers model (``sdpa``, and the per-document varlen path
-of ``dyn_plugin/models/varlen_attention.py``), so the profile prices what Megatron runs. The local
-class instead materialises the full score matrix with an unfused softmax, which on CPU made a
+of ``dyn_plugin/models/varlen_attention.py``), so the profile prices what Megatron runs; on CUDA in
+half precision a packed row is that path's one call of torch's flash varlen kernel, the boundaries
+left on the device and the longest document read from ``PackedSeqParams`` (a host int), so nothing
+is read back per layer or per micro-batch. The local class instead materialises the full score matrix with an unfused softmax, which on CPU made a
 4096-token layer 3.6x slower than the profile and the step predictions 4x too short. Anything else
 is delegated to ``DotProductAttention.forward`` itself (per document for packed rows), keeping
 every numerical choice of the local attention (query-key layer scaling, the -10000 mask fill,
-softmax offsets, sliding windows, dropout under the tensor-parallel RNG tracker). Packed rows cost
-a Python loop over documents and a host sync for the lengths; attention memory is the sum of the
+softmax offsets, sliding windows, dropout under the tensor-parallel RNG tracker). Elsewhere packed rows
+cost a Python loop over documents and one read of the lengths per micro-batch; attention memory is the sum of the
 squared document lengths rather than the squared row length. With TransformerEngine the TE spec is
 used instead and this patch changes nothing there. Inside a sequence-parallel shard the attention
 spans the shard's group (``megatron_patches.sequence_parallel``).
@@ -40,7 +42,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor
 
-from dyn_plugin.models import sequence_parallel
+from dyn_plugin.models import sequence_parallel, varlen_attention
 from dyn_plugin.models.varlen_attention import document_attention
 
 from .registry import Patch
@@ -131,6 +133,11 @@ class PackedDotProductAttention(DotProductAttention):
             )
         if query.dim() != 3:
             raise ValueError(f"THD query must be [tokens, heads, head_dim], got shape {tuple(query.shape)}")
+        if self._one_call(query, key, attention_mask, attn_mask_type, attention_bias, packed_seq_params):
+            # the boundaries stay on the device and the longest document comes as a host int: no sync
+            cu = _row(packed_seq_params.cu_seqlens_q)
+            out = varlen_attention.flash_call(query, key, value, cu, packed_seq_params.max_seqlen_q, self._scale())
+            return out.reshape(query.size(0), self.hidden_size_per_partition)
         # attention_mask is not used: as with TransformerEngine's THD path, cu_seqlens and causality are the mask
         q_starts, q_lengths = _offsets(packed_seq_params, "q")
         kv_starts, kv_lengths = _offsets(packed_seq_params, "kv")
@@ -201,6 +208,31 @@ class PackedDotProductAttention(DotProductAttention):
             and self.softmax_offset is None
             and self.scale_mask_softmax.window_size is None
             and (self.attention_dropout.p == 0 or not self.training)
+        )
+
+    def _one_call(
+        self,
+        query: Tensor,
+        key: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType],
+        attention_bias: Optional[Tensor],
+        params: PackedSeqParams,
+    ) -> bool:
+        """Whether torch's flash varlen kernel computes this packed call in one launch, exactly as the
+        per-document loop would: plain causal attention on CUDA in half precision, the same boundaries
+        for queries and keys with no padding between documents, and the longest document known on
+        the host (Megatron-LM's ``get_thd_batch_on_this_cp_rank`` and :func:`packed_seq_params` set it).
+        Identity, not equality, of the boundary tensors: comparing them would read the device."""
+        return (
+            varlen_attention.flash_device(query)
+            and varlen_attention.flash_exact(query, key, 0.0, None, None)
+            and self._plain(attention_mask, attn_mask_type, attention_bias)
+            and params.cu_seqlens_kv is params.cu_seqlens_q
+            and params.cu_seqlens_q_padded is None
+            and params.cu_seqlens_kv_padded is None
+            and isinstance(params.max_seqlen_q, int)
+            and params.max_seqlen_kv == params.max_seqlen_q
         )
 
     def _scale(self) -> float:

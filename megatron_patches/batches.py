@@ -55,6 +55,10 @@ TP_BATCH_KEYS = (
     "local_cp_size",
 )
 
+# Lengths Megatron-LM reads as Python ints (``get_thd_batch_on_this_cp_rank``: ``max_seqlen[0].item()``):
+# kept on the host, where that read is free; on the device it would sync every micro-batch.
+HOST_KEYS = ("max_seqlen",)
+
 
 def megatron_batch(desc: PlannedMicroBatch, loaded: dict[str, torch.Tensor] | None, shard: int = 0) -> dict[str, Any]:
     """The batch dict of the micro-batch ``desc`` (a plan's description); ``loaded``: its tensors
@@ -119,7 +123,10 @@ def _on_this_tp_rank(original: Callable) -> Callable:
         if not isinstance(data_iterator, PlannedBatches):
             return original(data_iterator, *args, **kwargs)
         data, where = next(data_iterator), device()
-        return {k: data[k].to(where, non_blocking=True) if k in data else None for k in TP_BATCH_KEYS}
+        return {
+            k: None if k not in data else data[k] if k in HOST_KEYS else data[k].to(where, non_blocking=True)
+            for k in TP_BATCH_KEYS
+        }
 
     return get_batch_on_this_tp_rank
 

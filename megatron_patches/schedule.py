@@ -30,7 +30,7 @@ from typing import Any, Callable
 from dyn_plugin.host.feed import DeviceFeed
 from dyn_plugin.plan.instructions import PlannedMicroBatch
 
-from .batches import PlannedBatches, device, megatron_batch
+from .batches import HOST_KEYS, PlannedBatches, device, megatron_batch
 from .registry import Patch
 from .runtime import unwrap
 from .sequence_parallel import GroupedMicroBatches, grouped
@@ -190,7 +190,7 @@ def planned(schedule: Callable) -> Callable:
             return schedule(
                 forward_step_func=forward_step,
                 # on the device ahead of use; the longest length stays a host int (packed_seq_params)
-                data_iterator=PlannedBatches(DeviceFeed((b for _, _, b in items), device(), host_keys=("max_seqlen",))),
+                data_iterator=PlannedBatches(DeviceFeed((b for _, _, b in items), device(), host_keys=HOST_KEYS)),
                 model=model,
                 num_microbatches=len(items),
                 seq_length=max(int(w[1]) for w in widths),

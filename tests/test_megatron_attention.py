@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from device_only import CALLS, DeviceOnly, plain, stand_in_flash
 from megatron_patches.attention import PackedDotProductAttention, attention_patches
 from megatron_patches.cpu import cpu_patches
 from megatron_patches.registry import Registry
@@ -270,6 +271,29 @@ def test_megatron_lm_cu_seqlens_shape_attends_per_document(megatron: None) -> No
         qkv_format="thd", cu_seqlens_q=cu[0], cu_seqlens_kv=cu[0], max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)
     )
     assert torch.equal(out, attn(q, k, v, None, packed_seq_params=flat))
+
+
+def test_packed_row_on_cuda_is_one_flash_call_that_reads_nothing_back(megatron: None, monkeypatch) -> None:
+    """Megatron-LM's packed batch as its ``get_batch`` builds the attention's parameters (boundaries
+    ``[1, n + 1]`` on the device, ``max_seqlen`` kept on the host by the patched TP-rank read) runs as
+    one call of the flash varlen kernel with no host read of the boundaries (issue 26: they were read
+    back once per micro-batch), and computes what each document alone does."""
+    from megatron.core import utils
+
+    stand_in_flash(monkeypatch)
+    lengths = [5, 9, 3]
+    attn, q, k, v = _attention_and_inputs(lengths)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    cu = torch.tensor([[0, *torch.tensor(lengths).cumsum(0).tolist()]], dtype=torch.int32).as_subclass(DeviceOnly)
+    _, params = utils.get_thd_batch_on_this_cp_rank({}, cu, None, torch.tensor([max(lengths)], dtype=torch.int32))
+    out = attn(q, k, v, None, packed_seq_params=params)
+    assert len(CALLS) == 1
+    expected = _per_document(q.float(), k.float(), v.float(), lengths, 0.25)
+    assert (plain(out).float() - expected).abs().max().item() < 2e-2
+    # without a host int for the longest document the per-document path runs (and reads the boundaries)
+    params.max_seqlen_q = params.max_seqlen_kv = None
+    with pytest.raises(AssertionError, match="host read"):
+        attn(q, k, v, None, packed_seq_params=params)
 
 
 @pytest.mark.parametrize(

@@ -106,6 +106,30 @@ def flash_exact(
     )
 
 
+def flash_device(query: torch.Tensor) -> bool:
+    """Whether torch's flash varlen kernel can run on ``query``'s device (CUDA). One place, so that the
+    CPU tests of the flash path's plumbing stand a reference kernel in for it."""
+    return query.is_cuda
+
+
+def flash_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu: torch.Tensor,
+    longest: int,
+    scaling: float | None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """query [tokens, heads, d], key/value [tokens, kv_heads, d] -> [tokens, heads, d]: causal attention
+    within each document ``cu`` (int32 boundaries, on the device) bounds, in one kernel call. ``longest``
+    is a host int: the kernel needs it and reading it from ``cu`` would sync the device."""
+    # the kernel's window (left, 0) sees keys up to `left` positions back; the module's, fewer than `window`
+    mask = _CAUSAL if window is None else {"window_size": (window - 1, 0)}
+    gqa = _GQA if key.shape[1] != query.shape[1] else {}
+    return varlen_attn(query, key, value, cu, cu, longest, longest, scale=scaling, **mask, **gqa)
+
+
 def _flash_varlen(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -119,17 +143,15 @@ def _flash_varlen(
     for every document. ``offsets``: (cu_seqlens on the device, longest document) shipped with the
     batch, so that the forward reads nothing back from the device; else found from ``position_ids``."""
     b, h, s, d = query.shape
-    gqa = key.shape[1] != h
     cu, longest = offsets if offsets is not None else _offsets.get(position_ids, b, s, query.device)
     # one document per row (padded rows, packing across documents): dense causal SDPA, which has no window
     if cu.numel() == b + 1 and window is None:
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=key.shape[1] != h
+        )
         return out.transpose(1, 2).contiguous()
     flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (query, key, value)]
-    # the kernel's window (left, 0) sees keys up to `left` positions back; the module's, fewer than `window`
-    mask = _CAUSAL if window is None else {"window_size": (window - 1, 0)}
-    out = varlen_attn(*flat, cu, cu, longest, longest, scale=scaling, **mask, **(_GQA if gqa else {}))
-    return out.view(b, s, h, d)
+    return flash_call(*flat, cu, longest, scaling, window).view(b, s, h, d)
 
 
 def _windowed(q, k, v, dropout: float, scaling: float | None, window: int | None, softcap: float | None):
@@ -170,7 +192,7 @@ def document_attention(
     for one document per row; ``window``: a key is seen by queries fewer than ``window`` positions
     after it; ``softcap``: logits soft-capped at it; ``offsets``: the documents' cu_seqlens (over the
     b rows flattened) and longest length, where the batch carries them. Returns [b, s, heads, d]."""
-    if query.is_cuda and flash_exact(query, key, dropout, window, softcap):
+    if flash_device(query) and flash_exact(query, key, dropout, window, softcap):
         return _flash_varlen(query, key, value, position_ids, scaling, window, offsets)
     gqa = key.shape[1] != query.shape[1]
     plain = window is None and softcap is None
