@@ -20,15 +20,22 @@ LR = 0.5
 
 
 def reference(model, samples, lr):
-    """Token-mean loss over every scored token of the global batch, in one process."""
-    total = sum(len(s) - 1 for s in samples)
-    loss = 0
+    """Token-mean loss over every scored token of the global batch, in one process, each sample
+    alone: a token sequence (a causal LM scores all but its first token) or an (input, target)
+    pair (an encoder-decoder scores every target token)."""
+    total, loss = 0, 0
     for s in samples:
-        ids = torch.as_tensor(s).unsqueeze(0)
-        labels = ids.clone()
-        labels[0, 0] = -100
-        out = model(input_ids=ids, labels=labels, use_cache=False)
-        loss = loss + out.loss * (len(s) - 1)
+        if isinstance(s, tuple):
+            source, target = (torch.as_tensor(x).unsqueeze(0) for x in s)
+            out = model(input_ids=source, labels=target, use_cache=False)
+            scored = target.shape[1]
+        else:
+            ids = torch.as_tensor(s).unsqueeze(0)
+            labels = ids.clone()
+            labels[0, 0] = -100
+            out = model(input_ids=ids, labels=labels, use_cache=False)
+            scored = len(s) - 1
+        loss, total = loss + out.loss * scored, total + scored
     (loss / total).backward()
     with torch.no_grad():
         for p in model.parameters():

@@ -33,6 +33,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=8192,
         tie_word_embeddings=False,
     ),
+    # an encoder-decoder (T5 v1.0: relu feed-forward, tied embeddings) for the (input, target) pair
+    # runtime; "feed_forward_proj": "gated-gelu" with tie_word_embeddings false is T5 v1.1's variant
+    "tiny-t5": dict(
+        model_type="t5",
+        d_model=64,
+        d_kv=16,
+        d_ff=256,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        vocab_size=8192,
+        dropout_rate=0.0,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    ),
     "tiny-gpt2": dict(
         model_type="gpt2",
         n_embd=128,
@@ -89,6 +105,11 @@ def build_causal_lm(cfg: dict[str, Any], num_layers: int | None = None, attn_imp
 
     hf_cfg = hf_config(cfg, num_layers)
     model_type = hf_cfg.model_type
+    if hf_cfg.is_encoder_decoder:
+        raise ValueError(
+            f"{model_type} is an encoder-decoder: build it with build_seq2seq_lm and train it on (input, target) "
+            "pairs; the causal-LM paths (profiler, pipelines, Megatron) do not take it"
+        )
     if attn_implementation is None:
         model_class = AutoModelForCausalLM._model_mapping[type(hf_cfg)]
         if not getattr(model_class, "_supports_attention_backend", False):
@@ -102,3 +123,15 @@ def build_causal_lm(cfg: dict[str, Any], num_layers: int | None = None, attn_imp
             )
     hf_cfg._attn_implementation = attn_implementation or register()
     return AutoModelForCausalLM.from_config(hf_cfg)
+
+
+def build_seq2seq_lm(cfg: dict[str, Any]):
+    """A randomly initialised ``AutoModelForSeq2SeqLM`` (T5 and kin) in fp32 from a config dict:
+    it takes micro-batches of (input, target) pairs (``dyn_plugin.runtime.collate_pairs``) and
+    runs transformers' own attention (T5 does not route attention through its backends)."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    hf_cfg = hf_config(cfg)
+    if not hf_cfg.is_encoder_decoder:
+        raise ValueError(f"{hf_cfg.model_type} is not an encoder-decoder; build it with build_causal_lm")
+    return AutoModelForSeq2SeqLM.from_config(hf_cfg)

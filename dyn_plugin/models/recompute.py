@@ -40,6 +40,15 @@ def _attention(layer: nn.Module) -> nn.Module | None:
         found = getattr(layer, name, None)
         if isinstance(found, nn.Module):
             return found
+    # T5's blocks keep their sublayers in a list, self-attention first (then cross-attention in
+    # the decoder's, then the feed-forward): selective recompute takes the self-attention sublayer
+    sublayers = getattr(layer, "layer", None)
+    if (
+        isinstance(sublayers, nn.ModuleList)
+        and len(sublayers)
+        and isinstance(getattr(sublayers[0], "SelfAttention", None), nn.Module)
+    ):
+        return sublayers[0]
     return None
 
 

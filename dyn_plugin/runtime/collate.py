@@ -19,12 +19,14 @@ row ends in one padding document (``pad_id`` tokens, positions from 0, labels -1
 rows are padded wider. :func:`shard` then gives each rank of the group its contiguous 1/sp of
 every row, labels shifted first: the label of a shard's last token is the next shard's first.
 
-``scored_tokens`` counts the labels a causal LM actually scores (length - 1 per sequence), the
-denominator of an exact token-mean loss.
+``scored_tokens`` counts the labels a model actually scores (length - 1 per sequence for a causal
+LM, the target length of each (input, target) pair for an encoder-decoder, whose micro-batches
+``collate_pairs.py`` builds), the denominator of an exact token-mean loss.
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Sequence
 
 import torch
@@ -53,8 +55,20 @@ def sample_tokens(item: Any) -> torch.Tensor:
     return torch.as_tensor(ids, dtype=torch.long).flatten()
 
 
-def scored_tokens(seq_lens: Sequence[int]) -> int:
-    return sum(max(s - 1, 0) for s in seq_lens)
+def scored_tokens(seq_lens: Sequence[int] | Sequence[Sequence[int]]) -> int:
+    """Tokens a micro-batch's (or a global batch's) loss scores: the exact token-mean's denominator.
+    A causal LM scores length - 1 per sequence (its first token has nothing before it); an
+    encoder-decoder scores every target token of each (input, target) pair (the decoder's start
+    token predicts the first). The plan's lengths say which: ints, or pairs."""
+    return sum(_scored(s) for s in seq_lens)
+
+
+def _scored(length: int | Sequence[int]) -> int:
+    if isinstance(length, numbers.Integral):
+        return max(int(length) - 1, 0)
+    if len(length) != 2:
+        raise ValueError(f"a length is a token count or an (input, target) pair of token counts, got {length!r}")
+    return int(length[1])
 
 
 def position_ids(seq_lens: Sequence[int], layout: str, shape: Sequence[int]) -> torch.Tensor:

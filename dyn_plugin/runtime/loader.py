@@ -41,11 +41,12 @@ import collections
 import hashlib
 import json
 import logging
+import numbers
 import os
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -58,6 +59,7 @@ from ..layout import RankLayout
 from ..lengths.io import cap_lengths, validate_lengths
 from ..plan.instructions import ExecutionPlan, PlannedMicroBatch
 from .collate import collate, shard
+from .collate_pairs import collate_pairs
 from .planning import PlanningContext, RankPlan
 from .sampler import epoch_batches
 
@@ -524,17 +526,7 @@ class DynLoader:
         tensors, ids = [], []
         for m in rp.plan.loads:
             desc = rp.plan.micro_batches[m]
-            batch = collate(
-                desc.sample_ids,
-                desc.seq_lens,
-                desc.layout,
-                desc.shape,
-                self.dataset.__getitem__,
-                pad_id=self.pad_id,
-                sp=desc.sp,
-            )
-            if desc.sp > 1:
-                batch = shard(batch, desc.sp, rp.plan.column - desc.group)
+            batch = load_micro_batch(desc, self.dataset.__getitem__, column=rp.plan.column, pad_id=self.pad_id)
             if self.device.type == "cuda":  # page-locked: the hosts' copies to the GPU run asynchronously
                 batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
             tensors.append(batch)
@@ -602,6 +594,24 @@ class DynLoader:
         """Stop whatever the loader started (planner processes, a store it hosts)."""
         if self._store is not None:
             self._finalizer()
+
+
+def load_micro_batch(
+    desc: PlannedMicroBatch, fetch: Callable[[int], Any], *, column: int, pad_id: int = 0
+) -> dict[str, Any]:
+    """The tensors of one planned micro-batch on the rank at data-parallel ``column``; ``fetch(i)``
+    returns dataset item i. A plan of (input, target) pairs (``seq_lens`` of pairs) is padded per
+    side (``collate_pairs``); sequences are built in the plan's layout and, under sequence
+    parallelism, cut to this rank's shard."""
+    if desc.seq_lens and not isinstance(desc.seq_lens[0], numbers.Integral):
+        if desc.layout != "padded" or desc.sp > 1:
+            raise ValueError(
+                f"a micro-batch of (input, target) pairs planned {desc.layout!r} with sp {desc.sp}: pairs are built "
+                "padded per side without sequence parallelism only; plan them padded with sp 1"
+            )
+        return collate_pairs(desc.sample_ids, desc.seq_lens, desc.shape, fetch, pad_id=pad_id)
+    batch = collate(desc.sample_ids, desc.seq_lens, desc.layout, desc.shape, fetch, pad_id=pad_id, sp=desc.sp)
+    return shard(batch, desc.sp, column - desc.group) if desc.sp > 1 else batch
 
 
 def _close(store, pool=None) -> None:
