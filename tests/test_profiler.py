@@ -95,11 +95,15 @@ def test_live_memory_counts_stored_activations():
 
 
 def test_packed_inputs_reset_positions_and_mask_boundaries():
-    ids, pos, labels = make_inputs([3, 2], "packed", 100, 8, np.random.default_rng(0))
-    assert pos.tolist() == [[0, 1, 2, 0, 1]]
-    assert labels[0, 0] == -100 and labels[0, 3] == -100
-    ids, pos, labels = make_inputs([3, 9], "padded", 100, 8, np.random.default_rng(0))
-    assert ids.shape == (2, 16) and pos is None and (labels[0, 3:] == -100).all()
+    packed = make_inputs([3, 2], "packed", 100, 8, np.random.default_rng(0))
+    assert packed.pos.tolist() == [[0, 1, 2, 0, 1]]
+    assert packed.labels[0, 0] == -100 and packed.labels[0, 3] == -100
+    # the boundaries and the longest document travel with the batch, as the collator ships them
+    assert packed.cu.tolist() == [0, 3, 5] and packed.longest == 3
+    assert packed.kwargs()["cu_seq_lens_q"] is packed.cu and packed.kwargs()["max_length_q"] == 3
+    padded = make_inputs([3, 9], "padded", 100, 8, np.random.default_rng(0))
+    assert padded.ids.shape == (2, 16) and padded.pos is None and (padded.labels[0, 3:] == -100).all()
+    assert "cu_seq_lens_q" not in padded.kwargs()
 
 
 def test_varlen_attention_isolates_documents():

@@ -113,7 +113,7 @@ def test_cuda_clock_times_each_phase_on_the_device(monkeypatch):
 
 def test_step_uses_the_measures_of_its_inputs_device(monkeypatch):
     from dyn_plugin.profiling.profiler import _memory
-    from dyn_plugin.profiling.workload import timed_step
+    from dyn_plugin.profiling.workload import Inputs, timed_step
 
     calls = []
     monkeypatch.setitem(
@@ -122,8 +122,8 @@ def test_step_uses_the_measures_of_its_inputs_device(monkeypatch):
         (lambda f, b: calls.append("clock") or (1.0, 2.0), lambda f, b: calls.append("memory") or (3.0, 4.0)),
     )
     ids = torch.zeros(1, 4, dtype=torch.long)
-    assert timed_step(None, ids, None, ids) == (1.0, 2.0)
-    assert _memory(None, ids, None, ids) == (3.0, 4.0)
+    assert timed_step(None, Inputs(ids, ids)) == (1.0, 2.0)
+    assert _memory(None, Inputs(ids, ids)) == (3.0, 4.0)
     assert calls == ["clock", "memory"]
 
 

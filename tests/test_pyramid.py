@@ -60,14 +60,12 @@ def one_thread():
 def tiny():
     torch.manual_seed(0)
     model = build_causal_lm(PRESETS["tiny-llama"])
-    ids, pos, labels = make_inputs([40, 17, 9], "packed", model.config.vocab_size, 8, np.random.default_rng(0))
-    return model, (ids, pos, labels)
+    return model, make_inputs([40, 17, 9], "packed", model.config.vocab_size, 8, np.random.default_rng(0))
 
 
 def _grads(model, inputs) -> list[torch.Tensor]:
-    ids, pos, labels = inputs
     model.zero_grad(set_to_none=True)
-    model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss.backward()
+    model(**inputs.kwargs(), use_cache=False).loss.backward()
     return [p.grad.clone() for p in model.parameters()]
 
 

@@ -39,15 +39,15 @@ from .collective import measure_collectives
 from .device import Target, measures
 from .optimizer import measure_optimizer
 from .shadow import ShadowLoad
-from .workload import ProfileGrid, backward, loss_closure, make_inputs, micro_batch_lengths, timed_step
+from .workload import Inputs, ProfileGrid, backward, loss_closure, make_inputs, micro_batch_lengths, timed_step
 
 logger = logging.getLogger(__name__)
 
 
-def _memory(model, ids, pos, labels) -> tuple[float, float]:
+def _memory(model, inputs: Inputs) -> tuple[float, float]:
     """(stored, peak above the start) bytes of one forward+backward."""
-    _, probe = measures(ids.device.type)
-    return probe(loss_closure(model, ids, pos, labels), backward)
+    _, probe = measures(inputs.ids.device.type)
+    return probe(loss_closure(model, inputs), backward)
 
 
 def _embedding_times(model, ids, repeats: int) -> tuple[float, float]:
@@ -64,10 +64,10 @@ class Job:
     """One micro-batch through one model, with its inputs built once."""
 
     model: object
-    inputs: tuple
+    inputs: Inputs
 
     def run(self) -> tuple[float, float]:
-        return timed_step(self.model, *self.inputs)
+        return timed_step(self.model, self.inputs)
 
 
 def time_round_robin(
@@ -150,8 +150,8 @@ def run_profile(
     for layout in grid.layouts:
         for s, n in grid.points():
             lens = micro_batch_lengths(layout, s, n, rng)
-            inputs = _inputs_on(make_inputs(lens, layout, vocab, pad, rng), target)
-            embedding[(layout, tuple(lens))] = _embedding_times(ref, inputs[0], grid.repeats)
+            inputs = make_inputs(lens, layout, vocab, pad, rng).to(target.device)
+            embedding[(layout, tuple(lens))] = _embedding_times(ref, inputs.ids, grid.repeats)
             for rc in grid.recomputes:
                 for depth in (l1, l2):
                     keys.append((layout, lens, rc, depth))
@@ -162,7 +162,7 @@ def run_profile(
         full = _on(build_causal_lm(model_cfg).train(), target)
         RecomputeSwitch(full).set(grid.recomputes[0])
         held_jobs = [
-            Job(full, _inputs_on(make_inputs(c["seq_lens"], c["layout"], vocab, pad, rng), target)) for c in held_out
+            Job(full, make_inputs(c["seq_lens"], c["layout"], vocab, pad, rng).to(target.device)) for c in held_out
         ]
     else:
         held_jobs = []
@@ -219,7 +219,7 @@ def run_profile(
         )
     samples: list[Sample] = []
     for (layout, lens, rc, depth), job, (fwd, bwd) in zip(keys, jobs, times):
-        stored, peak = _memory(job.model, *job.inputs)
+        stored, peak = _memory(job.model, job.inputs)
         samples.append(
             Sample(
                 component="model",
@@ -292,10 +292,6 @@ def _on(model, target: Target):
     return model.to(device=target.device, dtype=target.torch_dtype)
 
 
-def _inputs_on(inputs: tuple, target: Target) -> tuple:
-    return tuple(None if t is None else t.to(target.device) for t in inputs)
-
-
 def _held_out_cases(keys: list, count: int, grid: ProfileGrid, rng: np.random.Generator, pad: int) -> list[dict]:
     """Random micro-batches inside the measured range of each layout, alternating layouts."""
     cases = []
@@ -346,13 +342,13 @@ def _pyramid_check(
     torch.manual_seed(grid.seed)
     model = _on(build_causal_lm(model_cfg).train(), target)
     switch = RecomputeSwitch(model)
-    inputs = _inputs_on(make_inputs(lens, layout, model.config.vocab_size, pad, rng), target)
-    timed_step(model, *inputs)  # gradients allocated once, as in the profile's own memory pass
+    inputs = make_inputs(lens, layout, model.config.vocab_size, pad, rng).to(target.device)
+    timed_step(model, inputs)  # gradients allocated once, as in the profile's own memory pass
     depth = len(switch.layers)
     cases = []
     for count in sorted({0, depth // 2, depth}):
         switch.set(mode, count)
-        stored, peak = _memory(model, *inputs)
+        stored, peak = _memory(model, inputs)
         predicted = evaluate_checkpointed(
             cost.table(layout, mode), cost.table(layout, "none"), f, StageSpec(depth), count
         )

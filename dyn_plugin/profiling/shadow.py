@@ -86,10 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         for layout in grid.layouts
         for s, n in grid.points()
     ]
-    timed_step(model, *inputs[0])
+    timed_step(model, inputs[0])
     print(READY, flush=True)
     while os.getppid() == args.parent:
-        timed_step(model, *inputs[rng.integers(len(inputs))])
+        timed_step(model, inputs[rng.integers(len(inputs))])
         model.zero_grad(set_to_none=True)
     return 0
 

@@ -6,7 +6,8 @@ the same workload, so it lives here, below both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -46,8 +47,33 @@ def micro_batch_lengths(layout: Layout, seq_len: int, n: int, rng: np.random.Gen
     return lens
 
 
-def make_inputs(seq_lens: list[int], layout: Layout, vocab: int, pad_multiple: int, rng: np.random.Generator):
-    """input_ids, position_ids, labels of one micro-batch, as the plugin's collator lays them out."""
+@dataclass(frozen=True)
+class Inputs:
+    """One micro-batch's model inputs, as the plugin's collator lays them out and the step passes
+    them: packed rows carry their documents' boundaries and longest length (a host int), so the
+    attention measured is the call training makes, with no read back from the device."""
+
+    ids: Any
+    labels: Any
+    pos: Any = None
+    cu: Any = None  # packed: int32 document boundaries [n + 1]
+    longest: int | None = None
+
+    def to(self, device) -> "Inputs":
+        moved = {k: getattr(self, k) for k in ("ids", "labels", "pos", "cu")}
+        return replace(self, **{k: None if v is None else v.to(device) for k, v in moved.items()})
+
+    def kwargs(self) -> dict[str, Any]:
+        out = {"input_ids": self.ids, "position_ids": self.pos, "labels": self.labels}
+        if self.cu is not None:
+            out.update(
+                cu_seq_lens_q=self.cu, cu_seq_lens_k=self.cu, max_length_q=self.longest, max_length_k=self.longest
+            )
+        return out
+
+
+def make_inputs(seq_lens: list[int], layout: Layout, vocab: int, pad_multiple: int, rng: np.random.Generator) -> Inputs:
+    """One micro-batch of random tokens in ``layout``."""
     import torch
 
     if layout == "padded":
@@ -56,25 +82,26 @@ def make_inputs(seq_lens: list[int], layout: Layout, vocab: int, pad_multiple: i
         labels = ids.clone()
         for i, s in enumerate(seq_lens):
             labels[i, s:] = -100
-        return ids, None, labels
+        return Inputs(ids, labels)
     total = sum(seq_lens)
     ids = torch.from_numpy(rng.integers(0, vocab, size=(1, total)))
     pos = torch.cat([torch.arange(s) for s in seq_lens]).unsqueeze(0)
     labels = ids.clone()
     starts = np.cumsum([0] + seq_lens[:-1])
     labels[0, starts] = -100  # no prediction across a document boundary
-    return ids, pos, labels
+    cu = torch.tensor([0, *np.cumsum(seq_lens)], dtype=torch.int32)
+    return Inputs(ids, labels, pos, cu, max(seq_lens))
 
 
-def loss_closure(model, ids, pos, labels):
-    return lambda: model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
+def loss_closure(model, inputs: Inputs):
+    return lambda: model(**inputs.kwargs(), use_cache=False).loss
 
 
 def backward(loss) -> None:
     loss.backward()
 
 
-def timed_step(model, ids, pos, labels) -> tuple[float, float]:
+def timed_step(model, inputs: Inputs) -> tuple[float, float]:
     """(forward, backward) ms, timed as the inputs' device needs (device.py)."""
-    clock, _ = measures(ids.device.type)
-    return clock(loss_closure(model, ids, pos, labels), backward)
+    clock, _ = measures(inputs.ids.device.type)
+    return clock(loss_closure(model, inputs), backward)
