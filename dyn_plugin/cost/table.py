@@ -141,10 +141,20 @@ def fit_error(pred: np.ndarray, y: np.ndarray) -> tuple[float, float]:
 
 def fit_linear(tokens: np.ndarray, attn: np.ndarray, y: np.ndarray, *, floor: bool = False) -> LinearFit:
     """``y = c0 + c1*tokens + c2*attn`` with non-negative coefficients; with ``floor``, also
-    ``max(floor, ...)`` where that fits better (the floor is tried at the smallest measured
-    values and the line fitted to the points above it)."""
+    ``max(floor, ...)`` where that fits better (see :func:`fit_columns`)."""
     y = np.asarray(y, dtype=float)
     X = np.stack([np.ones(len(y)), np.asarray(tokens, float), np.asarray(attn, float)], axis=1)
+    coef, f, mape, max_ape = fit_columns(X, y, floor=floor)
+    return LinearFit(tuple(float(c) for c in coef), mape, max_ape, len(y), floor=f)
+
+
+def fit_columns(X: np.ndarray, y: np.ndarray, *, floor: bool = False) -> tuple[np.ndarray, float, float, float]:
+    """``y = X @ coef`` with non-negative coefficients, in relative error; with ``floor``, also
+    ``max(floor, X @ coef)`` where that fits better (the floor is tried at the smallest measured
+    values and the line fitted to the points above it). Returns (coef, floor, mean, max absolute
+    percentage error); any number of columns (the encoder-decoder fits have five)."""
+    y = np.asarray(y, dtype=float)
+    X = np.asarray(X, dtype=float)
     coef = nnls_relative(X, y)
     best = (float(np.sum(((X @ coef - y) / y) ** 2)), 0.0, coef)
     if floor:
@@ -158,8 +168,7 @@ def fit_linear(tokens: np.ndarray, attn: np.ndarray, y: np.ndarray, *, floor: bo
             if err < best[0]:
                 best = (err, float(f), c)
     _, f, coef = best
-    pred = np.maximum(f, X @ coef)
-    return LinearFit(tuple(float(c) for c in coef), *fit_error(pred, y), len(y), floor=f)
+    return (coef, f, *fit_error(np.maximum(f, X @ coef), y))
 
 
 def fit_banded(tokens: np.ndarray, attn: np.ndarray, y: np.ndarray) -> LinearFit:

@@ -1,0 +1,510 @@
+"""Encoder-decoder (T5) costs: a micro-batch of (input, target) pairs on an encoder or decoder stage.
+
+A micro-batch of n pairs is padded to its longest input ``Se`` and longest target ``Sd`` (each
+rounded up to ``pad_multiple``: layout "padded"; packing per side is not priced). Its layers cost:
+
+- encoder layer: the decoder-only layer's features of the input side, ``n*Se`` token slots and
+  ``n*Se^2`` attention pairs (``LinearFit``, fitted as the GPT tables are: ``fit_component``);
+- decoder layer: five terms, ``1, n*Sd, n*Sd^2`` (its own tokens and self-attention),
+  ``n*Se`` (cross-attention keys and values projected from the encoder output) and ``n*Se*Sd``
+  (cross-attention pairs): time as ``max(floor, terms @ coef)``, stored bytes as ``terms @ coef``;
+  its peak is read off the measured (Se, Sd) grid per pair, linear between measured lengths along
+  each side (one line over all lengths missed the peak by 10-15% on average: its transient is the
+  largest of a self-attention, a cross-attention and a feed-forward buffer, which no sum follows);
+- postprocess (final norm, LM head, loss) on the target side, as the GPT head.
+
+Every decoder stage also holds the encoder output of each micro-batch in flight (it is an input
+of every decoder layer's cross-attention, received from the stage before and sent on) and its
+gradient while the micro-batch's backward runs.
+
+The tables (``../shared/data/a100-measured/t5-11b.json``, bundled as
+``profiles/measured/a100-t5-11b.json``) give MB as 10^6 bytes: a full-recompute decoder layer
+stores its input, 8192 x 1024 x 2 bytes = 16.78 "MB", and the embedding's 82.58 "MB" at tp 1 is
+(32128 + 8192) x 1024 fp16 parameters, the vocabulary and 8192 learned positions. Points outside
+the measured grid are out of range (``covers``), as for GPT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
+
+import numpy as np
+
+from .model import (
+    MEGATRON_LOSS_BYTES,
+    METRICS,
+    MicroBatchCost,
+    ModelStateBytes,
+    OutOfProfileRange,
+    Precision,
+    Recompute,
+    round_up,
+    zero_sharded_states,
+)
+from .profile import Sample, fit_component
+from .table import LinearFit, fit_columns
+from .update import UpdateCost
+
+MB = 10**6  # the T5 tables' unit (module docstring)
+Side = Literal["encoder", "decoder"]
+DECODER_TERMS = ("1", "n*Sd", "n*Sd^2", "n*Se", "n*Se*Sd")
+
+
+def pair_shape(inputs: Sequence[int], targets: Sequence[int], pad_multiple: int = 8) -> tuple[int, int, int]:
+    """(pairs, padded input length, padded target length) of one micro-batch."""
+    if len(inputs) == 0 or len(inputs) != len(targets):
+        raise ValueError(
+            f"a micro-batch needs at least one pair, as many inputs as targets; got {len(inputs)} and {len(targets)}"
+        )
+    if min(inputs) <= 0 or min(targets) <= 0:
+        raise ValueError("input and target lengths must be positive")
+    return len(inputs), round_up(int(max(inputs)), pad_multiple), round_up(int(max(targets)), pad_multiple)
+
+
+def decoder_terms(n, se, sd) -> np.ndarray:
+    """[..., 5] decoder-layer terms (``DECODER_TERMS``) of micro-batches of n pairs padded to (se, sd)."""
+    n, se, sd = (np.asarray(a, dtype=float) for a in (n, se, sd))
+    return np.stack([np.ones_like(n * se * sd), n * sd, n * sd * sd, n * se, n * se * sd], axis=-1)
+
+
+def linear_fit_at(fit: LinearFit, slots, attn) -> np.ndarray:
+    """``fit`` evaluated on arrays of token slots and attention pairs (its bands by length included)."""
+    slots, attn = np.asarray(slots, dtype=float), np.asarray(attn, dtype=float)
+    if not fit.bands:
+        c0, c1, c2 = fit.coef
+        return np.maximum(fit.floor, c0 + c1 * slots + c2 * attn)
+    bands = np.array(fit.bands)
+    coef = np.vstack([bands[:, 1:], np.array(fit.coef)[None, :]])
+    idx = np.searchsorted(bands[:, 0], attn / slots, side="left")  # the first band whose upper length is not below
+    c = coef[idx]
+    return np.maximum(fit.floor, c[..., 0] + c[..., 1] * slots + c[..., 2] * attn)
+
+
+@dataclass(frozen=True)
+class TermFit:
+    """``max(floor, terms @ coef)`` over ``DECODER_TERMS``; error figures on the data it was fitted to."""
+
+    coef: tuple[float, ...]
+    floor: float = 0.0
+    mape: float = 0.0
+    max_ape: float = 0.0
+
+    def __call__(self, n, se, sd) -> np.ndarray:
+        return np.maximum(self.floor, decoder_terms(n, se, sd) @ np.asarray(self.coef))
+
+
+@dataclass(frozen=True)
+class GridFit:
+    """``c0 + n * g(Se, Sd)``: ``g`` the per-pair value at the measured lengths (the median over
+    micro-batch sizes above a common constant ``c0``), made non-decreasing along both sides (a longer
+    input or target never holds less), linear between measured lengths along each side; below the
+    shortest, the shortest's. Beyond the grid is out of range (``PairTable.covers``)."""
+
+    enc: tuple[float, ...]
+    dec: tuple[float, ...]
+    values: tuple[tuple[float, ...], ...]  # [enc][dec]; NaN where not measured
+    c0: float = 0.0
+
+    def __call__(self, n, se, sd) -> np.ndarray:
+        g = np.asarray(self.values)
+        enc, dec = np.asarray(self.enc), np.asarray(self.dec)
+        se, sd = np.asarray(se, dtype=float), np.asarray(sd, dtype=float)
+        i = np.clip(np.searchsorted(enc, se) - 1, 0, len(enc) - 2) if len(enc) > 1 else np.zeros_like(se, dtype=int)
+        j = np.clip(np.searchsorted(dec, sd) - 1, 0, len(dec) - 2) if len(dec) > 1 else np.zeros_like(sd, dtype=int)
+        a = np.clip((se - enc[i]) / (enc[i + 1] - enc[i]), 0.0, 1.0) if len(enc) > 1 else 0.0
+        b = np.clip((sd - dec[j]) / (dec[j + 1] - dec[j]), 0.0, 1.0) if len(dec) > 1 else 0.0
+        i1, j1 = np.minimum(i + 1, len(enc) - 1), np.minimum(j + 1, len(dec) - 1)
+        v = (1 - a) * ((1 - b) * g[i, j] + b * g[i, j1]) + a * ((1 - b) * g[i1, j] + b * g[i1, j1])
+        return self.c0 + np.asarray(n, dtype=float) * v
+
+
+def fit_grid(keys: Sequence[tuple[int, int, int]], y: Sequence[float]) -> GridFit:
+    """A :class:`GridFit` of values ``y`` measured at (Se, Sd, n) ``keys``."""
+    k = np.asarray(keys, dtype=float)
+    y = np.asarray(y, dtype=float)
+    se, sd, n = k[:, 0], k[:, 1], k[:, 2]
+    enc, dec = np.unique(se), np.unique(sd)
+    # The constant per micro-batch from each point's line over its sizes, its largest size left out
+    # (where the measurements stop, next to out of memory), as fit_banded does per length.
+    intercepts = []
+    for a in enc:
+        for b in dec:
+            at = np.flatnonzero((se == a) & (sd == b))
+            at = at[np.argsort(n[at])][:-1]
+            if len(np.unique(n[at])) >= 2:
+                intercepts.append(np.polyfit(n[at], y[at], 1)[1])
+    c0 = max(0.0, float(np.median(intercepts))) if intercepts else 0.0
+    g = np.full((len(enc), len(dec)), np.nan)
+    for i, a in enumerate(enc):
+        for j, b in enumerate(dec):
+            at = (se == a) & (sd == b)
+            if at.any():
+                g[i, j] = float(np.median((y[at] - c0) / n[at]))
+    g = np.fmax.accumulate(np.fmax.accumulate(g, axis=0), axis=1)
+    return GridFit(tuple(enc.tolist()), tuple(dec.tolist()), tuple(tuple(r) for r in g.tolist()), c0)
+
+
+@dataclass(frozen=True)
+class PairTable:
+    """Every fit of one (recompute, tp): encoder layer, decoder layer, head; the measured range."""
+
+    recompute: Recompute
+    tp: int
+    encoder: dict[str, LinearFit]
+    decoder: dict[str, Any]  # forward_ms, backward_ms, stored_bytes: TermFit; peak_bytes: GridFit
+    head: dict[str, LinearFit]
+    params: dict[str, float]  # parameters per tensor-parallel rank: embedding, encoder, decoder (one layer)
+    max_enc_len: int
+    max_enc_tokens: int
+    max_dec_tokens: int
+    dec_len_at: tuple[tuple[int, int], ...]  # (measured input length, longest target measured with it)
+
+    def covers(self, n, se, sd) -> np.ndarray:
+        """Inside the measured range: input and target no longer, and no more tokens per side, than
+        measured; the target no longer than measured at the input lengths either side of ``se``."""
+        n, se, sd = (np.asarray(a, dtype=float) for a in (n, se, sd))
+        lens = np.array([a for a, _ in self.dec_len_at], dtype=float)
+        limit = np.array([b for _, b in self.dec_len_at], dtype=float)
+        hi = np.minimum(np.searchsorted(lens, se), len(lens) - 1)
+        lo = np.maximum(hi - 1, 0)
+        lo = np.where(lens[hi] == se, hi, lo)
+        dec_ok = sd <= np.minimum(limit[hi], limit[lo])
+        return (se <= self.max_enc_len) & dec_ok & (n * se <= self.max_enc_tokens) & (n * sd <= self.max_dec_tokens)
+
+
+@dataclass(frozen=True)
+class PairStage:
+    """One pipeline stage of an encoder-decoder model: ``num_layers`` encoder or decoder layers;
+    ``first``: the first stage of its side, which holds the embedding (Megatron's T5 keeps a copy on
+    the first decoder stage too); ``last``: the model's last stage (the head)."""
+
+    side: Side
+    num_layers: int
+    first: bool = False
+    last: bool = False
+
+
+@dataclass
+class EncoderDecoderCostModel:
+    """Per (recompute, tp) tables of one encoder-decoder model; the model's shape beside them."""
+
+    name: str
+    encoder_layers: int
+    decoder_layers: int
+    hidden_size: int
+    vocab_size: int
+    tables: dict[tuple[str, int], PairTable]
+    dtype: str = "fp16"
+    pad_multiple: int = 8
+    act_bytes: int = 2  # fp16 activations between stages
+    update: UpdateCost = field(default_factory=UpdateCost)
+
+    def table(self, recompute: Recompute, tp: int = 1) -> PairTable:
+        if (recompute, tp) not in self.tables:
+            have = ", ".join(f"{r}/tp{t}" for r, t in sorted(self.tables))
+            raise OutOfProfileRange(
+                f"cost model {self.name!r} has no table for recompute={recompute}, tp={tp}; it has: {have}"
+            )
+        return self.tables[(recompute, tp)]
+
+    def stage_costs(self, stage: PairStage, n, se, sd, *, recompute: Recompute, tp: int = 1) -> tuple[np.ndarray, ...]:
+        """(forward ms, backward ms, stored bytes, peak bytes) of micro-batches of ``n`` pairs padded
+        to (``se``, ``sd``) on ``stage``: arrays of the shape of ``n``, ``se`` and ``sd``."""
+        t = self.table(recompute, tp)
+        n, se, sd = (np.asarray(a, dtype=float) for a in (n, se, sd))
+        k = stage.num_layers
+        if stage.side == "encoder":
+            slots, attn = n * se, n * se * se
+            fwd, bwd, st, pk = (linear_fit_at(t.encoder[m], slots, attn) for m in METRICS)
+            fwd, bwd, stored = k * fwd, k * bwd, k * st
+            transient = pk - st
+        else:
+            fwd = k * t.decoder["forward_ms"](n, se, sd)
+            bwd = k * t.decoder["backward_ms"](n, se, sd)
+            st = t.decoder["stored_bytes"](n, se, sd)
+            stored = k * st
+            transient = t.decoder["peak_bytes"](n, se, sd) - st
+            # the encoder output, kept for every layer's cross-attention until this stage's backward
+            # ends, and its gradient summed over the layers while the backward runs
+            carried = n * se * self.hidden_size * self.act_bytes
+            stored = stored + carried
+            transient = transient + carried
+        if stage.last:
+            slots, attn = n * sd, n * sd * sd
+            fwd = fwd + linear_fit_at(t.head["forward_ms"], slots, attn)
+            bwd = bwd + linear_fit_at(t.head["backward_ms"], slots, attn)
+            h_st = linear_fit_at(t.head["stored_bytes"], slots, attn)
+            stored = stored + h_st
+            transient = np.maximum(transient, linear_fit_at(t.head["peak_bytes"], slots, attn) - h_st)
+        return fwd, bwd, stored, stored + np.maximum(transient, 0.0)
+
+    def micro_batch_cost(
+        self,
+        inputs: Sequence[int],
+        targets: Sequence[int],
+        *,
+        stage: PairStage,
+        recompute: Recompute = "none",
+        tp: int = 1,
+    ) -> MicroBatchCost:
+        """One micro-batch's cost on one stage; out of the measured range: :class:`OutOfProfileRange`."""
+        n, se, sd = pair_shape(inputs, targets, self.pad_multiple)
+        if not bool(self.table(recompute, tp).covers(n, se, sd)):
+            raise OutOfProfileRange(
+                f"a micro-batch of {n} pairs padded to input {se} and target {sd} is outside what cost model "
+                f"{self.name!r} measured for recompute={recompute}, tp={tp}; plan smaller micro-batches or cap the lengths"
+            )
+        f, b, s, p = (float(x) for x in self.stage_costs(stage, n, se, sd, recompute=recompute, tp=tp))
+        return MicroBatchCost(f, b, s, p)
+
+    def link_bytes(self, stage: PairStage, n: int, se: int, sd: int, tp: int = 1) -> float:
+        """What ``stage`` sends to the next one per micro-batch (its gradient comes back the same
+        size): encoder stages their hidden states (the last one: the encoder output), decoder
+        stages their hidden states and the encoder output they carry; split over the
+        tensor-parallel ranks as Megatron's scatter-gather sends do."""
+        tokens = n * se if stage.side == "encoder" else n * (se + sd)
+        return float(tokens * self.hidden_size * self.act_bytes / tp)
+
+    def stage_params(self, stage: PairStage, tp: int = 1) -> float:
+        """Parameters per tensor-parallel rank: the stage's layers, the embedding (word and learned
+        positions) on the first stage of each side, and on the last stage the output layer's copy
+        of the word embeddings (tied, as Megatron's T5 keeps it: a vocabulary x hidden matrix) unless
+        the embedding is there already."""
+        p = self.table_params(tp)
+        own = p[stage.side] * stage.num_layers + p["embedding"] * stage.first
+        if stage.last and not stage.first:
+            own += round_up(self.vocab_size, 128 * tp) * self.hidden_size / tp
+        return own
+
+    def table_params(self, tp: int) -> dict[str, float]:
+        for (_, t), table in self.tables.items():
+            if t == tp:
+                return table.params
+        raise OutOfProfileRange(f"cost model {self.name!r} has no table at tp={tp}")
+
+    def model_state_bytes(self, *, stage: PairStage, zero_stage: int = 0, dp: int = 1, tp: int = 1) -> ModelStateBytes:
+        return zero_sharded_states(self.stage_params(stage, tp), Precision.of(self.dtype), zero_stage, dp)
+
+    def update_ms(
+        self, stages: Sequence[PairStage], *, zero_stage: int, dp: int, tp: int, link_gb_per_s: float
+    ) -> float:
+        """The slowest stage's gradient all-reduce and optimizer step, as ``TableCostModel.update_ms``."""
+        grad = Precision.of(self.dtype).grad
+
+        def one(stage: PairStage) -> float:
+            n = self.stage_params(stage, tp)
+            return self.update.allreduce_ms(n * grad, dp, link_gb_per_s) + self.update.optimizer_ms(
+                n / dp if zero_stage >= 1 else n
+            )
+
+        return max(one(s) for s in stages)
+
+
+def _read(source: str | os.PathLike | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(source, dict):
+        return source
+    with open(source) as f:
+        return json.load(f)
+
+
+def _points(table: dict, key: str, name: str, *, decoder: bool, pick) -> dict[tuple[int, int, int], float]:
+    """(Se, Sd, n) -> value; a point measured more than once (the encoder's rows repeat for every
+    target length it ran with) reduced by ``pick``. Encoder points have Sd = 0."""
+    seen: dict[tuple[int, int, int], list[float]] = defaultdict(list)
+    for lens, b, v in table[key].get(name, []):
+        se, sd = (int(lens[0]), int(lens[1])) if decoder else (int(lens), 0)
+        seen[(se, sd, int(b))].append(float(v))
+    return {k: pick(v) for k, v in seen.items()}
+
+
+def _complete(table: dict, side: str) -> dict[str, dict[tuple[int, int, int], float]]:
+    """A side's four metrics at the points where all four were measured (a missing one ran out of
+    memory); times as the median of repeats, memory as their largest (never priced low)."""
+    decoder = side == "decoder"
+    got = {
+        "forward_ms": _points(table, "time_ms", f"{side}.forward", decoder=decoder, pick=np.median),
+        "backward_ms": _points(table, "time_ms", f"{side}.backward", decoder=decoder, pick=np.median),
+        "stored_bytes": _points(table, "stored_activation_mb", side, decoder=decoder, pick=max),
+        "peak_bytes": _points(table, "peak_activation_mb", side, decoder=decoder, pick=max),
+    }
+    keys = set.intersection(*(set(v) for v in got.values()))
+    out = {m: {k: v[k] * (MB if m.endswith("bytes") else 1) for k in keys} for m, v in got.items()}
+    # the peak includes what is stored (a few rows read a peak below their stored bytes)
+    out["peak_bytes"] = {k: max(v, out["stored_bytes"][k]) for k, v in out["peak_bytes"].items()}
+    return out
+
+
+def fit_decoder(points: dict[str, dict[tuple[int, int, int], float]]) -> dict[str, Any]:
+    """The decoder layer's fits from its points (``_complete``): time with a floor (small kernels
+    stop shrinking), stored bytes as a plain sum of terms, peak on the grid."""
+    out: dict[str, Any] = {}
+    for metric in METRICS:
+        keys = sorted(points[metric])
+        y = np.array([points[metric][k] for k in keys])
+        if metric == "peak_bytes":
+            out[metric] = fit_grid(keys, y)
+            continue
+        X = decoder_terms(*np.array([(k[2], k[0], k[1]) for k in keys], dtype=float).T)
+        coef, floor, mape, max_ape = fit_columns(X, y, floor=metric.endswith("_ms"))
+        out[metric] = TermFit(tuple(float(c) for c in coef), floor, mape, max_ape)
+    return out
+
+
+def _encoder_samples(points, recompute: str, tp: int, component: str = "layer") -> list[Sample]:
+    keys = sorted(points["forward_ms"])
+    return [
+        Sample(
+            component=component,
+            layout="padded",
+            recompute=recompute,
+            tp=tp,
+            seq_lens=[se] * n,
+            **{m: points[m][(se, sd, n)] for m in METRICS},
+        )
+        for se, sd, n in keys
+    ]
+
+
+def _head_samples(table: dict, vocab: int, recompute: str, tp: int) -> list[Sample]:
+    """Postprocess rows (keyed by target length) as head samples; memory priced as Megatron's loss
+    holds it (``MEGATRON_LOSS_BYTES`` per token and entry of the rank's share of the vocabulary), as
+    the GPT import does: the tables did not measure it."""
+    fwd = _points(table, "time_ms", "postprocess.forward", decoder=False, pick=np.median)
+    bwd = _points(table, "time_ms", "postprocess.backward", decoder=False, pick=np.median)
+    return [
+        Sample(
+            component="head",
+            layout="padded",
+            recompute=recompute,
+            tp=tp,
+            seq_lens=[s] * b,
+            forward_ms=fwd[(s, z, b)],
+            backward_ms=bwd[(s, z, b)],
+            stored_bytes=s * b * MEGATRON_LOSS_BYTES[0] * vocab / tp,
+            peak_bytes=s * b * MEGATRON_LOSS_BYTES[1] * vocab / tp,
+        )
+        for s, z, b in sorted(fwd.keys() & bwd.keys())
+    ]
+
+
+def fit_pair_table(raw_table: dict, *, vocab: int, pad_multiple: int = 8) -> PairTable:
+    """Every fit of one measured (tp, recompute) table."""
+    tp, rc = int(raw_table["tp"]), raw_table["recompute"]
+    enc, dec = _complete(raw_table, "encoder"), _complete(raw_table, "decoder")
+    if not enc["forward_ms"] or not dec["forward_ms"]:
+        raise ValueError(f"T5 table tp={tp} recompute={rc}: no complete encoder or decoder rows")
+    head = _head_samples(raw_table, vocab, rc, tp)
+    if not head:
+        raise ValueError(f"T5 table tp={tp} recompute={rc}: no postprocess rows")
+    limits: dict[int, int] = defaultdict(int)
+    for se, sd, _ in dec["forward_ms"]:
+        limits[se] = max(limits[se], sd)
+    p = raw_table["params_mb"]
+    return PairTable(
+        recompute=rc,
+        tp=tp,
+        encoder=fit_component(_encoder_samples(enc, rc, tp), "padded", pad_multiple),
+        decoder=fit_decoder(dec),
+        head=fit_component(head, "padded", pad_multiple),
+        params={k: p[k] * MB / 2 for k in ("embedding", "encoder", "decoder")},  # fp16: 2 bytes a parameter
+        max_enc_len=max(se for se, _, _ in enc["forward_ms"]),
+        max_enc_tokens=max(se * n for se, _, n in enc["forward_ms"]),
+        max_dec_tokens=max(sd * n for _, sd, n in dec["forward_ms"]),
+        dec_len_at=tuple(sorted(limits.items())),
+    )
+
+
+# T5 11B (the artifact's model): 24 encoder and 24 decoder layers of hidden 1024, SentencePiece's 32128 entries
+T5_11B = dict(encoder_layers=24, decoder_layers=24, hidden_size=1024, vocab_size=32128)
+
+
+def import_t5_tables(
+    source: str | os.PathLike | dict[str, Any],
+    *,
+    encoder_layers: int = T5_11B["encoder_layers"],
+    decoder_layers: int = T5_11B["decoder_layers"],
+    hidden_size: int = T5_11B["hidden_size"],
+    vocab_size: int = T5_11B["vocab_size"],
+    pad_multiple: int = 8,
+) -> EncoderDecoderCostModel:
+    """The cost model fitted to measured encoder-decoder tables (the DynaPipe artifact's format);
+    the model's depth, width and vocabulary from the caller (default: T5 11B's)."""
+    raw = _read(source)
+    if not isinstance(raw, dict) or not raw.get("tables"):
+        raise ValueError("T5 tables: expected an object with 'tables' (see the a100-measured README)")
+    tables = {}
+    for t in raw["tables"]:
+        if not t["time_ms"].get("decoder.forward"):
+            raise ValueError(
+                f"{raw.get('name', 'tables')}: no decoder rows (tp={t['tp']}); these are decoder-only tables"
+            )
+        pt = fit_pair_table(t, vocab=vocab_size, pad_multiple=pad_multiple)
+        tables[(pt.recompute, pt.tp)] = pt
+    return EncoderDecoderCostModel(
+        name=raw.get("name", "encoder-decoder"),
+        encoder_layers=encoder_layers,
+        decoder_layers=decoder_layers,
+        hidden_size=hidden_size,
+        vocab_size=vocab_size,
+        tables=tables,
+        pad_multiple=pad_multiple,
+    )
+
+
+def held_out_pairs(source: str | os.PathLike | dict[str, Any], *, vocab_size: int = T5_11B["vocab_size"]) -> list[dict]:
+    """Leave one length out, as ``measured_tables.held_out_memory`` does for GPT: per (tp,
+    recompute) table, each measured input length strictly inside the measured range (encoder
+    layer) and each measured (input, target) pair of lengths strictly inside it on both sides
+    (decoder layer) is left out, the layer's fits refitted without it and its points predicted,
+    for all four metrics. ``edge``: the largest micro-batch measured there (the next ran out of memory)."""
+    rows = []
+    for t in _read(source)["tables"]:
+        tp, rc = int(t["tp"]), t["recompute"]
+        for side in ("encoder", "decoder"):
+            pts = _complete(t, side)
+            keys = sorted(pts["forward_ms"])
+            groups: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
+            for k in keys:
+                groups[k[:2]].append(k)
+            enc_lens = sorted({k[0] for k in keys})
+            dec_lens = sorted({k[1] for k in keys})
+            for length, members in sorted(groups.items()):
+                if not (enc_lens[0] < length[0] < enc_lens[-1]):
+                    continue
+                if side == "decoder" and not (dec_lens[0] < length[1] < dec_lens[-1]):
+                    continue
+                rest = {m: {k: v for k, v in pts[m].items() if k[:2] != length} for m in METRICS}
+                largest = max(k[2] for k in members)
+                if side == "encoder":
+                    fits = fit_component(_encoder_samples(rest, rc, tp), "padded", 8)
+                    predict = {
+                        m: (lambda k, f=fits[m]: float(linear_fit_at(f, k[2] * k[0], k[2] * k[0] ** 2)))
+                        for m in METRICS
+                    }
+                else:
+                    fits = fit_decoder(rest)
+                    predict = {m: (lambda k, f=fits[m]: float(f(k[2], k[0], k[1]))) for m in METRICS}
+                for k in members:
+                    for m in METRICS:
+                        measured = pts[m][k]
+                        predicted = predict[m](k)
+                        rows.append(
+                            {
+                                "tp": tp,
+                                "recompute": rc,
+                                "side": side,
+                                "metric": m,
+                                "input_len": k[0],
+                                "target_len": k[1] if side == "decoder" else None,
+                                "batch": k[2],
+                                "measured": measured,
+                                "predicted": predicted,
+                                "error": predicted / measured - 1,
+                                "edge": len(members) > 1 and k[2] == largest,
+                            }
+                        )
+    return rows
