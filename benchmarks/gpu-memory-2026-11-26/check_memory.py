@@ -66,12 +66,12 @@ def heldout(args) -> dict:
             width = min(tokens, args.max_len, int(rng.choice([512, 1024, 2048, 4096, 8192])))
             lens = [int(x) for x in rng.integers(width // 2, width + 1, size=max(1, tokens // width))]
             lens[0] = width
-        ids, pos, labels = (None if t is None else t.to(DEVICE) for t in make_inputs(lens, layout, vocab, 8, rng))
+        inputs = make_inputs(lens, layout, vocab, 8, rng).to(DEVICE)
         switch.set(mode)
         probe = measures(DEVICE)[1]
-        probe(loss_closure(model, ids, pos, labels), backward)  # gradients allocated once
+        probe(loss_closure(model, inputs), backward)  # gradients allocated once
         model.zero_grad(set_to_none=False)
-        stored, peak = probe(loss_closure(model, ids, pos, labels), backward)
+        stored, peak = probe(loss_closure(model, inputs), backward)
         model.zero_grad(set_to_none=False)
         pred = cost.micro_batch_cost(lens, layout=layout, recompute=mode, stage=StageSpec(cost.num_layers))
         cases.append(
@@ -130,8 +130,8 @@ def _steps(args) -> dict:
             mode = str(rng.choice(["none", "selective", "full"]))
             lens = random_lengths(rng, int(rng.choice([2048, 8192, 16384, 32768])), 8192)
             switch.set(mode)
-            ids, pos, labels = (t if t is None else t.cuda() for t in make_inputs(lens, "packed", vocab, 8, rng))
-            loss_closure(model, ids, pos, labels)().backward()
+            inputs = make_inputs(lens, "packed", vocab, 8, rng).to("cuda")
+            loss_closure(model, inputs)().backward()
             c = cost.micro_batch_cost(lens, layout="packed", recompute=mode, stage=StageSpec(cost.num_layers))
             predicted = max(predicted, c.peak_bytes)
         opt.step()
