@@ -20,6 +20,7 @@ deepspeed_ext.skip_cpu_shm_build()
 
 import deepspeed  # noqa: E402
 
+from dyn_plugin.cost.encoder_decoder import pair_shape  # noqa: E402
 from dyn_plugin.host.recompute import recompute_switch  # noqa: E402
 from dyn_plugin.models.hf import PRESETS, build_seq2seq_lm  # noqa: E402
 from dyn_plugin.plan.instructions import (  # noqa: E402
@@ -29,7 +30,6 @@ from dyn_plugin.plan.instructions import (  # noqa: E402
     PlannedMicroBatch,  # noqa: E402
 )
 from dyn_plugin.runtime.collate import scored_tokens  # noqa: E402
-from dyn_plugin.runtime.collate_pairs import pair_shape  # noqa: E402
 from dyn_plugin.runtime.loader import Step, load_micro_batch  # noqa: E402
 from ranks import finish  # noqa: E402
 from token_mean import LR, reference  # noqa: E402
@@ -70,7 +70,9 @@ def planned_steps(data: list[dict], rank: int, stage: int) -> list[Step]:
             cursor += size
             lens = tuple(pairs[i] for i in ids)
             modes = RECOMPUTE[stage]
-            descs.append(PlannedMicroBatch(ids, lens, "padded", modes[k % len(modes)], pair_shape(lens), (), 1, rank))
+            descs.append(
+                PlannedMicroBatch(ids, lens, "padded", modes[k % len(modes)], pair_shape(*zip(*lens)), (), 1, rank)
+            )
         plan = ExecutionPlan(
             rank,
             rank,

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from dyn_plugin.cost.encoder_decoder import pair_shape
 from dyn_plugin.host.recompute import recompute_switch
 from dyn_plugin.host.token_mean import HostHooks, token_mean_step
 from dyn_plugin.models.hf import PRESETS, build_causal_lm, build_seq2seq_lm
 from dyn_plugin.plan.instructions import ExecutionPlan, LoadMicroBatch, PlannedMicroBatch
 from dyn_plugin.runtime.collate import IGNORE, scored_tokens
-from dyn_plugin.runtime.collate_pairs import collate_pairs, pair_shape
+from dyn_plugin.runtime.collate_pairs import collate_pairs
 from dyn_plugin.runtime.loader import Step, load_micro_batch
 from ranks import run
 from token_mean import reference
@@ -37,21 +38,15 @@ def test_scored_tokens_counts_every_target_token_of_pairs_and_all_but_the_first_
         scored_tokens([(3, 4, 5)])
 
 
-def test_pair_shape_pads_each_side_to_its_longest():
-    assert pair_shape([(3, 17), (9, 2)]) == (2, 16, 24)
-    assert pair_shape([(3, 17), (9, 2)], pad_multiple=1) == (2, 9, 17)
-    with pytest.raises(ValueError, match="at least one"):
-        pair_shape([])
-    with pytest.raises(ValueError, match="positive"):
-        pair_shape([(0, 3)])
-    with pytest.raises(ValueError, match="\\(input, target\\) pairs"):
-        pair_shape([(1, 2, 3)])
+def shape(lens):
+    """The plan's shape of a micro-batch of pairs (the cost model's one definition)."""
+    return pair_shape(*zip(*lens))
 
 
 def test_collate_pairs_pads_inputs_under_the_mask_and_targets_with_ignored_labels():
     lens = [(5, 2), (1, 7), (3, 3)]
     data = _pairs(lens)
-    mb = collate_pairs([0, 1, 2], lens, pair_shape(lens), data.__getitem__, pad_id=0)
+    mb = collate_pairs([0, 1, 2], lens, shape(lens), data.__getitem__, pad_id=0)
     assert mb["input_ids"].shape == mb["attention_mask"].shape == (3, 8)
     assert mb["labels"].shape == (3, 8)
     for r, ((a, b), d) in enumerate(zip(lens, data)):
@@ -61,19 +56,21 @@ def test_collate_pairs_pads_inputs_under_the_mask_and_targets_with_ignored_label
     assert int(mb["labels"].ne(IGNORE).sum()) == scored_tokens(lens)  # the labels scored are the plan's count
     # an (input, target) tuple is an item too, and longer sides are cut to the planned lengths
     tuples = [(d["input_ids"], np.concatenate([d["labels"], [5, 5]])) for d in data]
-    again = collate_pairs([0, 1, 2], lens, pair_shape(lens), tuples.__getitem__)
+    again = collate_pairs([0, 1, 2], lens, shape(lens), tuples.__getitem__)
     assert all(torch.equal(again[k], mb[k]) for k in mb)
 
 
 def test_collate_pairs_refuses_what_does_not_fit_its_plan():
     lens = [(5, 2), (1, 7)]
     data = _pairs(lens)
-    with pytest.raises(ValueError, match="pair_shape"):
+    with pytest.raises(ValueError, match="encoder_decoder.pair_shape"):
         collate_pairs([0, 1], lens, (2, 4, 8), data.__getitem__)  # inputs wider than the plan's width
-    with pytest.raises(ValueError, match="pair_shape"):
+    with pytest.raises(ValueError, match="encoder_decoder.pair_shape"):
         collate_pairs([0, 1], lens, (2, 8), data.__getitem__)  # a causal (rows, width) shape
     with pytest.raises(ValueError, match="token counts of the dataset"):
         collate_pairs([0, 1], [(6, 2), (1, 7)], (2, 8, 8), data.__getitem__)
+    with pytest.raises(ValueError, match="\\(input, target\\) pairs"):
+        collate_pairs([0], [(1, 2, 3)], (1, 8, 8), data.__getitem__)
     with pytest.raises(ValueError, match="'labels'"):
         collate_pairs([0], [(1, 1)], (1, 8, 8), [{"input_ids": [3]}].__getitem__)
     packed = PlannedMicroBatch((0, 1), tuple(lens), "packed", "none", (1, 15), (), 1, 0)
@@ -96,9 +93,7 @@ def test_token_mean_step_of_pairs_is_the_whole_batch_token_mean():
     ref = copy.deepcopy(model)
     cuts = [(0, 1, 2), (3,), (4,)]
     descs = tuple(
-        PlannedMicroBatch(
-            ids, tuple(lens[i] for i in ids), "padded", mode, pair_shape([lens[i] for i in ids]), (), 1, 0
-        )
+        PlannedMicroBatch(ids, tuple(lens[i] for i in ids), "padded", mode, shape([lens[i] for i in ids]), (), 1, 0)
         for ids, mode in zip(cuts, ("full", "none", "selective"))
     )
     plan = ExecutionPlan(0, 0, 0, 1, 1, tuple(LoadMicroBatch(0, mb=k) for k in range(3)), descs)

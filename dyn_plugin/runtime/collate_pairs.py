@@ -9,9 +9,9 @@
   -100 read as the pad id): the decoder is causal and its padding lies after every real token, so
   no real target token attends to padding, and the loss skips it. Every target token is scored.
 
-``pair_shape`` is the one definition of such a micro-batch's shape, (rows, input width, target
-width): the collate checks the plan against it as ``collate.collate`` does with
-``dyn_plugin.cost.model.tensor_shape``.
+A plan's shape is (rows, input width, target width), from
+``dyn_plugin.cost.encoder_decoder.pair_shape``, the one definition the cost model prices; the collate
+checks the plan against it as ``collate.collate`` does with ``dyn_plugin.cost.model.tensor_shape``.
 """
 
 from __future__ import annotations
@@ -20,21 +20,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..cost.model import round_up
+from ..cost.encoder_decoder import pair_shape
 from .collate import IGNORE, sample_tokens
-
-
-def pair_shape(pair_lens: Sequence[Sequence[int]], pad_multiple: int = 8) -> tuple[int, int, int]:
-    """(rows, input width, target width) of a micro-batch of (input, target) pairs: one row per
-    pair, each side right-padded to its longest rounded up to ``pad_multiple``."""
-    if len(pair_lens) == 0:
-        raise ValueError("a micro-batch needs at least one (input, target) pair")
-    if any(len(p) != 2 for p in pair_lens):
-        raise ValueError(f"pair lengths must be (input, target) pairs, got {list(pair_lens)}")
-    if min(min(p) for p in pair_lens) <= 0:
-        raise ValueError(f"input and target lengths must be positive, got {list(pair_lens)}")
-    inputs, targets = zip(*pair_lens)
-    return len(pair_lens), round_up(max(inputs), pad_multiple), round_up(max(targets), pad_multiple)
 
 
 def pair_tokens(item: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +48,8 @@ def collate_pairs(
 ) -> dict[str, torch.Tensor]:
     """Build the micro-batch; ``fetch(i)`` returns dataset item i, its two sides checked against
     the planned (input, target) lengths (longer sides are cut to them, as truncation plans)."""
+    if not pair_lens or any(len(p) != 2 for p in pair_lens):
+        raise ValueError(f"pair lengths must be (input, target) pairs, got {list(pair_lens)}")
     pairs = []
     for i, (n_in, n_out) in zip(sample_ids, pair_lens):
         source, target = pair_tokens(fetch(i))
@@ -70,12 +59,12 @@ def collate_pairs(
                 f"as ({n_in}, {n_out}); pair lengths must be the token counts of the dataset's inputs and targets"
             )
         pairs.append((source[:n_in], target[:n_out]))
-    longest = pair_shape(pair_lens, pad_multiple=1)
+    longest = pair_shape(*zip(*pair_lens), pad_multiple=1)
     if len(shape) != 3 or shape[0] != longest[0] or shape[1] < longest[1] or shape[2] < longest[2]:
         raise ValueError(
             f"micro-batch of samples {list(sample_ids)} (pair lengths {[tuple(p) for p in pair_lens]}) does not fit "
             f"the plan's shape {tuple(shape)}; plans of pairs must take their shapes from "
-            "dyn_plugin.runtime.collate_pairs.pair_shape"
+            "dyn_plugin.cost.encoder_decoder.pair_shape"
         )
     rows, in_width, out_width = (int(x) for x in shape)
     input_ids = torch.full((rows, in_width), pad_id, dtype=torch.long)
