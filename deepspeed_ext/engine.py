@@ -18,6 +18,7 @@ from dyn_plugin.cost.table import TableCostModel
 from dyn_plugin.device import rank_device, training_dtype
 from dyn_plugin.host.attention import priced_layouts
 from dyn_plugin.layout import RankLayout
+from dyn_plugin.models.hf import is_encoder_decoder
 from dyn_plugin.plan.shard_plan import ShardPlan
 from dyn_plugin.profiling.allocator import stable_cpu_allocator
 from dyn_plugin.runtime.loader import DynLoader
@@ -101,6 +102,8 @@ def initialize(
         )
     pp = cfg.plugin.pipeline.stages
     sp = cfg.plugin.sequence_parallel
+    if is_encoder_decoder(model):
+        _check_encoder_decoder(cfg, model)
     if sp.enabled:
         _check_sequence_parallel(cfg)
     if shard_plan is not None and not cfg.plugin.sharding.enabled:
@@ -196,6 +199,33 @@ def initialize(
             device=engine.device,
         )
     return engine, optimizer, loader, scheduler
+
+
+def _check_encoder_decoder(cfg: LoadedConfig, model: torch.nn.Module) -> None:
+    """What an encoder-decoder (T5) trains under: (input, target) pairs, data parallel, ZeRO 0-3."""
+    plugin, name = cfg.plugin, type(model).__name__
+    refused = [
+        (
+            plugin.pipeline.stages > 1,
+            f"pipeline.stages = {plugin.pipeline.stages}",
+            "pipelines of encoder then decoder stages",
+        ),
+        (plugin.sequence_parallel.enabled, "sequence_parallel.enabled", "sequence parallelism over pairs"),
+        (plugin.sharding.enabled, "sharding.enabled", "sharding plans"),
+    ]
+    for on, setting, feature in refused:
+        if on:
+            raise ValueError(
+                f"{setting} with an encoder-decoder model ({name}): {feature} are not built for encoder-decoder "
+                "models; train it data-parallel under ZeRO 0-3 (pipeline.stages 1, sequence_parallel and "
+                "sharding off)"
+            )
+    # the loader plans token sequences only: it would train the model on inputs as its own targets
+    raise ValueError(
+        f"deepspeed_ext.initialize does not plan (input, target) pairs for an encoder-decoder model ({name}) yet: "
+        "build the engine with deepspeed.initialize and run deepspeed_ext.train_step on steps whose micro-batches "
+        "dyn_plugin.runtime.loader.load_micro_batch builds from pair plans (data parallel, ZeRO 0-3)"
+    )
 
 
 def _check_sharding(cfg: LoadedConfig) -> None:

@@ -122,6 +122,13 @@ def check_arguments(args: Any) -> None:
             f"model is built for {seq} positions; raise --seq-length (and --max-position-embeddings) to at least "
             f"{longest}, or lower max_seq_len to {seq} (with microbatching.truncate = true to cut longer documents)"
         )
+    if getattr(args, "decoder_seq_length", None) is not None:
+        # pretrain_t5.py's flag: the plugin's Megatron path plans decoder-only sequences
+        raise ConfigError(
+            f"--decoder-seq-length {args.decoder_seq_length}: T5 (an encoder-decoder) under Megatron is not built; "
+            "the plugin plans decoder-only models under Megatron (pretrain_gpt.py, megatron-core's GPTModel); train "
+            "an encoder-decoder data-parallel through deepspeed_ext"
+        )
     if (getattr(args, "context_parallel_size", 1) or 1) > 1:
         raise ConfigError(
             f"--context-parallel-size {args.context_parallel_size}: the plugin plans data-parallel and pipeline "

@@ -175,6 +175,14 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
 
     from dyn_plugin.cost.from_config import live_cost_model
 
+    chunk = unwrap(model)
+    model_type = getattr(getattr(chunk, "model_type", None), "name", None)  # Megatron-LM's get_model sets it
+    if model_type == "encoder_and_decoder" or type(chunk).__name__ == "T5Model":
+        raise ConfigError(
+            f"{type(chunk).__name__} is an encoder-decoder: T5 under Megatron is not built; the plugin plans "
+            "decoder-only models under Megatron (megatron-core's GPTModel); train an encoder-decoder data-parallel "
+            "through deepspeed_ext"
+        )
     if run.documents is None:
         raise RuntimeError(
             "no training documents: the plugin takes them from megatron-core's dataset builder "
@@ -212,7 +220,6 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
         # plan (and price) what Megatron's schedule runs: the plan's micro-batch order, with every
         # stage's natural warm-up; memory is fit by recompute
         plugin = plugin.model_copy(update={"pipeline": pipe.model_copy(update={"cap_in_flight": False})})
-    chunk = unwrap(model)
     positions = getattr(chunk, "max_sequence_length", None)
     if positions is not None and plugin.microbatching.max_seq_len > positions:
         raise ConfigError(

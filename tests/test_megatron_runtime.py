@@ -131,6 +131,11 @@ BAD_ARGUMENTS = {
     # name: (plugin microbatching, Megatron-LM arguments changed, what the error says)
     "rows longer than the model": ({}, {"seq_length": 256}, "max_seq_len = 512 exceeds Megatron's --seq-length 256"),
     "context parallelism": ({}, {"context_parallel_size": 2}, "--context-parallel-size 2"),
+    "an encoder-decoder (pretrain_t5.py)": (
+        {},
+        {"decoder_seq_length": 128},
+        "--decoder-seq-length 128: T5 (an encoder-decoder) under Megatron is not built",
+    ),
     "packed rows of several samples": ({}, {"micro_batch_size": 2}, "--micro-batch-size 2 with packed micro-batches"),
     "sequence parallel on packed rows": ({}, {"sequence_parallel": True}, "--sequence-parallel with packed"),
     "sequence parallel on odd widths": (
@@ -221,3 +226,15 @@ def test_capping_micro_batches_in_flight_is_refused_under_megatron():
     finally:
         megatron.core.parallel_state = real
         runtime.RUN = None
+
+
+def test_an_encoder_decoder_megatron_model_is_refused_before_planning():
+    """megatron-core's T5Model, or any model Megatron-LM's get_model marks encoder_and_decoder."""
+    from types import SimpleNamespace
+
+    run = runtime.configure({"dyn_plugin": {}})
+    run.documents = runtime.Documents([[1]], np.array([1]))
+    marked = SimpleNamespace(model_type=SimpleNamespace(name="encoder_and_decoder"))
+    for model in ([SimpleNamespace(module=marked)], type("T5Model", (), {})()):
+        with pytest.raises(ConfigError, match="T5 under Megatron is not built"):
+            runtime.build_loader(run, model)

@@ -4,6 +4,7 @@ two-rank DeepSpeed runs (ZeRO 0-3) are launched from tests/ds_t5_worker.py."""
 
 import copy
 import json
+import re
 
 import numpy as np
 import pytest
@@ -140,3 +141,30 @@ def test_deepspeed_trains_t5_on_pairs_exactly_for_every_zero_stage(tmp_path):
         sizes = c["micro_batch_sizes"]
         assert sizes[0] != sizes[1] and all(len(set(s)) > 1 for s in sizes), c  # uneven, per step
         assert c["recompute_ran"] == c["recompute_last"] and c["blocks"] == 4, c
+
+
+@pytest.mark.parametrize(
+    "plugin, message",
+    [
+        ({"pipeline": {"stages": 2}}, "pipelines of encoder then decoder stages are not built"),
+        ({"sequence_parallel": {"enabled": True}}, "sequence parallelism over pairs are not built"),
+        ({}, "does not plan (input, target) pairs"),
+    ],
+    ids=["pipeline", "sequence parallel", "data parallel"],
+)
+def test_deepspeed_initialize_refuses_what_is_not_built_for_encoder_decoders(plugin, message):
+    import deepspeed_ext
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        deepspeed_ext.initialize(
+            model=build_seq2seq_lm(T5), config={"dyn_plugin": plugin}, dataset=_pairs([(2, 2)]), lengths=[[2, 2]]
+        )
+
+
+def test_fsdp_refuses_encoder_decoders():
+    from dyn_plugin.fsdp import initialize
+
+    with pytest.raises(
+        ValueError, match="FSDP with an encoder-decoder model \\(T5ForConditionalGeneration\\) is not built"
+    ):
+        initialize(build_seq2seq_lm(T5), {}, _pairs([(2, 2)]), [[2, 2]])

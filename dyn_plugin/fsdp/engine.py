@@ -25,6 +25,7 @@ from ..cost.table import TableCostModel
 from ..device import rank_device
 from ..host.attention import priced_layouts
 from ..layout import RankLayout
+from ..models.hf import is_encoder_decoder
 from ..models.shard_units import shard_units
 from ..plan.shard_plan import ShardPlan
 from ..profiling.allocator import stable_cpu_allocator
@@ -61,6 +62,11 @@ def initialize(
     plugin = cfg.plugin
     if fsdp not in ("fsdp2", "fsdp1"):
         raise ValueError(f"fsdp={fsdp!r}: choose 'fsdp2' (fully_shard) or 'fsdp1' (FullyShardedDataParallel)")
+    if is_encoder_decoder(model):
+        raise ValueError(
+            f"FSDP with an encoder-decoder model ({type(model).__name__}) is not built: the FSDP entry plans "
+            "decoder-only sequences; train it through deepspeed_ext (data parallel, ZeRO 0-3)"
+        )
     if plugin.pipeline.stages > 1 or plugin.sequence_parallel.enabled:
         raise ValueError(
             "the FSDP entry trains data-parallel only: set dyn_plugin.pipeline.stages to 1 and "

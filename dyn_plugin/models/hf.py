@@ -125,6 +125,11 @@ def build_causal_lm(cfg: dict[str, Any], num_layers: int | None = None, attn_imp
     return AutoModelForCausalLM.from_config(hf_cfg)
 
 
+def is_encoder_decoder(model: Any) -> bool:
+    """Whether a model is an encoder-decoder (T5 and kin): it trains on (input, target) pairs."""
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
 def build_seq2seq_lm(cfg: dict[str, Any]):
     """A randomly initialised ``AutoModelForSeq2SeqLM`` (T5 and kin) in fp32 from a config dict:
     it takes micro-batches of (input, target) pairs (``dyn_plugin.runtime.collate_pairs``) and
