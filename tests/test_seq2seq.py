@@ -168,3 +168,16 @@ def test_fsdp_refuses_encoder_decoders():
         ValueError, match="FSDP with an encoder-decoder model \\(T5ForConditionalGeneration\\) is not built"
     ):
         initialize(build_seq2seq_lm(T5), {}, _pairs([(2, 2)]), [[2, 2]])
+
+
+def test_global_batches_of_pairs_count_both_sides_against_the_budget():
+    from dyn_plugin.runtime.sampler import epoch_batches, global_batches
+
+    pairs = np.random.default_rng(0).integers(1, 50, size=(200, 2))
+    batches = epoch_batches(pairs, 300, seed=1, epoch=0, min_sequences=2)
+    assert sorted(i for b in batches for i in b) == list(range(200))  # the epoch, each pair once
+    assert batches == epoch_batches(pairs.sum(axis=1), 300, seed=1, epoch=0, min_sequences=2)
+    assert all(pairs[b].sum() <= 300 for b in batches[:-1])  # the last may take a short tail
+    assert global_batches(pairs, 300, 3, seed=1) == batches[:3]
+    with pytest.raises(ValueError, match="\\[N, 2\\] array of \\(input, target\\) pairs"):
+        epoch_batches(np.ones((4, 3), dtype=int), 300, seed=1, epoch=0)

@@ -4,7 +4,8 @@ An epoch is a seeded shuffle of all samples (seed + epoch, so every rank derives
 order without talking) cut into consecutive global batches of whole sequences up to the token
 budget. Every sample lands in exactly one batch of the epoch; a short tail with fewer
 sequences than ``min_sequences`` (one per data-parallel replica) joins the batch before it
-rather than being dropped.
+rather than being dropped. (input, target) pairs (lengths of shape [N, 2]) count both sides
+against the budget: a pair's tokens are its input's and its target's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def epoch_batches(
     batch starting there would end. The Python loop then runs once per batch, not per sample
     (1M samples: milliseconds, not a second).
     """
-    lengths = np.asarray(lengths)
+    lengths = budget_tokens(lengths)
     if tokens <= 0:
         raise ValueError(f"the global batch token budget must be positive, got {tokens}")
     if len(lengths) < min_sequences:
@@ -53,6 +54,19 @@ def epoch_batches(
     else:
         batches.append(ids[start:])
     return batches
+
+
+def budget_tokens(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Each sample's tokens against the global batch budget: its length, or input + target of a pair."""
+    lengths = np.asarray(lengths)
+    if lengths.ndim == 2 and lengths.shape[1] == 2:
+        return lengths.sum(axis=1)
+    if lengths.ndim != 1:
+        raise ValueError(
+            f"lengths must be one token count per sample or an [N, 2] array of (input, target) pairs, "
+            f"got shape {list(lengths.shape)}"
+        )
+    return lengths
 
 
 def global_batches(lengths: Sequence[int], tokens: int, count: int, seed: int) -> list[list[int]]:
