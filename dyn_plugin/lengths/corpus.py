@@ -39,11 +39,13 @@ import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 DISTRIBUTIONS: dict[str, str] = {
     "code": "one sample per Python standard-library source file (tests and site-packages excluded)",
@@ -104,6 +106,7 @@ class Definition:
     header: str  # `def ...:` / `class ...:` lines as written
     source: str
     docstring: str | None
+    code: str  # ``source`` without its docstring: what a model reads or writes in the pair tasks
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,13 @@ def parse_source(relpath: str, text: str) -> SourceFile:
                 if not header.strip():  # one-liners: `def f(): return 1`
                     header = lines[child.lineno - 1]
                 source = "".join(lines[child.lineno - 1 : child.end_lineno])
-                definitions.append(Definition(name, header, source, ast.get_docstring(child)))
+                docstring = ast.get_docstring(child)
+                code = source
+                doc = child.body[0]
+                # A docstring on the `def` line itself (`def f(): "doc"`) cannot be cut out by lines.
+                if docstring is not None and doc.lineno > child.lineno:
+                    code = "".join(lines[child.lineno - 1 : doc.lineno - 1] + lines[doc.end_lineno : child.end_lineno])
+                definitions.append(Definition(name, header, source, docstring, code))
                 visit(child, name)
             else:
                 visit(child, prefix)
@@ -231,6 +240,11 @@ def _man_family(path: Path) -> str:
 
 def man_pages(root: Path = Path("/usr/share/man")) -> list[str]:
     """English man pages, at most ``MAN_PAGES_PER_FAMILY`` per family, in sorted order."""
+    return [text for _, text in man_page_sources(root)]
+
+
+def man_page_sources(root: Path = Path("/usr/share/man")) -> list[tuple[str, str]]:
+    """(troff source, text) of each of ``man_pages``: the pair tasks cut pages at their ``.SH`` lines."""
     per_family: dict[str, int] = {}
     out = []
     for section in MAN_SECTIONS:
@@ -247,7 +261,7 @@ def man_pages(root: Path = Path("/usr/share/man")) -> list[str]:
             text = man_to_text(source) if source is not None else None
             if _nonempty(text):
                 per_family[family] = per_family.get(family, 0) + 1
-                out.append(text)
+                out.append((source, text))
     return out
 
 
@@ -301,17 +315,21 @@ def mixture_pools(files: Sequence[SourceFile], topics: Sequence[str], manuals: S
 
 
 def sample_mixture(
-    pools: dict[str, list[str]], size: int = MIXTURE_SIZE, seed: int = MIXTURE_SEED
-) -> list[tuple[str, str]]:
-    """Draw ``size`` (task, text) pairs: the task by ``MIXTURE_WEIGHTS``, the text uniformly.
+    pools: dict[str, list[T]],
+    size: int = MIXTURE_SIZE,
+    seed: int = MIXTURE_SEED,
+    weights: dict[str, float] = MIXTURE_WEIGHTS,
+) -> list[tuple[str, T]]:
+    """Draw ``size`` (task, item) pairs: the task by ``weights``, the item uniformly from its pool.
 
-    Texts are drawn without replacement within a task whenever its pool is large enough, so
-    short tasks are not a handful of repeated samples.
+    Items are drawn without replacement within a task whenever its pool is large enough, so
+    short tasks are not a handful of repeated samples. An item is a text here, an (input,
+    target) pair of texts for the pair tasks (``lengths.tasks``).
     """
-    tasks = list(MIXTURE_WEIGHTS)
-    weights = np.array([MIXTURE_WEIGHTS[t] for t in tasks])
+    tasks = list(weights)
+    p = np.array([weights[t] for t in tasks])
     rng = np.random.default_rng(seed)
-    task_of = rng.choice(len(tasks), size=size, p=weights / weights.sum())
+    task_of = rng.choice(len(tasks), size=size, p=p / p.sum())
     picks = np.empty(size, dtype=np.int64)
     for i, task in enumerate(tasks):
         where = np.flatnonzero(task_of == i)

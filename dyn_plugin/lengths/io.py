@@ -14,13 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
-import sys
-import sysconfig
-import time
-from collections import Counter
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -28,24 +23,8 @@ from numpy.typing import ArrayLike
 from dyn_plugin.atomic import atomic_path, write_json_atomic
 from dyn_plugin.checks import MAX_TOKENS
 from dyn_plugin.jsonfile import read_json
-from dyn_plugin.lengths.corpus import (
-    DISTRIBUTIONS,
-    MAN_PAGES_PER_FAMILY,
-    MIXTURE_SEED,
-    MIXTURE_SIZE,
-    MIXTURE_WEIGHTS,
-    SKIP_DIRS,
-    iter_documents,
-    labeled_documents,
-)
-from dyn_plugin.lengths.tokenizer import (
-    get_tokenizer,
-    token_lengths,
-    tokenizer_corpus,
-    tokenizer_digest,
-    tokenizer_settings,
-    train_tokenizer,
-)
+from dyn_plugin.lengths.corpus import DISTRIBUTIONS, iter_documents
+from dyn_plugin.lengths.tokenizer import get_tokenizer, token_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +42,12 @@ def compute_lengths(name: str, *, progress: bool = True) -> np.ndarray:
     return lengths
 
 
-def _bad_entry(lengths: np.ndarray, mask: np.ndarray, why: str) -> ValueError:
+def _bad_entry(lengths: np.ndarray, mask: np.ndarray, why: str, entry: Callable[[int], str]) -> ValueError:
     i = int(np.flatnonzero(mask)[0])
     value = lengths[i].item()
     if isinstance(value, float) and value.is_integer():  # read as float64 to check the range: show it as given
         value = int(value)
-    return ValueError(f"lengths[{i}] = {value!r}: {why}")
+    return ValueError(f"{entry(i)} = {value!r}: {why}")
 
 
 def _is_integral(v: object) -> bool:
@@ -96,95 +75,122 @@ def cap_lengths(lengths: np.ndarray, max_len: int, truncate: bool) -> np.ndarray
     return np.minimum(lengths, max_len)
 
 
-def validate_lengths(values: ArrayLike) -> np.ndarray:
+def validate_lengths(
+    values: ArrayLike, *, what: str = "lengths", entry: Callable[[int], str] | None = None
+) -> np.ndarray:
     """Check and convert to int64; errors name the first bad index so a bad file is quick to fix.
 
-    Integral floats (``3.0``) pass: JSON writers and numpy float arrays produce them.
+    Integral floats (``3.0``) pass: JSON writers and numpy float arrays produce them. ``what``
+    names the lengths in errors and ``entry(i)`` the i-th one (default ``lengths[i]``): the
+    columns of ``pairs.validate_pairs`` are checked here too.
     """
+    entry = entry or (lambda i: f"{what}[{i}]")
     # Lists go through an object array so "7" or None are reported as themselves, not coerced.
     arr = values if isinstance(values, np.ndarray) else np.asarray(values, dtype=object)
     if arr.dtype.kind not in "iufO":
-        raise ValueError(f"lengths must be integers, got an array of {arr.dtype}")
+        raise ValueError(f"{what} must be integers, got an array of {arr.dtype}")
     if arr.ndim != 1:
-        raise ValueError(f"lengths must be a 1-D list of ints, got an array of shape {arr.shape}")
+        hint = " (input/target pairs are read with --pairs)" if arr.ndim == 2 and arr.shape[1] == 2 else ""
+        raise ValueError(f"{what} must be a 1-D list of ints, got an array of shape {arr.shape}{hint}")
     if arr.size == 0:
-        raise ValueError("lengths is empty: need at least one sample")
+        raise ValueError(f"{what} is empty: need at least one sample")
     if arr.dtype.kind == "O":
         for i, v in enumerate(arr.tolist()):
             if not _is_integral(v):
-                raise ValueError(f"lengths[{i}] = {v!r}: lengths must be integers")
+                raise ValueError(f"{entry(i)} = {v!r}: {what} must be integers")
         # Python ints may exceed int64; float64 holds them all (exact up to 2**53, far above the cap)
         arr = arr.astype(np.float64)
     if arr.dtype.kind == "f":
         nonint = ~np.isfinite(arr) | (arr != np.round(arr))
         if nonint.any():
-            raise _bad_entry(arr, nonint, "lengths must be integers")
+            raise _bad_entry(arr, nonint, f"{what} must be integers", entry)
     if (arr <= 0).any():
-        raise _bad_entry(arr, arr <= 0, "every sample needs at least one token")
+        raise _bad_entry(arr, arr <= 0, "every sample needs at least one token", entry)
     # checked before the cast: beyond int64 a length wraps to a negative number, and near it a sum overflows
     if (arr > MAX_TOKENS).any():
-        raise _bad_entry(arr, arr > MAX_TOKENS, f"longer than any sequence (at most 2**40 = {MAX_TOKENS:,} tokens)")
+        raise _bad_entry(
+            arr, arr > MAX_TOKENS, f"longer than any sequence (at most 2**40 = {MAX_TOKENS:,} tokens)", entry
+        )
     return arr.astype(np.int64)
 
 
 def load_lengths(source: str | os.PathLike) -> np.ndarray:
     """A bundled distribution by name, or a ``.npy`` / ``.json`` file, validated, as int64."""
+    return load_checked(source, DISTRIBUTIONS, validate_lengths, what="lengths", items="ints")
+
+
+def load_checked(
+    source: str | os.PathLike,
+    bundled: Iterable[str],
+    validate: Callable[[object], np.ndarray],
+    *,
+    what: str,
+    items: str,
+) -> np.ndarray:
+    """``validate`` of a bundled array by name (one of ``bundled``), or of a ``.npy`` file, or of a
+    ``.json`` file holding a list of ``items`` or an object with a ``what`` list; every error names
+    the file. Lengths and (input, target) pairs (``pairs.load_pairs``) are read the same way."""
+    bundled = tuple(bundled)
     if not isinstance(source, (str, os.PathLike)):
-        raise ValueError(f"lengths source {source!r}: expected a bundled name or a path")
-    if isinstance(source, str) and source in DISTRIBUTIONS:
+        raise ValueError(f"{what} source {source!r}: expected a bundled name or a path")
+    if isinstance(source, str) and source in bundled:
         path = BUNDLED_DIR / f"{source}.npy"
         if not path.exists():
             raise FileNotFoundError(f"bundled {path} is missing; regenerate: dynplugin lengths --update-bundled")
-        return validate_lengths(np.load(path))
+        return validate(np.load(path))
     path = Path(source)
     if path.suffix not in (".npy", ".json"):
         raise ValueError(
-            f"{str(source)!r} is neither a bundled distribution ({', '.join(DISTRIBUTIONS)}) "
+            f"{str(source)!r} is neither a bundled distribution ({', '.join(bundled)}) "
             "nor a path ending in .npy or .json"
         )
     if path.suffix == ".npy":
-        arr = _load_npy(path)
-        return _in_file(path, lambda: validate_lengths(arr))
-    data = read_json(path, "lengths file")
+        arr = _load_npy(path, f"{what} file")
+        return _in_file(path, lambda: validate(arr), f"{what} file")
+    data = read_json(path, f"{what} file")
     if isinstance(data, dict):
-        if "lengths" not in data:
-            raise ValueError(f'{path}: a JSON object needs a "lengths" list, found keys {sorted(data)}')
-        data = data["lengths"]
+        if what not in data:
+            raise ValueError(f'{path}: a JSON object needs a "{what}" list, found keys {sorted(data)}')
+        data = data[what]
     if not isinstance(data, list):
-        raise ValueError(f'{path}: expected a JSON list of ints or an object with a "lengths" list')
-    return _in_file(path, lambda: validate_lengths(data))
+        raise ValueError(f'{path}: expected a JSON list of {items} or an object with a "{what}" list')
+    return _in_file(path, lambda: validate(data), f"{what} file")
 
 
-def _load_npy(path: Path) -> np.ndarray:
+def _load_npy(path: Path, what: str) -> np.ndarray:
     if path.is_dir():
-        raise ValueError(f"lengths file {path} is a directory; give a .npy or .json file")
+        raise ValueError(f"{what} {path} is a directory; give a .npy or .json file")
     try:
         return np.load(path, allow_pickle=False)
     except FileNotFoundError:
-        raise FileNotFoundError(f"lengths file {path} does not exist") from None
+        raise FileNotFoundError(f"{what} {path} does not exist") from None
     except (ValueError, OSError, EOFError) as exc:  # not .npy data, truncated, or pickled objects
-        raise ValueError(f"lengths file {path} is not a numpy .npy array: {exc}") from None
+        raise ValueError(f"{what} {path} is not a numpy .npy array: {exc}") from None
 
 
-def _in_file(path: Path, check: Callable[[], np.ndarray]) -> np.ndarray:
+def _in_file(path: Path, check: Callable[[], np.ndarray], what: str) -> np.ndarray:
     """``check()``, its ValueError prefixed by the file it read."""
     try:
         return check()
     except ValueError as exc:
-        raise ValueError(f"lengths file {path}: {exc}") from None
+        raise ValueError(f"{what} {path}: {exc}") from None
 
 
 def save_lengths(lengths: ArrayLike, path: str | os.PathLike) -> Path:
     """Write ``.npy`` (compact, exact dtype) or ``.json`` (readable by anything) by suffix."""
+    return save_checked(validate_lengths(lengths), path, what="lengths")
+
+
+def save_checked(arr: np.ndarray, path: str | os.PathLike, *, what: str) -> Path:
+    """Write a validated array as ``.npy``, or as ``.json`` under the key ``what``, atomically."""
     path = Path(path)
-    lengths = validate_lengths(lengths)
     if path.suffix == ".npy":
         with atomic_path(path) as tmp:
-            np.save(tmp, lengths)
+            np.save(tmp, arr)
     elif path.suffix == ".json":
-        write_json_atomic(path, {"lengths": lengths.tolist()})
+        write_json_atomic(path, {what: arr.tolist()})
     else:
-        raise ValueError(f"cannot save lengths to {str(path)!r}: the path must end in .npy or .json")
+        raise ValueError(f"cannot save {what} to {str(path)!r}: the path must end in .npy or .json")
     return path
 
 
@@ -209,54 +215,3 @@ def format_summary(name: str, summary: dict) -> str:
     header = f"{'distribution':<14}" + "".join(f"{c:>10}" for c in cols)
     row = f"{name:<14}" + "".join(f"{summary[c]:>10,.0f}" for c in cols)
     return f"{header}\n{row}"
-
-
-def update_bundled(directory: Path = BUNDLED_DIR, *, progress: bool = True) -> dict:
-    """Recompute every distribution into ``directory`` with a manifest saying how it was made."""
-    directory.mkdir(parents=True, exist_ok=True)
-    # Train afresh (seconds) to record the cost and to check training is deterministic: the
-    # cached tokenizer may come from an earlier run.
-    start = time.perf_counter()
-    tokenizer = train_tokenizer(tokenizer_corpus())
-    train_s = time.perf_counter() - start
-    if tokenizer_digest(tokenizer) != tokenizer_digest(get_tokenizer()):
-        logger.warning("retrained tokenizer differs from the cached one; using the fresh one")
-    manifest = {
-        "generated_by": "dynplugin lengths --update-bundled",
-        "python": platform.python_version(),
-        "implementation": sys.implementation.name,
-        "stdlib": sysconfig.get_paths()["stdlib"],
-        "tokenizer": {**tokenizer_settings(), "sha256_16": tokenizer_digest(tokenizer)},
-        "tokenizer_train_s": round(train_s, 1),
-        "excluded_dirs": sorted(SKIP_DIRS),
-        "mixture": {"size": MIXTURE_SIZE, "seed": MIXTURE_SEED, "weights": MIXTURE_WEIGHTS},
-        "os_docs": {
-            "included_when_present": [
-                "/usr/share/doc/*/{copyright,README*,changelog.Debian*}",
-                "/usr/share/man/man[1-8]",
-            ],
-            "man_pages_per_family": MAN_PAGES_PER_FAMILY,
-            "note": "OS docs depend on the machine; these copies are what this machine had. "
-            "prose uses all of them, mixture only the man pages",
-        },
-        "distributions": {},
-    }
-    for name in DISTRIBUTIONS:
-        t0 = time.perf_counter()
-        labeled = labeled_documents(name)
-        lengths = token_lengths([t for _, t in labeled], tokenizer, progress=progress, desc=name)
-        sources = dict(Counter(source for source, _ in labeled))
-        # The smallest dtype that fits keeps the files at tens of KB; load_lengths widens to int64.
-        dtype = np.uint16 if lengths.max() < 2**16 else np.uint32
-        with atomic_path(directory / f"{name}.npy") as tmp:
-            np.save(tmp, lengths.astype(dtype))
-        manifest["distributions"][name] = {
-            "description": DISTRIBUTIONS[name],
-            "sources": sources,
-            "dtype": np.dtype(dtype).name,
-            "compute_s": round(time.perf_counter() - t0, 1),
-            "summary": summarize(lengths),
-        }
-        logger.info("%s: %d samples", name, len(lengths))
-    write_json_atomic(directory / "manifest.json", manifest, indent=2)
-    return manifest
