@@ -30,6 +30,7 @@ import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Literal, Sequence
 
 import numpy as np
@@ -77,11 +78,17 @@ def linear_fit_at(fit: LinearFit, slots, attn) -> np.ndarray:
     if not fit.bands:
         c0, c1, c2 = fit.coef
         return np.maximum(fit.floor, c0 + c1 * slots + c2 * attn)
+    upper, c0, c1, c2 = _band_arrays(fit)
+    idx = np.searchsorted(upper, attn / slots, side="left")  # the first band whose upper length is not below
+    return np.maximum(fit.floor, c0[idx] + c1[idx] * slots + c2[idx] * attn)
+
+
+@lru_cache(maxsize=256)
+def _band_arrays(fit: LinearFit) -> tuple[np.ndarray, ...]:
+    """A banded fit's upper lengths and, per band and then beyond the last (``coef``), c0, c1, c2."""
     bands = np.array(fit.bands)
     coef = np.vstack([bands[:, 1:], np.array(fit.coef)[None, :]])
-    idx = np.searchsorted(bands[:, 0], attn / slots, side="left")  # the first band whose upper length is not below
-    c = coef[idx]
-    return np.maximum(fit.floor, c[..., 0] + c[..., 1] * slots + c[..., 2] * attn)
+    return bands[:, 0], coef[:, 0].copy(), coef[:, 1].copy(), coef[:, 2].copy()
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,8 @@ class TermFit:
     max_ape: float = 0.0
 
     def __call__(self, n, se, sd) -> np.ndarray:
-        return np.maximum(self.floor, decoder_terms(n, se, sd) @ np.asarray(self.coef))
+        c0, c1, c2, c3, c4 = self.coef  # decoder_terms, written out: no [..., 5] array per query
+        return np.maximum(self.floor, c0 + n * (c1 * sd + c2 * sd * sd + c3 * se + c4 * se * sd))
 
 
 @dataclass(frozen=True)
@@ -110,16 +118,23 @@ class GridFit:
     c0: float = 0.0
 
     def __call__(self, n, se, sd) -> np.ndarray:
-        g = np.asarray(self.values)
-        enc, dec = np.asarray(self.enc), np.asarray(self.dec)
+        enc, dec, flat = _grid_arrays(self)
         se, sd = np.asarray(se, dtype=float), np.asarray(sd, dtype=float)
-        i = np.clip(np.searchsorted(enc, se) - 1, 0, len(enc) - 2) if len(enc) > 1 else np.zeros_like(se, dtype=int)
-        j = np.clip(np.searchsorted(dec, sd) - 1, 0, len(dec) - 2) if len(dec) > 1 else np.zeros_like(sd, dtype=int)
-        a = np.clip((se - enc[i]) / (enc[i + 1] - enc[i]), 0.0, 1.0) if len(enc) > 1 else 0.0
-        b = np.clip((sd - dec[j]) / (dec[j + 1] - dec[j]), 0.0, 1.0) if len(dec) > 1 else 0.0
+        # the measured lengths either side (the first and last cell extend beyond the grid)
+        i = np.clip(np.searchsorted(enc, se) - 1, 0, max(len(enc) - 2, 0))
+        j = np.clip(np.searchsorted(dec, sd) - 1, 0, max(len(dec) - 2, 0))
         i1, j1 = np.minimum(i + 1, len(enc) - 1), np.minimum(j + 1, len(dec) - 1)
-        v = (1 - a) * ((1 - b) * g[i, j] + b * g[i, j1]) + a * ((1 - b) * g[i1, j] + b * g[i1, j1])
-        return self.c0 + np.asarray(n, dtype=float) * v
+        a = np.clip((se - enc[i]) / np.maximum(enc[i1] - enc[i], 1e-30), 0.0, 1.0)
+        b = np.clip((sd - dec[j]) / np.maximum(dec[j1] - dec[j], 1e-30), 0.0, 1.0)
+        w = len(dec)
+        low = (1 - b) * flat[i * w + j] + b * flat[i * w + j1]
+        high = (1 - b) * flat[i1 * w + j] + b * flat[i1 * w + j1]
+        return self.c0 + np.asarray(n, dtype=float) * ((1 - a) * low + a * high)
+
+
+@lru_cache(maxsize=64)
+def _grid_arrays(fit: GridFit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return np.asarray(fit.enc), np.asarray(fit.dec), np.asarray(fit.values, dtype=float).ravel()
 
 
 def fit_grid(keys: Sequence[tuple[int, int, int]], y: Sequence[float]) -> GridFit:

@@ -163,20 +163,19 @@ def partition_dp(times: list[np.ndarray], t_max: float, dp: int) -> tuple[float,
     f = np.full((n + 1, dp), np.inf)
     back = np.full((n + 1, dp), -1, dtype=np.int64)
     f[0, 0] = 0.0
+    came_from = np.array([(k - 1) % dp for k in range(dp)])  # a run moves count class k - 1 to k
     for i in range(n):
         ts = times[i]
-        for k in range(dp):
-            if f[i, k] == np.inf:
-                continue
-            nk = (k + 1) % dp
-            for w, t in enumerate(ts):
-                if t > t_max:
-                    break  # run times grow with length
-                j = i + w + 1
-                v = f[i, k] + t
-                if v < f[j, nk]:
-                    f[j, nk] = v
-                    back[j, nk] = i
+        over = ts > t_max
+        m = int(np.argmax(over)) if over.any() else len(ts)  # run times grow with length: stop at the first over
+        if m == 0 or f[i].min() == np.inf:
+            continue
+        # runs [i, i + w + 1) for w < m, into every count class at once
+        v = f[i][came_from][:, None] + ts[None, :m]
+        seg, seg_back = f[i + 1 : i + 1 + m].T, back[i + 1 : i + 1 + m].T  # views: writes land in f and back
+        better = v < seg
+        seg[better] = v[better]
+        seg_back[better] = i
     if f[n, 0] == np.inf:
         return None
     bounds, j, k = [n], n, 0
@@ -185,6 +184,24 @@ def partition_dp(times: list[np.ndarray], t_max: float, dp: int) -> tuple[float,
         bounds.append(i)
         j, k = i, (k - 1) % dp
     return float(f[n, 0]), bounds[::-1]
+
+
+def best_bound(times: list[np.ndarray], pp: int, dp: int) -> tuple[float, float, list[int]] | None:
+    """(objective, t_max, bounds) of the best partition over the t_max candidates; None if no
+    bound gives a micro-batch count divisible by dp."""
+    best = None
+    floor_total = partition_dp(times, np.inf, dp)
+    for t_max in candidates(times):
+        # No larger bound can beat the best: its bubble term alone is already too big.
+        if best is not None and floor_total is not None and (pp - 1) * t_max + floor_total[0] / dp >= best[0]:
+            break
+        res = partition_dp(times, t_max, dp)
+        if res is None:
+            continue
+        obj = (pp - 1) * t_max + res[0] / dp
+        if best is None or obj < best[0]:
+            best = (obj, t_max, res[1])
+    return best
 
 
 def partition(
@@ -240,18 +257,7 @@ def partition(
     for i, t in enumerate(times):
         if len(t) == 0:
             _infeasible(arr, order, i, layout, memory)
-    best = None
-    floor_total = partition_dp(times, np.inf, dp)
-    for t_max in candidates(times):
-        # No larger bound can beat the best: its bubble term alone is already too big.
-        if best is not None and floor_total is not None and (pp - 1) * t_max + floor_total[0] / dp >= best[0]:
-            break
-        res = partition_dp(times, t_max, dp)
-        if res is None:
-            continue
-        obj = (pp - 1) * t_max + res[0] / dp
-        if best is None or obj < best[0]:
-            best = (obj, t_max, res[1])
+    best = best_bound(times, pp, dp)
     if best is None:
         _no_even_split(len(arr), dp)
     obj, t_max, bounds = best

@@ -38,7 +38,11 @@ def simulate(
     pos = [0] * num_stages
     events: list[tuple[int, str, str, float, float]] = []
     ops = [[(op.kind == "F", op.mb) for op in stage] for stage in schedule.stages]
-    transfer = [link.transfer_ms(mb.activation_bytes) for mb in micro_batches]
+    # transfer[s][i]: micro-batch i's activation over link s -> s+1 (its gradient back the same size)
+    transfer = [
+        [link.transfer_ms(mb.link_bytes[s] if mb.link_bytes else mb.activation_bytes) for mb in micro_batches]
+        for s in range(last)
+    ]
 
     # Per-stage columns, so the loop below does no attribute look-ups.
     fwd_ms = [[mb.forward_ms[s] for mb in micro_batches] for s in range(num_stages)]
@@ -76,13 +80,13 @@ def simulate(
                 events.append((s, "compute", f"{'F' if forward else 'B'}{i}", start, end))
             if forward and s < last:
                 begin = max(end, fwd_link_free[s])
-                fwd_link_free[s] = act_ready[s + 1][i] = begin + transfer[i]
+                fwd_link_free[s] = act_ready[s + 1][i] = begin + transfer[s][i]
                 sent_fwd = True
                 if record:
                     events.append((s, "send-fwd", f"act {i} -> {s + 1}", begin, fwd_link_free[s]))
             elif not forward and s > 0:
                 begin = max(end, bwd_link_free[s])
-                bwd_link_free[s] = grad_ready[s - 1][i] = begin + transfer[i]
+                bwd_link_free[s] = grad_ready[s - 1][i] = begin + transfer[s - 1][i]
                 sent_bwd = True
                 if record:
                     events.append((s, "send-bwd", f"grad {i} -> {s - 1}", begin, bwd_link_free[s]))
@@ -150,6 +154,10 @@ def _check_complete(micro_batches: Sequence[MicroBatch], schedule: Schedule) -> 
     for i, mb in enumerate(micro_batches):
         if not len(mb.forward_ms) == len(mb.backward_ms) == len(mb.stored_bytes) == len(mb.peak_bytes) == num_stages:
             raise ValueError(f"micro-batch {i} is priced for {len(mb.forward_ms)} stages, schedule has {num_stages}")
+        if mb.link_bytes and len(mb.link_bytes) != num_stages - 1:
+            raise ValueError(
+                f"micro-batch {i} sends over {len(mb.link_bytes)} links, {num_stages} stages have {num_stages - 1}"
+            )
     expected = {(kind, i) for kind in "FB" for i in range(len(micro_batches))}
     for s, stage in enumerate(schedule.stages):
         seen: set[tuple[str, int]] = set()

@@ -33,6 +33,9 @@ class MicroBatch:
     # the others keep their activations); () = every layer, as whole-stage recompute modes do.
     checkpointed: tuple[int, ...] = ()
     extrapolated: bool = False  # priced beyond what the cost model measured (only when extrapolation is allowed)
+    # Per link s -> s+1, the bytes sent (and the gradient returned) where stages send different
+    # tensors (encoder-decoder pipelines); () = ``activation_bytes`` on every link.
+    link_bytes: tuple[float, ...] = ()
 
     @property
     def local_shape(self) -> tuple[int, int]:
@@ -53,6 +56,24 @@ class MicroBatch:
     def time_ms(self) -> float:
         """Forward + backward on the slowest stage."""
         return max(f + b for f, b in zip(self.forward_ms, self.backward_ms))
+
+
+@dataclass(frozen=True)
+class PairMicroBatch(MicroBatch):
+    """A micro-batch of (input, target) pairs for an encoder-decoder model: ``seq_lens`` and
+    ``shape`` are the input side's (padded [n, Se]), ``target_lens`` and ``target_shape`` the
+    target side's (padded [n, Sd])."""
+
+    target_lens: tuple[int, ...] = ()
+    target_shape: tuple[int, int] = (0, 0)
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(self.seq_lens) + sum(self.target_lens)
+
+    @property
+    def token_slots(self) -> int:
+        return self.shape[0] * self.shape[1] + self.target_shape[0] * self.target_shape[1]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,195 @@
+"""DynaPipe over (input, target) pairs: the DP against brute force, memory respected, encoder then
+decoder stages simulated with their own links, the baselines (plan/pair_*.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dyn_plugin.config import DynPluginConfig
+from dyn_plugin.cost.bundled import MEASURED_DIR
+from dyn_plugin.cost.encoder_decoder import import_t5_tables
+from dyn_plugin.plan import microbatch
+from dyn_plugin.plan.microbatch import InfeasibleError, StageMemory
+from dyn_plugin.plan.pair_baselines import PAIR_BASELINES, budget_pair_groups, pack_pairs
+from dyn_plugin.plan.pair_microbatch import (
+    ORDERS,
+    make_pair_micro_batch,
+    order_pairs,
+    pair_usable,
+    partition_pairs,
+)
+from dyn_plugin.plan.pair_planner import plan_pairs
+from dyn_plugin.plan.pair_spec import PairSpec, balanced_split_rank, pair_planner_spec, split_stages
+from dyn_plugin.plan.schedule import one_f_one_b
+from dyn_plugin.plan.simulator import simulate
+from dyn_plugin.plan.types import LinkSpec
+
+COST = import_t5_tables(MEASURED_DIR / "a100-t5-11b.json")
+GIB = 2**30
+
+
+def spec_for(pp: int, split: int, dp: int, budget_gib: float, tp: int = 4) -> PairSpec:
+    stages = split_stages(COST, pp, split)
+    memory = tuple(StageMemory(budget_gib * GIB, pp - s) for s in range(pp))
+    return PairSpec(COST, stages, memory, dp, LinkSpec(100.0), tp=tp)
+
+
+def synthetic_pairs(n: int, seed: int) -> tuple[list[int], list[int]]:
+    """Three tasks: long input / short target, short input / long target, both middling."""
+    rng = np.random.default_rng(seed)
+    task = rng.integers(3, size=n)
+    mu_in, mu_out = np.array([6.0, 4.5, 5.5])[task], np.array([3.5, 5.5, 4.5])[task]
+    ins = np.clip(rng.lognormal(mu_in, 0.8), 4, 4096).astype(int)
+    outs = np.clip(rng.lognormal(mu_out, 0.8), 2, 2048).astype(int)
+    return ins.tolist(), outs.tolist()
+
+
+def run_time(ids, ins, outs, spec):
+    """The run's time in its cheapest recompute mode that fits, as the DP prices it; None if none."""
+    times = [
+        mb.time_ms
+        for rc in spec.recomputes
+        if pair_usable(mb := make_pair_micro_batch(ids, ins, outs, spec=spec, recompute=rc), spec)
+    ]
+    return min(times, default=None)
+
+
+def brute_force(ins, outs, spec):
+    best = np.inf
+    for by in ORDERS:
+        order = order_pairs(ins, outs, by).tolist()
+        n = len(order)
+        for cuts in itertools.product([0, 1], repeat=n - 1):
+            bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [n]
+            if (len(bounds) - 1) % spec.dp:
+                continue
+            times = [run_time(order[a:b], ins, outs, spec) for a, b in zip(bounds, bounds[1:])]
+            if None not in times:
+                best = min(best, (spec.pp - 1) * max(times) + sum(times) / spec.dp)
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    pairs=st.lists(st.tuples(st.integers(1, 4096), st.integers(1, 4096)), min_size=1, max_size=6),
+    pp=st.integers(2, 3),
+    dp=st.integers(1, 2),
+    budget=st.floats(0.3, 20),
+)
+def test_dp_matches_brute_force_on_small_inputs(pairs, pp, dp, budget):
+    ins, outs = [a for a, _ in pairs], [b for _, b in pairs]
+    spec = spec_for(pp, 1, dp, budget)
+    want = brute_force(ins, outs, spec) if len(pairs) >= dp else np.inf
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(microbatch, "THIN", 0.0)  # every run time a t_max candidate: the DP is exact
+        if want == np.inf:
+            with pytest.raises(ValueError):
+                partition_pairs(ins, outs, spec)
+            return
+        got = partition_pairs(ins, outs, spec)
+    assert got.objective == pytest.approx(want, rel=1e-9)
+    # a valid partition: every pair once, a multiple of dp micro-batches, each run fits in its mode
+    assert sorted(got.order) == list(range(len(pairs)))
+    assert (len(got.bounds) - 1) % dp == 0
+    for ids, rc in zip(got.groups(), got.recompute):
+        assert pair_usable(make_pair_micro_batch(ids, ins, outs, spec=spec, recompute=rc), spec)
+
+
+def test_plan_respects_memory_and_covers_every_pair_once():
+    ins, outs = synthetic_pairs(120, 1)
+    spec = spec_for(4, 2, 2, 6.0)
+    plan = plan_pairs(ins, outs, spec)
+    assert sorted(i for mb in plan.micro_batches for i in mb.sample_ids) == list(range(len(ins)))
+    assert len({len(r.micro_batches) for r in plan.replicas}) == 1  # the same count on every replica
+    modes = {mb.recompute for mb in plan.micro_batches}
+    assert len(modes) > 1, "a 6 GiB budget should make long micro-batches recompute and short ones not"
+    for rep in plan.replicas:
+        for mb in rep.micro_batches:
+            assert pair_usable(mb, spec)
+        # the schedule's true peak per stage within the budget
+        assert all(p <= m.budget for p, m in zip(rep.sim.peak_bytes, spec.memory))
+
+
+def test_infeasible_pair_is_named():
+    spec = spec_for(2, 1, 1, 0.05)
+    with pytest.raises(InfeasibleError, match=r"pair 1 \(input 4000, target 3000\)"):
+        partition_pairs([10, 4000], [10, 3000], spec)
+    with pytest.raises(ValueError, match="data-parallel"):
+        partition_pairs([10], [10], spec_for(2, 1, 2, 10))
+
+
+def test_encoder_stages_then_decoder_stages():
+    stages = split_stages(COST, 4, 1)
+    assert [(s.side, s.num_layers, s.first, s.last) for s in stages] == [
+        ("encoder", 24, True, False),
+        ("decoder", 8, True, False),
+        ("decoder", 8, False, False),
+        ("decoder", 8, False, True),
+    ]
+    with pytest.raises(ValueError, match="split rank"):
+        split_stages(COST, 4, 4)
+    # decoder layers cost more than encoder layers: at pp=4 an even 2 + 2 split beats 3 + 1
+    assert balanced_split_rank(COST, 4, reference=(8, 512, 128), tp=4) == 2
+    # long targets move the balance towards more decoder stages
+    assert balanced_split_rank(COST, 4, reference=(2, 64, 2048), tp=4) == 1
+
+
+def test_links_carry_the_encoder_output():
+    spec = spec_for(4, 2, 1, 20)
+    mb = make_pair_micro_batch([0, 1], [512, 300], [64, 40], spec=spec, recompute="none")
+    h, b = COST.hidden_size, COST.act_bytes
+    enc_out = 2 * 512 * h * b / spec.tp
+    assert mb.link_bytes == pytest.approx((enc_out, enc_out, enc_out + 2 * 64 * h * b / spec.tp))
+    assert mb.token_slots == 2 * 512 + 2 * 64 and mb.real_tokens == 512 + 300 + 64 + 40
+    # one micro-batch through the pipeline: every forward, every backward and each link twice
+    slow = LinkSpec(0.01, latency_us=0.0)  # slow enough that the links show
+    sim = simulate([mb], one_f_one_b(1, 4), slow)
+    hops = 2 * sum(slow.transfer_ms(x) for x in mb.link_bytes)
+    assert sim.makespan_ms == pytest.approx(sum(mb.forward_ms) + sum(mb.backward_ms) + hops)
+
+
+def test_spec_from_config():
+    cfg = DynPluginConfig.model_validate(
+        {
+            "pipeline": {"stages": 4},
+            "cluster": {"devices_per_node": 8, "device": {"memory_mb": 72000, "memory_fraction": 1.0}},
+        }
+    )
+    spec = pair_planner_spec(COST, cfg, dp=2, zero_stage=1)
+    assert spec.pp == 4 and spec.split_rank == 2 and [m.in_flight for m in spec.memory] == [4, 3, 2, 1]
+    # the decoder stages hold more parameters: less memory left for activations
+    assert spec.memory[3].budget < spec.memory[0].budget
+    one = DynPluginConfig.model_validate({"pipeline": {"stages": 1}})
+    with pytest.raises(ValueError, match="pipeline.stages >= 2"):
+        pair_planner_spec(COST, one, dp=1)
+    small = DynPluginConfig.model_validate({"pipeline": {"stages": 2}, "cluster": {"device": {"memory_mb": 40000}}})
+    with pytest.raises(ValueError, match="model states"):
+        pair_planner_spec(COST, small, dp=1)
+
+
+def test_baselines_cover_every_pair_and_are_slower_here():
+    ins, outs = synthetic_pairs(150, 2)
+    spec = spec_for(4, 2, 2, 8.0)
+    plugin = plan_pairs(ins, outs, spec)
+    for name, fn in PAIR_BASELINES.items():
+        plan = fn(ins, outs, spec, max(ins), max(outs))
+        assert plan.method == name
+        assert sorted(i for mb in plan.micro_batches for i in mb.sample_ids) == list(range(len(ins)))
+        assert all(pair_usable(mb, spec) for mb in plan.micro_batches)
+        assert len({mb.recompute for mb in plan.micro_batches}) == 1  # one mode for the step, as configured
+        assert plan.iteration_ms > plugin.iteration_ms, name
+
+
+def test_packing_and_budget_groups():
+    rows = pack_pairs([300, 200, 100, 50], [10, 500, 400, 100], 400, 600)
+    assert sorted(i for r in rows for i in r) == [0, 1, 2, 3]
+    ins, outs = [300, 200, 100, 50], [10, 500, 400, 100]
+    for r in rows:
+        assert sum(ins[i] for i in r) <= 400 and sum(outs[i] for i in r) <= 600
+    assert budget_pair_groups([5, 5, 5], [5, 5, 5], 20) == [[0, 1], [2]]
+    assert budget_pair_groups([5, 5, 5], [5, 5, 5], 100, max_pairs=2) == [[0, 1], [2]]
