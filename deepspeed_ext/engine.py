@@ -220,10 +220,11 @@ def _check_encoder_decoder(cfg: LoadedConfig, model: torch.nn.Module) -> None:
                 "models; train it data-parallel under ZeRO 0-3 (pipeline.stages 1, sequence_parallel and "
                 "sharding off)"
             )
-    # the loader plans token sequences only: it would train the model on inputs as its own targets
+    # the encoder-decoder planner plans encoder stages then decoder stages only
     raise ValueError(
-        f"deepspeed_ext.initialize does not plan (input, target) pairs for an encoder-decoder model ({name}) yet: "
-        "build the engine with deepspeed.initialize and run deepspeed_ext.train_step on steps whose micro-batches "
+        f"data-parallel plans of (input, target) pairs for an encoder-decoder model ({name}) are not built: the "
+        "encoder-decoder planner plans pipelines of encoder then decoder stages; build the engine with "
+        "deepspeed.initialize and run deepspeed_ext.train_step on steps whose micro-batches "
         "dyn_plugin.runtime.loader.load_micro_batch builds from pair plans (data parallel, ZeRO 0-3)"
     )
 

@@ -148,7 +148,7 @@ def test_deepspeed_trains_t5_on_pairs_exactly_for_every_zero_stage(tmp_path):
     [
         ({"pipeline": {"stages": 2}}, "pipelines of encoder then decoder stages are not built"),
         ({"sequence_parallel": {"enabled": True}}, "sequence parallelism over pairs are not built"),
-        ({}, "does not plan (input, target) pairs"),
+        ({}, "data-parallel plans of (input, target) pairs for an encoder-decoder model"),
     ],
     ids=["pipeline", "sequence parallel", "data parallel"],
 )
