@@ -4,6 +4,7 @@ decoder stages simulated with their own links, the baselines (plan/pair_*.py).""
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -193,3 +194,21 @@ def test_packing_and_budget_groups():
         assert sum(ins[i] for i in r) <= 400 and sum(outs[i] for i in r) <= 600
     assert budget_pair_groups([5, 5, 5], [5, 5, 5], 20) == [[0, 1], [2]]
     assert budget_pair_groups([5, 5, 5], [5, 5, 5], 100, max_pairs=2) == [[0, 1], [2]]
+
+
+def test_bench_planner_t5_prints_json(capsys):
+    from dyn_plugin.cli import main
+
+    argv = ["bench", "planner", "--model", "t5-11b", "--global-tokens", "16384", "--parallel", "4x2", "--batches", "1"]
+    assert main(argv + ["--json"]) == 0
+    every = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    # 24 decoder layers on one stage (split 3) leave no memory for activations: said, not skipped
+    assert [(r["split_rank"], r["method"]) for r in every if "error" in r] == [(3, "all")]
+    records = [r for r in every if r["split_rank"] == 1]
+    assert {r["method"] for r in records} == {"dynapipe", *PAIR_BASELINES}
+    assert all(r["model"] == "t5-11b" and r["distribution"] == "tasks" and "error" not in r for r in records)
+    plan = next(r for r in records if r["method"] == "dynapipe")
+    assert plan["plan_ms_p50"] > 0 and plan["sim_iter_ms"] > 0 and plan["pairs"] > 1
+    for r in records:
+        if r["method"] != "dynapipe":
+            assert r["slowdown_vs_dynapipe"] == pytest.approx(r["sim_iter_ms"] / plan["sim_iter_ms"])

@@ -41,6 +41,8 @@ HELP = (
 
 
 DISTS = choices(tuple(DISTRIBUTIONS))
+# bench planner's models and their default global tokens and pp x dp grids
+PLANNER_DEFAULTS = {"gpt-6.7b": ("16384,65536,262144", "1x1,4x2,8x8"), "t5-11b": ("65536", "4x2")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,11 +53,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     planner = sub.add_parser(
         "planner",
         help="planning time and simulated step time against the baselines, "
-        "A100 GPT-6.7B costs, bundled length distributions",
+        "A100 GPT-6.7B costs, bundled length distributions (--model t5-11b: A100 T5 11B costs, the bundled "
+        "pair distribution 'tasks', the pair baselines)",
+    )
+    planner.add_argument(
+        "--model",
+        choices=PLANNER_DEFAULTS,
+        default="gpt-6.7b",
+        help="gpt-6.7b (dyn_plugin/bench/planner.py) or t5-11b: (input, target) pairs on encoder then decoder "
+        "stages (dyn_plugin/bench/planner_pairs.py; --distributions, --python-batches and --no-pyramid do not apply)",
     )
     planner.add_argument("--distributions", type=DISTS, default="code,prose,mixture")
-    planner.add_argument("--global-tokens", type=counts(1, MAX_TOKENS), default="16384,65536,262144")
-    planner.add_argument("--parallel", type=grids, default="1x1,4x2,8x8", help="pp x dp configurations")
+    planner.add_argument(
+        "--global-tokens",
+        type=counts(1, MAX_TOKENS),
+        help="default 16384,65536,262144 (gpt-6.7b), 65536 (t5-11b: input and target tokens)",
+    )
+    planner.add_argument(
+        "--parallel", type=grids, help="pp x dp configurations; default 1x1,4x2,8x8 (gpt-6.7b), 4x2 (t5-11b)"
+    )
     planner.add_argument("--batches", type=STEPS, default=10, help="global batches per configuration")
     planner.add_argument(
         "--python-batches",
@@ -272,9 +288,17 @@ def run(args: argparse.Namespace) -> int:
 
             records = bench_families(args)
         elif args.what == "planner":
-            from ..bench.planner import bench_planner
+            tokens, grid = PLANNER_DEFAULTS[args.model]
+            args.global_tokens = counts(1, MAX_TOKENS)(tokens) if args.global_tokens is None else args.global_tokens
+            args.parallel = grids(grid) if args.parallel is None else args.parallel
+            if args.model == "t5-11b":
+                from ..bench.planner_pairs import bench_planner_pairs
 
-            records = bench_planner(args)
+                records = bench_planner_pairs(args)
+            else:
+                from ..bench.planner import bench_planner
+
+                records = bench_planner(args)
         elif args.what == "sp":
             from ..bench.sp import bench_sp
 

@@ -226,36 +226,46 @@ class EncoderDecoderCostModel:
             )
         return self.tables[(recompute, tp)]
 
-    def stage_costs(self, stage: PairStage, n, se, sd, *, recompute: Recompute, tp: int = 1) -> tuple[np.ndarray, ...]:
+    def stage_costs(
+        self, stage: PairStage, n, se, sd, *, recompute: Recompute, tp: int = 1, memo: dict | None = None
+    ) -> tuple[np.ndarray, ...]:
         """(forward ms, backward ms, stored bytes, peak bytes) of micro-batches of ``n`` pairs padded
-        to (``se``, ``sd``) on ``stage``: arrays of the shape of ``n``, ``se`` and ``sd``."""
+        to (``se``, ``sd``) on ``stage``: arrays of the shape of ``n``, ``se`` and ``sd``. ``memo``: a
+        dict kept by the caller across stages of one (n, se, sd, recompute, tp), so each side's
+        layer and the head are evaluated once for all of them."""
+        memo = {} if memo is None else memo
         t = self.table(recompute, tp)
-        n, se, sd = (np.asarray(a, dtype=float) for a in (n, se, sd))
+        if stage.side not in memo:
+            memo[stage.side] = self._layer(t, stage.side, *(np.asarray(a, dtype=float) for a in (n, se, sd)))
+        fwd, bwd, st, transient, carried = memo[stage.side]
         k = stage.num_layers
-        if stage.side == "encoder":
-            slots, attn = n * se, n * se * se
-            fwd, bwd, st, pk = (linear_fit_at(t.encoder[m], slots, attn) for m in METRICS)
-            fwd, bwd, stored = k * fwd, k * bwd, k * st
-            transient = pk - st
-        else:
-            fwd = k * t.decoder["forward_ms"](n, se, sd)
-            bwd = k * t.decoder["backward_ms"](n, se, sd)
-            st = t.decoder["stored_bytes"](n, se, sd)
-            stored = k * st
-            transient = t.decoder["peak_bytes"](n, se, sd) - st
-            # the encoder output, kept for every layer's cross-attention until this stage's backward
-            # ends, and its gradient summed over the layers while the backward runs
-            carried = n * se * self.hidden_size * self.act_bytes
-            stored = stored + carried
-            transient = transient + carried
+        fwd, bwd, stored, transient = k * fwd, k * bwd, k * st + carried, transient + carried
         if stage.last:
-            slots, attn = n * sd, n * sd * sd
-            fwd = fwd + linear_fit_at(t.head["forward_ms"], slots, attn)
-            bwd = bwd + linear_fit_at(t.head["backward_ms"], slots, attn)
-            h_st = linear_fit_at(t.head["stored_bytes"], slots, attn)
-            stored = stored + h_st
-            transient = np.maximum(transient, linear_fit_at(t.head["peak_bytes"], slots, attn) - h_st)
+            if "head" not in memo:
+                n, sd = np.asarray(n, dtype=float), np.asarray(sd, dtype=float)
+                memo["head"] = tuple(linear_fit_at(t.head[m], n * sd, n * sd * sd) for m in METRICS)
+            h_fwd, h_bwd, h_st, h_pk = memo["head"]
+            fwd, bwd, stored = fwd + h_fwd, bwd + h_bwd, stored + h_st
+            transient = np.maximum(transient, h_pk - h_st)
         return fwd, bwd, stored, stored + np.maximum(transient, 0.0)
+
+    def _layer(self, t: PairTable, side: Side, n: np.ndarray, se: np.ndarray, sd: np.ndarray) -> tuple:
+        """One layer's (forward, backward, stored, transient) and what a stage of that side holds
+        once beside its layers."""
+        if side == "encoder":
+            fwd, bwd, st, pk = (linear_fit_at(t.encoder[m], n * se, n * se * se) for m in METRICS)
+            return fwd, bwd, st, pk - st, 0.0
+        st = t.decoder["stored_bytes"](n, se, sd)
+        # the encoder output, kept for every layer's cross-attention until the stage's backward
+        # ends, and its gradient summed over the layers while the backward runs
+        carried = n * se * self.hidden_size * self.act_bytes
+        return (
+            t.decoder["forward_ms"](n, se, sd),
+            t.decoder["backward_ms"](n, se, sd),
+            st,
+            t.decoder["peak_bytes"](n, se, sd) - st,
+            carried,
+        )
 
     def micro_batch_cost(
         self,

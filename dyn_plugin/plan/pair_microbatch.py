@@ -109,12 +109,9 @@ def _price_runs(n, se, sd, valid, spec: PairSpec) -> tuple[np.ndarray, np.ndarra
     for mi, rc in enumerate(spec.recomputes):
         ok = valid & spec.cost.table(rc, spec.tp).covers(n, se, sd)
         t = np.zeros(se.shape)
-        priced: dict[tuple, tuple] = {}  # (side, layers, last): stages alike but for their budgets
+        memo: dict = {}  # each side's layer and the head evaluated once for every stage
         for stage, mem in zip(spec.stages, spec.memory):
-            key = (stage.side, stage.num_layers, stage.last)
-            if key not in priced:
-                priced[key] = spec.cost.stage_costs(stage, n, se, sd, recompute=rc, tp=spec.tp)
-            fwd, bwd, stored, peak = priced[key]
+            fwd, bwd, stored, peak = spec.cost.stage_costs(stage, n, se, sd, recompute=rc, tp=spec.tp, memo=memo)
             ok &= mem.in_flight * stored + (peak - stored) <= mem.budget
             t = np.maximum(t, fwd + bwd)
         better = ok & (t < best)
@@ -217,8 +214,11 @@ def price_pair_groups(
     for rc in dict.fromkeys(recomputes):
         at = modes == rc
         covered[at] = cost.table(rc, spec.tp).covers(n[at], se[at], sd[at])
+        memo: dict = {}
         for s, stage in enumerate(spec.stages):
-            for metric, values in zip(out, cost.stage_costs(stage, n[at], se[at], sd[at], recompute=rc, tp=spec.tp)):
+            for metric, values in zip(
+                out, cost.stage_costs(stage, n[at], se[at], sd[at], recompute=rc, tp=spec.tp, memo=memo)
+            ):
                 metric[at, s] = values
     links = [
         [cost.link_bytes(stage, int(n[g]), int(se[g]), int(sd[g]), spec.tp) for stage in spec.stages[:-1]]

@@ -1,0 +1,102 @@
+"""``dynplugin bench planner --model t5-11b``: the pair planner against the pair baselines on the
+measured A100 T5 11B tables, global batches of the bundled pair distribution "tasks".
+
+T5 11B (24 encoder and 24 decoder layers) on the same cluster as the GPT records (A100-80GB at
+72000 MB, 8 devices a node, ZeRO-1), tensor parallel 1; inputs and targets truncated to the
+tables' longest (4096 each side at tp 1), as a trainer with those maxima would. Padding and
+packing use the maxima of the truncated distribution per side (the sequence lengths a user sets).
+Every method is priced by the same cost model and simulated the same way (plan/pair_*.py), at
+every split of the pipeline into encoder and decoder stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import Counter
+from typing import Iterator
+
+import numpy as np
+
+from ..config import DynPluginConfig
+from ..cost.bundled import MEASURED_DIR
+from ..cost.encoder_decoder import import_t5_tables
+from ..lengths.pairs import load_pairs
+from ..plan.pair_baselines import PAIR_BASELINES
+from ..plan.pair_planner import plan_pairs
+from ..plan.pair_spec import pair_planner_spec
+from ..runtime.sampler import global_batches
+
+MAX_LEN = 4096  # the longest input and target the tp 1 tables measured
+DISTRIBUTION = "tasks"
+TP = 1
+
+
+def bench_planner_pairs(args: argparse.Namespace) -> Iterator[dict]:
+    cost = import_t5_tables(MEASURED_DIR / "a100-t5-11b.json")
+    pairs = np.minimum(load_pairs(DISTRIBUTION), MAX_LEN)
+    max_input, max_target = (int(x) for x in pairs.max(axis=0))
+    for tokens in args.global_tokens:
+        batches = [pairs[b] for b in global_batches(pairs.sum(axis=1).tolist(), tokens, args.batches, args.seed)]
+        for pp, dp in args.parallel:
+            cfg = DynPluginConfig.model_validate(
+                {
+                    "pipeline": {"stages": pp},
+                    "cluster": {"devices_per_node": 8, "device": {"memory_mb": 72000, "memory_fraction": 1.0}},
+                }
+            )
+            base = {
+                "model": "t5-11b",
+                "distribution": DISTRIBUTION,
+                "global_tokens": tokens,
+                "pp": pp,
+                "dp": dp,
+                "tp": TP,
+            }
+            # every split of encoder and decoder stages: the split is fixed when the model is built,
+            # and each method is best at its own (BENCHMARKS compares each at its best)
+            for split in range(1, max(pp, 2)):
+                try:
+                    spec = pair_planner_spec(cost, cfg, dp=dp, zero_stage=1, tp=TP, seed=args.seed, split_rank=split)
+                except ValueError as exc:  # e.g. one stage, or the model states alone overflow a device
+                    yield {**base, "split_rank": split, "method": "all", "error": str(exc)}
+                    continue
+                yield from _bench_config({**base, "split_rank": split}, batches, spec, max_input, max_target)
+
+
+def _bench_config(base: dict, batches: list[np.ndarray], spec, max_input: int, max_target: int) -> Iterator[dict]:
+    runs = [("dynapipe", lambda b: plan_pairs(b[:, 0], b[:, 1], spec))]
+    runs += [
+        (name, lambda b, fn=fn: fn(b[:, 0].tolist(), b[:, 1].tolist(), spec, max_input, max_target))
+        for name, fn in PAIR_BASELINES.items()
+    ]
+    planned = None
+    for method, fn in runs:
+        rec = {**base, "method": method, "impl": "python", "batches": len(batches)}
+        try:
+            results = []
+            for b in batches:
+                t0 = time.perf_counter()
+                plan = fn(b)
+                results.append((plan, (time.perf_counter() - t0) * 1e3))
+        except ValueError as exc:  # infeasible for this configuration
+            yield {**rec, "error": str(exc)}
+            continue
+        plans, times = zip(*results)
+        iters = [p.iteration_ms for p in plans]
+        rec.update(
+            plan_ms_p50=float(np.percentile(times, 50)),
+            plan_ms_p99=float(np.percentile(times, 99)),
+            sim_iter_ms=float(np.mean(iters)),
+            padding_fraction=float(np.mean([p.padding_fraction for p in plans])),
+            peak_mem_bytes=float(max(p.peak_bytes for p in plans)),
+            bubble=float(np.mean([p.bubble_fraction for p in plans])),
+            micro_batches=float(np.mean([len(p.micro_batches) for p in plans])),
+            recompute=dict(Counter(mb.recompute for p in plans for mb in p.micro_batches)),
+            pairs=float(np.mean([len(b) for b in batches])),
+        )
+        if method == "dynapipe":
+            planned = iters
+        elif planned is not None:
+            rec["slowdown_vs_dynapipe"] = float(np.mean([i / p for i, p in zip(iters, planned)]))
+        yield rec
