@@ -48,7 +48,7 @@ def test_fits_reproduce_measured_points(model, raw):
     table = next(t for t in raw["tables"] if (t["tp"], t["recompute"]) == (2, "none"))
     # a decoder layer's peak at a measured point is read off the grid; times within the fit's error
     (se, sd), b, peak = next(r for r in table["peak_activation_mb"]["decoder"] if r[0] == [1024, 512] and r[1] == 4)
-    stage = PairStage("decoder", 1)
+    stage = PairStage(decoder_layers=1)
     fwd, _, stored, got_peak = model.stage_costs(stage, b, se, sd, recompute="none", tp=2)
     carried = b * se * 1024 * 2  # the encoder output the decoder stage holds
     layer_peak = got_peak - carried * 2
@@ -63,25 +63,25 @@ def test_units_are_decimal_megabytes(model):
 
 
 def test_out_of_range_is_refused(model):
-    enc = PairStage("encoder", 12, first=True)
+    enc = PairStage(encoder_layers=12, embedding=True)
     model.micro_batch_cost([4096], [16], stage=enc, recompute="none", tp=1)  # measured
     with pytest.raises(OutOfProfileRange, match="outside what cost model"):
         model.micro_batch_cost([8192], [16], stage=enc, recompute="none", tp=1)  # tp 1 measured up to 4096
     with pytest.raises(OutOfProfileRange):  # tp 1, no recompute: targets of 4096 measured only with inputs up to 2048
-        model.micro_batch_cost([4096], [4096], stage=PairStage("decoder", 12), recompute="none", tp=1)
-    model.micro_batch_cost([4096], [4096], stage=PairStage("decoder", 12), recompute="selective", tp=1)
+        model.micro_batch_cost([4096], [4096], stage=PairStage(decoder_layers=12), recompute="none", tp=1)
+    model.micro_batch_cost([4096], [4096], stage=PairStage(decoder_layers=12), recompute="selective", tp=1)
     with pytest.raises(OutOfProfileRange, match="no table"):
         model.micro_batch_cost([16], [16], stage=enc, recompute="none", tp=3)
 
 
 def test_costs_grow_with_the_micro_batch(model):
     for side in ("encoder", "decoder"):
-        stage = PairStage(side, 6, last=side == "decoder")
+        stage = PairStage(**{f"{side}_layers": 6}, last=side == "decoder")
         for rc in ("none", "selective", "full"):
             costs = [np.array(model.stage_costs(stage, n, 512, 256, recompute=rc, tp=1)) for n in (1, 2, 4, 8)]
             assert all(np.all(b >= a) for a, b in zip(costs, costs[1:])), (side, rc)
     # recompute trades time for memory
-    st = PairStage("decoder", 12)
+    st = PairStage(decoder_layers=12)
     none = model.stage_costs(st, 4, 1024, 512, recompute="none", tp=1)
     full = model.stage_costs(st, 4, 1024, 512, recompute="full", tp=1)
     assert full[1] > none[1] and full[2] < none[2] / 10
@@ -89,10 +89,17 @@ def test_costs_grow_with_the_micro_batch(model):
 
 def test_model_states_per_stage(model):
     p = model.table("none", 1).params
-    first_dec = PairStage("decoder", 12, first=True, last=True)
-    assert model.stage_params(PairStage("encoder", 12, first=True)) == pytest.approx(12 * p["encoder"] + p["embedding"])
+    first_dec = PairStage(decoder_layers=12, embedding=True, last=True)
+    assert model.stage_params(PairStage(encoder_layers=12, embedding=True)) == pytest.approx(
+        12 * p["encoder"] + p["embedding"]
+    )
+    # one stage holding both sides (pp = 1) shares one embedding, which the head is tied to
+    both = PairStage(24, 24, embedding=True, last=True)
+    assert model.stage_params(both) == pytest.approx(24 * (p["encoder"] + p["decoder"]) + p["embedding"])
+    with pytest.raises(ValueError, match="a stage needs layers"):
+        PairStage()
     assert model.stage_params(first_dec) == pytest.approx(12 * p["decoder"] + p["embedding"])
-    last = PairStage("decoder", 12, last=True)
+    last = PairStage(decoder_layers=12, last=True)
     assert model.stage_params(last) == pytest.approx(12 * p["decoder"] + 32128 * 1024)  # the tied output layer's copy
     states = model.model_state_bytes(stage=last, zero_stage=1, dp=2)
     assert states.params == pytest.approx(2 * model.stage_params(last))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from dyn_plugin.config import DynPluginConfig
 from dyn_plugin.cost.bundled import MEASURED_DIR
-from dyn_plugin.cost.encoder_decoder import import_t5_tables
+from dyn_plugin.cost.encoder_decoder import PairStage, import_t5_tables
 from dyn_plugin.plan import microbatch
 from dyn_plugin.plan.microbatch import InfeasibleError, StageMemory
 from dyn_plugin.plan.pair_baselines import PAIR_BASELINES, budget_pair_groups, pack_pairs
@@ -126,12 +126,13 @@ def test_infeasible_pair_is_named():
 
 def test_encoder_stages_then_decoder_stages():
     stages = split_stages(COST, 4, 1)
-    assert [(s.side, s.num_layers, s.first, s.last) for s in stages] == [
-        ("encoder", 24, True, False),
-        ("decoder", 8, True, False),
-        ("decoder", 8, False, False),
-        ("decoder", 8, False, True),
+    assert [(s.encoder_layers, s.decoder_layers, s.embedding, s.last) for s in stages] == [
+        (24, 0, True, False),
+        (0, 8, True, False),
+        (0, 8, False, False),
+        (0, 8, False, True),
     ]
+    assert split_stages(COST, 1, 0) == (PairStage(24, 24, embedding=True, last=True),)
     with pytest.raises(ValueError, match="split rank"):
         split_stages(COST, 4, 4)
     # decoder layers cost more than encoder layers: at pp=4 an even 2 + 2 split beats 3 + 1
@@ -165,9 +166,18 @@ def test_spec_from_config():
     assert spec.pp == 4 and spec.split_rank == 2 and [m.in_flight for m in spec.memory] == [4, 3, 2, 1]
     # the decoder stages hold more parameters: less memory left for activations
     assert spec.memory[3].budget < spec.memory[0].budget
-    one = DynPluginConfig.model_validate({"pipeline": {"stages": 1}})
-    with pytest.raises(ValueError, match="pipeline.stages >= 2"):
-        pair_planner_spec(COST, one, dp=1)
+    # data parallel only: one stage holds both sides (ZeRO-3 over 8 ranks leaves room)
+    one = DynPluginConfig.model_validate(
+        {"pipeline": {"stages": 1}, "cluster": {"device": {"memory_mb": 72000, "memory_fraction": 1.0}}}
+    )
+    flat = pair_planner_spec(COST, one, dp=8, zero_stage=3)
+    assert flat.split_rank == 0 and flat.memory[0].in_flight == 1
+    ins, outs = synthetic_pairs(40, 3)
+    plan = plan_pairs(ins, outs, flat)
+    assert len(plan.replicas) == 8 and sorted(i for mb in plan.micro_batches for i in mb.sample_ids) == list(range(40))
+    # ZeRO-3: the i-th micro-batch of every replica's run order recomputes alike
+    for pos in range(len(plan.replicas[0].micro_batches)):
+        assert len({r.micro_batches[r.schedule.order[pos]].recompute for r in plan.replicas}) == 1
     small = DynPluginConfig.model_validate({"pipeline": {"stages": 2}, "cluster": {"device": {"memory_mb": 40000}}})
     with pytest.raises(ValueError, match="model states"):
         pair_planner_spec(COST, small, dp=1)

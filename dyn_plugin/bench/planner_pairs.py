@@ -55,7 +55,7 @@ def bench_planner_pairs(args: argparse.Namespace) -> Iterator[dict]:
             }
             # every split of encoder and decoder stages: the split is fixed when the model is built,
             # and each method is best at its own (BENCHMARKS compares each at its best)
-            for split in range(1, max(pp, 2)):
+            for split in range(1, pp) if pp > 1 else (0,):
                 try:
                     spec = pair_planner_spec(cost, cfg, dp=dp, zero_stage=1, tp=TP, seed=args.seed, split_rank=split)
                 except ValueError as exc:  # e.g. one stage, or the model states alone overflow a device

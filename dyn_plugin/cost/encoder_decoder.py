@@ -193,14 +193,22 @@ class PairTable:
 
 @dataclass(frozen=True)
 class PairStage:
-    """One pipeline stage of an encoder-decoder model: ``num_layers`` encoder or decoder layers;
-    ``first``: the first stage of its side, which holds the embedding (Megatron's T5 keeps a copy on
-    the first decoder stage too); ``last``: the model's last stage (the head)."""
+    """One pipeline stage of an encoder-decoder model: its encoder layers, then its decoder layers
+    (Megatron's split puts only one kind on a stage; one stage, pp = 1, holds both);
+    ``embedding``: it holds the embedding (the first stage of each side: Megatron's T5 keeps a copy
+    on the first decoder stage; one copy where both sides share a stage); ``last``: the model's
+    last stage, which runs the head."""
 
-    side: Side
-    num_layers: int
-    first: bool = False
+    encoder_layers: int = 0
+    decoder_layers: int = 0
+    embedding: bool = False
     last: bool = False
+
+    def __post_init__(self) -> None:
+        if self.encoder_layers < 0 or self.decoder_layers < 0 or self.encoder_layers + self.decoder_layers == 0:
+            raise ValueError(
+                f"a stage needs layers: encoder_layers={self.encoder_layers}, decoder_layers={self.decoder_layers}"
+            )
 
 
 @dataclass
@@ -230,19 +238,28 @@ class EncoderDecoderCostModel:
         self, stage: PairStage, n, se, sd, *, recompute: Recompute, tp: int = 1, memo: dict | None = None
     ) -> tuple[np.ndarray, ...]:
         """(forward ms, backward ms, stored bytes, peak bytes) of micro-batches of ``n`` pairs padded
-        to (``se``, ``sd``) on ``stage``: arrays of the shape of ``n``, ``se`` and ``sd``. ``memo``: a
-        dict kept by the caller across stages of one (n, se, sd, recompute, tp), so each side's
-        layer and the head are evaluated once for all of them."""
+        to (``se``, ``sd``) on ``stage``: arrays of the shape of ``n``, ``se`` and ``sd``. Layers run
+        one at a time: the stage stores every layer's kept bytes and, at its peak, the largest
+        transient among them. ``memo``: a dict kept by the caller across stages of one (n, se, sd,
+        recompute, tp), so each side's layer and the head are evaluated once for all of them."""
         memo = {} if memo is None else memo
         t = self.table(recompute, tp)
-        if stage.side not in memo:
-            memo[stage.side] = self._layer(t, stage.side, *(np.asarray(a, dtype=float) for a in (n, se, sd)))
-        fwd, bwd, st, transient, carried = memo[stage.side]
-        k = stage.num_layers
-        fwd, bwd, stored, transient = k * fwd, k * bwd, k * st + carried, transient + carried
+        n, se, sd = (np.asarray(a, dtype=float) for a in (n, se, sd))
+        fwd = bwd = stored = transient = 0.0
+        for side, k in (("encoder", stage.encoder_layers), ("decoder", stage.decoder_layers)):
+            if k:
+                if side not in memo:
+                    memo[side] = self._layer(t, side, n, se, sd)
+                l_fwd, l_bwd, l_st, l_tr = memo[side]
+                fwd, bwd, stored = fwd + k * l_fwd, bwd + k * l_bwd, stored + k * l_st
+                transient = np.maximum(transient, l_tr)
+        if stage.decoder_layers:
+            # the encoder output, kept for every decoder layer's cross-attention until the stage's
+            # backward ends, and its gradient summed over those layers while the backward runs
+            carried = n * se * self.hidden_size * self.act_bytes
+            stored, transient = stored + carried, transient + carried
         if stage.last:
             if "head" not in memo:
-                n, sd = np.asarray(n, dtype=float), np.asarray(sd, dtype=float)
                 memo["head"] = tuple(linear_fit_at(t.head[m], n * sd, n * sd * sd) for m in METRICS)
             h_fwd, h_bwd, h_st, h_pk = memo["head"]
             fwd, bwd, stored = fwd + h_fwd, bwd + h_bwd, stored + h_st
@@ -250,21 +267,16 @@ class EncoderDecoderCostModel:
         return fwd, bwd, stored, stored + np.maximum(transient, 0.0)
 
     def _layer(self, t: PairTable, side: Side, n: np.ndarray, se: np.ndarray, sd: np.ndarray) -> tuple:
-        """One layer's (forward, backward, stored, transient) and what a stage of that side holds
-        once beside its layers."""
+        """One layer's (forward, backward, stored, transient)."""
         if side == "encoder":
             fwd, bwd, st, pk = (linear_fit_at(t.encoder[m], n * se, n * se * se) for m in METRICS)
-            return fwd, bwd, st, pk - st, 0.0
+            return fwd, bwd, st, pk - st
         st = t.decoder["stored_bytes"](n, se, sd)
-        # the encoder output, kept for every layer's cross-attention until the stage's backward
-        # ends, and its gradient summed over the layers while the backward runs
-        carried = n * se * self.hidden_size * self.act_bytes
         return (
             t.decoder["forward_ms"](n, se, sd),
             t.decoder["backward_ms"](n, se, sd),
             st,
             t.decoder["peak_bytes"](n, se, sd) - st,
-            carried,
         )
 
     def micro_batch_cost(
@@ -288,20 +300,22 @@ class EncoderDecoderCostModel:
 
     def link_bytes(self, stage: PairStage, n: int, se: int, sd: int, tp: int = 1) -> float:
         """What ``stage`` sends to the next one per micro-batch (its gradient comes back the same
-        size): encoder stages their hidden states (the last one: the encoder output), decoder
-        stages their hidden states and the encoder output they carry; split over the
-        tensor-parallel ranks as Megatron's scatter-gather sends do."""
-        tokens = n * se if stage.side == "encoder" else n * (se + sd)
+        size): an encoder stage its hidden states (the last one: the encoder output), a decoder
+        stage its hidden states and the encoder output it carries; split over the tensor-parallel
+        ranks as Megatron's scatter-gather sends do."""
+        tokens = n * (se + sd) if stage.decoder_layers else n * se
         return float(tokens * self.hidden_size * self.act_bytes / tp)
 
     def stage_params(self, stage: PairStage, tp: int = 1) -> float:
         """Parameters per tensor-parallel rank: the stage's layers, the embedding (word and learned
-        positions) on the first stage of each side, and on the last stage the output layer's copy
-        of the word embeddings (tied, as Megatron's T5 keeps it: a vocabulary x hidden matrix) unless
-        the embedding is there already."""
+        positions) where it holds one, and on the last stage the output layer's copy of the word
+        embeddings (tied, as Megatron's T5 keeps it: a vocabulary x hidden matrix) unless the
+        embedding is there already."""
         p = self.table_params(tp)
-        own = p[stage.side] * stage.num_layers + p["embedding"] * stage.first
-        if stage.last and not stage.first:
+        own = (
+            p["encoder"] * stage.encoder_layers + p["decoder"] * stage.decoder_layers + p["embedding"] * stage.embedding
+        )
+        if stage.last and not stage.embedding:
             own += round_up(self.vocab_size, 128 * tp) * self.hidden_size / tp
         return own
 

@@ -11,8 +11,10 @@ output they carry.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
+from ..cost.model import RECOMPUTES
 from .assign import assign_to_replicas
 from .pair_microbatch import partition_pairs, price_pair_groups
 from .pair_spec import PairSpec
@@ -59,4 +61,25 @@ def plan_pairs(inputs: Sequence[int], targets: Sequence[int], spec: PairSpec) ->
     in its micro-batches index these sequences."""
     part = partition_pairs(inputs, targets, spec)
     mbs = price_pair_groups(part.groups(), inputs, targets, part.recompute, spec=spec)
-    return schedule_pair_replicas(mbs, spec=spec, method="dynapipe")
+    return same_pair_recompute(schedule_pair_replicas(mbs, spec=spec, method="dynapipe"), inputs, targets, spec=spec)
+
+
+def same_pair_recompute(plan: StepPlan, inputs: Sequence[int], targets: Sequence[int], *, spec: PairSpec) -> StepPlan:
+    """With ``spec.same_recompute`` (ZeRO-3), every replica's i-th micro-batch in run order takes the
+    strongest recompute mode among them, as ``pricing.same_recompute`` does for decoder-only plans:
+    ZeRO-3 gathers parameters in the order modules run, and recompute re-runs them in backward.
+    Memory only falls; the schedules stay and the replicas are simulated again."""
+    if not spec.same_recompute or len(plan.replicas) < 2:
+        return plan
+    orders = [r.schedule.order for r in plan.replicas]
+    new = [list(r.micro_batches) for r in plan.replicas]
+    for pos in range(len(orders[0])):
+        mbs = [r.micro_batches[o[pos]] for r, o in zip(plan.replicas, orders)]
+        mode = max((mb.recompute for mb in mbs), key=RECOMPUTES.index)
+        for r, (mb, o) in enumerate(zip(mbs, orders)):
+            if mb.recompute != mode:
+                new[r][o[pos]] = price_pair_groups([mb.sample_ids], inputs, targets, [mode], spec=spec)[0]
+    replicas = tuple(
+        replace(r, micro_batches=tuple(m), sim=simulate(m, r.schedule, spec.link)) for r, m in zip(plan.replicas, new)
+    )
+    return replace(plan, replicas=replicas)

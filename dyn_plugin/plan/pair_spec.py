@@ -2,7 +2,8 @@
 
 Megatron splits a T5 pipeline at ``pipeline_model_parallel_split_rank``: stages before it run
 encoder layers, the others decoder layers, each side's layers spread evenly over its stages
-(earlier stages take the remainder). ``pair_planner_spec`` builds a :class:`PairSpec` from the
+(earlier stages take the remainder); with one stage (pp = 1, data parallel only) it holds both.
+``pair_planner_spec`` builds a :class:`PairSpec` from the
 plugin config and an :class:`EncoderDecoderCostModel` as ``planner_spec`` does for decoder-only
 models: each stage's activation budget after its model states, 1F1B's in-flight count, the link,
 the recompute modes, the update; the split is the caller's or the one whose slowest stage is
@@ -38,6 +39,7 @@ class PairSpec:
     seed: int = 0
     schedule: str = "auto"  # pipeline.schedule: a name in schedule.SCHEDULES
     update_ms: float = 0.0
+    same_recompute: bool = False  # every rank recomputes alike at each micro-batch of its run order (ZeRO-3)
 
     @property
     def pp(self) -> int:
@@ -45,12 +47,15 @@ class PairSpec:
 
     @property
     def split_rank(self) -> int:
-        """The first decoder stage (Megatron's pipeline_model_parallel_split_rank)."""
-        return next(i for i, s in enumerate(self.stages) if s.side == "decoder")
+        """The first stage with decoder layers (Megatron's pipeline_model_parallel_split_rank; 0 for one stage)."""
+        return next(i for i, s in enumerate(self.stages) if s.decoder_layers)
 
 
 def split_stages(cost: EncoderDecoderCostModel, pp: int, split_rank: int) -> tuple[PairStage, ...]:
-    """``split_rank`` encoder stages then ``pp - split_rank`` decoder stages, each side's layers evenly spread."""
+    """``split_rank`` encoder stages then ``pp - split_rank`` decoder stages, each side's layers
+    evenly spread (earlier stages take the remainder); one stage (pp = 1, split rank 0) holds both."""
+    if pp == 1 and split_rank == 0:
+        return (PairStage(cost.encoder_layers, cost.decoder_layers, embedding=True, last=True),)
     if not 1 <= split_rank < pp:
         raise ValueError(
             f"pipeline split rank must leave encoder and decoder stages: 1 <= split_rank < {pp} stages, got {split_rank}"
@@ -62,8 +67,8 @@ def split_stages(cost: EncoderDecoderCostModel, pp: int, split_rank: int) -> tup
         )
     enc = split_layers(cost.encoder_layers, split_rank)
     dec = split_layers(cost.decoder_layers, pp - split_rank)
-    return tuple(PairStage("encoder", s.num_layers, first=s.first) for s in enc) + tuple(
-        PairStage("decoder", s.num_layers, first=s.first, last=s.last) for s in dec
+    return tuple(PairStage(encoder_layers=s.num_layers, embedding=s.first) for s in enc) + tuple(
+        PairStage(decoder_layers=s.num_layers, embedding=s.first, last=s.last) for s in dec
     )
 
 
@@ -79,6 +84,8 @@ def balanced_split_rank(
     length), priced without recompute: decoder layers cost more than encoder layers (cross-attention),
     and by how much depends on the lengths, so the split follows the data."""
     n, se, sd = reference
+    if pp == 1:
+        return 0
     best, best_t = None, np.inf
     for k in range(1, pp):
         try:
@@ -105,15 +112,11 @@ def pair_planner_spec(
     seed: int = 0,
 ) -> PairSpec:
     """The spec from the plugin config, as ``planner_spec`` builds it for decoder-only models.
-    ``split_rank``: the first decoder stage (None: :func:`balanced_split_rank` on ``reference``)."""
+    ``split_rank``: the first decoder stage (None: :func:`balanced_split_rank` on ``reference``; 0
+    for one stage)."""
     check_count("dp", dp, high=MAX_RANKS)
     check_count("tp", tp, high=MAX_RANKS)
     pipe, cluster, mb = config.pipeline, config.cluster, config.microbatching
-    if pipe.stages < 2:
-        raise ValueError(
-            "an encoder-decoder plan needs pipeline.stages >= 2 (encoder stages, then decoder stages); "
-            f"got {pipe.stages}"
-        )
     if pipe.layers_per_stage:
         raise ValueError(
             "pipeline.layers_per_stage is for decoder-only models; an encoder-decoder pipeline is split by "
@@ -141,7 +144,7 @@ def pair_planner_spec(
         held = cost.model_state_bytes(stage=s, zero_stage=zero_stage, dp=dp, tp=tp)
         if held.update_peak > device_bytes:
             raise ValueError(
-                f"pipeline stage {i} ({s.num_layers} {s.side} layers) needs {held.update_peak / MB:.0f} MB for model "
+                f"pipeline stage {i} ({s.encoder_layers} encoder, {s.decoder_layers} decoder layers) needs {held.update_peak / MB:.0f} MB for model "
                 f"states and the optimizer step's fp32 gradients (ZeRO-{zero_stage}, dp={dp}, tp={tp}) but plans may "
                 f"use {device_bytes / MB:.0f} MB of a device; add pipeline stages, raise tp, the ZeRO stage or the memory"
             )
@@ -156,4 +159,4 @@ def pair_planner_spec(
         tp=tp,
         link_gb_per_s=cluster.intra_node_gb_per_s if dp_same_node else cluster.inter_node_gb_per_s,
     )
-    return PairSpec(cost, stages, tuple(memory), dp, link, recomputes, tp, seed, pipe.schedule, update)
+    return PairSpec(cost, stages, tuple(memory), dp, link, recomputes, tp, seed, pipe.schedule, update, zero_stage >= 3)
