@@ -76,8 +76,8 @@ def run_costs(
     pm = spec.cost.pad_multiple
     e = np.array([round_up(int(x), pm) for x in enc], dtype=float)
     d = np.array([round_up(int(x), pm) for x in dec], dtype=float)
-    times = np.full((n_all, n_all), np.inf)  # [start, run length - 1]
-    modes = np.full((n_all, n_all), -1, dtype=np.int64)
+    times: list[list[np.ndarray]] = [[] for _ in range(n_all)]  # per start, per block: its runs' times
+    modes: list[list[np.ndarray]] = [[] for _ in range(n_all)]
     rows = np.arange(n_all)
     se_run, sd_run = np.zeros(n_all), np.zeros(n_all)  # running maxima up to the last priced length
     for first in range(0, n_all, block):
@@ -92,13 +92,15 @@ def run_costs(
         sd = np.maximum.accumulate(np.maximum(np.where(valid, d[at], 0.0), sd_run[rows, None]), axis=1)
         n = np.broadcast_to(width + 1.0, se.shape)
         best, mode = _price_runs(n, se, sd, valid, spec)
-        times[rows[:, None], width[None, :]] = best
-        modes[rows[:, None], width[None, :]] = mode
+        fits = mode >= 0
+        # a start's runs end at its first run that fits in no mode (memory only grows with the run)
+        ends = np.where(fits.all(axis=1), fits.shape[1], np.argmin(fits, axis=1))
+        for r, i in enumerate(rows.tolist()):
+            times[i].append(best[r, : ends[r]])
+            modes[i].append(mode[r, : ends[r]])
         se_run[rows], sd_run[rows] = se[:, -1], sd[:, -1]
-        rows = rows[mode[:, -1] >= 0]  # the others' runs stopped fitting inside this block
-    fits = modes >= 0
-    ends = np.where(fits.all(axis=1), n_all, np.argmin(fits, axis=1))
-    return [times[i, : ends[i]] for i in range(n_all)], [modes[i, : ends[i]] for i in range(n_all)]
+        rows = rows[ends == fits.shape[1]]  # the others' runs stopped fitting inside this block
+    return [np.concatenate(t) for t in times], [np.concatenate(m) for m in modes]
 
 
 def _price_runs(n, se, sd, valid, spec: PairSpec) -> tuple[np.ndarray, np.ndarray]:
