@@ -117,9 +117,10 @@ def pair_packing(
 ) -> StepPlan:
     enc, dec = check_pairs(inputs, targets)
     width = _widths(max_input, max_target, enc, dec, spec, "pair_packing")
-    rows = pack_pairs(enc, dec, max_input, max_target)
-    if len(rows) < spec.dp:
-        raise InfeasibleError(f"pair_packing: {len(rows)} rows for {spec.dp} data-parallel replicas")
+    # fewer rows than replicas: the fullest rows split in two, as a host's sampler gives each rank its own
+    rows = split_for_replicas(
+        pack_pairs(enc, dec, max_input, max_target), (enc + dec).tolist(), spec.dp, equal_counts=False
+    )
     row_tokens = [int(enc[r].sum() + dec[r].sum()) for r in rows]
 
     def sized(k: int) -> list[PairMicroBatch] | None:
