@@ -60,10 +60,12 @@ def _tuned(
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if sizes_that_fit(mid) is not None else (lo, mid - 1)
-    plans = [
-        schedule_pair_replicas(sizes_that_fit(k), spec=spec, method=method, adaptive=False)
-        for k in sorted({1 << b for b in range(lo.bit_length()) if 1 << b <= lo} | {lo})
-    ]
+    plans = []
+    for k in sorted({1 << b for b in range(lo.bit_length()) if 1 << b <= lo} | {lo}):
+        # fitting is not quite monotone in the size (groups split for the replicas differ): skip a size that does not
+        mbs = sizes_that_fit(k)
+        if mbs is not None:
+            plans.append(schedule_pair_replicas(mbs, spec=spec, method=method, adaptive=False))
     return min(plans, key=lambda p: p.iteration_ms)
 
 
