@@ -11,6 +11,10 @@ Without a store every rank plans each global batch itself; plans are determinist
 agree without talking (DCP's way). With a store (``store`` section), background planner
 processes plan ahead and each rank reads only its own plan (see planner_pool.py).
 
+Samples are token sequences (``lengths``: one count each) or, for an encoder-decoder, (input,
+target) pairs (``lengths`` of shape [N, 2], planned by the encoder-decoder planner with its cost
+model, each micro-batch padded per side: ``collate_pairs``).
+
 Exactly once: an epoch's global batches partition the samples and every sample of a global
 batch goes to exactly one replica's micro-batches (pipeline stages of one replica share them).
 A replica may be a sequence-parallel group of several data-parallel ranks: each of them lists
@@ -43,6 +47,7 @@ import json
 import logging
 import numbers
 import os
+import pickle
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -53,10 +58,12 @@ import torch
 
 from ..checks import MAX_SEED, check_count, check_number
 from ..config import DynPluginConfig, LoadedConfig, load_config
+from ..cost.encoder_decoder import EncoderDecoderCostModel
 from ..cost.table import TableCostModel
 from ..device import collective_device
 from ..layout import RankLayout
 from ..lengths.io import cap_lengths, validate_lengths
+from ..lengths.pairs import validate_pairs
 from ..plan.instructions import ExecutionPlan, PlannedMicroBatch
 from .collate import collate, shard
 from .collate_pairs import collate_pairs
@@ -128,7 +135,7 @@ class DynLoader:
         *,
         lengths: Sequence[int],
         config: DynPluginConfig | LoadedConfig | str | os.PathLike | Mapping,
-        cost_model: TableCostModel,
+        cost_model: TableCostModel | EncoderDecoderCostModel,
         layout: RankLayout | None = None,
         stage: int = 0,
         column: int = 0,
@@ -252,16 +259,19 @@ class DynLoader:
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _close, self._store, self._pool)
 
-    def _checked_lengths(self, lengths: Sequence[int]) -> np.ndarray:
-        arr = validate_lengths(lengths)
+    def _checked_lengths(self, lengths: Sequence[int] | Sequence[Sequence[int]]) -> np.ndarray:
+        """One length per sample, or [N, 2] (input, target) pairs, each side capped as lengths are."""
+        pairs = np.ndim(lengths) == 2
+        arr = validate_pairs(lengths) if pairs else validate_lengths(lengths)
         if len(arr) != len(self.dataset):
             raise ValueError(
                 f"lengths has {len(arr)} entries but the dataset has {len(self.dataset)} samples; "
-                "give one length (token count) per sample"
+                f"give one {'(input, target) pair' if pairs else 'length (token count)'} per sample"
             )
         mb = self.config.microbatching
-        arr = cap_lengths(arr, mb.max_seq_len, mb.truncate)
-        return arr
+        if pairs:
+            return np.stack([cap_lengths(arr[:, side], mb.max_seq_len, mb.truncate) for side in (0, 1)], axis=1)
+        return cap_lengths(arr, mb.max_seq_len, mb.truncate)
 
     def __len__(self) -> int:
         """Global batches left in the current epoch."""
@@ -640,12 +650,15 @@ def _as_int63(hex_digest: str) -> int:
     return int(hex_digest[:16], 16) >> 1  # a non-negative int64
 
 
-def _fingerprints(lengths_hash: bytes, cost: TableCostModel, config: DynPluginConfig, sizes: tuple) -> list[int]:
+def _fingerprints(
+    lengths_hash: bytes, cost: TableCostModel | EncoderDecoderCostModel, config: DynPluginConfig, sizes: tuple
+) -> list[int]:
     """Fingerprints of what a plan depends on, in CHECKED order after the digest. The store and
     loader sections are left out: they change where plans travel, not what they are."""
     parts = [
         lengths_hash,
-        json.dumps(cost.to_dict(), sort_keys=True).encode(),
+        # the encoder-decoder cost model has no JSON form: its fitted tables, pickled, are as exact
+        json.dumps(cost.to_dict(), sort_keys=True).encode() if hasattr(cost, "to_dict") else pickle.dumps(cost),
         (config.model_dump_json(exclude={"store", "loader"}) + repr(sizes)).encode(),
     ]
     return [_as_int63(hashlib.sha256(p).hexdigest()) for p in parts]

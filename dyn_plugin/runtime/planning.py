@@ -16,9 +16,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..config import ConfigError, DynPluginConfig, with_password
+from ..cost.encoder_decoder import EncoderDecoderCostModel
 from ..cost.table import TableCostModel
 from ..plan.instructions import ExecutionPlan, check_plans, plan_from_json, plan_to_json
 from ..plan.methods import plan_method
+from ..plan.pair_planner import plan_pairs
+from ..plan.pair_spec import PairSpec, pair_planner_spec
 from ..plan.planner import execution_plans
 from ..plan.pricing import checkpointed_layers
 from ..plan.spec import PlannerSpec, planner_spec
@@ -81,8 +84,8 @@ class PlanningContext:
     """The inputs of every plan of a run; plans (epoch, step) for every rank."""
 
     config: DynPluginConfig
-    cost: TableCostModel
-    lengths: np.ndarray
+    cost: TableCostModel | EncoderDecoderCostModel
+    lengths: np.ndarray  # [N], or [N, 2] (input, target) pairs
     dp: int
     pp: int
     zero_stage: int = 0
@@ -92,15 +95,26 @@ class PlanningContext:
     proposal: Proposal | None = None  # with strategy.enabled: the strategies steps are planned under (else built)
 
     def __post_init__(self) -> None:
-        self.spec: PlannerSpec = planner_spec(
-            self.cost,
-            self.config,
-            dp=self.dp,
-            zero_stage=self.zero_stage,
-            tp=self.tp,
-            seed=self.seed,
-            state_bytes=self.state_bytes,
-        )
+        if self.pairs:
+            self._check_pairs()
+            self.spec: PlannerSpec | PairSpec = pair_planner_spec(
+                self.cost, self.config, dp=self.dp, zero_stage=self.zero_stage, tp=self.tp, seed=self.seed
+            )
+        else:
+            if isinstance(self.cost, EncoderDecoderCostModel):
+                raise ValueError(
+                    f"cost model {self.cost.name!r} prices an encoder-decoder, but the lengths are one token count per "
+                    "sample; give an encoder-decoder's lengths as [N, 2] (input, target) pairs"
+                )
+            self.spec = planner_spec(
+                self.cost,
+                self.config,
+                dp=self.dp,
+                zero_stage=self.zero_stage,
+                tp=self.tp,
+                seed=self.seed,
+                state_bytes=self.state_bytes,
+            )
         if self.config.strategy.enabled:
             if self.proposal is None:
                 self.proposal = self._build_proposal()
@@ -115,6 +129,35 @@ class PlanningContext:
         self._epochs: dict[int, list[list[int]]] = {}
         self._offsets: dict[int, int] = {0: 0}  # run-wide position of each epoch's first batch
         self._extrapolated = 0  # steps planned with costs beyond the measured range so far
+
+    @property
+    def pairs(self) -> bool:
+        """Whether the samples are (input, target) pairs (lengths [N, 2]) for an encoder-decoder."""
+        return self.lengths.ndim == 2
+
+    def _check_pairs(self) -> None:
+        """Pairs are planned by the encoder-decoder planner (plan_pairs) and nothing else yet."""
+        cfg = self.config
+        if not isinstance(self.cost, EncoderDecoderCostModel):
+            raise ValueError(
+                "the lengths are (input, target) pairs but the cost model prices a decoder-only model; plan pairs "
+                "with an encoder-decoder cost model (dyn_plugin.cost.encoder_decoder)"
+            )
+        refused = [
+            (
+                cfg.microbatching.method != "dynapipe",
+                f"microbatching.method {cfg.microbatching.method!r}",
+                "'dynapipe'",
+            ),
+            (cfg.strategy.enabled, "strategy.enabled", "false"),
+            (cfg.sequence_parallel.enabled, "sequence_parallel.enabled", "false"),
+            (self.state_bytes is not None, "a sharding plan", "none"),
+            # planner processes rebuild the cost model from JSON, which the encoder-decoder one has no form of
+            (cfg.store.backend != "none", f"store.backend {cfg.store.backend!r}", "'none' (plans made on each rank)"),
+        ]
+        for on, what, fix in refused:
+            if on:
+                raise ValueError(f"{what} with (input, target) pairs: not built for encoder-decoder plans; use {fix}")
 
     def batches(self, epoch: int) -> list[list[int]]:
         """The epoch's global batches (sample indices), cached: every step of it needs them."""
@@ -167,10 +210,13 @@ class PlanningContext:
         )
         return proposal
 
-    def plan_batch(self, lens: list[int]) -> StepPlan:
-        """The step plan of one global batch's lengths, as the config says to plan it."""
+    def plan_batch(self, lens: list[int] | list[tuple[int, int]]) -> StepPlan:
+        """The step plan of one global batch's lengths (or pairs), as the config says to plan it."""
         method = self.config.microbatching.method
         st = self.config.strategy
+        if self.pairs:
+            inputs, targets = zip(*lens)
+            return plan_pairs(list(inputs), list(targets), self.spec)
         if st.enabled:
             budget = st.ilp_time_budget_ms
             stage2 = Stage2Options(st.stage2, st.ilp_node_limit, budget / 1000 if budget is not None else None)
@@ -180,7 +226,7 @@ class PlanningContext:
     def plan(self, epoch: int, step: int) -> dict[tuple[int, int], RankPlan]:
         """(dp_rank, pp_rank) -> that rank's plan, for global batch ``step`` of ``epoch``."""
         ids = self.batches(epoch)[step]
-        lens = [int(self.lengths[i]) for i in ids]
+        lens = [tuple(int(x) for x in self.lengths[i]) if self.pairs else int(self.lengths[i]) for i in ids]
         method = self.config.microbatching.method
         plan = self.plan_batch(lens)
         counts = [len(r.micro_batches) for r in plan.replicas]
@@ -194,10 +240,7 @@ class PlanningContext:
                 "data-parallel rank; use method 'dynapipe' (it plans equal counts) or ZeRO stage 0 or 1"
             )
         modes = [
-            tuple(
-                (r.micro_batches[i].recompute, checkpointed_layers(r.micro_batches[i], self.spec))
-                for i in r.schedule.order
-            )
+            tuple((r.micro_batches[i].recompute, self._checkpointed(r.micro_batches[i])) for i in r.schedule.order)
             for r in plan.replicas
         ]  # in the order each replica runs them
         if (self.zero_stage == 3 or sharded) and len(set(modes)) > 1:
@@ -239,10 +282,16 @@ class PlanningContext:
                 for rep in plan.replicas
             ),
         )
-        plans = execution_plans(plan, self.spec.hidden_size)
+        plans = execution_plans(plan, self.cost.hidden_size if self.pairs else self.spec.hidden_size)
+        if self.pairs:
+            plans = _described_pairs(plans, plan)
         # every plan a rank runs has been replayed as NCCL runs it: a hang becomes an error here
         check_plans(list(plans.values()), rendezvous=True)
         return {key: RankPlan(epoch, step, ep, tokens, digest, plan.iteration_ms) for key, ep in plans.items()}
+
+    def _checkpointed(self, mb) -> tuple[int, ...]:
+        """A micro-batch's checkpointed layers per stage; pairs are planned in whole-stage modes only."""
+        return tuple(mb.checkpointed) if self.pairs else checkpointed_layers(mb, self.spec)
 
     def to_json(self) -> str:
         config = self.config.model_dump(mode="json", exclude_unset=True)
@@ -279,6 +328,28 @@ class PlanningContext:
             d.get("state_bytes"),
             Proposal.from_json(d["proposal"]) if d.get("proposal") else None,
         )
+
+
+def _described_pairs(
+    plans: dict[tuple[int, int], ExecutionPlan], plan: StepPlan
+) -> dict[tuple[int, int], ExecutionPlan]:
+    """Execution plans whose micro-batches describe (input, target) pairs as the runtime builds them:
+    ``seq_lens`` of pairs and the shape (rows, input width, target width) of
+    ``cost.encoder_decoder.pair_shape`` (the planner's PairMicroBatch keeps each side apart)."""
+    replica = {c: rep for rep in plan.replicas for c in rep.columns}
+    out = {}
+    for (column, stage), ep in plans.items():
+        planned = replica[column].micro_batches  # described in this order (build_execution_plans)
+        described = tuple(
+            replace(
+                d,
+                seq_lens=tuple(zip(mb.seq_lens, mb.target_lens)),
+                shape=(mb.shape[0], mb.shape[1], mb.target_shape[1]),
+            )
+            for d, mb in zip(ep.micro_batches, planned)
+        )
+        out[(column, stage)] = replace(ep, micro_batches=described)
+    return out
 
 
 def check_runnable(
