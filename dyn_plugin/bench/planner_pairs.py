@@ -37,7 +37,7 @@ def bench_planner_pairs(args: argparse.Namespace) -> Iterator[dict]:
     pairs = np.minimum(load_pairs(DISTRIBUTION), MAX_LEN)
     max_input, max_target = (int(x) for x in pairs.max(axis=0))
     for tokens in args.global_tokens:
-        batches = [pairs[b] for b in global_batches(pairs.sum(axis=1).tolist(), tokens, args.batches, args.seed)]
+        batches = [pairs[b] for b in global_batches(pairs, tokens, args.batches, args.seed)]
         for pp, dp in args.parallel:
             cfg = DynPluginConfig.model_validate(
                 {
