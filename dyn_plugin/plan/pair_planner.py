@@ -18,17 +18,25 @@ from ..cost.model import RECOMPUTES
 from .assign import assign_to_replicas
 from .pair_microbatch import partition_pairs, price_pair_groups
 from .pair_spec import PairSpec
+from .pricing import relax_recompute
 from .schedule import choose_schedule, one_f_one_b
 from .simulator import simulate
 from .types import PairMicroBatch, ReplicaPlan, StepPlan
 
 
 def schedule_pair_replicas(
-    micro_batches: Sequence[PairMicroBatch], *, spec: PairSpec, method: str, adaptive: bool = True
+    micro_batches: Sequence[PairMicroBatch],
+    *,
+    spec: PairSpec,
+    method: str,
+    adaptive: bool = True,
+    pairs: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> StepPlan:
-    """``adaptive``: micro-batches balanced over the replicas (equal counts) and each replica's
-    schedule searched by simulation within memory; else round-robin in the given order and plain
-    1F1B, as host frameworks run a loader's micro-batches."""
+    """``adaptive``: micro-batches balanced over the replicas (equal counts), each replica's
+    schedule searched by simulation within memory, then (given the global batch's ``pairs``)
+    recompute relaxed where the schedule leaves memory spare (``pricing.relax_recompute``: the
+    DP priced each micro-batch as if all in flight with it were as big); else round-robin in the
+    given order and plain 1F1B, as host frameworks run a loader's micro-batches."""
     if adaptive:
         groups = assign_to_replicas([mb.time_ms for mb in micro_batches], spec.dp)
     else:
@@ -49,6 +57,8 @@ def schedule_pair_replicas(
                 candidates=4,
                 policy=spec.schedule,
             )
+            if pairs is not None:
+                mbs, sim = relax_recompute(mbs, schedule, sim, spec=spec, reprice=_repricer(*pairs, spec))
         else:
             schedule = one_f_one_b(len(mbs), spec.pp)
             sim = simulate(mbs, schedule, spec.link)
@@ -61,7 +71,18 @@ def plan_pairs(inputs: Sequence[int], targets: Sequence[int], spec: PairSpec) ->
     in its micro-batches index these sequences."""
     part = partition_pairs(inputs, targets, spec)
     mbs = price_pair_groups(part.groups(), inputs, targets, part.recompute, spec=spec)
-    return same_pair_recompute(schedule_pair_replicas(mbs, spec=spec, method="dynapipe"), inputs, targets, spec=spec)
+    plan = schedule_pair_replicas(mbs, spec=spec, method="dynapipe", pairs=(inputs, targets))
+    return same_pair_recompute(plan, inputs, targets, spec=spec)
+
+
+def _repricer(inputs: Sequence[int], targets: Sequence[int], spec: PairSpec):
+    """A pair micro-batch priced in another recompute mode; None out of the measured range."""
+
+    def reprice(old: PairMicroBatch, rc: str) -> PairMicroBatch | None:
+        mb = price_pair_groups([old.sample_ids], inputs, targets, [rc], spec=spec)[0]
+        return None if mb.extrapolated else mb
+
+    return reprice
 
 
 def same_pair_recompute(plan: StepPlan, inputs: Sequence[int], targets: Sequence[int], *, spec: PairSpec) -> StepPlan:

@@ -9,13 +9,16 @@ modes on a fixed schedule (less where memory is spare; alike on every replica fo
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..cost.model import RECOMPUTES, Features, Layout, Recompute, features, tensor_shape
 from ..cost.table import evaluate_checkpointed, evaluate_stage
 from .simulator import simulate, stage_peak_bytes
 from .spec import ACT_BYTES, PlannerSpec
 from .types import MicroBatch, Schedule, SimResult, StepPlan
+
+if TYPE_CHECKING:  # the pair planner's spec; pair_spec does not import this module
+    from .pair_spec import PairSpec
 
 
 def make_micro_batch(
@@ -89,7 +92,12 @@ def sp_buffer_bytes(
 
 
 def relax_recompute(
-    mbs: tuple[MicroBatch, ...], schedule: Schedule, sim: SimResult, *, spec: PlannerSpec
+    mbs: tuple[MicroBatch, ...],
+    schedule: Schedule,
+    sim: SimResult,
+    *,
+    spec: PlannerSpec | PairSpec,
+    reprice: Callable[[MicroBatch, Recompute], MicroBatch | None] | None = None,
 ) -> tuple[tuple[MicroBatch, ...], SimResult]:
     """Recompute less where the schedule leaves memory to spare.
 
@@ -102,7 +110,18 @@ def relax_recompute(
     A stage's peak depends on its op order only (``stage_peak_bytes``), and with the order fixed
     no op getting shorter can lengthen the step: a change that shortens every op needs no
     simulation, only the others do (fitted tables may price one op of a cheaper mode slower).
+
+    ``reprice(mb, mode)``: the micro-batch priced in another mode, None where that is out of the
+    measured range; default ``make_micro_batch`` on its lengths (the pair planner passes its own).
     """
+    if reprice is None:
+
+        def reprice(old: MicroBatch, rc: Recompute) -> MicroBatch | None:
+            mb = make_micro_batch(
+                old.sample_ids, _lengths_of(old), spec=spec, layout=old.layout, recompute=rc, sp=old.sp
+            )
+            return mb if in_range(mb, spec) else None
+
     budget = [m.budget for m in spec.memory]
     cheaper = {rc: spec.recomputes[: spec.recomputes.index(rc)] for rc in spec.recomputes}
     current = list(mbs)
@@ -110,10 +129,8 @@ def relax_recompute(
     for i in sorted(range(len(current)), key=lambda i: -current[i].time_ms):
         for rc in cheaper[current[i].recompute]:
             old = current[i]
-            candidate = make_micro_batch(
-                old.sample_ids, _lengths_of(old), spec=spec, layout=old.layout, recompute=rc, sp=old.sp
-            )
-            if not in_range(candidate, spec):
+            candidate = reprice(old, rc)
+            if candidate is None:
                 continue
             trial = current[:i] + [candidate] + current[i + 1 :]
             if any(stage_peak_bytes(trial, ops, s) > budget[s] for s, ops in enumerate(schedule.stages)):
