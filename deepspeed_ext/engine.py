@@ -9,10 +9,12 @@ import logging
 import os
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from deepspeed_ext.zero3 import merge_zero_config, zero3_settings
 from dyn_plugin.config import LoadedConfig, load_config
+from dyn_plugin.cost.encoder_decoder import EncoderDecoderCostModel
 from dyn_plugin.cost.from_config import live_cost_model, model_shape
 from dyn_plugin.cost.table import TableCostModel
 from dyn_plugin.device import rank_device, training_dtype
@@ -82,11 +84,14 @@ def initialize(
     optimizer: Any = None,
     model_parameters: Any = None,
     lr_scheduler: Any = None,
-    cost_model: TableCostModel | None = None,
+    cost_model: TableCostModel | EncoderDecoderCostModel | None = None,
     seed: int = 0,
     shard_plan: ShardPlan | None = None,
 ):
     """``deepspeed.initialize`` with the plugin's loader; returns (engine, optimizer, loader, scheduler).
+
+    An encoder-decoder (T5) trains data-parallel on (input, target) pairs: ``lengths`` of shape
+    [N, 2], dataset items with ``input_ids`` and ``labels``, and an encoder-decoder ``cost_model``.
 
     ``shard_plan``: a sharding plan to apply under ZeRO-3 instead of the one ``sharding.plan`` names."""
     import deepspeed
@@ -103,7 +108,7 @@ def initialize(
     pp = cfg.plugin.pipeline.stages
     sp = cfg.plugin.sequence_parallel
     if is_encoder_decoder(model):
-        _check_encoder_decoder(cfg, model)
+        _check_encoder_decoder(cfg, model, lengths, cost_model)
     if sp.enabled:
         _check_sequence_parallel(cfg)
     if shard_plan is not None and not cfg.plugin.sharding.enabled:
@@ -201,8 +206,9 @@ def initialize(
     return engine, optimizer, loader, scheduler
 
 
-def _check_encoder_decoder(cfg: LoadedConfig, model: torch.nn.Module) -> None:
-    """What an encoder-decoder (T5) trains under: (input, target) pairs, data parallel, ZeRO 0-3."""
+def _check_encoder_decoder(cfg: LoadedConfig, model: torch.nn.Module, lengths: Sequence[Any], cost_model: Any) -> None:
+    """What an encoder-decoder (T5) trains under: (input, target) pairs planned by the
+    encoder-decoder planner, data parallel, ZeRO 0-3."""
     plugin, name = cfg.plugin, type(model).__name__
     refused = [
         (
@@ -217,16 +223,21 @@ def _check_encoder_decoder(cfg: LoadedConfig, model: torch.nn.Module) -> None:
         if on:
             raise ValueError(
                 f"{setting} with an encoder-decoder model ({name}): {feature} are not built for encoder-decoder "
-                "models; train it data-parallel under ZeRO 0-3 (pipeline.stages 1, sequence_parallel and "
-                "sharding off)"
+                "models under DeepSpeed; train it data-parallel under ZeRO 0-3 (pipeline.stages 1, "
+                "sequence_parallel and sharding off)"
             )
-    # the encoder-decoder planner plans encoder stages then decoder stages only
-    raise ValueError(
-        f"data-parallel plans of (input, target) pairs for an encoder-decoder model ({name}) are not built: the "
-        "encoder-decoder planner plans pipelines of encoder then decoder stages; build the engine with "
-        "deepspeed.initialize and run deepspeed_ext.train_step on steps whose micro-batches "
-        "dyn_plugin.runtime.loader.load_micro_batch builds from pair plans (data parallel, ZeRO 0-3)"
-    )
+    if np.ndim(lengths) != 2:
+        # planned as sequences, the model would be trained on its inputs as its own targets
+        raise ValueError(
+            f"{name} is an encoder-decoder: it trains on (input, target) pairs; give lengths as an [N, 2] array of "
+            "(input, target) token counts (dyn_plugin.lengths.pairs) and dataset items with 'input_ids' and 'labels'"
+        )
+    if not isinstance(cost_model, EncoderDecoderCostModel):
+        raise ValueError(
+            f"{name} is an encoder-decoder: pass cost_model=, an encoder-decoder cost model "
+            "(dyn_plugin.cost.encoder_decoder, e.g. import_t5_tables of measured tables); the config's cost_model "
+            "section builds decoder-only cost models"
+        )
 
 
 def _check_sharding(cfg: LoadedConfig) -> None:

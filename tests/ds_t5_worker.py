@@ -1,13 +1,18 @@
 """One rank of the encoder-decoder exactness test: a tiny random T5 trained on (input, target)
-pairs under DeepSpeed's engine, ZeRO 0-3, two steps each, every step's parameters compared with
-the unmodified model trained in one process on the whole global batch (run as a script).
+pairs under DeepSpeed's engine, ZeRO 0-3, every step's parameters compared with the unmodified
+model trained in one process on the whole global batch (run as a script).
 
-Plans are made here as the loader's are consumed: each rank's micro-batches are PlannedMicroBatch
-descriptions with pair lengths and ``pair_shape`` shapes, turned into tensors by the loader's own
-``load_micro_batch`` and run by ``deepspeed_ext.train_step``. The splits are uneven within a rank,
-between the ranks and between the steps; the counts per rank are equal (ZeRO-2/3 need it)."""
+Two kinds of case. Hand-made plans: each rank's micro-batches are PlannedMicroBatch descriptions
+with pair lengths and ``pair_shape`` shapes, turned into tensors by the loader's own
+``load_micro_batch`` and run by ``deepspeed_ext.train_step``, split unevenly within a rank, between
+the ranks and between the steps (equal counts per rank: ZeRO-2/3 need them), with recompute
+switched per micro-batch. Planned: ``deepspeed_ext.initialize`` with pair lengths, the plugin's
+loader planning an epoch with the encoder-decoder planner (the A100 T5 11B tables price it; their
+precision set to the run's, which the plugin checks: prices do not change the gradients), one case
+saving a checkpoint after the first step and resuming a fresh engine and loader from it."""
 
 import copy
+import dataclasses
 import sys
 
 import numpy as np
@@ -20,7 +25,8 @@ deepspeed_ext.skip_cpu_shm_build()
 
 import deepspeed  # noqa: E402
 
-from dyn_plugin.cost.encoder_decoder import pair_shape  # noqa: E402
+from dyn_plugin.cost.bundled import DIR  # noqa: E402
+from dyn_plugin.cost.encoder_decoder import import_t5_tables, pair_shape  # noqa: E402
 from dyn_plugin.host.recompute import recompute_switch  # noqa: E402
 from dyn_plugin.models.hf import PRESETS, build_seq2seq_lm  # noqa: E402
 from dyn_plugin.plan.instructions import (  # noqa: E402
@@ -32,7 +38,7 @@ from dyn_plugin.plan.instructions import (  # noqa: E402
 from dyn_plugin.runtime.collate import scored_tokens  # noqa: E402
 from dyn_plugin.runtime.loader import Step, load_micro_batch  # noqa: E402
 from ranks import finish  # noqa: E402
-from token_mean import LR, reference  # noqa: E402
+from token_mean import LR, global_samples, reference  # noqa: E402
 
 T5 = dict(PRESETS["tiny-t5"], d_model=32, d_kv=8, d_ff=64, vocab_size=97)
 # (config, SGD learning rate). T5 v1.1 (gated-GELU, untied head) does not rescale its logits by
@@ -111,18 +117,13 @@ def run_case(stage: int, variant: str, data: list[dict], rank: int, world: int) 
     diffs, losses, sizes, trained = [], [], [], []
     for step in planned_steps(data, rank, stage):
         loss = deepspeed_ext.train_step(engine, step)
-        mine = [i for ids in step.sample_ids for i in ids]
-        gathered = [None] * world
-        dist.all_gather_object(gathered, mine)
-        ids = sorted(i for g in gathered for i in g)
+        ids = global_samples(step, world)
         trained += ids
         samples = [(data[i]["input_ids"], data[i]["labels"]) for i in ids]
         with torch.no_grad():  # the reference's loss before its update: the step's token mean
             ref_loss = reference_loss(ref, samples)
         reference(ref, samples, lr)
-        params = list(engine.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
-            diffs.append(max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(params, ref.parameters())))
+        diffs.append(param_diff(engine, ref, stage))
         losses.append((loss, ref_loss))
         sizes.append([len(s) for s in step.sample_ids])
     ran = recompute_switch(engine.module).mode
@@ -138,6 +139,71 @@ def run_case(stage: int, variant: str, data: list[dict], rank: int, world: int) 
         "micro_batch_sizes": sizes,
         "trained": trained,
     }
+
+
+def planned_pairs(seed: int, count: int) -> tuple[np.ndarray, list[dict]]:
+    """Pairs long and varied enough for the planner to cut each rank's share into several micro-batches."""
+    rng = np.random.default_rng(seed)
+    pairs = np.stack([rng.integers(8, 400, count), rng.integers(4, 200, count)], axis=1)
+    return pairs, [{"input_ids": rng.integers(2, 97, size=a), "labels": rng.integers(2, 97, size=b)} for a, b in pairs]
+
+
+def planned_engine(stage: int, pairs: np.ndarray, data: list[dict], cost, init_seed: int = 0):
+    torch.manual_seed(init_seed)
+    model = build_seq2seq_lm(T5)
+    ref = copy.deepcopy(model)
+    config = {
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        "dyn_plugin": {
+            "microbatching": {"global_tokens": int(pairs.sum()) // 2 + 50, "max_seq_len": 512},
+            "cluster": {"device": {"memory_mb": 400000}},  # T5 11B's states fit one stage
+        },
+    }
+    engine, _, loader, _ = deepspeed_ext.initialize(
+        model=model,
+        config=config,
+        dataset=data,
+        lengths=pairs,
+        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        cost_model=cost,
+        seed=3,
+    )
+    return engine, loader, ref
+
+
+def run_planned(stage: int, pairs, data, cost, world: int, resume_dir: str | None = None) -> dict:
+    """An epoch planned by the loader; with ``resume_dir``, a checkpoint after the first step, from
+    which a fresh engine (other initial weights) and loader finish the epoch."""
+    engine, loader, ref = planned_engine(stage, pairs, data, cost)
+    diffs, sizes, trained, resumed = [], [], [], None  # trained: each step's samples
+    for step in loader:
+        deepspeed_ext.train_step(engine, step)
+        ids = global_samples(step, world)
+        trained.append(ids)
+        reference(ref, [(data[i]["input_ids"], data[i]["labels"]) for i in ids], LR)
+        diffs.append(param_diff(engine, ref, stage))
+        sizes.append([len(s) for s in step.sample_ids])
+        if resume_dir is not None and step.index == 0:
+            deepspeed_ext.save_checkpoint(engine, loader, resume_dir)
+    if resume_dir is not None:
+        fresh, again, _ = planned_engine(stage, pairs, data, cost, init_seed=1)
+        deepspeed_ext.load_checkpoint(fresh, again, resume_dir)
+        rest = []
+        for step in again:
+            deepspeed_ext.train_step(fresh, step)
+            rest.append(global_samples(step, world))
+        resumed = {"diff": param_diff(fresh, engine, stage, other_sharded=True), "trained": rest}
+    return {"stage": stage, "max_abs_diff": diffs, "micro_batch_sizes": sizes, "trained": trained, "resumed": resumed}
+
+
+def param_diff(engine, ref, stage: int, other_sharded: bool = False) -> float:
+    """Largest parameter difference between ``engine`` and ``ref`` (a module, or another engine)."""
+    params = list(engine.module.parameters())
+    theirs = list((ref.module if other_sharded else ref).parameters())
+    with deepspeed.zero.GatheredParameters(params + (theirs if other_sharded else []), enabled=stage == 3):
+        return max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(params, theirs))
 
 
 def reference_loss(model, samples) -> float:
@@ -160,7 +226,13 @@ def main():
     data = random_pairs(0, sum(sum(map(sum, s)) for s in SPLITS))
     results = [run_case(stage, "t5", data, rank, world) for stage in (0, 1, 2, 3)]
     results += [run_case(stage, "t5-v1.1", data, rank, world) for stage in (1, 3)]
-    finish({"cases": results, "samples": len(data)}, out)
+    cost = dataclasses.replace(import_t5_tables(DIR / "measured" / "a100-t5-11b.json"), dtype="fp32")
+    pairs, planned_data = planned_pairs(0, 24)
+    resume = sys.argv[2]
+    planned = [
+        run_planned(stage, pairs, planned_data, cost, world, resume if stage == 1 else None) for stage in range(4)
+    ]
+    finish({"cases": results, "samples": len(data), "planned": planned, "planned_samples": len(pairs)}, out)
 
 
 if __name__ == "__main__":

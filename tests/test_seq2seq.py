@@ -125,7 +125,7 @@ def test_token_mean_step_of_pairs_is_the_whole_batch_token_mean():
 
 def test_deepspeed_trains_t5_on_pairs_exactly_for_every_zero_stage(tmp_path):
     out = tmp_path / "result.json"
-    codes, logs = run("ds_t5_worker.py", out)
+    codes, logs = run("ds_t5_worker.py", out, tmp_path / "checkpoints")
     assert codes == [0, 0], logs[0][-3000:]
     report = json.loads(out.read_text())
     cases = report["cases"]
@@ -141,23 +141,34 @@ def test_deepspeed_trains_t5_on_pairs_exactly_for_every_zero_stage(tmp_path):
         sizes = c["micro_batch_sizes"]
         assert sizes[0] != sizes[1] and all(len(set(s)) > 1 for s in sizes), c  # uneven, per step
         assert c["recompute_ran"] == c["recompute_last"] and c["blocks"] == 4, c
+    # deepspeed_ext.initialize with pair lengths: the loader plans an epoch with the pair planner
+    planned = report["planned"]
+    assert [c["stage"] for c in planned] == [0, 1, 2, 3]
+    for c in planned:
+        assert max(c["max_abs_diff"]) <= EXACT, c
+        assert sorted(i for ids in c["trained"] for i in ids) == list(range(report["planned_samples"])), c
+        assert all(len(sizes) > 1 for sizes in c["micro_batch_sizes"]), c  # several micro-batches a step
+    # resumed from the checkpoint after the first step: the rest of the epoch, bit for bit
+    (resumed,) = [c for c in planned if c["resumed"]]
+    assert resumed["resumed"]["diff"] == 0.0 and resumed["resumed"]["trained"] == resumed["trained"][1:], resumed
 
 
 @pytest.mark.parametrize(
-    "plugin, message",
+    "plugin, lengths, message",
     [
-        ({"pipeline": {"stages": 2}}, "pipelines of encoder then decoder stages are not built"),
-        ({"sequence_parallel": {"enabled": True}}, "sequence parallelism over pairs are not built"),
-        ({}, "data-parallel plans of (input, target) pairs for an encoder-decoder model"),
+        ({"pipeline": {"stages": 2}}, [[2, 2]], "pipelines of encoder then decoder stages are not built"),
+        ({"sequence_parallel": {"enabled": True}}, [[2, 2]], "sequence parallelism over pairs are not built"),
+        ({}, [2], "it trains on (input, target) pairs; give lengths as an [N, 2] array"),
+        ({}, [[2, 2]], "pass cost_model=, an encoder-decoder cost model"),
     ],
-    ids=["pipeline", "sequence parallel", "data parallel"],
+    ids=["pipeline", "sequence parallel", "sequence lengths", "decoder-only cost model"],
 )
-def test_deepspeed_initialize_refuses_what_is_not_built_for_encoder_decoders(plugin, message):
+def test_deepspeed_initialize_refuses_what_is_not_built_for_encoder_decoders(plugin, lengths, message):
     import deepspeed_ext
 
     with pytest.raises(ValueError, match=re.escape(message)):
         deepspeed_ext.initialize(
-            model=build_seq2seq_lm(T5), config={"dyn_plugin": plugin}, dataset=_pairs([(2, 2)]), lengths=[[2, 2]]
+            model=build_seq2seq_lm(T5), config={"dyn_plugin": plugin}, dataset=_pairs([(2, 2)]), lengths=lengths
         )
 
 
