@@ -67,6 +67,24 @@ def test_every_pair_exactly_once_per_epoch_with_the_plans_tensors(cost, dp, pp):
         assert step.scored_tokens == scored_tokens([tuple(pairs[i]) for i in ids]) == int(pairs[ids, 1].sum())
 
 
+@pytest.mark.parametrize("method", ["fixed_padding", "token_budget"])
+def test_the_padded_pair_baselines_train_through_the_same_loader(cost, method):
+    cfg, pairs, data = make(1, microbatching={**SECTION["microbatching"], "method": method})
+    steps = {k: list(loader) for k, loader in loaders(cfg, cost, pairs, data, 2, 1).items()}
+    seen = [i for c in range(2) for step in steps[(c, 0)] for ids in step.sample_ids for i in ids]
+    assert sorted(seen) == list(range(len(pairs)))
+    shapes = {
+        tuple(mb["input_ids"].shape[1:]) + tuple(mb["labels"].shape[1:])
+        for st in steps.values()
+        for s in st
+        for mb in s.micro_batches
+    }
+    if method == "fixed_padding":  # every side padded to max_seq_len, as fixed padding pads sequences
+        assert shapes == {(512, 512)}
+    else:
+        assert len(shapes) > 1
+
+
 def test_zero_3_plans_equal_counts_and_recompute_at_each_index(cost):
     """ZeRO-3 gathers parameters in the order modules run on every rank: the replicas run as many
     micro-batches, recomputing alike at each index."""

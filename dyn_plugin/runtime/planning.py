@@ -20,6 +20,7 @@ from ..cost.encoder_decoder import EncoderDecoderCostModel
 from ..cost.table import TableCostModel
 from ..plan.instructions import ExecutionPlan, check_plans, plan_from_json, plan_to_json
 from ..plan.methods import plan_method
+from ..plan.pair_baselines import PAIR_BASELINES
 from ..plan.pair_planner import plan_pairs
 from ..plan.pair_spec import PairSpec, pair_planner_spec
 from ..plan.planner import execution_plans
@@ -32,6 +33,9 @@ from .collate import scored_tokens
 from .sampler import epoch_batches
 
 RANK_PLAN_SCHEMA = "dyn_plugin.rank_plan"
+# microbatching.method -> the pair baseline that batches (input, target) pairs as it batches sequences;
+# packing is not trained on pairs: a row of several pairs would attend across them
+PAIR_METHODS = {"fixed_padding": "pair_padding", "token_budget": "pair_token_budget"}
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +140,8 @@ class PlanningContext:
         return self.lengths.ndim == 2
 
     def _check_pairs(self) -> None:
-        """Pairs are planned by the encoder-decoder planner (plan_pairs) and nothing else yet."""
+        """Pairs are planned by the encoder-decoder planner (plan_pairs) or a padded pair baseline, and
+        nothing else yet."""
         cfg = self.config
         if not isinstance(self.cost, EncoderDecoderCostModel):
             raise ValueError(
@@ -145,9 +150,10 @@ class PlanningContext:
             )
         refused = [
             (
-                cfg.microbatching.method != "dynapipe",
+                cfg.microbatching.method not in ("dynapipe", *PAIR_METHODS),
                 f"microbatching.method {cfg.microbatching.method!r}",
-                "'dynapipe'",
+                f"'dynapipe' or the baselines {', '.join(map(repr, PAIR_METHODS))} (a packed row of several pairs "
+                "would attend across them)",
             ),
             (cfg.strategy.enabled, "strategy.enabled", "false"),
             (cfg.sequence_parallel.enabled, "sequence_parallel.enabled", "false"),
@@ -215,8 +221,11 @@ class PlanningContext:
         method = self.config.microbatching.method
         st = self.config.strategy
         if self.pairs:
-            inputs, targets = zip(*lens)
-            return plan_pairs(list(inputs), list(targets), self.spec)
+            inputs, targets = (list(side) for side in zip(*lens))
+            if method == "dynapipe":
+                return plan_pairs(inputs, targets, self.spec)
+            longest = self.config.microbatching.max_seq_len  # a side's, as fixed padding pads sequences to it
+            return PAIR_BASELINES[PAIR_METHODS[method]](inputs, targets, self.spec, longest, longest)
         if st.enabled:
             budget = st.ilp_time_budget_ms
             stage2 = Stage2Options(st.stage2, st.ilp_node_limit, budget / 1000 if budget is not None else None)
