@@ -297,10 +297,17 @@ def pretrain_gpt(tmp_path_factory) -> Training:
     return prepared(tmp_path_factory.mktemp("pretrain-gpt"), pretrain_gpt_job)
 
 
+@pytest.mark.slow
 def test_the_megatron_core_loop_survives_random_kills(core):
     assert core.kills(3) == 3
 
 
+# in `make test`: the script users run, one kill (three on each path, and 100, in the slow tests)
+def test_pretrain_gpt_survives_a_random_kill(pretrain_gpt):
+    assert pretrain_gpt.kills(1) == 1
+
+
+@pytest.mark.slow
 def test_pretrain_gpt_survives_random_kills(pretrain_gpt):
     assert pretrain_gpt.kills(3) == 3
 
