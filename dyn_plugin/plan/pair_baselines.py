@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..cost.model import round_up
+from ..lengths.packing import pack_pair_rows
 from .assign import split_for_replicas
 from .microbatch import InfeasibleError
 from .pair_microbatch import check_pairs, pair_usable, price_pair_groups
@@ -94,26 +95,6 @@ def pair_padding(
     return _tuned(sized, len(enc), spec, "pair_padding")
 
 
-def pack_pairs(inputs: Sequence[int], targets: Sequence[int], max_input: int, max_target: int) -> list[list[int]]:
-    """First-fit decreasing (by input, then target) into rows of at most ``max_input`` input and
-    ``max_target`` target tokens; each pair whole in one row."""
-    enc, dec = check_pairs(inputs, targets)
-    if enc.max() > max_input or dec.max() > max_target:
-        raise ValueError(f"a pair is longer than a row ({max_input}, {max_target})")
-    rows: list[list[int]] = []
-    room: list[tuple[int, int]] = []  # per row: input and target tokens left
-    for i in np.lexsort((np.arange(len(enc)), -dec, -enc)).tolist():
-        a, b = int(enc[i]), int(dec[i])
-        r = next((r for r, (x, y) in enumerate(room) if a <= x and b <= y), None)
-        if r is None:
-            rows.append([i])
-            room.append((max_input - a, max_target - b))
-        else:
-            rows[r].append(i)
-            room[r] = (room[r][0] - a, room[r][1] - b)
-    return rows
-
-
 def pair_packing(
     inputs: Sequence[int], targets: Sequence[int], spec: PairSpec, max_input: int, max_target: int
 ) -> StepPlan:
@@ -121,7 +102,10 @@ def pair_packing(
     width = _widths(max_input, max_target, enc, dec, spec, "pair_packing")
     # fewer rows than replicas: the fullest rows split in two, as a host's sampler gives each rank its own
     rows = split_for_replicas(
-        pack_pairs(enc, dec, max_input, max_target), (enc + dec).tolist(), spec.dp, equal_counts=False
+        pack_pair_rows(np.stack([enc, dec], axis=1), max_input, max_target),
+        (enc + dec).tolist(),
+        spec.dp,
+        equal_counts=False,
     )
     row_tokens = [int(enc[r].sum() + dec[r].sum()) for r in rows]
 
