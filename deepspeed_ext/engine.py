@@ -97,7 +97,10 @@ def initialize(
     import deepspeed
     import torch.distributed as dist
 
-    cfg = priced_layouts(model, config if isinstance(config, LoadedConfig) else load_config(config))
+    cfg = config if isinstance(config, LoadedConfig) else load_config(config)
+    if is_encoder_decoder(model):  # before the layouts: theirs are a decoder-only model's
+        _check_encoder_decoder(cfg, model, lengths, cost_model)
+    cfg = priced_layouts(model, cfg)
     if cost_model is not None and cost_model.dtype != training_dtype(cfg.deepspeed):
         raise _dtype_mismatch(
             "the cost_model argument's dtype",
@@ -107,8 +110,6 @@ def initialize(
         )
     pp = cfg.plugin.pipeline.stages
     sp = cfg.plugin.sequence_parallel
-    if is_encoder_decoder(model):
-        _check_encoder_decoder(cfg, model, lengths, cost_model)
     if sp.enabled:
         _check_sequence_parallel(cfg)
     if shard_plan is not None and not cfg.plugin.sharding.enabled:
@@ -218,13 +219,14 @@ def _check_encoder_decoder(cfg: LoadedConfig, model: torch.nn.Module, lengths: S
         ),
         (plugin.sequence_parallel.enabled, "sequence_parallel.enabled", "sequence parallelism over pairs"),
         (plugin.sharding.enabled, "sharding.enabled", "sharding plans"),
+        (plugin.microbatching.layout == "packed", "microbatching.layout 'packed'", "rows packed with several pairs"),
     ]
     for on, setting, feature in refused:
         if on:
             raise ValueError(
                 f"{setting} with an encoder-decoder model ({name}): {feature} are not built for encoder-decoder "
-                "models under DeepSpeed; train it data-parallel under ZeRO 0-3 (pipeline.stages 1, "
-                "sequence_parallel and sharding off)"
+                "models under DeepSpeed; train it data-parallel under ZeRO 0-3 on padded pairs (pipeline.stages "
+                "1, sequence_parallel and sharding off, microbatching.layout 'padded' or 'auto')"
             )
     if np.ndim(lengths) != 2:
         # planned as sequences, the model would be trained on its inputs as its own targets
