@@ -57,7 +57,7 @@ def test_bad_arguments_are_clear_errors(tmp_path, capsys):
     assert main(["profile", "--out", str(tmp_path / "p.json"), "--recompute", "none,sometimes"]) == 2
     assert "allowed modes are none, selective, full" in capsys.readouterr().err
     assert main(["profile", "--out", str(tmp_path / "p.json"), "--model", "no-such-model"]) == 2
-    assert "not a preset (tiny-llama, llama-350m, tiny-gpt2)" in capsys.readouterr().err
+    assert "not a preset (tiny-llama, llama-350m, tiny-t5, tiny-gpt2)" in capsys.readouterr().err
 
 
 def test_bench_cost_prints_json(capsys):

@@ -165,6 +165,7 @@ def _profile_with(shape: ModelShape | None, tmp_path):
     raw["version"] = 4
     raw["model"]["name"] = "tiny-llama"
     raw["model"]["shape"] = shape.model_dump() if shape else None
+    del raw["sha256"]  # edited here on purpose
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(raw))
     return CostModelConfig(kind="profile", profile=str(path))

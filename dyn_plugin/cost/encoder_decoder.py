@@ -18,7 +18,7 @@ of every decoder layer's cross-attention, received from the stage before and sen
 gradient while the micro-batch's backward runs.
 
 The tables (``../shared/data/a100-measured/t5-11b.json``, bundled as
-``profiles/measured/a100-t5-11b.json``) give MB as 10^6 bytes: a full-recompute decoder layer
+``profiles/measured/a100-t5-11b.json``) give MB as 10^6 bytes, as the GPT tables do (``measured_tables.MB``): a full-recompute decoder layer
 stores its input, 8192 x 1024 x 2 bytes = 16.78 "MB", and the embedding's 82.58 "MB" at tp 1 is
 (32128 + 8192) x 1024 fp16 parameters, the vocabulary and 8192 learned positions. Points outside
 the measured grid are out of range (``covers``), as for GPT.
@@ -35,6 +35,7 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 
+from .measured_tables import MB
 from .model import (
     MEGATRON_LOSS_BYTES,
     METRICS,
@@ -50,7 +51,6 @@ from .profile import Sample, fit_component
 from .table import LinearFit, fit_columns
 from .update import UpdateCost
 
-MB = 10**6  # the T5 tables' unit (module docstring)
 Side = Literal["encoder", "decoder"]
 DECODER_TERMS = ("1", "n*Sd", "n*Sd^2", "n*Se", "n*Se*Sd")
 

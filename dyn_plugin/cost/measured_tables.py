@@ -10,8 +10,9 @@ Two documented assumptions, both recorded in the profile's ``grid``:
 - packed micro-batches cost what the padded fit predicts for their features (tokens and
   sum(s_i^2)): true of varlen attention kernels, which the tables' Megatron layers are
   comparable to per token; the tables themselves hold padded batches only;
-- MB means 2^20 bytes; the head's memory was not measured: it is priced as Megatron's loss holds
-  it (``MEGATRON_LOSS_BYTES`` per token and entry of the rank's share of the vocabulary).
+- MB means 10^6 bytes (a GPT-6.7B layer's 201.4 million fp16 weights are its 402.77 ``params_mb``;
+  the T5 tables agree, encoder_decoder.py); the head's memory was not measured: it is priced as
+  Megatron's loss holds it (``MEGATRON_LOSS_BYTES`` per token and entry of the rank's share of the vocabulary).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 from .model import MEGATRON_LOSS_BYTES, features
 from .profile import SCHEMA, VERSION, DeviceInfo, ModelInfo, Profile, Sample, fit_component, fit_tables
 
-MB = 1 << 20
+MB = 10**6  # the artifact's unit (module docstring)
 # Attention heads of the artifact's models (its Megatron configs; the tables do not say):
 # GPT 6.7B: 32 heads of 128 over hidden 4096; T5 11B: 128 heads of 128 (d_kv) over hidden 1024.
 HEADS = {"gpt-6.7b": 32, "t5-11b": 128}
@@ -120,7 +121,7 @@ def import_measured_tables(
         device=DeviceInfo(type="gpu", name=raw.get("measured_on", "unknown").split(",")[0]),
         grid={
             "source": raw.get("source", ""),
-            "memory_unit": "MB = 2^20 bytes; head memory priced from the vocabulary, not measured",
+            "memory_unit": "MB = 10^6 bytes; head memory priced from the vocabulary, not measured",
         },
         packed_from_padded=True,
         samples=samples,

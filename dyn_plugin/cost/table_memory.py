@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-MB = 1 << 20
+from .measured_tables import MB
 
 
 def _rows(table: dict[str, Any], key: str, name: str) -> dict[tuple[int, int], float]:
