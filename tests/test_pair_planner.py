@@ -187,6 +187,27 @@ def test_spec_from_config():
         pair_planner_spec(COST, small, dp=1)
 
 
+def test_spec_takes_a_sharding_plans_model_states():
+    """As planner_spec for GPT: the plan's states in place of ZeRO's, out of the sharding budget,
+    with ZeRO-3's rules whatever the ZeRO stage."""
+    cfg = DynPluginConfig.model_validate(
+        {"cluster": {"device": {"memory_mb": 400000, "memory_fraction": 1.0}}, "sharding": {"memory_budget_mb": 9000}}
+    )
+    spec = pair_planner_spec(COST, cfg, dp=2, zero_stage=0, state_bytes=1000 * 2**20)
+    assert spec.memory[0].budget == 8000 * 2**20 and spec.memory[0].states == 1000 * 2**20
+    assert spec.same_recompute
+    ins, outs = synthetic_pairs(40, 3)
+    plan = plan_pairs(ins, outs, spec)
+    assert all(p <= spec.memory[0].budget for r in plan.replicas for p in r.sim.peak_bytes)
+    for pos in range(len(plan.replicas[0].micro_batches)):
+        assert len({r.micro_batches[r.schedule.order[pos]].recompute for r in plan.replicas}) == 1
+    with pytest.raises(ValueError, match="none is left for activations"):
+        pair_planner_spec(COST, cfg, dp=2, state_bytes=9000 * 2**20)
+    two = DynPluginConfig.model_validate({"pipeline": {"stages": 2}, "cluster": {"device": {"memory_mb": 400000}}})
+    with pytest.raises(ValueError, match="need pipeline.stages = 1, not 2"):
+        pair_planner_spec(COST, two, dp=1, state_bytes=1.0)
+
+
 def test_baselines_cover_every_pair_and_are_slower_here():
     ins, outs = synthetic_pairs(150, 2)
     spec = spec_for(4, 2, 2, 8.0)

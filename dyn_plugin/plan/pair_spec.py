@@ -110,10 +110,13 @@ def pair_planner_spec(
     split_rank: int | None = None,
     reference: tuple[int, int, int] = (8, 512, 128),
     seed: int = 0,
+    state_bytes: float | None = None,
 ) -> PairSpec:
     """The spec from the plugin config, as ``planner_spec`` builds it for decoder-only models.
     ``split_rank``: the first decoder stage (None: :func:`balanced_split_rank` on ``reference``; 0
-    for one stage)."""
+    for one stage). ``state_bytes``: a sharding plan's model states per rank, in place of ZeRO's,
+    as ``planner_spec`` takes them: one stage, activations get ``sharding.memory_budget_mb`` (else
+    the device's memory) minus them, and ZeRO-3's rules (the same recompute per micro-batch index)."""
     check_count("dp", dp, high=MAX_RANKS)
     check_count("tp", tp, high=MAX_RANKS)
     pipe, cluster, mb = config.pipeline, config.cluster, config.microbatching
@@ -139,8 +142,25 @@ def pair_planner_spec(
         split_rank = balanced_split_rank(cost, pipe.stages, reference=reference, tp=tp)
     stages = split_stages(cost, pipe.stages, split_rank)
     device_bytes = cluster.device.plannable_mb * MB
+    if state_bytes is not None:
+        if len(stages) > 1:
+            raise ValueError(
+                f"a sharding plan's model states (state_bytes) are those of the whole model: they need "
+                f"pipeline.stages = 1, not {len(stages)}"
+            )
+        budget = config.sharding.memory_budget_mb
+        device_bytes = budget * MB if budget else device_bytes
+        if state_bytes >= device_bytes:
+            raise ValueError(
+                f"the sharding plan's model states take {state_bytes / MB:.0f} MB of the "
+                f"{device_bytes / MB:.0f} MB per rank (sharding.memory_budget_mb, else the device's "
+                "memory): none is left for activations; search the plan for this budget"
+            )
     memory = []
     for i, s in enumerate(stages):
+        if state_bytes is not None:
+            memory.append(StageMemory(budget=device_bytes - state_bytes, in_flight=1, states=state_bytes))
+            continue
         held = cost.model_state_bytes(stage=s, zero_stage=zero_stage, dp=dp, tp=tp)
         if held.update_peak > device_bytes:
             raise ValueError(
@@ -159,4 +179,5 @@ def pair_planner_spec(
         tp=tp,
         link_gb_per_s=cluster.intra_node_gb_per_s if dp_same_node else cluster.inter_node_gb_per_s,
     )
-    return PairSpec(cost, stages, tuple(memory), dp, link, recomputes, tp, seed, pipe.schedule, update, zero_stage >= 3)
+    sharded = zero_stage >= 3 or state_bytes is not None  # modules gathered in step on every rank
+    return PairSpec(cost, stages, tuple(memory), dp, link, recomputes, tp, seed, pipe.schedule, update, sharded)
