@@ -102,7 +102,13 @@ class PlanningContext:
         if self.pairs:
             self._check_pairs()
             self.spec: PlannerSpec | PairSpec = pair_planner_spec(
-                self.cost, self.config, dp=self.dp, zero_stage=self.zero_stage, tp=self.tp, seed=self.seed
+                self.cost,
+                self.config,
+                dp=self.dp,
+                zero_stage=self.zero_stage,
+                tp=self.tp,
+                seed=self.seed,
+                state_bytes=self.state_bytes,
             )
         else:
             if isinstance(self.cost, EncoderDecoderCostModel):
@@ -157,7 +163,6 @@ class PlanningContext:
             ),
             (cfg.strategy.enabled, "strategy.enabled", "false"),
             (cfg.sequence_parallel.enabled, "sequence_parallel.enabled", "false"),
-            (self.state_bytes is not None, "a sharding plan", "none"),
             # planner processes rebuild the cost model from JSON, which the encoder-decoder one has no form of
             (cfg.store.backend != "none", f"store.backend {cfg.store.backend!r}", "'none' (plans made on each rank)"),
         ]
