@@ -409,11 +409,17 @@ def _encoder_samples(points, recompute: str, tp: int, component: str = "layer") 
 
 
 def _head_samples(table: dict, vocab: int, recompute: str, tp: int) -> list[Sample]:
-    """Postprocess rows (keyed by target length) as head samples; memory priced as Megatron's loss
-    holds it (``MEGATRON_LOSS_BYTES`` per token and entry of the rank's share of the vocabulary), as
-    the GPT import does: the tables did not measure it."""
+    """Postprocess rows (keyed by target length) as head samples. Memory: the table's postprocess
+    rows where it measured them (a CPU profile of a tiny T5, ``profiling/pairs.py``), else priced
+    as Megatron's loss holds it (``MEGATRON_LOSS_BYTES`` per token and entry of the rank's share of
+    the vocabulary), as the GPT import does: the A100 tables did not measure it."""
     fwd = _points(table, "time_ms", "postprocess.forward", decoder=False, pick=np.median)
     bwd = _points(table, "time_ms", "postprocess.backward", decoder=False, pick=np.median)
+    measured = "postprocess" in table["stored_activation_mb"]
+    if measured:
+        stored = _points(table, "stored_activation_mb", "postprocess", decoder=False, pick=max)
+        peak = _points(table, "peak_activation_mb", "postprocess", decoder=False, pick=max)
+    keys = fwd.keys() & bwd.keys() & (stored.keys() & peak.keys() if measured else fwd.keys())
     return [
         Sample(
             component="head",
@@ -423,15 +429,18 @@ def _head_samples(table: dict, vocab: int, recompute: str, tp: int) -> list[Samp
             seq_lens=[s] * b,
             forward_ms=fwd[(s, z, b)],
             backward_ms=bwd[(s, z, b)],
-            stored_bytes=s * b * MEGATRON_LOSS_BYTES[0] * vocab / tp,
-            peak_bytes=s * b * MEGATRON_LOSS_BYTES[1] * vocab / tp,
+            stored_bytes=stored[(s, z, b)] * MB if measured else s * b * MEGATRON_LOSS_BYTES[0] * vocab / tp,
+            peak_bytes=max(peak[(s, z, b)], stored[(s, z, b)]) * MB
+            if measured
+            else s * b * MEGATRON_LOSS_BYTES[1] * vocab / tp,
         )
-        for s, z, b in sorted(fwd.keys() & bwd.keys())
+        for s, z, b in sorted(keys)
     ]
 
 
-def fit_pair_table(raw_table: dict, *, vocab: int, pad_multiple: int = 8) -> PairTable:
-    """Every fit of one measured (tp, recompute) table."""
+def fit_pair_table(raw_table: dict, *, vocab: int, pad_multiple: int = 8, param_bytes: int = 2) -> PairTable:
+    """Every fit of one measured (tp, recompute) table; ``param_bytes``: bytes of one parameter in
+    the precision ``params_mb`` was measured in."""
     tp, rc = int(raw_table["tp"]), raw_table["recompute"]
     enc, dec = _complete(raw_table, "encoder"), _complete(raw_table, "decoder")
     if not enc["forward_ms"] or not dec["forward_ms"]:
@@ -449,7 +458,7 @@ def fit_pair_table(raw_table: dict, *, vocab: int, pad_multiple: int = 8) -> Pai
         encoder=fit_component(_encoder_samples(enc, rc, tp), "padded", pad_multiple),
         decoder=fit_decoder(dec),
         head=fit_component(head, "padded", pad_multiple),
-        params={k: p[k] * MB / 2 for k in ("embedding", "encoder", "decoder")},  # fp16: 2 bytes a parameter
+        params={k: p[k] * MB / param_bytes for k in ("embedding", "encoder", "decoder")},
         max_enc_len=max(se for se, _, _ in enc["forward_ms"]),
         max_enc_tokens=max(se * n for se, _, n in enc["forward_ms"]),
         max_dec_tokens=max(sd * n for _, sd, n in dec["forward_ms"]),
@@ -464,33 +473,49 @@ T5_11B = dict(encoder_layers=24, decoder_layers=24, hidden_size=1024, vocab_size
 def import_t5_tables(
     source: str | os.PathLike | dict[str, Any],
     *,
-    encoder_layers: int = T5_11B["encoder_layers"],
-    decoder_layers: int = T5_11B["decoder_layers"],
-    hidden_size: int = T5_11B["hidden_size"],
-    vocab_size: int = T5_11B["vocab_size"],
-    pad_multiple: int = 8,
+    encoder_layers: int | None = None,
+    decoder_layers: int | None = None,
+    hidden_size: int | None = None,
+    vocab_size: int | None = None,
+    pad_multiple: int | None = None,
 ) -> EncoderDecoderCostModel:
-    """The cost model fitted to measured encoder-decoder tables (the DynaPipe artifact's format);
-    the model's depth, width and vocabulary from the caller (default: T5 11B's)."""
+    """The cost model fitted to measured encoder-decoder tables (the DynaPipe artifact's format).
+
+    The model's depth, width and vocabulary: the caller's, else the file's ``model`` section (a
+    profile of a tiny T5 written by ``dynplugin profile --model tiny-t5`` carries one), else T5
+    11B's. The file's ``dtype`` (default fp16, the A100 tables') sets the bytes of a parameter and
+    of an activation; its ``update`` (measured optimizer step and all-reduce, ``UpdateCost``) and
+    ``pad_multiple`` are read where present."""
     raw = _read(source)
     if not isinstance(raw, dict) or not raw.get("tables"):
         raise ValueError("T5 tables: expected an object with 'tables' (see the a100-measured README)")
+    shape = {**T5_11B, **raw.get("model", {})}
+    given = dict(
+        encoder_layers=encoder_layers, decoder_layers=decoder_layers, hidden_size=hidden_size, vocab_size=vocab_size
+    )
+    shape.update({k: v for k, v in given.items() if v is not None})
+    dtype = raw.get("dtype", "fp16")
+    precision = Precision.of(dtype)  # refuses an unknown dtype by name
+    pad = pad_multiple if pad_multiple is not None else int(raw.get("pad_multiple", 8))
     tables = {}
     for t in raw["tables"]:
         if not t["time_ms"].get("decoder.forward"):
             raise ValueError(
                 f"{raw.get('name', 'tables')}: no decoder rows (tp={t['tp']}); these are decoder-only tables"
             )
-        pt = fit_pair_table(t, vocab=vocab_size, pad_multiple=pad_multiple)
+        pt = fit_pair_table(t, vocab=int(shape["vocab_size"]), pad_multiple=pad, param_bytes=precision.param)
         tables[(pt.recompute, pt.tp)] = pt
     return EncoderDecoderCostModel(
         name=raw.get("name", "encoder-decoder"),
-        encoder_layers=encoder_layers,
-        decoder_layers=decoder_layers,
-        hidden_size=hidden_size,
-        vocab_size=vocab_size,
+        encoder_layers=int(shape["encoder_layers"]),
+        decoder_layers=int(shape["decoder_layers"]),
+        hidden_size=int(shape["hidden_size"]),
+        vocab_size=int(shape["vocab_size"]),
         tables=tables,
-        pad_multiple=pad_multiple,
+        dtype=dtype,
+        pad_multiple=pad,
+        act_bytes=precision.param,
+        update=UpdateCost.from_dict(raw.get("update")),
     )
 
 
