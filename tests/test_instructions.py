@@ -121,7 +121,7 @@ def test_instructions_are_frozen_and_typed():
 def test_json_is_plain_and_versioned():
     plan = two_stage_plans()[1]
     doc = json.loads(plan_to_json(plan))
-    assert (doc["schema"], doc["version"]) == ("dyn_plugin.execution_plan", 4)
+    assert (doc["schema"], doc["version"]) == ("dyn_plugin.execution_plan", 5)
     assert doc["instructions"][0] == {
         "op": "RecvActivation",
         "stage": 1,
@@ -138,8 +138,8 @@ def test_json_is_plain_and_versioned():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"version": 3}, "expected schema 'dyn_plugin.execution_plan' version 4"),
-        ({"schema": "other"}, "version 4"),
+        ({"version": 3}, "expected schema 'dyn_plugin.execution_plan' version 5"),
+        ({"schema": "other"}, "version 5"),
     ],
 )
 def test_json_rejects_other_versions(change, message):

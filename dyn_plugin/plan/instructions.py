@@ -28,8 +28,9 @@ from ..cost.model import Layout, Recompute
 from .types import MicroBatch, Op, Schedule
 
 SCHEMA = "dyn_plugin.execution_plan"
-# 2: batch_next (version 1 plans relied on buffered sends); 3: sp, group, checkpointed; 4: replica -> column
-VERSION = 4
+# 2: batch_next (version 1 plans relied on buffered sends); 3: sp, group, checkpointed; 4: replica -> column;
+# 5: split_rank (encoder-decoder pipelines)
+VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,16 @@ class ExecutionPlan:
     num_buffers: int
     instructions: tuple[Instruction, ...]
     micro_batches: tuple[PlannedMicroBatch, ...]
+    # an encoder-decoder's first decoder stage (Megatron's split rank; 0 with one stage), which loads
+    # the targets its decoder embeds; None: a decoder-only model
+    split_rank: int | None = None
+
+    @property
+    def loading_stages(self) -> tuple[int, ...]:
+        """The stages that load micro-batches: the first (inputs), the last (labels) and an
+        encoder-decoder's first decoder stage (the targets, shifted into the decoder's inputs)."""
+        extra = () if self.split_rank is None else (self.split_rank,)
+        return tuple(sorted({0, self.num_stages - 1, *extra}))
 
     @property
     def loads(self) -> list[int]:
@@ -169,10 +180,13 @@ def build_execution_plans(
     stage_ranks: Sequence[int],
     hidden_size: int,
     group: int | None = None,
+    split_rank: int | None = None,
 ) -> list[ExecutionPlan]:
     """One plan per stage of data-parallel ``column``, in stage order; ``stage_ranks[s]``
     is stage s's global rank. ``group``: the first column of the sequence-parallel group the
-    column belongs to (default: the column itself); each micro-batch's ``sp`` says how wide it is."""
+    column belongs to (default: the column itself); each micro-batch's ``sp`` says how wide it is.
+    ``split_rank``: the micro-batches are (input, target) pairs (``PairMicroBatch``) of an
+    encoder-decoder whose decoder stages start there (``link_shapes``)."""
     group = column if group is None else group
     num_stages = len(schedule.stages)
     if len(stage_ranks) != num_stages:
@@ -190,10 +204,31 @@ def build_execution_plans(
         )
         for mb in micro_batches
     )
+    if split_rank is not None and not 0 <= split_rank < num_stages:
+        raise ValueError(f"split_rank {split_rank} names no stage of {num_stages}")
     return [
-        _stage_plan(micro_batches, ops, stage, stage_ranks, column, hidden_size, described)
+        _stage_plan(micro_batches, ops, stage, stage_ranks, column, hidden_size, described, split_rank)
         for stage, ops in enumerate(schedule.stages)
     ]
+
+
+def link_shapes(
+    mb: MicroBatch, link: int, hidden_size: int, split_rank: int | None = None
+) -> tuple[tuple[int, ...], ...]:
+    """The tensors micro-batch ``mb`` sends from stage ``link`` to stage ``link + 1`` (its gradients
+    come back in the same shapes). Decoder-only: the hidden states of this rank's share of the rows.
+    Encoder-decoder (``split_rank``, ``mb`` a ``PairMicroBatch``), as Megatron's T5 pipeline sends
+    them and ``EncoderDecoderCostModel.link_bytes`` prices them: an encoder stage its hidden states
+    [n, Se, H] (the last one the encoder output), a decoder stage its hidden states [n, Sd, H] and
+    the encoder output [n, Se, H] every later decoder layer's cross-attention reads."""
+    if split_rank is None:
+        rows, row_len = mb.local_shape
+        return ((rows, row_len, hidden_size),)
+    rows, inputs = mb.shape
+    encoder = (rows, inputs, hidden_size)
+    if link < split_rank:
+        return (encoder,)
+    return ((rows, mb.target_shape[1], hidden_size), encoder)
 
 
 def _stage_plan(
@@ -204,49 +239,58 @@ def _stage_plan(
     column: int,
     hidden_size: int,
     described: tuple[PlannedMicroBatch, ...],
+    split_rank: int | None,
 ) -> ExecutionPlan:
     last = len(stage_ranks) - 1
     prev = stage_ranks[stage - 1] if stage > 0 else None
     nxt = stage_ranks[stage + 1] if stage < last else None
+    plan = ExecutionPlan(
+        rank=stage_ranks[stage],
+        column=column,
+        stage=stage,
+        num_stages=len(stage_ranks),
+        num_buffers=0,
+        instructions=(),
+        micro_batches=described,
+        split_rank=split_rank,
+    )
     slots: dict[int, int] = {}  # micro-batch -> buffer it occupies from its forward to its backward
     num_buffers = 0
     out: list[Instruction] = []
     for op in ops:
         mb = op.mb
-        rows, row_len = micro_batches[mb].local_shape  # this rank's share of the rows
-        hidden = ((rows, row_len, hidden_size),)
+        received = link_shapes(micro_batches[mb], stage - 1, hidden_size, split_rank) if prev is not None else ()
+        sent = link_shapes(micro_batches[mb], stage, hidden_size, split_rank) if nxt is not None else ()
         if op.kind == "F":
             buf = min(set(range(len(slots) + 1)) - set(slots.values()))
             slots[mb] = buf
             num_buffers = max(num_buffers, len(slots))
             if prev is not None:  # before the load: it may pair with the previous backward's SendGrad
-                _exchange(out, RecvActivation(stage, mb, buf, hidden, prev))
-            if stage == 0 or stage == last:
-                out.append(LoadMicroBatch(stage, mb, buf, ((rows, row_len),)))
+                _exchange(out, RecvActivation(stage, mb, buf, received, prev))
+            if stage in plan.loading_stages:
+                out.append(LoadMicroBatch(stage, mb, buf, (_loaded_shape(micro_batches[mb], stage, split_rank),)))
             out.append(
-                ForwardPass(stage, mb, buf, hidden if nxt is not None else ((),))
+                ForwardPass(stage, mb, buf, sent if nxt is not None else ((),))
             )  # the last stage yields the loss
             if nxt is not None:
-                out.append(SendActivation(stage, mb, buf, hidden, nxt))
+                out.append(SendActivation(stage, mb, buf, sent, nxt))
         else:
             buf = slots.pop(mb)
             if nxt is not None:
-                _exchange(out, RecvGrad(stage, mb, buf, hidden, nxt))
-            out.append(
-                BackwardPass(stage, mb, buf, hidden if prev is not None else ())
-            )  # stage 0's input needs no gradient
+                _exchange(out, RecvGrad(stage, mb, buf, sent, nxt))
+            out.append(BackwardPass(stage, mb, buf, received))  # stage 0's input needs no gradient
             if prev is not None:
-                out.append(SendGrad(stage, mb, buf, hidden, prev))
+                out.append(SendGrad(stage, mb, buf, received, prev))
     out += [ReduceGrads(stage), OptimizerStep(stage)]
-    return ExecutionPlan(
-        rank=stage_ranks[stage],
-        column=column,
-        stage=stage,
-        num_stages=len(stage_ranks),
-        num_buffers=num_buffers,
-        instructions=tuple(out),
-        micro_batches=described,
-    )
+    return replace(plan, num_buffers=num_buffers, instructions=tuple(out))
+
+
+def _loaded_shape(mb: MicroBatch, stage: int, split_rank: int | None) -> tuple[int, int]:
+    """The token tensor a stage loads: this rank's share of the rows; of pairs, the inputs on the
+    first stage and the targets on a decoder stage after it."""
+    if split_rank is None:
+        return mb.local_shape
+    return mb.target_shape if stage > 0 and stage >= split_rank else mb.shape
 
 
 def _exchange(out: list[Instruction], recv: Instruction) -> None:
@@ -443,7 +487,7 @@ def _rank_of(op: tuple) -> int:
 def _check_one(plan: ExecutionPlan) -> None:
     where = f"rank {plan.rank} (stage {plan.stage})"
     expected = Counter(range(len(plan.micro_batches)))
-    loads_expected = plan.stage in (0, plan.num_stages - 1)
+    loads_expected = plan.stage in plan.loading_stages
     forwarded: set[int] = set()
     counts: dict[type, Counter] = {cls: Counter() for cls in (LoadMicroBatch, ForwardPass, BackwardPass)}
     for i in plan.instructions:

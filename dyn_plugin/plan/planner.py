@@ -26,8 +26,11 @@ from .spec import PlannerSpec
 from .types import MicroBatch, StepPlan
 
 
-def execution_plans(plan: StepPlan, hidden_size: int) -> dict[tuple[int, int], ExecutionPlan]:
-    """Every rank's execution plan of a step, keyed (data-parallel column, stage).
+def execution_plans(
+    plan: StepPlan, hidden_size: int, *, split_rank: int | None = None
+) -> dict[tuple[int, int], ExecutionPlan]:
+    """Every rank's execution plan of a step, keyed (data-parallel column, stage); ``split_rank``:
+    an encoder-decoder's first decoder stage, its micro-batches (input, target) pairs.
 
     Global rank = stage * columns + column: stage-major, as DeepSpeed's PipeDataParallelTopology
     and Megatron's default rank order lay ranks out, so peers name the host's own ranks. Every
@@ -58,6 +61,7 @@ def execution_plans(plan: StepPlan, hidden_size: int) -> dict[tuple[int, int], E
                     stage_ranks=ranks,
                     hidden_size=hidden_size,
                     group=rep.first,
+                    split_rank=split_rank,
                 )
             ):
                 out[(c, s)] = ep

@@ -296,9 +296,12 @@ class PlanningContext:
                 for rep in plan.replicas
             ),
         )
-        plans = execution_plans(plan, self.cost.hidden_size if self.pairs else self.spec.hidden_size)
-        if self.pairs:
-            plans = _described_pairs(plans, plan)
+        if self.pairs:  # links carry both sides past the split (instructions.link_shapes)
+            plans = _described_pairs(
+                execution_plans(plan, self.cost.hidden_size, split_rank=self.spec.split_rank), plan
+            )
+        else:
+            plans = execution_plans(plan, self.spec.hidden_size)
         # every plan a rank runs has been replayed as NCCL runs it: a hang becomes an error here
         check_plans(list(plans.values()), rendezvous=True)
         return {key: RankPlan(epoch, step, ep, tokens, digest, plan.iteration_ms) for key, ep in plans.items()}
