@@ -74,6 +74,24 @@ def test_hf_forward_and_backward_read_nothing_back(flash_on_cpu, monkeypatch, fa
         assert torch.allclose(plain(got).float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_padded_rows_read_nothing_back(flash_on_cpu, monkeypatch):
+    """Padded micro-batches ship their rows as documents too: each row is one dense causal call, and
+    no layer finds the documents from the positions (a read of the device per forward)."""
+    model, lengths = _model("llama"), [7, 12, 3]
+    g = torch.Generator().manual_seed(2)
+    docs = [torch.randint(1, 97, (n,), generator=g) for n in lengths]
+    batch = collate(list(range(3)), lengths, "padded", (3, 16), docs.__getitem__)
+    on_device = {k: v.as_subclass(DeviceOnly) if torch.is_tensor(v) else v for k, v in batch.items()}
+    on_device.pop("attention_mask")  # transformers gives the plugin's kernel none (rows are right-padded)
+    # transformers makes the positions itself, from no batch tensor: finding rows from them is the read
+    with monkeypatch.context() as m:
+        m.setattr(va._offsets, "get", lambda *a: pytest.fail("the rows were found from the positions"))
+        loss, _ = _loss_and_grads(model, on_device)
+    assert CALLS == []  # one document per row: dense causal SDPA, no varlen call
+    batch.pop("attention_mask")
+    assert torch.allclose(loss.float(), _loss_and_grads(model, batch)[0].float(), atol=1e-2)
+
+
 def test_the_guard_catches_a_read(flash_on_cpu):
     """Not vacuous: the fallback that finds documents from the positions reads the longest back."""
     pos = torch.tensor([[0, 1, 2, 0, 1]]).as_subclass(DeviceOnly)

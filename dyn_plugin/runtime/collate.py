@@ -1,7 +1,8 @@
 """Tensors of one micro-batch, in the layout its plan chose.
 
-- padded: ``input_ids`` [n, S] right-padded, ``attention_mask`` [n, S], ``labels`` with -100
-  on padding and on each row's first token (never scored after HF's shift, so the labels
+- padded: ``input_ids`` [n, S] right-padded, ``attention_mask`` [n, S], the rows' boundaries
+  (``cu_seq_lens_q/k``: each row one causal document, which right padding does not disturb),
+  ``labels`` with -100 on padding and on each row's first token (never scored after HF's shift, so the labels
   that are not -100 are exactly the scored ones). Right padding under a causal mask leaves
   real tokens' outputs untouched. A padded micro-batch of one row and several sequences is a
   fixed-length packed row (the ``packing_full`` baseline, Megatron's packing): the documents
@@ -122,7 +123,9 @@ def collate(
         labels[:, 0] = IGNORE
         if starts is not None:
             labels[0, starts] = IGNORE
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        # each row one causal document to the plugin's kernel, which then finds nothing on the device
+        rows_cu = torch.arange(0, rows * width + 1, width, dtype=torch.int32)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, **_offsets(rows_cu, width)}
     if layout == "packed":
         fill = width - sum(len(ids) for ids in seqs)
         if fill:  # a document of its own: no real token attends to it, no label scores it
@@ -139,12 +142,15 @@ def collate(
             "input_ids": input_ids,
             "position_ids": position_ids(seq_lens, layout, shape),
             "labels": labels,
-            "cu_seq_lens_q": cu,
-            "cu_seq_lens_k": cu,
-            "max_length_q": longest,
-            "max_length_k": longest,
+            **_offsets(cu, longest),
         }
     raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
+
+
+def _offsets(cu: torch.Tensor, longest: int) -> dict[str, Any]:
+    """The documents' boundaries under the names transformers hands on to the attention kernel;
+    the longest stays a host int."""
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 def _check_shape(
