@@ -1,7 +1,9 @@
 """Encoder-decoder (T5) costs: a micro-batch of (input, target) pairs on an encoder or decoder stage.
 
 A micro-batch of n pairs is padded to its longest input ``Se`` and longest target ``Sd`` (each
-rounded up to ``pad_multiple``: layout "padded"; packing per side is not priced). Its layers cost:
+rounded up to ``pad_multiple``: layout "padded", ``pair_shape``), or packed per side into n rows
+of widths (``Se``, ``Sd``) (layout "packed", ``packed_pair_shape``), priced as n padded pairs of
+those widths: the model runs each row's attention over the whole row, masked per pair. Its layers cost:
 
 - encoder layer: the decoder-only layer's features of the input side, ``n*Se`` token slots and
   ``n*Se^2`` attention pairs (``LinearFit``, fitted as the GPT tables are: ``fit_component``);
@@ -64,6 +66,32 @@ def pair_shape(inputs: Sequence[int], targets: Sequence[int], pad_multiple: int 
     if min(inputs) <= 0 or min(targets) <= 0:
         raise ValueError("input and target lengths must be positive")
     return len(inputs), round_up(int(max(inputs)), pad_multiple), round_up(int(max(targets)), pad_multiple)
+
+
+def packed_pair_rows(inputs: Sequence[int], targets: Sequence[int], widths: tuple[int, int]) -> list[list[int]]:
+    """Positions of a packed micro-batch's pairs per row: the pairs in order, each row filled
+    until the next pair would overflow its input or its target width (next fit). A packed plan
+    lists its pairs row by row, so its order and widths alone say which pair shares which row:
+    the rows the planner priced are the rows the runtime builds (``packed_pair_shape``)."""
+    pair_shape(inputs, targets, pad_multiple=1)  # the same checks: as many positive inputs as targets
+    if max(inputs) > widths[0] or max(targets) > widths[1]:
+        raise ValueError(f"a pair ({max(inputs)} input, {max(targets)} target tokens) is wider than the rows {widths}")
+    rows: list[list[int]] = []
+    free = (0, 0)
+    for k, (a, b) in enumerate(zip(inputs, targets)):
+        if a > free[0] or b > free[1]:
+            rows.append([])
+            free = widths
+        rows[-1].append(k)
+        free = (free[0] - a, free[1] - b)
+    return rows
+
+
+def packed_pair_shape(inputs: Sequence[int], targets: Sequence[int], widths: tuple[int, int]) -> tuple[int, int, int]:
+    """(rows, input width, target width) of one micro-batch of pairs packed per side (T5 packing:
+    each row's inputs concatenated into one encoder row of ``widths[0]`` tokens, its targets into
+    one decoder row of ``widths[1]``), rows as ``packed_pair_rows`` fills them."""
+    return len(packed_pair_rows(inputs, targets, widths)), int(widths[0]), int(widths[1])
 
 
 def decoder_terms(n, se, sd) -> np.ndarray:
