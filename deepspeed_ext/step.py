@@ -14,6 +14,8 @@ import torch
 
 from dyn_plugin.host.recompute import recompute_switch
 from dyn_plugin.host.token_mean import HostHooks, token_mean_step
+from dyn_plugin.models.hf import is_encoder_decoder
+from dyn_plugin.models.seq2seq import pair_forward
 from dyn_plugin.runtime.loader import Step
 
 from .sequence_parallel import sequence_runtime
@@ -39,14 +41,15 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
 def deepspeed_host(engine, step: Step) -> HostHooks:
     """A data-parallel DeepSpeed engine as the token-mean step drives it: the plan sets the
     accumulation boundary per micro-batch, and the loss is already scaled for the whole global
-    batch (``scale_wrt_gas=False``)."""
+    batch (``scale_wrt_gas=False``). An encoder-decoder's packed pairs run through the engine too,
+    their encoder masked per pair (``models.seq2seq.pair_forward``)."""
     sequence = sequence_runtime(engine, step)
 
     def micro_batch(index: int, tensors: dict[str, torch.Tensor]) -> ContextManager[Any]:
         return sequence.micro_batch(step, index, tensors) if sequence else contextlib.nullcontext()
 
     return HostHooks(
-        forward=engine,
+        forward=pair_forward(engine, engine.module) if is_encoder_decoder(engine.module) else engine,
         device=engine.device,
         recompute=recompute_switch(engine.module),
         boundary=engine.set_gradient_accumulation_boundary,

@@ -117,8 +117,8 @@ def test_resume_gives_exactly_the_rest_with_the_same_plans(cost):
     "over, message",
     [
         (
-            {"microbatching": {**SECTION["microbatching"], "method": "packing_full"}},
-            "microbatching.method 'packing_full'",
+            {"microbatching": {**SECTION["microbatching"], "method": "packing_varlen"}},
+            "microbatching.method 'packing_varlen'",
         ),
         ({"store": {"backend": "tcp"}}, "store.backend 'tcp'"),
     ],

@@ -74,9 +74,9 @@ def test_collate_pairs_refuses_what_does_not_fit_its_plan():
         collate_pairs([0], [(1, 2, 3)], (1, 8, 8), data.__getitem__)
     with pytest.raises(ValueError, match="'labels'"):
         collate_pairs([0], [(1, 1)], (1, 8, 8), [{"input_ids": [3]}].__getitem__)
-    packed = PlannedMicroBatch((0, 1), tuple(lens), "packed", "none", (1, 15), (), 1, 0)
-    with pytest.raises(ValueError, match="padded per side"):
-        load_micro_batch(packed, data.__getitem__, column=0)
+    split = PlannedMicroBatch((0, 1), tuple(lens), "padded", "none", (2, 8, 8), (), 2, 0)
+    with pytest.raises(ValueError, match="plan them with sp 1"):
+        load_micro_batch(split, data.__getitem__, column=0)
 
 
 def test_encoder_decoders_are_refused_by_the_causal_builder():
@@ -171,15 +171,6 @@ def test_deepspeed_initialize_refuses_what_is_not_built_for_encoder_decoders(plu
         deepspeed_ext.initialize(
             model=build_seq2seq_lm(T5), config={"dyn_plugin": plugin}, dataset=_pairs([(2, 2)]), lengths=lengths
         )
-
-
-def test_fsdp_refuses_encoder_decoders():
-    from dyn_plugin.fsdp import initialize
-
-    with pytest.raises(
-        ValueError, match="FSDP with an encoder-decoder model \\(T5ForConditionalGeneration\\) is not built"
-    ):
-        initialize(build_seq2seq_lm(T5), {}, _pairs([(2, 2)]), [[2, 2]])
 
 
 def test_global_batches_of_pairs_count_both_sides_against_the_budget():

@@ -5,7 +5,9 @@ like the pair planner (the encoder-decoder twins of baselines.py):
   padded to the maximum input length and every target to the maximum target length;
 - ``pair_packing``: fixed-length packing per side, pairs kept together (T5's packing): first-fit
   decreasing (by input, then target) into rows bounded by both maxima, a fixed number of rows per
-  micro-batch, each row priced as a padded pair of the maxima (whole-row attention);
+  micro-batch, each row priced as a padded pair of the maxima (whole-row attention); a micro-batch
+  lists its pairs row by row, and its rows are those ``packed_pair_shape`` reads back from that
+  order, which the runtime builds;
 - ``pair_token_budget``: pairs in loader order fill a micro-batch while their input + target
   tokens stay within a budget (DynaPipe's token-based baseline), each micro-batch padded to its
   longest input and longest target.
@@ -23,6 +25,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..cost.encoder_decoder import packed_pair_shape
 from ..cost.model import round_up
 from ..lengths.packing import pack_pair_rows
 from .assign import split_for_replicas
@@ -101,8 +104,9 @@ def pair_packing(
     enc, dec = check_pairs(inputs, targets)
     width = _widths(max_input, max_target, enc, dec, spec, "pair_packing")
     # fewer rows than replicas: the fullest rows split in two, as a host's sampler gives each rank its own
+    # rows of the widths they are padded to: first fit's rows, listed in order, are next fit's within them
     rows = split_for_replicas(
-        pack_pair_rows(np.stack([enc, dec], axis=1), max_input, max_target),
+        pack_pair_rows(np.stack([enc, dec], axis=1), *width),
         (enc + dec).tolist(),
         spec.dp,
         equal_counts=False,
@@ -112,7 +116,9 @@ def pair_packing(
     def sized(k: int) -> list[PairMicroBatch] | None:
         by_rows = split_for_replicas(_chunks(range(len(rows)), k), row_tokens, spec.dp, equal_counts=False)
         groups = [[i for r in g for i in rows[r]] for g in by_rows]
-        return _uniform(groups, enc, dec, spec, padded_to=width, rows=[len(g) for g in by_rows])
+        # the rows the runtime builds (halves of a row split for the replicas may share one again)
+        packed = [packed_pair_shape(enc[g], dec[g], width)[0] for g in groups]
+        return _uniform(groups, enc, dec, spec, padded_to=width, rows=packed)
 
     return _tuned(sized, len(rows), spec, "pair_packing")
 

@@ -188,9 +188,9 @@ def price_pair_groups(
     """Price micro-batches of pairs (``groups`` of pair ids, ``recomputes[g]`` each) on every stage,
     all at once. ``padded_to``: (input, target) widths every row is padded to (fixed padding,
     fixed-length rows); default each micro-batch's longest pair, rounded up to the pad multiple.
-    ``rows[g]``: group g's pairs packed into that many rows of ``padded_to`` (each row a whole-row
-    attention block, as fixed-length packing runs); default one row a pair. ``extrapolated``:
-    outside the measured range."""
+    ``rows[g]``: group g's pairs packed into that many rows of ``padded_to`` (layout "packed", each
+    row a whole-row attention block, as fixed-length packing runs: ``packed_pair_shape``); default
+    one row a pair. ``extrapolated``: outside the measured range."""
     cost, pm = spec.cost, spec.cost.pad_multiple
     ins = [tuple(int(inputs[i]) for i in g) for g in groups]
     tgs = [tuple(int(targets[i]) for i in g) for g in groups]
@@ -230,7 +230,7 @@ def price_pair_groups(
         PairMicroBatch(
             sample_ids=tuple(int(i) for i in g),
             seq_lens=ins[k],
-            layout="padded",
+            layout="padded" if rows is None else "packed",
             recompute=recomputes[k],
             forward_ms=tuple(out[0][k].tolist()),
             backward_ms=tuple(out[1][k].tolist()),

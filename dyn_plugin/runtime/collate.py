@@ -45,6 +45,10 @@ MODEL_KEYS = (
     "cu_seq_lens_k",
     "max_length_q",
     "max_length_k",
+    # a micro-batch of packed (input, target) pairs (collate_pairs.PACKED_PAIR_KEYS, with "labels")
+    "packed_input_ids",
+    "input_segments",
+    "target_segments",
 )
 
 IGNORE = -100

@@ -13,7 +13,7 @@ processes plan ahead and each rank reads only its own plan (see planner_pool.py)
 
 Samples are token sequences (``lengths``: one count each) or, for an encoder-decoder, (input,
 target) pairs (``lengths`` of shape [N, 2], planned by the encoder-decoder planner with its cost
-model, each micro-batch padded per side: ``collate_pairs``).
+model, each micro-batch padded per side, ``collate_pairs``, or packed per side, ``collate_packed_pairs``).
 
 Exactly once: an epoch's global batches partition the samples and every sample of a global
 batch goes to exactly one replica's micro-batches (pipeline stages of one replica share them).
@@ -66,7 +66,7 @@ from ..lengths.io import cap_lengths, validate_lengths
 from ..lengths.pairs import validate_pairs
 from ..plan.instructions import ExecutionPlan, PlannedMicroBatch
 from .collate import collate, shard
-from .collate_pairs import collate_pairs
+from .collate_pairs import collate_packed_pairs, collate_pairs
 from .planning import PlanningContext, RankPlan
 from .sampler import epoch_batches
 
@@ -611,15 +611,16 @@ def load_micro_batch(
 ) -> dict[str, Any]:
     """The tensors of one planned micro-batch on the rank at data-parallel ``column``; ``fetch(i)``
     returns dataset item i. A plan of (input, target) pairs (``seq_lens`` of pairs) is padded per
-    side (``collate_pairs``); sequences are built in the plan's layout and, under sequence
-    parallelism, cut to this rank's shard."""
+    side (``collate_pairs``) or packed per side (``collate_packed_pairs``); sequences are built in
+    the plan's layout and, under sequence parallelism, cut to this rank's shard."""
     if desc.seq_lens and not isinstance(desc.seq_lens[0], numbers.Integral):
-        if desc.layout != "padded" or desc.sp > 1:
+        if desc.sp > 1:
             raise ValueError(
-                f"a micro-batch of (input, target) pairs planned {desc.layout!r} with sp {desc.sp}: pairs are built "
-                "padded per side without sequence parallelism only; plan them padded with sp 1"
+                f"a micro-batch of (input, target) pairs planned with sp {desc.sp}: pairs are built without sequence "
+                "parallelism; plan them with sp 1"
             )
-        return collate_pairs(desc.sample_ids, desc.seq_lens, desc.shape, fetch, pad_id=pad_id)
+        build = collate_packed_pairs if desc.layout == "packed" else collate_pairs
+        return build(desc.sample_ids, desc.seq_lens, desc.shape, fetch, pad_id=pad_id)
     batch = collate(desc.sample_ids, desc.seq_lens, desc.layout, desc.shape, fetch, pad_id=pad_id, sp=desc.sp)
     return shard(batch, desc.sp, column - desc.group) if desc.sp > 1 else batch
 

@@ -33,9 +33,11 @@ from .collate import scored_tokens
 from .sampler import epoch_batches
 
 RANK_PLAN_SCHEMA = "dyn_plugin.rank_plan"
-# microbatching.method -> the pair baseline that batches (input, target) pairs as it batches sequences;
-# packing is not trained on pairs: a row of several pairs would attend across them
-PAIR_METHODS = {"fixed_padding": "pair_padding", "token_budget": "pair_token_budget"}
+# microbatching.method -> the pair baseline that batches (input, target) pairs as it batches sequences.
+# packing_full (rows of the maximum length, attention over the whole row) is T5's packing per side: rows
+# of max_seq_len a side, run exactly (each pair masked to itself: models.seq2seq); packing_varlen is not,
+# as T5 has no per-document attention kernel to make rows cost their real tokens only
+PAIR_METHODS = {"fixed_padding": "pair_padding", "token_budget": "pair_token_budget", "packing_full": "pair_packing"}
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +160,8 @@ class PlanningContext:
             (
                 cfg.microbatching.method not in ("dynapipe", *PAIR_METHODS),
                 f"microbatching.method {cfg.microbatching.method!r}",
-                f"'dynapipe' or the baselines {', '.join(map(repr, PAIR_METHODS))} (a packed row of several pairs "
-                "would attend across them)",
+                f"'dynapipe' or the baselines {', '.join(map(repr, PAIR_METHODS))} (pairs packed per side run "
+                "attention over the whole row: 'packing_full')",
             ),
             (cfg.strategy.enabled, "strategy.enabled", "false"),
             (cfg.sequence_parallel.enabled, "sequence_parallel.enabled", "false"),
@@ -352,7 +354,8 @@ def _described_pairs(
 ) -> dict[tuple[int, int], ExecutionPlan]:
     """Execution plans whose micro-batches describe (input, target) pairs as the runtime builds them:
     ``seq_lens`` of pairs and the shape (rows, input width, target width) of
-    ``cost.encoder_decoder.pair_shape`` (the planner's PairMicroBatch keeps each side apart)."""
+    ``cost.encoder_decoder.pair_shape`` or, packed, ``packed_pair_shape`` (the planner's
+    PairMicroBatch keeps each side apart)."""
     replica = {c: rep for rep in plan.replicas for c in rep.columns}
     out = {}
     for (column, stage), ep in plans.items():
