@@ -134,32 +134,37 @@ class Prices:
         return np.where(self.allowed, self.exposed_ms + self.optimizer_ms, np.inf)
 
 
+LAYER_COMPONENTS = ("layer", "encoder", "decoder")  # a decoder-only model's layers; an encoder-decoder's per side
+
+
 def unit_compute(
     units: Sequence[Unit],
     component_ms: Mapping[str, tuple[np.ndarray, np.ndarray]],
 ) -> tuple[np.ndarray, np.ndarray]:
     """(forward, backward) ms of each unit in each micro-batch, [unit, micro-batch].
 
-    ``component_ms``: per component ("embedding", "head", and "layer" for one decoder layer),
-    (forward, backward) ms per micro-batch. A decoder-layer unit gets its layer's time times its
-    share of the layer's parameters; the embedding and head units their component's; the root
-    ("other") whatever component has no unit of its own (a tied head), else nothing.
+    ``component_ms``: per component ("embedding", "head", and for one layer "layer", or an
+    encoder-decoder's "encoder" and "decoder"), (forward, backward) ms per micro-batch. A layer's
+    unit gets its layer's time times its share of the layer's parameters; the embedding and head
+    units their component's; the root ("other") whatever component has no unit of its own (a tied
+    head), else nothing.
     """
-    fwd_l, bwd_l = (np.asarray(a, dtype=float) for a in component_ms["layer"])
-    zero = np.zeros_like(fwd_l)
-    layer_params: dict[int, float] = {}
+    zero = np.zeros_like(np.asarray(component_ms["head"][0], dtype=float))
+    layer_params: dict[tuple[str, int], float] = {}
+    per_layer: dict[tuple[str, int], int] = {}
     for u in units:
-        if u.component == "layer":
-            layer_params[u.layer] = layer_params.get(u.layer, 0) + u.params
-    per_layer = {lay: sum(1 for u in units if u.component == "layer" and u.layer == lay) for lay in layer_params}
+        if u.component in LAYER_COMPONENTS:
+            key = (u.component, u.layer)
+            layer_params[key] = layer_params.get(key, 0) + u.params
+            per_layer[key] = per_layer.get(key, 0) + 1
     owned = {u.component for u in units}
     fwd, bwd = [], []
     for u in units:
-        if u.component == "layer":
-            total = layer_params[u.layer]
-            share = u.params / total if total else 1.0 / per_layer[u.layer]
-            fwd.append(share * fwd_l)
-            bwd.append(share * bwd_l)
+        if u.component in LAYER_COMPONENTS:
+            total = layer_params[(u.component, u.layer)]
+            share = u.params / total if total else 1.0 / per_layer[(u.component, u.layer)]
+            fwd.append(share * np.asarray(component_ms[u.component][0], dtype=float))
+            bwd.append(share * np.asarray(component_ms[u.component][1], dtype=float))
         elif u.component in ("embedding", "head"):
             fwd.append(np.asarray(component_ms[u.component][0], dtype=float))
             bwd.append(np.asarray(component_ms[u.component][1], dtype=float))
@@ -264,4 +269,4 @@ def price(
     return Prices(memory, comm, exposed, optim, allowed, opens, P * (2 * p + g))
 
 
-__all__ = ["HOST_KINDS", "OPENS", "Links", "Prices", "price", "unit_compute"]
+__all__ = ["HOST_KINDS", "LAYER_COMPONENTS", "OPENS", "Links", "Prices", "price", "unit_compute"]

@@ -7,6 +7,11 @@ the plugin's loader.
 
 Every micro-batch's forward gathers sharded parameters, so every rank must run the same number of
 micro-batches: the loader plans equal counts (``zero_stage=3``).
+
+An encoder-decoder (T5) trains on (input, target) pairs: ``lengths`` [N, 2], dataset items with
+``input_ids`` and ``labels``, an ``EncoderDecoderCostModel``; the plan is searched over its
+units (a unit per T5 sublayer, priced per side; the root owns the one embedding, tied to the head)
+and the pair planner cuts each global batch for the states the plan leaves.
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ import logging
 import os
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..config import LoadedConfig, load_config
+from ..cost.encoder_decoder import EncoderDecoderCostModel
 from ..cost.from_config import live_cost_model, model_shape
 from ..cost.table import TableCostModel
 from ..device import rank_device
@@ -48,7 +55,7 @@ def initialize(
     plan: ShardPlan | str | os.PathLike | None = None,
     fsdp: Host = "fsdp2",
     optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = torch.optim.AdamW,
-    cost_model: TableCostModel | None = None,
+    cost_model: TableCostModel | EncoderDecoderCostModel | None = None,
     seed: int = 0,
 ) -> tuple[nn.Module, torch.optim.Optimizer, DynLoader, ShardPlan]:
     """Shard ``model`` as the plan says and build its optimizer and the plugin's loader.
@@ -58,15 +65,14 @@ def initialize(
     The model trains in the precision of its parameters, which must be the plan's and the cost
     model's. On CUDA the model is moved to ``cuda:$LOCAL_RANK`` first. Returns (model, optimizer,
     loader, plan); with ``fsdp="fsdp1"`` the model is the root ``FullyShardedDataParallel``."""
-    cfg = priced_layouts(model, config if isinstance(config, LoadedConfig) else load_config(config))
-    plugin = cfg.plugin
+    cfg = config if isinstance(config, LoadedConfig) else load_config(config)
     if fsdp not in ("fsdp2", "fsdp1"):
         raise ValueError(f"fsdp={fsdp!r}: choose 'fsdp2' (fully_shard) or 'fsdp1' (FullyShardedDataParallel)")
-    if is_encoder_decoder(model):
-        raise ValueError(
-            f"FSDP with an encoder-decoder model ({type(model).__name__}) is not built: the FSDP entry plans "
-            "decoder-only sequences; train it through deepspeed_ext (data parallel, ZeRO 0-3)"
-        )
+    if is_encoder_decoder(model):  # before the layouts: theirs are a decoder-only model's
+        _check_encoder_decoder(cfg, model, lengths, cost_model)
+    else:
+        cfg = priced_layouts(model, cfg)
+    plugin = cfg.plugin
     if plugin.pipeline.stages > 1 or plugin.sequence_parallel.enabled:
         raise ValueError(
             "the FSDP entry trains data-parallel only: set dyn_plugin.pipeline.stages to 1 and "
@@ -129,3 +135,26 @@ def initialize(
         state_bytes=plan.planning_state_bytes,
     )
     return model, optimizer, loader, plan
+
+
+def _check_encoder_decoder(cfg: LoadedConfig, model: nn.Module, lengths: Sequence[Any], cost_model: Any) -> None:
+    """What an encoder-decoder (T5) trains under here: (input, target) pairs planned by the pair
+    planner, padded per side, with an encoder-decoder cost model."""
+    name = type(model).__name__
+    if cfg.plugin.microbatching.layout == "packed":
+        raise ValueError(
+            f"microbatching.layout 'packed' with an encoder-decoder model ({name}): rows packed with several "
+            "pairs are not built for encoder-decoder models under FSDP; set microbatching.layout to 'padded' or 'auto'"
+        )
+    if np.ndim(lengths) != 2:
+        # planned as sequences, the model would be trained on its inputs as its own targets
+        raise ValueError(
+            f"{name} is an encoder-decoder: it trains on (input, target) pairs; give lengths as an [N, 2] array of "
+            "(input, target) token counts (dyn_plugin.lengths.pairs) and dataset items with 'input_ids' and 'labels'"
+        )
+    if not isinstance(cost_model, EncoderDecoderCostModel):
+        raise ValueError(
+            f"{name} is an encoder-decoder: pass cost_model=, an encoder-decoder cost model "
+            "(dyn_plugin.cost.encoder_decoder, e.g. import_t5_tables of measured tables); the config's cost_model "
+            "section builds decoder-only cost models"
+        )

@@ -42,7 +42,8 @@ SCHEMA = "dyn_plugin.shard_plan"
 VERSION = 1
 KINDS = ("replicate", "keep", "grad_op", "full", "reshard", "split")
 Kind = Literal["replicate", "keep", "grad_op", "full", "reshard", "split"]
-Component = Literal["embedding", "layer", "head", "other"]
+# "encoder" and "decoder": an encoder-decoder's layers, priced per side (cost/encoder_decoder.py)
+Component = Literal["embedding", "layer", "encoder", "decoder", "head", "other"]
 MB = 1 << 20
 
 
@@ -93,7 +94,7 @@ class ShardUnit:
     name: str  # qualified module name ("" = the root)
     params: int  # parameters the unit owns (not those of units inside it)
     component: Component  # which profiled component's compute it is part of
-    layer: int = -1  # decoder layer index (component "layer"), else -1
+    layer: int = -1  # transformer block index, forward order (components "layer", "encoder", "decoder"), else -1
     linear_out: int = 0  # > 0: the unit is one linear layer with this many output features (it can be split)
 
 

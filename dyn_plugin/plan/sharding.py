@@ -19,6 +19,9 @@ candidate on every step planned with less room than it leaves (``ShardPlan.plann
 then tells the loader to keep that room clear), and counts FSDP's uniform strategies (every unit
 the same choice) among the candidates, so it is never slower than one strategy for every module.
 
+An encoder-decoder (``EncoderDecoderCostModel``) is searched the same way on a global batch of
+(input, target) pairs, its typical steps planned by the pair planner (pair_sharding.py).
+
 Shard sizes tried: ``sharding.shard_size`` if set, else the world and, where it divides the
 world and is smaller, a node (hybrid sharding: gathers stay inside the node).
 """
@@ -35,10 +38,13 @@ from typing import Sequence
 import numpy as np
 
 from ..config import DynPluginConfig
+from ..cost.encoder_decoder import EncoderDecoderCostModel
 from ..cost.model import COMPONENTS, features
 from ..cost.sharding import HOST_KINDS, Links, Prices, price, unit_compute
 from ..cost.table import TableCostModel
 from .knapsack import solve
+from .pair_sharding import pair_least_activation, pair_step
+from .pair_spec import pair_planner_spec
 from .planner import plan_step
 from .pricing import in_range, make_micro_batch
 from .shard_plan import MB, Choice, ShardPlan, ShardUnit, UnitPlan, uniform_choice_units
@@ -59,7 +65,8 @@ class TypicalStep:
     micro_batches: int  # per rank (every rank runs as many)
     activation_bytes: float  # its activation peak
     compute_ms: float  # at each micro-batch index the slowest rank's forward + backward, summed
-    component_ms: dict[str, tuple[np.ndarray, np.ndarray]]  # (forward, backward) per micro-batch index; "layer": one
+    # (forward, backward) per micro-batch index; "layer" (or an encoder-decoder's "encoder", "decoder"): one layer
+    component_ms: dict[str, tuple[np.ndarray, np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -155,16 +162,19 @@ def choice_columns(config: DynPluginConfig, host: str, shard_size: int) -> list[
 
 
 def typical_step(
-    lengths: Sequence[int],
-    cost: TableCostModel,
+    lengths: Sequence[int] | Sequence[tuple[int, int]],
+    cost: TableCostModel | EncoderDecoderCostModel,
     config: DynPluginConfig,
     *,
     world: int,
     state_bytes: float,
     native: bool = True,
 ) -> TypicalStep:
-    """Plan ``lengths`` (one global batch) on ``world`` ranks with ``state_bytes`` of model states
-    per rank, with ZeRO-3's rules (equal micro-batch counts, the same recompute per index)."""
+    """Plan ``lengths`` (one global batch; (input, target) pairs for an encoder-decoder) on ``world``
+    ranks with ``state_bytes`` of model states per rank, with ZeRO-3's rules (equal micro-batch
+    counts, the same recompute per index)."""
+    if isinstance(cost, EncoderDecoderCostModel):
+        return TypicalStep(state_bytes, *pair_step(lengths, cost, config, world=world, state_bytes=state_bytes))
     spec = planner_spec(cost, config, dp=world, zero_stage=3, state_bytes=state_bytes)
     plan = plan_step(lengths, spec, native=native)
     runs = [[r.micro_batches[i] for i in r.schedule.order] for r in plan.replicas]
@@ -259,16 +269,16 @@ class _Search:
     def __init__(
         self,
         units: Sequence[ShardUnit],
-        cost: TableCostModel,
+        cost: TableCostModel | EncoderDecoderCostModel,
         config: DynPluginConfig,
         *,
         world: int,
-        lengths: Sequence[int],
+        lengths: Sequence[int] | Sequence[tuple[int, int]],
         host: str,
         model: str,
         native: bool,
         resolution: int,
-        longest: int | None = None,
+        longest: int | tuple[int, int] | None = None,
     ) -> None:
         if not units:
             raise ValueError("a sharding search needs the model's units (models.shard_units.shard_units)")
@@ -282,10 +292,17 @@ class _Search:
         budget_mb = config.sharding.memory_budget_mb
         self.budget = (budget_mb or cluster.device.plannable_mb) * MB
         # every step must fit the run's longest sequence alone, not only the typical batch's
-        self.longest = max(longest or 0, max(self.lengths))
-        self.least_activation = smallest_activation(
-            [self.longest], planner_spec(cost, config, dp=world, zero_stage=3, state_bytes=0.0)
-        )
+        if isinstance(cost, EncoderDecoderCostModel):  # its longest input and longest target, together
+            sides = np.asarray([longest or (0, 0), *self.lengths]).max(axis=0)
+            self.longest: int | tuple[int, int] = (int(sides[0]), int(sides[1]))
+            self.least_activation = pair_least_activation(
+                self.longest, pair_planner_spec(cost, config, dp=world, zero_stage=3, state_bytes=0.0)
+            )
+        else:
+            self.longest = max(longest or 0, max(self.lengths))
+            self.least_activation = smallest_activation(
+                [self.longest], planner_spec(cost, config, dp=world, zero_stage=3, state_bytes=0.0)
+            )
         self._steps: dict[float, TypicalStep] = {}
         self._prices: dict[tuple[float, int, tuple[Choice, ...]], Prices] = {}
         at = {i: r for r, i in enumerate(self.order)}  # unit index -> its row in forward order
@@ -396,8 +413,8 @@ class _Search:
         return ValueError(
             f"the memory budget, {self.budget / MB:.0f} MB per rank, is below the smallest possible sharding plan: "
             f"{need:.0f} MB ({least_states / MB:.0f} MB of model states with every module sharded as far as "
-            f"{self.host} can, {self.least_activation / MB:.0f} MB of activations for the longest sequence, "
-            f"{longest} tokens, alone); raise sharding.memory_budget_mb (or cluster.device.memory_mb) to at least "
+            f"{self.host} can, {self.least_activation / MB:.0f} MB of activations for the longest "
+            f"{'(input, target) pair' if isinstance(longest, tuple) else 'sequence'}, {longest} tokens, alone); raise sharding.memory_budget_mb (or cluster.device.memory_mb) to at least "
             f"{math.ceil(need)} MB, or train on more ranks"
         )
 
@@ -529,24 +546,25 @@ class _Search:
 
 def search_sharding(
     units: Sequence[ShardUnit],
-    cost: TableCostModel,
+    cost: TableCostModel | EncoderDecoderCostModel,
     config: DynPluginConfig,
     *,
     world: int,
-    lengths: Sequence[int],
+    lengths: Sequence[int] | Sequence[tuple[int, int]],
     host: str = "fsdp2",
     model: str = "",
     native: bool = True,
     resolution: int = RESOLUTION,
     rounds: int = ROUNDS,
     timings: dict | None = None,
-    longest: int | None = None,
+    longest: int | tuple[int, int] | None = None,
 ) -> ShardPlan:
     """The fastest sharding plan of ``units`` on ``world`` ranks within the memory budget
     (``sharding.memory_budget_mb``, else the device's memory times its fraction), for global
     batches like ``lengths``; ``host``: fsdp2 | fsdp1 | zero3, whose semantics price the choices;
     ``longest``: the longest sequence any step of the run may hold (default: ``lengths``'), which
-    every plan leaves room for. A budget below the smallest possible plan is a ValueError that says the minimum. ``timings``,
+    every plan leaves room for. An encoder-decoder: ``lengths`` (input, target) pairs, ``longest``
+    the longest input and longest target. A budget below the smallest possible plan is a ValueError that says the minimum. ``timings``,
     if given, receives the milliseconds spent planning typical steps, pricing and in the knapsack,
     and how many knapsacks were solved."""
     search = _Search(
@@ -584,7 +602,7 @@ def uniform_plan(
     model: str = "",
     shard_size: int | None = None,
     native: bool = True,
-    longest: int | None = None,
+    longest: int | tuple[int, int] | None = None,
 ) -> ShardPlan:
     """Every unit the same ``choice`` (``BASELINES``: FSDP's FULL_SHARD, SHARD_GRAD_OP, NO_SHARD),
     priced as the search prices its plans, on the step planned with its model states; sharded

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..config import DynPluginConfig
+from ..cost.encoder_decoder import EncoderDecoderCostModel
 from ..cost.table import TableCostModel
 from ..lengths.io import cap_lengths
 from ..plan.shard_plan import ShardPlan, ShardUnit
@@ -32,8 +33,8 @@ logger = logging.getLogger(__name__)
 def resolve_shard_plan(
     units: Sequence[ShardUnit],
     plugin: DynPluginConfig,
-    cost: TableCostModel,
-    lengths: Sequence[int],
+    cost: TableCostModel | EncoderDecoderCostModel,
+    lengths: Sequence[int] | Sequence[Sequence[int]],
     *,
     world: int,
     host: str,
@@ -43,7 +44,8 @@ def resolve_shard_plan(
 ) -> ShardPlan:
     """The plan on this process: ``plan`` (a ShardPlan or a JSON path), else the file
     ``sharding.plan`` names, else searched for the run's first global batch. Checked against the
-    model's units, the world and the cost model's precision."""
+    model's units, the world and the cost model's precision. ``lengths``: one per sample, or an
+    encoder-decoder's [N, 2] (input, target) pairs."""
     if plan is None and plugin.sharding.plan is not None:
         plan = plugin.sharding.plan
     if isinstance(plan, (str, os.PathLike)):
@@ -57,17 +59,23 @@ def resolve_shard_plan(
             ) from exc
     if plan is None:
         mb = plugin.microbatching
-        lengths = cap_lengths(np.asarray(lengths), mb.max_seq_len, mb.truncate)  # as the loader caps them
+        lengths = np.asarray(lengths)
+        pairs = lengths.ndim == 2  # an encoder-decoder's (input, target) pairs, each side capped
+        lengths = (
+            np.stack([cap_lengths(lengths[:, side], mb.max_seq_len, mb.truncate) for side in (0, 1)], axis=1)
+            if pairs
+            else cap_lengths(lengths, mb.max_seq_len, mb.truncate)
+        )  # as the loader caps them
         ids = global_batches(lengths, mb.global_tokens, 1, seed)[0]
         plan = search_sharding(
             units,
             cost,
             plugin,
             world=world,
-            lengths=[int(lengths[i]) for i in ids],
+            lengths=[tuple(int(x) for x in lengths[i]) if pairs else int(lengths[i]) for i in ids],
             host=host,
             model=model,
-            longest=int(lengths.max()),
+            longest=tuple(int(x) for x in lengths.max(axis=0)) if pairs else int(lengths.max()),
         )
     plan.check_units(u.name for u in units)
     plan.check_world(world)
@@ -82,8 +90,8 @@ def resolve_shard_plan(
 def shard_plan_for_run(
     units: Sequence[ShardUnit],
     plugin: DynPluginConfig,
-    cost: TableCostModel,
-    lengths: Sequence[int],
+    cost: TableCostModel | EncoderDecoderCostModel,
+    lengths: Sequence[int] | Sequence[Sequence[int]],
     *,
     host: str,
     device: torch.device,
