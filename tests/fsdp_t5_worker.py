@@ -2,11 +2,12 @@
 pairs through ``dyn_plugin.fsdp.initialize`` (the loader planning each global batch with the pair
 planner under the sharding plan's model states) and ``train_step``, every step's parameters
 compared with the unmodified model trained in one process on the whole global batch with the
-token-mean loss (run as a script: OUT).
+token-mean loss (run as a script: OUT CHECKPOINT_DIR).
 
 Cases: FSDP2 and FSDP1 with hand-made plans giving T5's sublayer units every kind the host runs
 (the root, which owns the embedding tied to the head, among them), T5 v1.1's feed-forward, and a
-plan searched by ``initialize`` over T5's units. The A100 T5 11B tables price the plans (their
+plan searched by ``initialize`` over T5's units; the first case saves a checkpoint after its first
+step, from which a fresh model (other initial weights) and loader finish the epoch. The A100 T5 11B tables price the plans (their
 precision set to the run's): prices do not change the gradients."""
 
 import copy
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from dyn_plugin.cost.bundled import DIR
 from dyn_plugin.cost.encoder_decoder import import_t5_tables
-from dyn_plugin.fsdp import initialize, train_step
+from dyn_plugin.fsdp import initialize, load_checkpoint, save_checkpoint, train_step
 from dyn_plugin.models.hf import PRESETS, build_seq2seq_lm
 from dyn_plugin.models.shard_units import shard_units
 from fsdp_worker import CollectiveCounts, full_params, hand_plan
@@ -56,24 +57,34 @@ def config(pairs: np.ndarray) -> dict:
     }
 
 
-def run_case(fsdp: str, variant: str, how: str, pairs, data, cost, world: int) -> dict:
-    torch.manual_seed(0)
+def sharded(fsdp: str, variant: str, how: str, pairs, data, cost, world: int, init_seed: int = 0, plan=None):
+    """(model as built, then sharded; optimizer; loader; plan) of one case."""
+    torch.manual_seed(init_seed)
     model_config, lr = VARIANTS[variant]
     model = build_seq2seq_lm(model_config)
     ref = copy.deepcopy(model)
-    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    plan = hand_plan(model, world, world, MIXED[fsdp], fsdp) if how == "mixed" else None
-    model, optimizer, loader, plan = initialize(
-        model,
-        config(pairs),
-        data,
-        pairs,
-        plan=plan,
-        fsdp=fsdp,
-        optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=lr),
-        cost_model=cost,
-        seed=3,
+    if plan is None and how == "mixed":
+        plan = hand_plan(model, world, world, MIXED[fsdp], fsdp)
+    return (
+        ref,
+        *initialize(
+            model,
+            config(pairs),
+            data,
+            pairs,
+            plan=plan,  # None: searched
+            fsdp=fsdp,
+            optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=lr),
+            cost_model=cost,
+            seed=3,
+        ),
     )
+
+
+def run_case(fsdp: str, variant: str, how: str, pairs, data, cost, world: int, resume_dir: str | None = None) -> dict:
+    lr = VARIANTS[variant][1]
+    ref, model, optimizer, loader, plan = sharded(fsdp, variant, how, pairs, data, cost, world)
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     counter = CollectiveCounts(model, plan, world) if fsdp == "fsdp2" else None
     diffs, losses, sizes, recompute, trained, collectives = [], [], [], [], [], []
     for step in loader:
@@ -91,8 +102,20 @@ def run_case(fsdp: str, variant: str, how: str, pairs, data, cost, world: int) -
         recompute.append([d.recompute for d in step.loaded])
         if counter:
             collectives.append(counter.take())
+        if resume_dir is not None and step.index == 0:
+            save_checkpoint(model, optimizer, loader, resume_dir)
     if counter:
         counter.close()
+    resumed = None
+    if resume_dir is not None:
+        _, fresh, fresh_opt, again, _ = sharded(fsdp, variant, how, pairs, data, cost, world, init_seed=1, plan=plan)
+        load_checkpoint(fresh, fresh_opt, again, resume_dir)
+        rest = []
+        for step in again:
+            train_step(fresh, fresh_opt, step, plan)
+            rest.append(global_samples(step, world))
+        ended, theirs = full_params(fresh, fsdp), full_params(model, fsdp)
+        resumed = {"diff": max(float((p - theirs[n]).abs().max()) for n, p in ended.items()), "trained": rest}
     tied = model.module if fsdp == "fsdp1" else model
     return {
         "fsdp": fsdp,
@@ -110,6 +133,7 @@ def run_case(fsdp: str, variant: str, how: str, pairs, data, cost, world: int) -
         "tied": tied.lm_head.weight is tied.shared.weight,
         "planning_state_bytes": plan.planning_state_bytes,
         "planned_states": loader.context.spec.memory[0].states,  # what the pair planner was told
+        "resumed": resumed,
     }
 
 
@@ -120,7 +144,9 @@ def main():
     cost = dataclasses.replace(import_t5_tables(DIR / "measured" / "a100-t5-11b.json"), dtype="fp32")
     pairs, data = pairs_and_data(0, 24)
     units = [u.name for u in shard_units(build_seq2seq_lm(T5))]
-    results = [run_case(*case, pairs, data, cost, world) for case in CASES]
+    results = [
+        run_case(*case, pairs, data, cost, world, sys.argv[2] if k == 0 else None) for k, case in enumerate(CASES)
+    ]
     finish({"cases": results, "samples": len(pairs), "units": units}, out)
 
 

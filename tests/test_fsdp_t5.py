@@ -138,7 +138,7 @@ def test_the_fsdp_entry_refuses_what_is_not_built_for_t5(plugin, lengths, cost, 
 
 def test_fsdp_trains_t5_on_pairs_exactly_under_sharding_plans(tmp_path):
     out = tmp_path / "t5.json"
-    codes, logs = run("fsdp_t5_worker.py", out, world=2, timeout=300)
+    codes, logs = run("fsdp_t5_worker.py", out, tmp_path / "checkpoints", world=2, timeout=300)
     assert codes == [0, 0], logs[0][-4000:]
     report = json.loads(out.read_text())
     cases = report["cases"]
@@ -162,4 +162,7 @@ def test_fsdp_trains_t5_on_pairs_exactly_under_sharding_plans(tmp_path):
             assert ran == {name: PER_STEP[kind](len(sizes)) for name, (kind, _, _) in counts.items()}, counts
     mixed = cases[0]
     assert {"full", "keep", "grad_op", "replicate"} <= set(mixed["choices"])
-    assert len(cases[0]["collectives"]) == len(cases[0]["micro_batch_sizes"])
+    assert len(mixed["collectives"]) == len(mixed["micro_batch_sizes"])
+    # saved after the first step, resumed by a fresh model and loader: the rest of the epoch, bit for bit
+    assert mixed["resumed"]["trained"] == mixed["trained"][1:]
+    assert mixed["resumed"]["diff"] == 0.0
