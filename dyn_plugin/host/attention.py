@@ -6,6 +6,9 @@ transformers' SDPA or eager attention trains packed rows exactly too (transforme
 position-id resets into a block-causal mask), but computes the whole row's square under that mask:
 a row of eight 512-token documents costs 8x what was priced. There packed rows are not planned:
 ``microbatching.layout`` 'auto' plans padded rows, and 'packed' is refused naming both fixes.
+
+An encoder-decoder's plans are the pair planner's, which prices a packed row of pairs over the whole
+row (``cost.encoder_decoder.packed_pair_shape``), as T5 runs it (``models.seq2seq``): nothing to change.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 from typing import Any
 
 from ..config import LoadedConfig
+from ..models.hf import is_encoder_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +29,7 @@ def priced_layouts(model: Any, cfg: LoadedConfig) -> LoadedConfig:
     """``cfg`` with the micro-batch layouts ``model``'s attention runs at the planned cost."""
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
     mb = cfg.plugin.microbatching
-    if attention is None or attention in DOCUMENT_KERNELS or mb.layout == "padded":
+    if attention is None or attention in DOCUMENT_KERNELS or mb.layout == "padded" or is_encoder_decoder(model):
         return cfg
     if mb.layout == "packed" or mb.method.startswith("packing"):
         what = "microbatching.layout 'packed'" if mb.layout == "packed" else f"microbatching.method {mb.method!r}"
