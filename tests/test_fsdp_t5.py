@@ -136,6 +136,26 @@ def test_the_fsdp_entry_refuses_what_is_not_built_for_t5(plugin, lengths, cost, 
         initialize(build_seq2seq_lm(T5), {"dyn_plugin": plugin}, data, lengths, cost_model=cost)
 
 
+def test_the_fsdp_entry_refuses_encoder_decoders_other_than_t5():
+    from dyn_plugin.fsdp import initialize
+
+    bart = dict(
+        model_type="bart",
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        vocab_size=97,
+        max_position_embeddings=64,
+    )
+    data = [{"input_ids": [3, 4], "labels": [5, 6]}]
+    with pytest.raises(ValueError, match="model_type 'bart' \\(BartForConditionalGeneration\\) is not built"):
+        initialize(build_seq2seq_lm(bart), {}, data, [[2, 2]], cost_model=COST)
+
+
 def test_fsdp_trains_t5_on_pairs_exactly_under_sharding_plans(tmp_path):
     out = tmp_path / "t5.json"
     codes, logs = run("fsdp_t5_worker.py", out, tmp_path / "checkpoints", world=2, timeout=300)

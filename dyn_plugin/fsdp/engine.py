@@ -141,6 +141,12 @@ def _check_encoder_decoder(cfg: LoadedConfig, model: nn.Module, lengths: Sequenc
     """What an encoder-decoder (T5) trains under here: (input, target) pairs planned by the pair
     planner, padded per side, with an encoder-decoder cost model."""
     name = type(model).__name__
+    model_type = getattr(model.config, "model_type", None)
+    if model_type != "t5":
+        raise ValueError(
+            f"FSDP with an encoder-decoder of model_type {model_type!r} ({name}) is not built: its shard units are "
+            "built and tested for T5 only; train it through deepspeed_ext (data parallel, ZeRO 0-3)"
+        )
     if cfg.plugin.microbatching.layout == "packed":
         raise ValueError(
             f"microbatching.layout 'packed' with an encoder-decoder model ({name}): rows packed with several "

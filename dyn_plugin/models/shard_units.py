@@ -28,6 +28,8 @@ def unit_modules(model: nn.Module) -> dict[str, nn.Module]:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and embed is not None and getattr(head, "weight", None) is embed.weight:
         embed = head = None  # tied: the root owns the weight (a split head, which has no one weight, is untied)
+    if is_encoder_decoder(model):
+        embed = None  # read by the encoder and again by the decoder: the root owns it, gathered once per step
     if embed is not None:
         units[names[embed]] = embed
     for layer in decoder_layers(model):
