@@ -50,7 +50,7 @@ def initialize(
     model: nn.Module,
     config: str | os.PathLike | Mapping[str, Any] | LoadedConfig,
     dataset: Sequence[Any],
-    lengths: Sequence[int],
+    lengths: Sequence[int] | Sequence[Sequence[int]],
     *,
     plan: ShardPlan | str | os.PathLike | None = None,
     fsdp: Host = "fsdp2",
