@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -74,6 +75,25 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_step(engine, step, device: torch.device, counts: Sequence[float], timings: list | None = None):
+    """One planned step under DeepSpeed, timed as every batching is: all ranks start together
+    and the clock stops when the slowest has finished (its kernels run, not just queued).
+    ``counts``: this rank's figures (real tokens, token slots, ...), summed over the ranks.
+    Returns (ms, loss, the summed counts)."""
+    import deepspeed_ext
+
+    summed = torch.tensor(list(counts), dtype=torch.float64, device=device)  # NCCL reduces device tensors only
+    synchronize(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    loss = deepspeed_ext.train_step(engine, step, timings)
+    synchronize(device)  # once per step: the step's kernels have run, not just been queued
+    dist.barrier()
+    ms = (time.perf_counter() - t0) * 1e3
+    dist.all_reduce(summed)
+    return ms, loss, summed.tolist()
+
+
 def write_results(out: str, records: list[dict], rows: list[dict]) -> None:
     """Rank 0's files: ``out``/records.jsonl (one line per timed step) and summary.json (the rows
     ``dynplugin bench`` prints)."""
@@ -81,11 +101,15 @@ def write_results(out: str, records: list[dict], rows: list[dict]) -> None:
     write_json_atomic(os.path.join(out, "summary.json"), rows)
 
 
-def batchings_preamble(title: str, args: argparse.Namespace, legend: str, how: str = "") -> str:
-    """The batching reports' text above the table: ``title``, the run (``how``: how each step ran),
-    what the modes mean (``legend``) and how the prediction is scored."""
+def batchings_preamble(
+    title: str, args: argparse.Namespace, legend: str, how: str = "", data: str | None = None
+) -> str:
+    """The batching reports' text above the table: ``title``, the run (``data``: what it trained on,
+    by default the corpus; ``how``: how each step ran), what the modes mean (``legend``) and how the
+    prediction is scored."""
+    data = data or f"Python standard library source ({args.lengths}), sequences up to {args.max_len} tokens"
     return (
-        f"{title}\n\nPython standard library source ({args.lengths}), sequences up to {args.max_len} tokens, "
+        f"{title}\n\n{data}, "
         f"{args.global_tokens:,} tokens per global batch, {args.steps} steps per mode after {args.warmup} "
         f"warm-up{how}.\nEffective tokens/s counts non-padding tokens. {legend} Predicted step time: the plan's "
         f"simulated time ({cost_model_label(args.profile)}), the gradient all-reduce and optimizer step included; "

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -41,7 +40,7 @@ from .train_common import (
     finish_batchings,
     profile_dtype,
     ranks_on,
-    synchronize,
+    timed_step,
     tokenized_corpus,
     use_rank_device,
 )
@@ -118,32 +117,13 @@ def run_mode(mode: str, args, docs, lengths, device: torch.device, dtype: str) -
     total = args.warmup + args.steps
     bar = tqdm(total=total, desc=f"{mode:>12}", disable=dist.get_rank() != 0)
     for n, step in enumerate(loader):
-        # on the rank's device: NCCL reduces device tensors only
         # every rank of a sequence-parallel group lists the group's samples: count them on its first shard only
-        real = torch.tensor(
-            [
-                sum(
-                    sum(len(docs[i]) for i in mb)
-                    for mb, (_, _, index) in zip(step.sample_ids, step.shards)
-                    if index == 0
-                )
-            ],
-            dtype=torch.float64,
-            device=device,
+        real = sum(
+            sum(len(docs[i]) for i in mb) for mb, (_, _, index) in zip(step.sample_ids, step.shards) if index == 0
         )
-        slots = torch.tensor(
-            [sum(int(m["input_ids"].numel()) for m in step.micro_batches)], dtype=torch.float64, device=device
-        )
+        slots = sum(int(m["input_ids"].numel()) for m in step.micro_batches)
         timings: list = []
-        synchronize(device)
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = deepspeed_ext.train_step(engine, step, timings)
-        synchronize(device)  # once per step: the step's kernels have run, not just been queued
-        dist.barrier()
-        ms = (time.perf_counter() - t0) * 1e3
-        for t in (real, slots):
-            dist.all_reduce(t)
+        ms, loss, (real, slots) = timed_step(engine, step, device, (real, slots), timings)
         bar.update()
         if n == args.warmup and mode == "dyn_plugin":
             write_step_trace(step, timings, loader.context.cost, args.out, device)
@@ -154,8 +134,8 @@ def run_mode(mode: str, args, docs, lengths, device: torch.device, dtype: str) -
                     "step": n,
                     "measured_ms": ms,
                     "predicted_ms": step.predicted_ms,
-                    "real_tokens": float(real),
-                    "token_slots": float(slots),
+                    "real_tokens": real,
+                    "token_slots": slots,
                     "loss": loss,
                     "micro_batches": len(step.micro_batches),
                 }

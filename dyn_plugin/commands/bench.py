@@ -211,6 +211,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "same shape: padded, packing and the plugin",
     )
     train.add_argument(
+        "--model",
+        choices=("llama", "t5"),
+        default="llama",
+        help="llama (tiny Llama, the batchings above) or t5: a tiny T5 on (input, target) pairs of the bundled "
+        "'tasks' distribution under DeepSpeed, the pair planner against padded pairs and token budgets "
+        "(dyn_plugin/bench/train_pairs.py; needs --profile from `dynplugin profile --model tiny-t5 --ranks 2 "
+        "--threads 1`)",
+    )
+    train.add_argument(
         "--host",
         choices=("deepspeed", "megatron", "megatron-lm"),
         default="deepspeed",
@@ -236,9 +245,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--steps", type=STEPS, default=4)
     train.add_argument("--ranks", type=count(1, 1024), default=2)
     train.add_argument(
-        "--max-len", type=TOKENS, help="sequences are truncated to this many tokens (default 4096; 16384 with --sp)"
+        "--max-len",
+        type=TOKENS,
+        help="sequences are truncated to this many tokens (default 4096; 16384 with --sp; --model t5: 512 a side)",
     )
-    train.add_argument("--global-tokens", type=TOKENS, default=16384, help="tokens per global batch")
+    train.add_argument(
+        "--global-tokens", type=TOKENS, help="tokens per global batch (default 16384; --model t5: 8192, both sides)"
+    )
     train.add_argument(
         "--sp",
         action="store_true",
@@ -400,6 +413,9 @@ def bench_train(args: argparse.Namespace, host: dict) -> int:
     """Launch DeepSpeed's (or, with ``--host megatron``, Megatron's) batchings side by side on local ranks
     (torchrun), then print its summary rows. Each runs by module name in the ranks' processes: this
     process never imports train_megatron (the one module of dyn_plugin that imports megatron_patches)."""
+    if args.model == "t5":
+        return bench_train_pairs(args, host)
+    args.global_tokens = args.global_tokens or 16384
     if args.host == "megatron-lm":
         return bench_train_megatron_lm(args, host)
     if args.host == "megatron":
@@ -422,6 +438,26 @@ def bench_train(args: argparse.Namespace, host: dict) -> int:
         args,
         host,
         ["--max-len", str(max_len), "--global-tokens", str(args.global_tokens)] + extra,
+    )
+
+
+def bench_train_pairs(args: argparse.Namespace, host: dict) -> int:
+    """The tiny T5's batchings side by side under DeepSpeed on local ranks (torchrun), priced by its
+    CPU profile; its summary rows."""
+    if args.host != "deepspeed" or args.sp:
+        raise ValueError("--model t5 trains under DeepSpeed, data parallel: drop --host and --sp")
+    if not args.profile:
+        raise ValueError(
+            "--model t5 needs --profile: the tiny T5 measured on this machine "
+            "(dynplugin profile --model tiny-t5 --ranks 2 --threads 1 --out t5-profile.json); no analytic "
+            "model prices an encoder-decoder"
+        )
+    return launch_comparison(
+        "dyn_plugin.bench.train_pairs",
+        "train-t5",
+        args,
+        host,
+        ["--max-len", str(args.max_len or 512), "--global-tokens", str(args.global_tokens or 8192)],
     )
 
 

@@ -94,29 +94,17 @@ def run(args: argparse.Namespace) -> int:
         return run_import(args)
     if args.source:
         raise ValueError(f"unexpected argument {args.source!r}; did you mean `dynplugin profile import {args.source}`?")
-    from dataclasses import replace
-
-    from ..cost.model import RECOMPUTES
     from ..cost.profile import save_profile
-    from ..models.hf import load_model_config
+    from ..models.hf import hf_config, load_model_config
     from ..profiling.device import resolve_target
     from ..profiling.profiler import run_profile
     from ..profiling.workload import ProfileGrid
 
-    target = resolve_target(args.device, args.dtype)
     model_cfg = load_model_config(args.model)
-    recomputes = tuple(args.recompute.split(","))
-    bad = [r for r in recomputes if r not in RECOMPUTES]
-    if bad:
-        raise ValueError(f"--recompute {','.join(bad)}: allowed modes are {', '.join(RECOMPUTES)}")
-    grid = ProfileGrid(recomputes=recomputes)
-    overrides = {
-        "seq_lens": args.seq_lens,
-        "micro_batch_sizes": args.micro_batch_sizes,
-        "max_tokens": args.max_tokens,
-        "repeats": args.repeats,
-    }
-    grid = replace(grid, **{k: v for k, v in overrides.items() if v is not None})
+    if hf_config(model_cfg).is_encoder_decoder:
+        return run_pairs(args, model_cfg)
+    target = resolve_target(args.device, args.dtype)
+    grid = _grid(args, ProfileGrid())
     if not grid.points():
         raise ValueError("the grid is empty: every (seq_len x micro_batch_size) exceeds --max-tokens")
     progress = not args.no_progress
@@ -135,6 +123,70 @@ def run(args: argparse.Namespace) -> int:
     save_profile(profile, args.out)
     print_summary(profile)
     print(f"profile written to {args.out}")
+    return 0
+
+
+def _grid(args: argparse.Namespace, default):
+    """The profile grid: ``default`` with the flags given on top (recompute modes checked by name)."""
+    from dataclasses import replace
+
+    from ..cost.model import RECOMPUTES
+
+    recomputes = tuple(args.recompute.split(","))
+    bad = [r for r in recomputes if r not in RECOMPUTES]
+    if bad:
+        raise ValueError(f"--recompute {','.join(bad)}: allowed modes are {', '.join(RECOMPUTES)}")
+    overrides = {
+        "seq_lens": args.seq_lens,
+        "micro_batch_sizes": args.micro_batch_sizes,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+    }
+    return replace(default, recomputes=recomputes, **{k: v for k, v in overrides.items() if v is not None})
+
+
+# An encoder-decoder's default grid: both sides over these lengths (up to 1024 tokens a side, the
+# bench's pairs cut to 512 a side), a few minutes on 2 CPU cores
+PAIR_SEQ_LENS = (16, 64, 256, 512)
+
+
+def run_pairs(args: argparse.Namespace, model_cfg: dict) -> int:
+    """An encoder-decoder (``--model tiny-t5``): per-layer tables in the A100 T5 tables' format
+    (``dyn_plugin.profiling.pairs``), read by ``cost.encoder_decoder.import_t5_tables``."""
+    from ..atomic import write_json_atomic
+    from ..profiling.pairs import run_pair_profile
+    from ..profiling.workload import ProfileGrid
+
+    if (args.device or "cpu") != "cpu" or (args.dtype or "fp32") != "fp32":
+        raise ValueError(
+            f"--model {args.model}: an encoder-decoder is profiled on CPU in fp32 only (got --device "
+            f"{args.device or 'cpu'} --dtype {args.dtype or 'fp32'}); drop --device and --dtype"
+        )
+    if args.system_allocator:
+        raise ValueError("--system-allocator: an encoder-decoder is profiled under the pinned allocator only")
+    grid = _grid(args, ProfileGrid(seq_lens=PAIR_SEQ_LENS, layouts=("padded",)))
+    if not grid.pair_points():
+        raise ValueError("the grid is empty: every (seq_len x micro_batch_size) exceeds --max-tokens")
+    name = args.model if isinstance(args.model, str) and "/" not in args.model else model_cfg["model_type"]
+    raw = run_pair_profile(
+        model_cfg,
+        name=name,
+        grid=grid,
+        validate=args.validate,
+        threads=args.threads,
+        progress=not args.no_progress,
+        ranks=args.ranks,
+    )
+    write_json_atomic(args.out, raw)
+    v = raw.get("validation")
+    print(f"{len(grid.pair_points())} (input, target, pairs) points x {len(grid.recomputes)} recompute modes")
+    if v:
+        print(
+            f"held-out: {v['count']} random micro-batches of pairs through the {v['encoder_layers']}+"
+            f"{v['decoder_layers']}-layer model ({v['recompute']} recompute): step-time error mean "
+            f"{v['mape']:.1%}, max {v['max_ape']:.1%}"
+        )
+    print(f"encoder-decoder tables written to {args.out} (dyn_plugin.cost.encoder_decoder.import_t5_tables reads them)")
     return 0
 
 

@@ -44,7 +44,7 @@ from .workload import Inputs, ProfileGrid, backward, loss_closure, make_inputs, 
 logger = logging.getLogger(__name__)
 
 
-def _memory(model, inputs: Inputs) -> tuple[float, float]:
+def memory_of(model, inputs: Inputs) -> tuple[float, float]:
     """(stored, peak above the start) bytes of one forward+backward."""
     _, probe = measures(inputs.ids.device.type)
     return probe(loss_closure(model, inputs), backward)
@@ -219,7 +219,7 @@ def run_profile(
         )
     samples: list[Sample] = []
     for (layout, lens, rc, depth), job, (fwd, bwd) in zip(keys, jobs, times):
-        stored, peak = _memory(job.model, job.inputs)
+        stored, peak = memory_of(job.model, job.inputs)
         samples.append(
             Sample(
                 component="model",
@@ -348,7 +348,7 @@ def _pyramid_check(
     cases = []
     for count in sorted({0, depth // 2, depth}):
         switch.set(mode, count)
-        stored, peak = _memory(model, inputs)
+        stored, peak = memory_of(model, inputs)
         predicted = evaluate_checkpointed(
             cost.table(layout, mode), cost.table(layout, "none"), f, StageSpec(depth), count
         )

@@ -65,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from ..child import die_with_parent
-    from ..models.hf import build_causal_lm
+    from ..models.hf import build_causal_lm, build_seq2seq_lm, hf_config
     from .allocator import stable_cpu_allocator
-    from .workload import ProfileGrid, make_inputs, micro_batch_lengths, timed_step
+    from .workload import ProfileGrid, make_inputs, make_pair_inputs, micro_batch_lengths, timed_step
 
     p = argparse.ArgumentParser()
     p.add_argument("--spec", required=True)
@@ -79,13 +79,18 @@ def main(argv: list[str] | None = None) -> int:
     stable_cpu_allocator()
     torch.set_num_threads(spec["threads"])
     rng = np.random.default_rng(grid.seed + 1)
-    model = build_causal_lm(spec["model"]).train()
-    vocab = model.config.vocab_size
-    inputs = [
-        make_inputs(micro_batch_lengths(layout, s, n, rng), layout, vocab, 8, rng)
-        for layout in grid.layouts
-        for s, n in grid.points()
-    ]
+    if hf_config(spec["model"]).is_encoder_decoder:  # an encoder-decoder's profile (pairs.py): its pair grid
+        model = build_seq2seq_lm(spec["model"]).train()
+        vocab = model.config.vocab_size
+        inputs = [make_pair_inputs([se] * n, [sd] * n, vocab, 8, rng) for se, sd, n in grid.pair_points()]
+    else:
+        model = build_causal_lm(spec["model"]).train()
+        vocab = model.config.vocab_size
+        inputs = [
+            make_inputs(micro_batch_lengths(layout, s, n, rng), layout, vocab, 8, rng)
+            for layout in grid.layouts
+            for s, n in grid.points()
+        ]
     timed_step(model, inputs[0])
     print(READY, flush=True)
     while os.getppid() == args.parent:

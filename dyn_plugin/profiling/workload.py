@@ -30,6 +30,17 @@ class ProfileGrid:
     def points(self) -> list[tuple[int, int]]:
         return [(s, n) for s in self.seq_lens for n in self.micro_batch_sizes if s * n <= self.max_tokens]
 
+    def pair_points(self) -> list[tuple[int, int, int]]:
+        """An encoder-decoder's grid: (input length, target length, pairs), both sides over
+        ``seq_lens``, no side above ``max_tokens`` (the A100 T5 tables' grid, keyed the same way)."""
+        return [
+            (se, sd, n)
+            for se in self.seq_lens
+            for sd in self.seq_lens
+            for n in self.micro_batch_sizes
+            if n * max(se, sd) <= self.max_tokens
+        ]
+
 
 def micro_batch_lengths(layout: Layout, seq_len: int, n: int, rng: np.random.Generator) -> list[int]:
     """The sequences of one profiled micro-batch of n*seq_len tokens.
@@ -58,12 +69,15 @@ class Inputs:
     pos: Any = None
     cu: Any = None  # packed: int32 document boundaries [n + 1]
     longest: int | None = None
+    mask: Any = None  # (input, target) pairs: the inputs' attention mask [n, Se]; labels are the targets
 
     def to(self, device) -> "Inputs":
-        moved = {k: getattr(self, k) for k in ("ids", "labels", "pos", "cu")}
+        moved = {k: getattr(self, k) for k in ("ids", "labels", "pos", "cu", "mask")}
         return replace(self, **{k: None if v is None else v.to(device) for k, v in moved.items()})
 
     def kwargs(self) -> dict[str, Any]:
+        if self.mask is not None:  # an encoder-decoder shifts the labels into its decoder's inputs itself
+            return {"input_ids": self.ids, "attention_mask": self.mask, "labels": self.labels}
         out = {"input_ids": self.ids, "position_ids": self.pos, "labels": self.labels}
         if self.cu is not None:
             out.update(
@@ -91,6 +105,25 @@ def make_inputs(seq_lens: list[int], layout: Layout, vocab: int, pad_multiple: i
     labels[0, starts] = -100  # no prediction across a document boundary
     cu = torch.tensor([0, *np.cumsum(seq_lens)], dtype=torch.int32)
     return Inputs(ids, labels, pos, cu, max(seq_lens))
+
+
+def make_pair_inputs(
+    inputs: list[int], targets: list[int], vocab: int, pad_multiple: int, rng: np.random.Generator
+) -> Inputs:
+    """One encoder-decoder micro-batch of random tokens, each side right-padded to its longest
+    (rounded up to ``pad_multiple``) as the runtime's ``collate_pairs`` lays pairs out: padded
+    inputs masked, padded targets -100."""
+    import torch
+
+    n, se, sd = len(inputs), round_up(max(inputs), pad_multiple), round_up(max(targets), pad_multiple)
+    ids = torch.from_numpy(rng.integers(2, vocab, size=(n, se)))
+    labels = torch.from_numpy(rng.integers(2, vocab, size=(n, sd)))
+    mask = torch.zeros((n, se), dtype=torch.long)
+    for i, (a, b) in enumerate(zip(inputs, targets)):
+        ids[i, a:] = 0
+        mask[i, :a] = 1
+        labels[i, b:] = -100
+    return Inputs(ids, labels, mask=mask)
 
 
 def loss_closure(model, inputs: Inputs):
