@@ -27,7 +27,8 @@ still sees plain data parallelism.
 
 Modules: ``engine`` (initialize), ``step`` (train_step, on the host core's token-mean step),
 ``checkpoint`` (save/load, the loader position beside DeepSpeed's checkpoint), ``pipe_engine``,
-``pipe_module``, ``sequence_parallel``, ``zero3``.
+``pipe_module``, ``seq2seq_pipe`` (a T5 as an encoder stage then a decoder stage),
+``sequence_parallel``, ``zero3``.
 """
 
 from __future__ import annotations

@@ -90,8 +90,9 @@ def initialize(
 ):
     """``deepspeed.initialize`` with the plugin's loader; returns (engine, optimizer, loader, scheduler).
 
-    An encoder-decoder (T5) trains data-parallel on (input, target) pairs: ``lengths`` of shape
-    [N, 2], dataset items with ``input_ids`` and ``labels``, and an encoder-decoder ``cost_model``.
+    An encoder-decoder (T5) trains on (input, target) pairs: ``lengths`` of shape [N, 2], dataset
+    items with ``input_ids`` and ``labels``, and an encoder-decoder ``cost_model``; data-parallel,
+    or with ``pipeline.stages`` 2 as an encoder stage then a decoder stage (``seq2seq_pipe``).
 
     ``shard_plan``: a sharding plan to apply under ZeRO-3 instead of the one ``sharding.plan`` names."""
     import deepspeed
@@ -172,15 +173,18 @@ def initialize(
         from deepspeed_ext.pipe_engine import PlanPipelineEngine
         from deepspeed_ext.pipe_module import causal_lm_pipe
 
-        planned = [s.num_layers for s in loader.context.spec.stages]
+        stages = loader.context.spec.stages
         if isinstance(model, PipelineModule):
             logger.warning(
-                "using the given PipelineModule as it is: its stages should hold %s transformer layers "
-                "(pipeline.layers_per_stage), as the planner prices them",
-                planned,
+                "using the given PipelineModule as it is: its stages should hold the layers the planner prices: %s",
+                stages,
             )
+        elif is_encoder_decoder(model):
+            from deepspeed_ext.seq2seq_pipe import seq2seq_pipe
+
+            model = seq2seq_pipe(model, stages)  # encoder stages then decoder stages, at the plan's split
         else:
-            model = causal_lm_pipe(model, planned)
+            model = causal_lm_pipe(model, [s.num_layers for s in stages])
         swap = _engine_class(deepspeed, PlanPipelineEngine)
     with swap:
         engine, optimizer, _, scheduler = deepspeed.initialize(
@@ -209,13 +213,14 @@ def initialize(
 
 def _check_encoder_decoder(cfg: LoadedConfig, model: torch.nn.Module, lengths: Sequence[Any], cost_model: Any) -> None:
     """What an encoder-decoder (T5) trains under: (input, target) pairs planned by the
-    encoder-decoder planner, data parallel, ZeRO 0-3."""
+    encoder-decoder planner, data parallel (ZeRO 0-3) or in a pipeline of one encoder stage then
+    one decoder stage (ZeRO 0-1, seq2seq_pipe says what it builds)."""
     plugin, name = cfg.plugin, type(model).__name__
     refused = [
         (
-            plugin.pipeline.stages > 1,
+            plugin.pipeline.stages > 2,
             f"pipeline.stages = {plugin.pipeline.stages}",
-            "pipelines of encoder then decoder stages",
+            "pipelines of more than one encoder stage and one decoder stage",
         ),
         (plugin.sequence_parallel.enabled, "sequence_parallel.enabled", "sequence parallelism over pairs"),
         (plugin.sharding.enabled, "sharding.enabled", "sharding plans"),
@@ -225,8 +230,9 @@ def _check_encoder_decoder(cfg: LoadedConfig, model: torch.nn.Module, lengths: S
         if on:
             raise ValueError(
                 f"{setting} with an encoder-decoder model ({name}): {feature} are not built for encoder-decoder "
-                "models under DeepSpeed; train it data-parallel under ZeRO 0-3 on padded pairs (pipeline.stages "
-                "1, sequence_parallel and sharding off, microbatching.layout 'padded' or 'auto')"
+                "models under DeepSpeed; train it on padded pairs (pipeline.stages 1 or 2, sequence_parallel and "
+                "sharding off, "
+                "microbatching.layout 'padded' or 'auto')"
             )
     if np.ndim(lengths) != 2:
         # planned as sequences, the model would be trained on its inputs as its own targets

@@ -10,6 +10,13 @@ buffered send (NCCL has none; ``check_plans(rendezvous=True)`` proves the plans 
 Gradient reduction, the optimizer step and the backward of the loss stay
 DeepSpeed's own (``_exec_reduce_grads``, ``_exec_optimizer_step``, ``_exec_backward_pass``).
 
+Encoder-decoder plans (``ExecutionPlan.split_rank``, the module ``seq2seq_pipe``): a link moves
+every tensor its instruction's shapes name (``instructions.link_shapes``), each its own transfer in
+one batch; a stage's input is ``(*received, *loaded token ids, input attention mask)`` (the first
+stage loads the input ids, the first decoder stage the labels it shifts into the decoder's
+inputs); the gradients of all received tensors go back, the encoder output's summed over the
+cross-attentions of every decoder stage it passed.
+
 The loss is exact: the last stage sums each micro-batch's token losses and scales by
 dp / (scored tokens of the global batch), so after DeepSpeed averages over data-parallel ranks
 the update is that of the token-mean loss, whatever the plan.
@@ -65,6 +72,7 @@ class PlanPipelineEngine(PipelineEngine):
         super().__init__(*args, **kwargs)
         self._check_topology()
         self._losses: dict[int, torch.Tensor] = {}  # buffer -> scaled loss awaiting its backward
+        self._tokens: dict[int, tuple[torch.Tensor, ...]] = {}  # buffer -> a pair stage's loaded ids and mask
 
     def _check_topology(self) -> None:
         """Plans, their peers and the sequence-parallel groups number ranks stage-major, global rank
@@ -155,7 +163,7 @@ class PlanPipelineEngine(PipelineEngine):
                 with self._in_group(ins):
                     MethodType(handler, self)(ins)
                 continue
-            batch.append(MethodType(handler, self)(ins))
+            batch += MethodType(handler, self)(ins)
             if not ins.batch_next:
                 self._exchange(batch)
                 batch = []
@@ -236,22 +244,48 @@ class PlanPipelineEngine(PipelineEngine):
             return position_ids(desc.seq_lens, desc.layout, desc.shape).to(self.device)
         return shard.own_positions
 
+    @property
+    def _pairs(self) -> bool:
+        """Whether this step's plan runs an encoder-decoder's (input, target) pairs."""
+        return self._step.plan.split_rank is not None
+
     def _exec_load(self, ins: LoadMicroBatch) -> None:
         tensors = self._tensors[ins.mb]
-        if self.is_first_stage():
+        if self._pairs:
+            # the first stage embeds the inputs, the first decoder stage the shifted targets
+            ids = tensors["input_ids"] if self.stage_id == 0 else tensors["labels"]
+            self._tokens[ins.buffer] = (ids.to(self.device), tensors["attention_mask"].to(self.device))
+            if self.is_first_stage():
+                self.pipe_buffers["inputs"][ins.buffer] = ()
+        elif self.is_first_stage():
             self.pipe_buffers["inputs"][ins.buffer] = (tensors["input_ids"].to(self.device), self._positions(ins.mb))
         if self.is_last_stage():  # a shard's labels were shifted before the split
             key = "shift_labels" if self._step.plan.micro_batches[ins.mb].sp > 1 else "labels"
             self.pipe_buffers["labels"][ins.buffer] = tensors[key].to(self.device)
 
-    def _exec_recv_activation(self, ins: RecvActivation) -> tuple[dist.P2POp, Callable[[], None]]:
-        hidden = torch.empty(ins.shapes[0], dtype=self._act_dtype(), device=self.device)
+    def _exec_recv_activation(self, ins: RecvActivation) -> list[tuple[dist.P2POp, Callable[[], None]]]:
+        received = self._empty(ins.shapes)
 
         def done() -> None:
-            hidden.requires_grad_(self._training)
-            self.pipe_buffers["inputs"][ins.buffer] = (hidden, self._positions(ins.mb))
+            for t in received:
+                t.requires_grad_(self._training)
+            inputs = tuple(received) if self._pairs else (received[0], self._positions(ins.mb))
+            self.pipe_buffers["inputs"][ins.buffer] = inputs
 
-        return dist.P2POp(dist.irecv, hidden, self._peer(ins, -1)), done
+        return self._transfers(dist.irecv, received, self._peer(ins, -1), done)
+
+    def _empty(self, shapes: tuple[tuple[int, ...], ...]) -> list[torch.Tensor]:
+        """Receive buffers of the instruction's shapes, in the training precision."""
+        return [torch.empty(shape, dtype=self._act_dtype(), device=self.device) for shape in shapes]
+
+    @staticmethod
+    def _transfers(
+        op: Callable, tensors: list[torch.Tensor], peer: int, done: Callable[[], None]
+    ) -> list[tuple[dist.P2POp, Callable[[], None]]]:
+        """One transfer per tensor, posted in one batch with the instruction's neighbours; ``done``
+        once, after all of them."""
+        ops = [dist.P2POp(op, t, peer) for t in tensors]
+        return [(o, lambda: None) for o in ops[:-1]] + [(ops[-1], done)]
 
     def _set_recompute(self, mb: int) -> None:
         """The micro-batch's recompute mode on its count of this stage's layers. Set again for its
@@ -262,7 +296,10 @@ class PlanPipelineEngine(PipelineEngine):
 
     def _exec_forward(self, ins: ForwardPass) -> None:
         self._set_recompute(ins.mb)
-        outputs = super(PipelineEngine, self).forward(self.pipe_buffers["inputs"][ins.buffer])
+        inputs = self.pipe_buffers["inputs"][ins.buffer]
+        if self._pairs:
+            inputs = (*inputs, *self._tokens.pop(ins.buffer, ()))  # ids and mask where the stage loads them
+        outputs = super(PipelineEngine, self).forward(inputs)
         if self.is_last_stage():
             loss = self._token_loss(ins.mb, outputs, self.pipe_buffers["labels"][ins.buffer])
             self._loss_sum += loss.detach().double()
@@ -270,13 +307,17 @@ class PlanPipelineEngine(PipelineEngine):
                 self._losses[ins.buffer] = loss * self._loss_scale
             self.pipe_buffers["labels"][ins.buffer] = None
             return
-        hidden = outputs[0] if isinstance(outputs, tuple) else outputs
-        if tuple(hidden.shape) != tuple(ins.shapes[0]):
+        if self._pairs:  # everything the link carries (instructions.link_shapes)
+            sent = outputs if isinstance(outputs, tuple) else (outputs,)
+        else:
+            sent = (outputs[0] if isinstance(outputs, tuple) else outputs,)
+        got = [tuple(t.shape) for t in sent]
+        if got != [tuple(shape) for shape in ins.shapes]:
             raise RuntimeError(
-                f"stage {self.stage_id} produced {tuple(hidden.shape)} for micro-batch {ins.mb}, the plan "
-                f"expects {tuple(ins.shapes[0])}: does the model's hidden size match the cost model's?"
+                f"stage {self.stage_id} produced {got} for micro-batch {ins.mb}, the plan expects "
+                f"{[tuple(shape) for shape in ins.shapes]}: does the model's hidden size match the cost model's?"
             )
-        self.pipe_buffers["outputs"][ins.buffer] = hidden
+        self.pipe_buffers["outputs"][ins.buffer] = sent[0] if len(sent) == 1 else sent
 
     def _token_loss(self, mb: int, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The module's summed token loss; a shard's with its pre-shifted labels."""
@@ -291,22 +332,23 @@ class PlanPipelineEngine(PipelineEngine):
             )
         return summed_token_loss(logits, labels, shifted=True)
 
-    def _exec_send_activation(self, ins: SendActivation) -> tuple[dist.P2POp, Callable[[], None]]:
-        hidden = self.pipe_buffers["outputs"][ins.buffer].detach().contiguous()
+    def _exec_send_activation(self, ins: SendActivation) -> list[tuple[dist.P2POp, Callable[[], None]]]:
+        outputs = self.pipe_buffers["outputs"][ins.buffer]
+        sent = [t.detach().contiguous() for t in (outputs if isinstance(outputs, tuple) else (outputs,))]
 
         def done() -> None:
             if not self._training:  # no backward will free it
                 self.pipe_buffers["outputs"][ins.buffer] = None
 
-        return dist.P2POp(dist.isend, hidden, self._peer(ins, +1)), done
+        return self._transfers(dist.isend, sent, self._peer(ins, +1), done)
 
-    def _exec_recv_grad(self, ins: RecvGrad) -> tuple[dist.P2POp, Callable[[], None]]:
-        grad = torch.empty(ins.shapes[0], dtype=self._act_dtype(), device=self.device)
+    def _exec_recv_grad(self, ins: RecvGrad) -> list[tuple[dist.P2POp, Callable[[], None]]]:
+        grads = self._empty(ins.shapes)
 
-        def done() -> None:
-            self.grad_layer = grad
+        def done() -> None:  # as DeepSpeed's backward takes them: one tensor, or one per output
+            self.grad_layer = grads[0] if len(grads) == 1 else tuple(grads)
 
-        return dist.P2POp(dist.irecv, grad, self._peer(ins, +1)), done
+        return self._transfers(dist.irecv, grads, self._peer(ins, +1), done)
 
     def _exec_backward(self, ins: BackwardPass) -> None:
         self._set_recompute(ins.mb)
@@ -319,13 +361,14 @@ class PlanPipelineEngine(PipelineEngine):
         if self.is_first_stage():
             self.pipe_buffers["inputs"][ins.buffer] = None
 
-    def _exec_send_grad(self, ins: SendGrad) -> tuple[dist.P2POp, Callable[[], None]]:
-        grad = self.pipe_buffers["inputs"][ins.buffer][0].grad
+    def _exec_send_grad(self, ins: SendGrad) -> list[tuple[dist.P2POp, Callable[[], None]]]:
+        inputs = self.pipe_buffers["inputs"][ins.buffer]
+        grads = [t.grad for t in (inputs if self._pairs else inputs[:1])]  # of every received tensor
 
         def done() -> None:
             self.pipe_buffers["inputs"][ins.buffer] = None
 
-        return dist.P2POp(dist.isend, grad, self._peer(ins, -1)), done
+        return self._transfers(dist.isend, grads, self._peer(ins, -1), done)
 
     def _exec_reduce(self, ins: ReduceGrads) -> None:
         self._exec_reduce_tied_grads()

@@ -156,7 +156,11 @@ def test_deepspeed_trains_t5_on_pairs_exactly_for_every_zero_stage(tmp_path):
 @pytest.mark.parametrize(
     "plugin, lengths, message",
     [
-        ({"pipeline": {"stages": 2}}, [[2, 2]], "pipelines of encoder then decoder stages are not built"),
+        (
+            {"pipeline": {"stages": 3}},
+            [[2, 2]],
+            "pipelines of more than one encoder stage and one decoder stage are not built",
+        ),
         ({"sequence_parallel": {"enabled": True}}, [[2, 2]], "sequence parallelism over pairs are not built"),
         ({"microbatching": {"layout": "packed"}}, [[2, 2]], "rows packed with several pairs are not built"),
         ({}, [2], "it trains on (input, target) pairs; give lengths as an [N, 2] array"),
