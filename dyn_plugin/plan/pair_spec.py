@@ -127,7 +127,8 @@ def pair_planner_spec(
         )
     if mb.layout not in ("auto", "padded"):
         raise ValueError(
-            f"microbatching.layout={mb.layout!r}: encoder-decoder micro-batches are priced padded per side only"
+            f"microbatching.layout={mb.layout!r}: the encoder-decoder planner prices its micro-batches padded per "
+            "side only; rows packed with several pairs per side are the baseline microbatching.method 'packing_full'"
         )
     if mb.pad_multiple != cost.pad_multiple:
         raise ValueError(
