@@ -71,6 +71,8 @@ def run(zero: int, recompute: str, pairs, data, world: int) -> dict:
     initial = [p.detach().clone() for p in engine.module.parameters()]
     diffs, trained, counts, links, losses = [], [], [], set(), []
     for step in loader:
+        if not losses:  # forward-only first: the same loss, no update
+            eval_loss = engine.eval_batch(step)
         loss = deepspeed_ext.train_step(engine, step)
         mine = [i for mb in step.sample_ids for i in mb] if engine.is_first_stage() else []
         gathered = [None] * world
@@ -116,6 +118,7 @@ def run(zero: int, recompute: str, pairs, data, world: int) -> dict:
         "trained": trained,
         "micro_batches": counts,
         "losses": losses,
+        "eval_loss": eval_loss,
         "links": sorted(links),
         "dp": engine.dp_world_size,
         "stages": engine.num_stages,

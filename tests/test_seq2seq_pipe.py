@@ -1,8 +1,8 @@
 """Encoder-decoder (T5) pipelines: execution plans whose links carry what Megatron's T5 pipeline
 sends (instructions.link_shapes, checked against the cost model's link bytes), the T5 split into
 an encoder stage and a decoder stage (deepspeed_ext.seq2seq_pipe), and a tiny T5 trained through
-``deepspeed_ext.initialize`` with ``pipeline.stages`` 2 on gloo ranks, exact against the
-unmodified model (tests/ds_t5_pipe_worker.py)."""
+``deepspeed_ext.initialize`` with ``pipeline.stages`` 2 on 2 gloo ranks (and 4: two replicas, slow),
+exact against the unmodified model (tests/ds_t5_pipe_worker.py)."""
 
 from __future__ import annotations
 
@@ -102,19 +102,22 @@ def test_seq2seq_pipe_refuses_what_it_does_not_build():
         seq2seq_pipe(model, three)
 
 
-def test_deepspeed_trains_t5_in_an_encoder_then_decoder_pipeline_exactly(tmp_path):
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["pp2", "pp2xdp2"])
+def test_deepspeed_trains_t5_in_an_encoder_then_decoder_pipeline_exactly(tmp_path, world):
     out = tmp_path / "result.json"
-    codes, logs = run("ds_t5_pipe_worker.py", out)
-    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    codes, logs = run("ds_t5_pipe_worker.py", out, world=world)
+    assert codes == [0] * world, logs[0][-3000:] + logs[-1][-3000:]
     report = json.loads(out.read_text())
     assert [(c["zero"], c["recompute"]) for c in report["cases"]] == [(0, "none"), (1, "full")]
     for c in report["cases"]:
-        assert c["stages"] == 2 and c["dp"] == 1, c
+        assert c["stages"] == 2 and c["dp"] == world // 2, c
         assert max(c["max_abs_diff"]) <= EXACT, c  # after every step, every parameter on both stages
         assert min(c["moved"]) > 1e-3, c  # the steps changed the parameters the check compares
-        assert sum(c["params_local"]) == c["params"] + 1, c  # both stages; the tied embedding on each
+        # every replica's two stages; the tied embedding on each stage
+        assert sum(c["params_local"]) == (c["params"] + 1) * c["dp"], c
         for loss, want in c["losses"]:
             assert loss == pytest.approx(want, rel=1e-6), c
+        assert c["eval_loss"] == pytest.approx(c["losses"][0][1], rel=1e-6), c  # eval_batch: forwards only
         assert sorted(i for ids in c["trained"] for i in ids) == list(range(report["samples"])), c
         assert max(c["micro_batches"]) > 1, c  # micro-batches in flight on both stages
         assert c["recompute_ran"] == c["recompute"], c
