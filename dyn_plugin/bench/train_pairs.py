@@ -21,6 +21,7 @@ prints the summary as JSON.)
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import numpy as np
@@ -32,7 +33,6 @@ import deepspeed_ext
 
 from ..atomic import atomic_path
 from ..cost.encoder_decoder import import_t5_tables
-from ..jsonfile import read_json
 from ..models.hf import build_seq2seq_lm
 from ..runtime.planning import PAIR_METHODS
 from .train_common import (
@@ -169,7 +169,8 @@ def main() -> None:
     if device.type != "cpu":
         raise SystemExit("the encoder-decoder benchmark trains on CPU ranks (its profile is a CPU, fp32 one)")
     deepspeed.init_distributed(dist_backend="gloo")
-    raw = read_json(args.profile, "encoder-decoder tables")
+    with open(args.profile) as f:
+        raw = json.load(f)
     cost = import_t5_tables(raw)
     if cost.dtype != "fp32" or "config" not in raw.get("model", {}):
         raise SystemExit(f"{args.profile}: not a CPU profile of an encoder-decoder (dynplugin profile --model tiny-t5)")

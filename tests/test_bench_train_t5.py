@@ -1,0 +1,46 @@
+"""`dynplugin bench train --model t5` end to end, small: the tiny T5 profiled on a tiny grid, then
+trained under DeepSpeed on 2 gloo ranks on the bundled 'tasks' pairs, every batching side by side."""
+
+import json
+
+import pytest
+
+from dyn_plugin.bench.train_pairs import MODES, trainable_modes
+from dyn_plugin.cli import main
+
+
+def test_bench_train_t5_runs_the_comparison(tmp_path, capsys):
+    profile = tmp_path / "t5.json"
+    grid = ["--seq-lens", "16,32", "--micro-batch-sizes", "1,4,8", "--max-tokens", "256", "--repeats", "1"]
+    argv = ["profile", "--model", "tiny-t5", "--out", str(profile), "--recompute", "none", "--validate", "0"]
+    assert main(argv + grid + ["--threads", "1", "--no-progress"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "train"
+    argv = ["bench", "train", "--model", "t5", "--profile", str(profile), "--out", str(out)]
+    assert main(argv + ["--steps", "1", "--max-len", "32", "--global-tokens", "512", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["mode"] for r in rows] == trainable_modes()
+    assert {"padded", "token_budget", "packing", "dyn_plugin"} <= set(trainable_modes()) <= set(MODES)
+    for r in rows:
+        assert r["benchmark"] == "train-t5" and r["steps"] == 1
+        assert r["effective_tokens_per_s"] > 0 and r["predicted_step_ms"] > 0
+        assert r["prediction_mape"] is not None and 0 <= r["padding_fraction"] < 1
+    plugin = next(r for r in rows if r["mode"] == "dyn_plugin")
+    assert {"speedup_vs_padded", "speedup_vs_token_budget", "speedup_vs_packing"} <= set(plugin)
+    # the same global batches: every mode trained the same real tokens
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert len({r["real_tokens"] for r in records}) == 1
+    assert (out / "report.md").exists()
+
+
+def test_bench_train_t5_needs_a_profile(tmp_path, capsys):
+    assert main(["bench", "train", "--model", "t5", "--out", str(tmp_path)]) != 0
+    assert "dynplugin profile --model tiny-t5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--host", "megatron"], ["--sp"]])
+def test_bench_train_t5_is_deepspeed_data_parallel(tmp_path, capsys, flags):
+    profile = tmp_path / "p.json"
+    profile.write_text("{}")
+    assert main(["bench", "train", "--model", "t5", "--profile", str(profile), *flags]) != 0
+    assert "--model t5 trains under DeepSpeed" in capsys.readouterr().err
