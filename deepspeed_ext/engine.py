@@ -92,7 +92,7 @@ def initialize(
 
     An encoder-decoder (T5) trains on (input, target) pairs: ``lengths`` of shape [N, 2], dataset
     items with ``input_ids`` and ``labels``, and an encoder-decoder ``cost_model``; data-parallel,
-    or with ``pipeline.stages`` 2 as an encoder stage then a decoder stage (``seq2seq_pipe``).
+    or in a pipeline of encoder stages then decoder stages (``seq2seq_pipe``).
 
     ``shard_plan``: a sharding plan to apply under ZeRO-3 instead of the one ``sharding.plan`` names."""
     import deepspeed
@@ -213,15 +213,10 @@ def initialize(
 
 def _check_encoder_decoder(cfg: LoadedConfig, model: torch.nn.Module, lengths: Sequence[Any], cost_model: Any) -> None:
     """What an encoder-decoder (T5) trains under: (input, target) pairs planned by the
-    encoder-decoder planner, data parallel (ZeRO 0-3) or in a pipeline of one encoder stage then
-    one decoder stage (ZeRO 0-1, seq2seq_pipe says what it builds)."""
+    encoder-decoder planner, data parallel (ZeRO 0-3) or in a pipeline of encoder stages then
+    decoder stages (ZeRO 0-1, ``seq2seq_pipe``)."""
     plugin, name = cfg.plugin, type(model).__name__
     refused = [
-        (
-            plugin.pipeline.stages > 2,
-            f"pipeline.stages = {plugin.pipeline.stages}",
-            "pipelines of more than one encoder stage and one decoder stage",
-        ),
         (plugin.sequence_parallel.enabled, "sequence_parallel.enabled", "sequence parallelism over pairs"),
         (plugin.sharding.enabled, "sharding.enabled", "sharding plans"),
         (plugin.microbatching.layout == "packed", "microbatching.layout 'packed'", "rows packed with several pairs"),
@@ -230,8 +225,7 @@ def _check_encoder_decoder(cfg: LoadedConfig, model: torch.nn.Module, lengths: S
         if on:
             raise ValueError(
                 f"{setting} with an encoder-decoder model ({name}): {feature} are not built for encoder-decoder "
-                "models under DeepSpeed; train it on padded pairs (pipeline.stages 1 or 2, sequence_parallel and "
-                "sharding off, "
+                "models under DeepSpeed; train it on padded pairs (sequence_parallel and sharding off, "
                 "microbatching.layout 'padded' or 'auto')"
             )
     if np.ndim(lengths) != 2:

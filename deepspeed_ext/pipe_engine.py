@@ -252,9 +252,11 @@ class PlanPipelineEngine(PipelineEngine):
     def _exec_load(self, ins: LoadMicroBatch) -> None:
         tensors = self._tensors[ins.mb]
         if self._pairs:
-            # the first stage embeds the inputs, the first decoder stage the shifted targets
-            ids = tensors["input_ids"] if self.stage_id == 0 else tensors["labels"]
-            self._tokens[ins.buffer] = (ids.to(self.device), tensors["attention_mask"].to(self.device))
+            # the first stage embeds the inputs, the first decoder stage the shifted targets; the
+            # last stage after it takes the input mask only
+            embeds = {0: "input_ids", self._step.plan.split_rank: "labels"}.get(self.stage_id)
+            ids = (tensors[embeds].to(self.device),) if embeds else ()
+            self._tokens[ins.buffer] = (*ids, tensors["attention_mask"].to(self.device))
             if self.is_first_stage():
                 self.pipe_buffers["inputs"][ins.buffer] = ()
         elif self.is_first_stage():
@@ -262,6 +264,13 @@ class PlanPipelineEngine(PipelineEngine):
         if self.is_last_stage():  # a shard's labels were shifted before the split
             key = "shift_labels" if self._step.plan.micro_batches[ins.mb].sp > 1 else "labels"
             self.pipe_buffers["labels"][ins.buffer] = tensors[key].to(self.device)
+
+    def _input_mask(self, mb: int) -> torch.Tensor:
+        """The input padding mask of pair micro-batch ``mb`` [rows, input width], from its plan, as
+        ``runtime.collate_pairs`` builds it: 1 on each input's tokens, 0 on its padding."""
+        desc = self._step.plan.micro_batches[mb]
+        inputs = torch.tensor([n for n, _ in desc.seq_lens], device=self.device)
+        return (torch.arange(desc.shape[1], device=self.device)[None, :] < inputs[:, None]).long()
 
     def _exec_recv_activation(self, ins: RecvActivation) -> list[tuple[dist.P2POp, Callable[[], None]]]:
         received = self._empty(ins.shapes)
@@ -297,8 +306,9 @@ class PlanPipelineEngine(PipelineEngine):
     def _exec_forward(self, ins: ForwardPass) -> None:
         self._set_recompute(ins.mb)
         inputs = self.pipe_buffers["inputs"][ins.buffer]
-        if self._pairs:
-            inputs = (*inputs, *self._tokens.pop(ins.buffer, ()))  # ids and mask where the stage loads them
+        if self._pairs:  # ids and mask where the stage loads them, else the mask from the plan
+            loaded = self._tokens.pop(ins.buffer, None)
+            inputs = (*inputs, *(loaded if loaded is not None else (self._input_mask(ins.mb),)))
         outputs = super(PipelineEngine, self).forward(inputs)
         if self.is_last_stage():
             loss = self._token_loss(ins.mb, outputs, self.pipe_buffers["labels"][ins.buffer])

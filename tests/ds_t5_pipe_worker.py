@@ -22,7 +22,7 @@ from dyn_plugin.cost.bundled import DIR  # noqa: E402
 from dyn_plugin.cost.encoder_decoder import import_t5_tables  # noqa: E402
 from dyn_plugin.host.recompute import recompute_switch  # noqa: E402
 from dyn_plugin.models.hf import build_seq2seq_lm  # noqa: E402
-from dyn_plugin.plan.instructions import RecvActivation, RecvGrad, SendActivation  # noqa: E402
+from dyn_plugin.plan.instructions import EXCHANGES  # noqa: E402
 from ranks import finish  # noqa: E402
 from token_mean import LR, reference  # noqa: E402
 
@@ -40,7 +40,7 @@ def tiny_cost():
     )
 
 
-def run(zero: int, recompute: str, pairs, data, world: int) -> dict:
+def run(zero: int, recompute: str, pairs, data, world: int, stages: int) -> dict:
     torch.manual_seed(0)
     model = build_seq2seq_lm(T5)
     ref = copy.deepcopy(model)
@@ -54,7 +54,7 @@ def run(zero: int, recompute: str, pairs, data, world: int) -> dict:
                 "max_seq_len": 512,
                 "recompute": recompute,
             },
-            "pipeline": {"stages": 2},
+            "pipeline": {"stages": stages},
             "cluster": {"device": {"memory_mb": 400000}},  # T5 11B-sized layers' states fit a stage
         },
     }
@@ -95,16 +95,13 @@ def run(zero: int, recompute: str, pairs, data, world: int) -> dict:
         trained.append(ids)
         counts.append(len(step.plan.micro_batches))
         losses.append((loss, want))
-        links |= {
-            (type(i).__name__, len(i.shapes))
-            for i in step.plan.instructions
-            if isinstance(i, (SendActivation, RecvActivation, RecvGrad))
-        }
+        links |= {(type(i).__name__, len(i.shapes)) for i in step.plan.instructions if isinstance(i, EXCHANGES)}
     stats = torch.tensor(diffs, dtype=torch.float64)
     every = [torch.zeros_like(stats) for _ in range(world)]
     dist.all_gather(every, stats)
-    compared, moved = [None] * world, [None] * world
+    compared, moved, transfers = [None] * world, [None] * world, [None] * world
     dist.all_gather_object(compared, len(local))
+    dist.all_gather_object(transfers, sorted(links))
     mine = max(float((p.detach() - q).abs().max()) for p, q in zip(engine.module.parameters(), initial))
     dist.all_gather_object(moved, mine)
     return {
@@ -119,18 +116,18 @@ def run(zero: int, recompute: str, pairs, data, world: int) -> dict:
         "micro_batches": counts,
         "losses": losses,
         "eval_loss": eval_loss,
-        "links": sorted(links),
+        "links": transfers,  # per rank, its transfers: (instruction, tensors it moves)
         "dp": engine.dp_world_size,
         "stages": engine.num_stages,
     }
 
 
 def main():
-    out = sys.argv[1]
+    out, stages = sys.argv[1], int(sys.argv[2])
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     pairs, data = planned_pairs(0, 24)
-    results = [run(0, "none", pairs, data, world), run(1, "full", pairs, data, world)]
+    results = [run(0, "none", pairs, data, world, stages), run(1, "full", pairs, data, world, stages)]
     finish({"cases": results, "samples": len(pairs)}, out)
 
 

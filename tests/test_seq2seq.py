@@ -156,17 +156,12 @@ def test_deepspeed_trains_t5_on_pairs_exactly_for_every_zero_stage(tmp_path):
 @pytest.mark.parametrize(
     "plugin, lengths, message",
     [
-        (
-            {"pipeline": {"stages": 3}},
-            [[2, 2]],
-            "pipelines of more than one encoder stage and one decoder stage are not built",
-        ),
         ({"sequence_parallel": {"enabled": True}}, [[2, 2]], "sequence parallelism over pairs are not built"),
         ({"microbatching": {"layout": "packed"}}, [[2, 2]], "rows packed with several pairs are not built"),
         ({}, [2], "it trains on (input, target) pairs; give lengths as an [N, 2] array"),
         ({}, [[2, 2]], "pass cost_model=, an encoder-decoder cost model"),
     ],
-    ids=["pipeline", "sequence parallel", "packed", "sequence lengths", "decoder-only cost model"],
+    ids=["sequence parallel", "packed", "sequence lengths", "decoder-only cost model"],
 )
 def test_deepspeed_initialize_refuses_what_is_not_built_for_encoder_decoders(plugin, lengths, message):
     import deepspeed_ext

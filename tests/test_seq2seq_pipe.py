@@ -1,8 +1,9 @@
 """Encoder-decoder (T5) pipelines: execution plans whose links carry what Megatron's T5 pipeline
 sends (instructions.link_shapes, checked against the cost model's link bytes), the T5 split into
 an encoder stage and a decoder stage (deepspeed_ext.seq2seq_pipe), and a tiny T5 trained through
-``deepspeed_ext.initialize`` with ``pipeline.stages`` 2 on 2 gloo ranks (and 4: two replicas, slow),
-exact against the unmodified model (tests/ds_t5_pipe_worker.py)."""
+``deepspeed_ext.initialize`` on gloo ranks, exact against the unmodified model
+(tests/ds_t5_pipe_worker.py): pp=2 (an encoder stage, a decoder stage), pp=4 (two a side: the
+decoder links carry two tensors, the position bias tables tied) and pp=2 x dp=2 (slow)."""
 
 from __future__ import annotations
 
@@ -97,29 +98,47 @@ def test_seq2seq_pipe_refuses_what_it_does_not_build():
     model = build_seq2seq_lm(dict(PRESETS["tiny-t5"], d_model=32, d_kv=8, d_ff=64, vocab_size=97))
     with pytest.raises(ValueError, match="the model has 2 and 2: price the pipeline with a cost model"):
         seq2seq_pipe(model, (PairStage(encoder_layers=24, embedding=True), PairStage(decoder_layers=24, last=True)))
-    three = (PairStage(2, embedding=True), PairStage(0, 1, embedding=True), PairStage(0, 1, last=True))
-    with pytest.raises(ValueError, match="T5 pipelines of 3 stages"):
-        seq2seq_pipe(model, three)
+    mixed = (PairStage(2, 1, embedding=True), PairStage(0, 1, last=True))
+    with pytest.raises(ValueError, match="encoder stages then decoder stages, one kind of layer on each"):
+        seq2seq_pipe(model, mixed)
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["pp2", "pp2xdp2"])
-def test_deepspeed_trains_t5_in_an_encoder_then_decoder_pipeline_exactly(tmp_path, world):
+# per stage of a replica, its transfers: (instruction, tensors it moves)
+ENCODER_THEN_DECODER = [[["RecvGrad", 1], ["SendActivation", 1]], [["RecvActivation", 1], ["SendGrad", 1]]]
+TWO_A_SIDE = [  # split 2: the decoder stages carry their hidden states and the encoder output
+    [["RecvGrad", 1], ["SendActivation", 1]],
+    [["RecvActivation", 1], ["RecvGrad", 1], ["SendActivation", 1], ["SendGrad", 1]],
+    [["RecvActivation", 1], ["RecvGrad", 2], ["SendActivation", 2], ["SendGrad", 1]],
+    [["RecvActivation", 2], ["SendGrad", 2]],
+]
+
+
+@pytest.mark.parametrize(
+    "world, stages, links, tied",
+    [
+        (2, 2, ENCODER_THEN_DECODER, 1),  # the embedding on both stages
+        # the embedding on three stages, each side's position bias table on its two
+        (4, 4, TWO_A_SIDE, 4),
+        pytest.param(4, 2, ENCODER_THEN_DECODER, 1, marks=pytest.mark.slow),
+    ],
+    ids=["pp2", "pp4", "pp2xdp2"],
+)
+def test_deepspeed_trains_t5_in_an_encoder_then_decoder_pipeline_exactly(tmp_path, world, stages, links, tied):
     out = tmp_path / "result.json"
-    codes, logs = run("ds_t5_pipe_worker.py", out, world=world)
+    codes, logs = run("ds_t5_pipe_worker.py", out, stages, world=world)
     assert codes == [0] * world, logs[0][-3000:] + logs[-1][-3000:]
     report = json.loads(out.read_text())
     assert [(c["zero"], c["recompute"]) for c in report["cases"]] == [(0, "none"), (1, "full")]
     for c in report["cases"]:
-        assert c["stages"] == 2 and c["dp"] == world // 2, c
+        assert c["stages"] == stages and c["dp"] == world // stages, c
         assert max(c["max_abs_diff"]) <= EXACT, c  # after every step, every parameter on both stages
         assert min(c["moved"]) > 1e-3, c  # the steps changed the parameters the check compares
-        # every replica's two stages; the tied embedding on each stage
-        assert sum(c["params_local"]) == (c["params"] + 1) * c["dp"], c
+        # every replica's stages; a tied parameter on each stage that holds it
+        assert sum(c["params_local"]) == (c["params"] + tied) * c["dp"], c
         for loss, want in c["losses"]:
             assert loss == pytest.approx(want, rel=1e-6), c
         assert c["eval_loss"] == pytest.approx(c["losses"][0][1], rel=1e-6), c  # eval_batch: forwards only
         assert sorted(i for ids in c["trained"] for i in ids) == list(range(report["samples"])), c
         assert max(c["micro_batches"]) > 1, c  # micro-batches in flight on both stages
         assert c["recompute_ran"] == c["recompute"], c
-        # rank 0, the encoder stage: sends the encoder output, receives its gradient, one tensor each
-        assert c["links"] == [["RecvGrad", 1], ["SendActivation", 1]], c
+        assert c["links"] == [stage for stage in links for _ in range(c["dp"])], c  # ranks stage-major
