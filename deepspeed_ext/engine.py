@@ -220,6 +220,11 @@ def _check_encoder_decoder(cfg: LoadedConfig, model: torch.nn.Module, lengths: S
         (plugin.sequence_parallel.enabled, "sequence_parallel.enabled", "sequence parallelism over pairs"),
         (plugin.sharding.enabled, "sharding.enabled", "sharding plans"),
         (plugin.microbatching.layout == "packed", "microbatching.layout 'packed'", "rows packed with several pairs"),
+        (
+            plugin.pipeline.stages > 1 and plugin.microbatching.method == "packing_full",
+            f"microbatching.method 'packing_full' with pipeline.stages = {plugin.pipeline.stages}",
+            "pipelines of packed pairs (packing_full trains data parallel: models.seq2seq)",
+        ),
     ]
     for on, setting, feature in refused:
         if on:

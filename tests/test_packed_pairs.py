@@ -210,3 +210,24 @@ def test_deepspeed_trains_the_pair_packing_baseline_exactly(tmp_path):
             assert loss == pytest.approx(want, rel=EXACT), c
         assert sorted(i for ids in c["trained"] for i in ids) == list(range(c["samples"])), c  # each pair once
         assert c["layouts"] == ["packed"] and c["rows_shared"], c  # rows of several pairs
+
+
+def test_hosts_without_the_packed_forward_refuse_packing_full():
+    """DeepSpeed pipelines and FSDP run no packed pair micro-batch (models.seq2seq.pair_forward is the
+    data-parallel DeepSpeed step's): they refuse the method by name."""
+    import deepspeed_ext
+    from dyn_plugin.fsdp import initialize
+
+    cost = import_t5_tables(DIR / "measured" / "a100-t5-11b.json")
+    data = [{"input_ids": [3, 4], "labels": [5, 6]}]
+    method = {"microbatching": {"method": "packing_full"}}
+    with pytest.raises(ValueError, match="pipelines of packed pairs"):
+        deepspeed_ext.initialize(
+            model=build_seq2seq_lm(T5),
+            config={"dyn_plugin": {**method, "pipeline": {"stages": 2}}},
+            dataset=data,
+            lengths=[[2, 2]],
+            cost_model=cost,
+        )
+    with pytest.raises(ValueError, match="packed pairs train under deepspeed_ext"):
+        initialize(build_seq2seq_lm(T5), {"dyn_plugin": method}, data, [[2, 2]], cost_model=cost)

@@ -152,6 +152,12 @@ def _check_encoder_decoder(cfg: LoadedConfig, model: nn.Module, lengths: Sequenc
             f"microbatching.layout 'packed' with an encoder-decoder model ({name}): rows packed with several "
             "pairs are not built for encoder-decoder models under FSDP; set microbatching.layout to 'padded' or 'auto'"
         )
+    if cfg.plugin.microbatching.method == "packing_full":
+        # its micro-batches need models.seq2seq.pair_forward around the wrapped model, which the FSDP step lacks
+        raise ValueError(
+            f"microbatching.method 'packing_full' with an encoder-decoder model ({name}): packed pairs train under "
+            "deepspeed_ext (data parallel) only; use another method under FSDP"
+        )
     if np.ndim(lengths) != 2:
         # planned as sequences, the model would be trained on its inputs as its own targets
         raise ValueError(
