@@ -8,6 +8,7 @@ depth and width: the plan's link shapes are the model's; prices do not change th
 
 import copy
 import dataclasses
+import os
 import sys
 
 import torch
@@ -40,7 +41,7 @@ def tiny_cost():
     )
 
 
-def run(zero: int, recompute: str, pairs, data, world: int, stages: int) -> dict:
+def run(zero: int, recompute: str, pairs, data, world: int, stages: int, ckpt: str) -> dict:
     torch.manual_seed(0)
     model = build_seq2seq_lm(T5)
     ref = copy.deepcopy(model)
@@ -96,12 +97,22 @@ def run(zero: int, recompute: str, pairs, data, world: int, stages: int) -> dict
         counts.append(len(step.plan.micro_batches))
         losses.append((loss, want))
         links |= {(type(i).__name__, len(i.shapes)) for i in step.plan.instructions if isinstance(i, EXCHANGES)}
+    # DeepSpeed's pipeline checkpoint (per layer, tied layers included) and the loader position round-trip
+    deepspeed_ext.save_checkpoint(engine, loader, ckpt)
+    saved = [p.detach().clone() for p in engine.module.parameters()]
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            p.add_(1.0)
+    deepspeed_ext.load_checkpoint(engine, loader, ckpt)
+    restored = max(float((p.detach() - q).abs().max()) for p, q in zip(engine.module.parameters(), saved))
     stats = torch.tensor(diffs, dtype=torch.float64)
     every = [torch.zeros_like(stats) for _ in range(world)]
     dist.all_gather(every, stats)
     compared, moved, transfers = [None] * world, [None] * world, [None] * world
     dist.all_gather_object(compared, len(local))
     dist.all_gather_object(transfers, sorted(links))
+    restores = [None] * world
+    dist.all_gather_object(restores, restored)
     mine = max(float((p.detach() - q).abs().max()) for p, q in zip(engine.module.parameters(), initial))
     dist.all_gather_object(moved, mine)
     return {
@@ -116,6 +127,7 @@ def run(zero: int, recompute: str, pairs, data, world: int, stages: int) -> dict
         "micro_batches": counts,
         "losses": losses,
         "eval_loss": eval_loss,
+        "restored_diff": max(restores),  # after a save, a perturbation and a load
         "links": transfers,  # per rank, its transfers: (instruction, tensors it moves)
         "dp": engine.dp_world_size,
         "stages": engine.num_stages,
@@ -127,7 +139,8 @@ def main():
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     pairs, data = planned_pairs(0, 24)
-    results = [run(0, "none", pairs, data, world, stages), run(1, "full", pairs, data, world, stages)]
+    ckpt = os.path.join(os.path.dirname(out), "ckpt-{}")
+    results = [run(z, rc, pairs, data, world, stages, ckpt.format(z)) for z, rc in ((0, "none"), (1, "full"))]
     finish({"cases": results, "samples": len(pairs)}, out)
 
 
