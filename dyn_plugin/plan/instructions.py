@@ -3,7 +3,9 @@
 Instruction names match DeepSpeed's ``PipeInstruction`` classes so a host engine can map each
 to the handler it already has (``_INSTRUCTION_MAP``). Unlike DeepSpeed's, ours carry the
 micro-batch, the tensor shapes and the peer rank: with variable micro-batches a receiver cannot
-assume the previous shape, and shapes known in advance need no meta-data exchange.
+assume the previous shape, and shapes known in advance need no meta-data exchange. A transfer
+may move several tensors: an encoder-decoder's decoder stages send their hidden states and the
+encoder output (``link_shapes``).
 
 Sends and receives rendezvous: NCCL does not buffer a send (one stream per peer pair, a large
 message waits for its receiver), so a stage sending an activation while its neighbour sends a
