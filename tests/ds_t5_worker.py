@@ -41,7 +41,8 @@ from ranks import finish  # noqa: E402
 from token_mean import LR, global_samples, reference  # noqa: E402
 
 T5 = dict(PRESETS["tiny-t5"], d_model=32, d_kv=8, d_ff=64, vocab_size=97)
-# (config, SGD learning rate). T5 v1.1 (gated-GELU, untied head) does not rescale its logits by
+# (config, SGD learning rate). T5 v1.1 (gated-GELU; tie_word_embeddings=False, which transformers 5
+# reads as no rescaling only, the head stays tied) does not rescale its logits by
 # d_model^-0.5 as tied T5 does: it starts at a loss of ~19, not ~5, with gradients to match, so it
 # steps at a tenth of the rate to move its parameters as far as T5 does at LR (float summation
 # differences grow with the step).

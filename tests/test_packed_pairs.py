@@ -1,6 +1,7 @@
 """Packed (input, target) pairs (T5 packing per side): the packed shape the planner prices and the
 runtime builds, the collate (segments, each side concatenated), and the packed forward against the
-unmodified transformers T5 on each pair alone, tied (T5) and untied (T5 v1.1); the two-rank
+unmodified transformers T5 on each pair alone, T5 and T5 v1.1 (gated feed-forward, no output
+rescaling; transformers 5 keeps its head tied); the two-rank
 DeepSpeed runs (the pair_packing baseline through the loader) are launched from
 tests/ds_t5_packed_worker.py."""
 

@@ -21,8 +21,8 @@ padding). What makes a row compute what its pairs compute alone:
 transformers' ``T5ForConditionalGeneration.forward`` passes one ``attention_mask`` to the encoder and
 to the cross-attention, so the encoder is run here with its own mask, and everything after it (the
 decoder, the ``scale_decoder_outputs`` rescaling of tied embeddings, the LM head, the loss) by that
-same forward with ``encoder_outputs`` given: the code that runs the pairs alone, tied (T5) or
-untied (T5 v1.1) alike. The encoder runs inside the model's call (a forward pre-hook held for that
+same forward with ``encoder_outputs`` given: the code that runs the pairs alone, with the output
+rescaled (T5) or not (T5 v1.1's config; transformers 5 keeps its head tied either way) alike. The encoder runs inside the model's call (a forward pre-hook held for that
 call only), so the host's wrapper sees one forward as for any micro-batch: DeepSpeed's engine
 fetches ZeRO-3 partitions in its module hooks and hooks its backward prologue on the output.
 """
