@@ -236,7 +236,14 @@ def case_run(name: str, tmp_path_factory) -> dict:
     return _RUNS[name]
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+# within the suite's time: the padded twins of packed cases run with the slow tests (their packed
+# cases cover the same layouts of ranks; dp2-sp-padded keeps padded rows in the suite)
+SLOW_CASES = {"dp2-padded", "tp2-pp2-padded"}
+
+
+@pytest.fixture(
+    scope="module", params=[pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CASES else n for n in CASES]
+)
 def trained(request, tmp_path_factory) -> tuple[str, dict]:
     return request.param, case_run(request.param, tmp_path_factory)
 

@@ -112,7 +112,7 @@ def test_cuda_clock_times_each_phase_on_the_device(monkeypatch):
 
 
 def test_step_uses_the_measures_of_its_inputs_device(monkeypatch):
-    from dyn_plugin.profiling.profiler import _memory
+    from dyn_plugin.profiling.profiler import memory_of
     from dyn_plugin.profiling.workload import Inputs, timed_step
 
     calls = []
@@ -123,7 +123,7 @@ def test_step_uses_the_measures_of_its_inputs_device(monkeypatch):
     )
     ids = torch.zeros(1, 4, dtype=torch.long)
     assert timed_step(None, Inputs(ids, ids)) == (1.0, 2.0)
-    assert _memory(None, Inputs(ids, ids)) == (3.0, 4.0)
+    assert memory_of(None, Inputs(ids, ids)) == (3.0, 4.0)
     assert calls == ["clock", "memory"]
 
 
