@@ -9,7 +9,6 @@ import logging
 import os
 from typing import Any, Mapping, Sequence
 
-import numpy as np
 import torch
 
 from deepspeed_ext.zero3 import merge_zero_config, zero3_settings
@@ -19,6 +18,7 @@ from dyn_plugin.cost.from_config import live_cost_model, model_shape
 from dyn_plugin.cost.table import TableCostModel
 from dyn_plugin.device import rank_device, training_dtype
 from dyn_plugin.host.attention import priced_layouts
+from dyn_plugin.host.encoder_decoder import check_pair_inputs
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.models.hf import is_encoder_decoder
 from dyn_plugin.plan.shard_plan import ShardPlan
@@ -233,18 +233,7 @@ def _check_encoder_decoder(cfg: LoadedConfig, model: torch.nn.Module, lengths: S
                 "models under DeepSpeed; train it on padded pairs (sequence_parallel and sharding off, "
                 "microbatching.layout 'padded' or 'auto')"
             )
-    if np.ndim(lengths) != 2:
-        # planned as sequences, the model would be trained on its inputs as its own targets
-        raise ValueError(
-            f"{name} is an encoder-decoder: it trains on (input, target) pairs; give lengths as an [N, 2] array of "
-            "(input, target) token counts (dyn_plugin.lengths.pairs) and dataset items with 'input_ids' and 'labels'"
-        )
-    if not isinstance(cost_model, EncoderDecoderCostModel):
-        raise ValueError(
-            f"{name} is an encoder-decoder: pass cost_model=, an encoder-decoder cost model "
-            "(dyn_plugin.cost.encoder_decoder, e.g. import_t5_tables of measured tables); the config's cost_model "
-            "section builds decoder-only cost models"
-        )
+    check_pair_inputs(name, lengths, cost_model)
 
 
 def _check_sharding(cfg: LoadedConfig) -> None:

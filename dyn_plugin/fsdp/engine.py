@@ -20,7 +20,6 @@ import logging
 import os
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -31,6 +30,7 @@ from ..cost.from_config import live_cost_model, model_shape
 from ..cost.table import TableCostModel
 from ..device import rank_device
 from ..host.attention import priced_layouts
+from ..host.encoder_decoder import check_pair_inputs
 from ..layout import RankLayout
 from ..models.hf import is_encoder_decoder
 from ..models.shard_units import shard_units
@@ -158,15 +158,4 @@ def _check_encoder_decoder(cfg: LoadedConfig, model: nn.Module, lengths: Sequenc
             f"microbatching.method 'packing_full' with an encoder-decoder model ({name}): packed pairs train under "
             "deepspeed_ext (data parallel) only; use another method under FSDP"
         )
-    if np.ndim(lengths) != 2:
-        # planned as sequences, the model would be trained on its inputs as its own targets
-        raise ValueError(
-            f"{name} is an encoder-decoder: it trains on (input, target) pairs; give lengths as an [N, 2] array of "
-            "(input, target) token counts (dyn_plugin.lengths.pairs) and dataset items with 'input_ids' and 'labels'"
-        )
-    if not isinstance(cost_model, EncoderDecoderCostModel):
-        raise ValueError(
-            f"{name} is an encoder-decoder: pass cost_model=, an encoder-decoder cost model "
-            "(dyn_plugin.cost.encoder_decoder, e.g. import_t5_tables of measured tables); the config's cost_model "
-            "section builds decoder-only cost models"
-        )
+    check_pair_inputs(name, lengths, cost_model)

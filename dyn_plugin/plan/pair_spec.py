@@ -21,7 +21,7 @@ from ..config import DynPluginConfig
 from ..cost.encoder_decoder import EncoderDecoderCostModel, PairStage
 from ..cost.model import RECOMPUTES, Recompute, split_layers
 from .microbatch import StageMemory
-from .spec import MB
+from .spec import MB, device_budget
 from .types import LinkSpec
 
 
@@ -142,21 +142,7 @@ def pair_planner_spec(
     if split_rank is None:
         split_rank = balanced_split_rank(cost, pipe.stages, reference=reference, tp=tp)
     stages = split_stages(cost, pipe.stages, split_rank)
-    device_bytes = cluster.device.plannable_mb * MB
-    if state_bytes is not None:
-        if len(stages) > 1:
-            raise ValueError(
-                f"a sharding plan's model states (state_bytes) are those of the whole model: they need "
-                f"pipeline.stages = 1, not {len(stages)}"
-            )
-        budget = config.sharding.memory_budget_mb
-        device_bytes = budget * MB if budget else device_bytes
-        if state_bytes >= device_bytes:
-            raise ValueError(
-                f"the sharding plan's model states take {state_bytes / MB:.0f} MB of the "
-                f"{device_bytes / MB:.0f} MB per rank (sharding.memory_budget_mb, else the device's "
-                "memory): none is left for activations; search the plan for this budget"
-            )
+    device_bytes = device_budget(config, len(stages), state_bytes)
     memory = []
     for i, s in enumerate(stages):
         if state_bytes is not None:

@@ -114,21 +114,7 @@ def planner_spec(
         stages = tuple(StageSpec(n, i == 0, i == pipe.stages - 1) for i, n in enumerate(pipe.layers_per_stage))
     else:
         stages = balanced_split(cost, pipe.stages, tp=tp)
-    device_bytes = cluster.device.plannable_mb * MB
-    if state_bytes is not None:
-        if len(stages) > 1:
-            raise ValueError(
-                f"a sharding plan's model states (state_bytes) are those of the whole model: they need "
-                f"pipeline.stages = 1, not {len(stages)}"
-            )
-        budget = config.sharding.memory_budget_mb
-        device_bytes = budget * MB if budget else device_bytes
-        if state_bytes >= device_bytes:
-            raise ValueError(
-                f"the sharding plan's model states take {state_bytes / MB:.0f} MB of the "
-                f"{device_bytes / MB:.0f} MB per rank (sharding.memory_budget_mb, else the device's "
-                "memory): none is left for activations; search the plan for this budget"
-            )
+    device_bytes = device_budget(config, len(stages), state_bytes)
     memory = []
     for i, s in enumerate(stages):
         held = None if state_bytes is not None else cost.model_state_bytes(stage=s, zero_stage=zero_stage, dp=dp, tp=tp)
@@ -209,6 +195,29 @@ def planner_spec(
         cluster.devices_per_node,
         pipe.cap_in_flight,
     )
+
+
+def device_budget(config: DynPluginConfig, stages: int, state_bytes: float | None) -> float:
+    """Bytes a rank's plans may fill: the device's plannable memory, or under a sharding plan (its
+    model states ``state_bytes``, one pipeline stage) the sharding budget, which must leave room
+    for activations."""
+    device_bytes = config.cluster.device.plannable_mb * MB
+    if state_bytes is None:
+        return device_bytes
+    if stages > 1:
+        raise ValueError(
+            f"a sharding plan's model states (state_bytes) are those of the whole model: they need "
+            f"pipeline.stages = 1, not {stages}"
+        )
+    budget = config.sharding.memory_budget_mb
+    device_bytes = budget * MB if budget else device_bytes
+    if state_bytes >= device_bytes:
+        raise ValueError(
+            f"the sharding plan's model states take {state_bytes / MB:.0f} MB of the "
+            f"{device_bytes / MB:.0f} MB per rank (sharding.memory_budget_mb, else the device's "
+            "memory): none is left for activations; search the plan for this budget"
+        )
+    return device_bytes
 
 
 def balanced_split(cost: TableCostModel, num_stages: int, *, tokens: int = 4096, tp: int = 1) -> tuple[StageSpec, ...]:
