@@ -15,10 +15,10 @@ from dataclasses import replace
 from typing import Sequence
 
 from ..cost.model import RECOMPUTES
-from .assign import assign_to_replicas
 from .pair_microbatch import partition_pairs, price_pair_groups
 from .pair_spec import PairSpec
 from .pricing import relax_recompute
+from .replicas import replica_groups
 from .schedule import choose_schedule, one_f_one_b
 from .simulator import simulate
 from .types import PairMicroBatch, ReplicaPlan, StepPlan
@@ -37,17 +37,8 @@ def schedule_pair_replicas(
     recompute relaxed where the schedule leaves memory spare (``pricing.relax_recompute``: the
     DP priced each micro-batch as if all in flight with it were as big); else round-robin in the
     given order and plain 1F1B, as host frameworks run a loader's micro-batches."""
-    if adaptive:
-        groups = assign_to_replicas([mb.time_ms for mb in micro_batches], spec.dp)
-    else:
-        groups = [list(range(r, len(micro_batches), spec.dp)) for r in range(spec.dp)]
     replicas = []
-    for r, g in enumerate(groups):
-        mbs = tuple(micro_batches[i] for i in g)
-        if not mbs:
-            raise ValueError(
-                f"{method}: a data-parallel replica got no micro-batch ({len(micro_batches)} for dp={spec.dp})"
-            )
+    for r, mbs in enumerate(replica_groups(micro_batches, spec.dp, adaptive, method)):
         if adaptive:
             schedule, sim = choose_schedule(
                 mbs,

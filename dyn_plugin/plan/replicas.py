@@ -14,6 +14,18 @@ from .spec import PlannerSpec
 from .types import MicroBatch, ReplicaPlan, StepPlan
 
 
+def replica_groups(micro_batches: Sequence[MicroBatch], dp: int, balance: bool, method: str) -> list[tuple]:
+    """Each data-parallel replica's micro-batches: balanced by time, or round-robin in the given
+    order as host frameworks hand a loader's micro-batches out; every replica needs one."""
+    if balance:
+        groups = assign_to_replicas([mb.time_ms for mb in micro_batches], dp)
+    else:
+        groups = [list(range(r, len(micro_batches), dp)) for r in range(dp)]
+    if any(not g for g in groups):
+        raise ValueError(f"{method}: a data-parallel replica got no micro-batch ({len(micro_batches)} for dp={dp})")
+    return [tuple(micro_batches[i] for i in g) for g in groups]
+
+
 def schedule_replicas(
     micro_batches: Sequence[MicroBatch],
     *,
@@ -24,18 +36,10 @@ def schedule_replicas(
 ) -> StepPlan:
     """Spread micro-batches over replicas (balanced, or round-robin as host frameworks do) and
     schedule each replica's pipeline (searched, or plain 1F1B in the given order)."""
-    if balance:
-        groups = assign_to_replicas([mb.time_ms for mb in micro_batches], spec.dp)
-    else:
-        groups = [list(range(r, len(micro_batches), spec.dp)) for r in range(spec.dp)]
-    replicas = []
-    for r, g in enumerate(groups):
-        mbs = tuple(micro_batches[i] for i in g)
-        if not mbs:
-            raise ValueError(
-                f"{method}: a data-parallel replica got no micro-batch ({len(micro_batches)} for dp={spec.dp})"
-            )
-        replicas.append(schedule_replica(mbs, spec=spec, first=r, adaptive=adaptive))
+    replicas = [
+        schedule_replica(mbs, spec=spec, first=r, adaptive=adaptive)
+        for r, mbs in enumerate(replica_groups(micro_batches, spec.dp, balance, method))
+    ]
     return StepPlan(method, micro_batches[0].layout, tuple(replicas), spec.update_ms)
 
 
