@@ -75,6 +75,21 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def step_record(mode: str, n: int, step, ms: float, real: float, slots: float, loss: float, **extra) -> dict:
+    """One measured step of a training benchmark, as every host's records hold it."""
+    return {
+        "mode": mode,
+        "step": n,
+        "measured_ms": ms,
+        "predicted_ms": step.predicted_ms,
+        "real_tokens": real,
+        "token_slots": slots,
+        "loss": loss,
+        "micro_batches": len(step.micro_batches),
+        **extra,
+    }
+
+
 def timed_step(engine, step, device: torch.device, counts: Sequence[float], timings: list | None = None):
     """One planned step under DeepSpeed, timed as every batching is: all ranks start together
     and the clock stops when the slowest has finished (its kernels run, not just queued).

@@ -40,6 +40,7 @@ from .train_common import (
     finish_batchings,
     profile_dtype,
     ranks_on,
+    step_record,
     timed_step,
     tokenized_corpus,
     use_rank_device,
@@ -128,18 +129,7 @@ def run_mode(mode: str, args, docs, lengths, device: torch.device, dtype: str) -
         if n == args.warmup and mode == "dyn_plugin":
             write_step_trace(step, timings, loader.context.cost, args.out, device)
         if n >= args.warmup:
-            records.append(
-                {
-                    "mode": mode,
-                    "step": n,
-                    "measured_ms": ms,
-                    "predicted_ms": step.predicted_ms,
-                    "real_tokens": real,
-                    "token_slots": slots,
-                    "loss": loss,
-                    "micro_batches": len(step.micro_batches),
-                }
-            )
+            records.append(step_record(mode, n, step, ms, real, slots, loss))
         if n + 1 == total:
             break
     bar.close()

@@ -44,6 +44,7 @@ from .train_common import (
     common_parser,
     cost_model_section,
     finish_batchings,
+    step_record,
     tokenized_corpus,
 )
 
@@ -147,19 +148,8 @@ def run_mode(mode: str, args: argparse.Namespace, ex: dict, docs: list, lengths,
         dist.all_reduce(sums)
         bar.update()
         if n >= args.warmup:
-            records.append(
-                {
-                    "mode": mode,
-                    "step": n,
-                    "measured_ms": ms,
-                    "predicted_ms": step.predicted_ms,
-                    "real_tokens": float(sums[0]),
-                    "token_slots": float(sums[1]),
-                    "loss": float(sums[2] / sums[3]),
-                    "micro_batches": len(step.micro_batches),
-                    "plan_wait_ms": waits[-1],
-                }
-            )
+            total_real, total_slots, loss = float(sums[0]), float(sums[1]), float(sums[2] / sums[3])
+            records.append(step_record(mode, n, step, ms, total_real, total_slots, loss, plan_wait_ms=waits[-1]))
     bar.close()
     del model, optimizer
     gc.collect()

@@ -40,6 +40,7 @@ from .train_common import (
     common_parser,
     finish_batchings,
     ranks_on,
+    step_record,
     timed_step,
     use_rank_device,
 )
@@ -126,18 +127,7 @@ def run_mode(mode: str, args, data: list[dict], lengths: np.ndarray, model_cfg: 
         ms, loss, (real, slots) = timed_step(engine, step, device, (real, slots))
         bar.update()
         if n >= args.warmup:
-            records.append(
-                {
-                    "mode": mode,
-                    "step": n,
-                    "measured_ms": ms,
-                    "predicted_ms": step.predicted_ms,
-                    "real_tokens": real,
-                    "token_slots": slots,
-                    "loss": loss,
-                    "micro_batches": len(step.micro_batches),
-                }
-            )
+            records.append(step_record(mode, n, step, ms, real, slots, loss))
         if n + 1 == total:
             break
     bar.close()
