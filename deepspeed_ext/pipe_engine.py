@@ -3,10 +3,13 @@
 DeepSpeed runs a fixed ``TrainSchedule``: the same micro-batch count every step, shapes
 exchanged before every transfer (``dynamic_shape``) or assumed constant. Here each step runs the
 rank's plan (``dyn_plugin.plan.instructions``): its own number, sizes, layouts and order of
-micro-batches. Shapes travel in the instructions, so no meta-data is exchanged. Every send and
-receive completes before the next instruction runs; a send the plan batches with a receive
-(``batch_next``) is posted with it in one ``dist.batch_isend_irecv``, so nothing relies on a
-buffered send (NCCL has none; ``check_plans(rendezvous=True)`` proves the plans need none).
+micro-batches. Shapes travel in the instructions, so no meta-data is exchanged. A receive
+completes before the next instruction runs; a send alone is waited for at the next exchange, so
+the forward or backward between runs beside it (on NCCL a wait makes the compute stream wait for
+the transfer: waited at once, the next compute would queue behind the send); a send the plan
+batches with a receive (``batch_next``) is posted with it in one ``dist.batch_isend_irecv``, so
+nothing relies on a buffered send (NCCL has none; ``check_plans(rendezvous=True)`` proves the plans
+need none, and a later wait only lets a rank go further before it blocks).
 Gradient reduction, the optimizer step and the backward of the loss stay
 DeepSpeed's own (``_exec_reduce_grads``, ``_exec_optimizer_step``, ``_exec_backward_pass``).
 
@@ -73,6 +76,7 @@ class PlanPipelineEngine(PipelineEngine):
         self._check_topology()
         self._losses: dict[int, torch.Tensor] = {}  # buffer -> scaled loss awaiting its backward
         self._tokens: dict[int, tuple[torch.Tensor, ...]] = {}  # buffer -> a pair stage's loaded ids and mask
+        self._sending: tuple[list, list[Callable[[], None]]] | None = None  # posted sends, waited at the next exchange
 
     def _check_topology(self) -> None:
         """Plans, their peers and the sequence-parallel groups number ranks stage-major, global rank
@@ -167,6 +171,7 @@ class PlanPipelineEngine(PipelineEngine):
             if not ins.batch_next:
                 self._exchange(batch)
                 batch = []
+        self._finish_sends()
 
     @contextlib.contextmanager
     def _in_group(self, ins: Instruction) -> Iterator[None]:
@@ -200,13 +205,23 @@ class PlanPipelineEngine(PipelineEngine):
             self._shards[mb] = self._sequence.planned_shard(self._step, mb, self.stage_id)
         return self._shards[mb]
 
-    @staticmethod
-    def _exchange(batch: list[tuple[dist.P2POp, Callable[[], None]]]) -> None:
-        """Post a batch of sends and receives together and wait for all of them; only then use
-        what was received. The batch holds every tensor until its transfer has completed."""
-        for work in dist.batch_isend_irecv([op for op, _ in batch]):
+    def _exchange(self, batch: list[tuple[dist.P2POp, Callable[[], None]]]) -> None:
+        """Finish the send left pending by the exchange before, then post a batch of sends and
+        receives together. A batch with a receive is waited for at once, and only then is what was
+        received used; a batch of sends only is left pending until the next exchange (or the step's
+        end), holding its tensors until then: one micro-batch's activation or gradient longer."""
+        self._finish_sends()
+        works = dist.batch_isend_irecv([op for op, _ in batch])
+        self._sending = (works, [done for _, done in batch])
+        if any(op.op is not dist.isend for op, _ in batch):
+            self._finish_sends()
+
+    def _finish_sends(self) -> None:
+        works, dones = self._sending or ((), ())
+        self._sending = None
+        for work in works:
             work.wait()
-        for _, done in batch:
+        for done in dones:
             done()
 
     def _check_plan(self, plan: ExecutionPlan) -> None:

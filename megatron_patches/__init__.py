@@ -12,6 +12,7 @@ Each patch replaces one megatron-core (or Megatron-LM) object, in one module nam
 - ``data``: the training split's documents, from megatron-core's dataset builder;
 - ``batches``: every tensor-parallel rank reads its planned micro-batch (Megatron-LM's TP data path);
 - ``attention``: a core attention that takes packed (THD) rows where the local one refuses them;
+- ``rope``: RoPE of packed rows with their boundaries left on the device (no sync per layer);
 - ``sequence_parallel``: RoPE at a shard's positions, and a split micro-batch's group around its
   backward (the plugin's sequence-parallel size per micro-batch);
 - ``schedule``: every training call of the forward-backward schedules runs the next planned step
@@ -41,6 +42,7 @@ def patches() -> list[Patch]:
     from .batches import batch_patches
     from .cpu import cpu_patches
     from .data import data_patches
+    from .rope import rope_patches
     from .schedule import schedule_patches
     from .sequence_parallel import sequence_parallel_patches
     from .settings import settings_patches
@@ -53,6 +55,7 @@ def patches() -> list[Patch]:
         *data_patches(),
         *batch_patches(),
         *attention_patches(),
+        *rope_patches(),
         *sequence_parallel_patches(),
         *schedule_patches(),
         *train_state_patches(),

@@ -364,3 +364,39 @@ def test_the_boundaries_are_read_once_per_micro_batch_not_per_layer(megatron: No
     assert [attention._bounds(cu, "cu_seqlens_q") for _ in range(4)] == [[0, 5, 14, 17]] * 4
     assert attention._bounds(cu.clone(), "cu_seqlens_q") == [0, 5, 14, 17]
     assert reads == ["cu_seqlens_q", "cu_seqlens_q"]
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("table_rows", [16, 17])  # Megatron's two cases: max_seqlen rows, or one per token
+def test_thd_rope_is_megatrons_bit_for_bit_and_reads_nothing_back(interleaved: bool, table_rows: int) -> None:
+    """Megatron's unfused THD RoPE read the boundaries back per layer (``.tolist()``, and ``.item()`` per
+    document when the table has one row per token); the patched one gathers the same table rows on
+    the device: equal bit for bit, for both of Megatron's table sizes, and no host read."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_patches.rope import rope_patches
+
+    one_rank = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    lengths = [5, 9, 3]  # 17 tokens
+    t = torch.randn(17, 4, 16)
+    freqs = torch.randn(table_rows, 1, 1, 16)
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+    expected = rope_utils._apply_rotary_pos_emb_thd(t, cu, freqs, interleaved, cp_group=one_rank)
+    with pytest.raises(AssertionError, match="host read"):  # what the patch removes
+        rope_utils._apply_rotary_pos_emb_thd(t, cu.as_subclass(DeviceOnly), freqs, interleaved, cp_group=one_rank)
+    patches = Registry()
+    for p in rope_patches():
+        patches.register(p)
+    patches.apply()
+    try:
+        got = rope_utils._apply_rotary_pos_emb_thd(
+            t, cu.as_subclass(DeviceOnly), freqs, interleaved, mscale=1.0, cp_group=one_rank
+        )
+        assert torch.equal(plain(got), expected)
+        if table_rows == 16:  # positions restart per document: the second document's first token is unturned
+            first = rope_utils._apply_rotary_pos_emb_bshd(t[5:6, None], freqs[:1], interleaved)[0, 0]
+            assert torch.equal(plain(got)[lengths[0]], first)
+    finally:
+        patches.revert()

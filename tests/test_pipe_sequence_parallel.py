@@ -28,3 +28,54 @@ def test_pipeline_runs_sequence_parallel_groups_exactly(tmp_path):
         assert r["steps"][0]["micro_batches"] > 1, r  # a group runs several micro-batches through the pipeline
     packed = next(r for r in results if r["layout"] == "packed")
     assert sum(s["padding_documents"] for s in packed["steps"]) > 0, packed  # a width rounded up to the group
+
+
+def test_a_send_alone_is_waited_for_at_the_next_exchange(monkeypatch):
+    """A batch of sends only is left in flight while the next forward or backward runs (waited at
+    once, on NCCL the compute stream would queue behind it); a batch with a receive is waited for
+    before its tensors are used, and the pending send before that; the step's end waits for the last."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from deepspeed_ext.pipe_engine import PlanPipelineEngine
+
+    events = []
+
+    class Work:
+        def __init__(self, name):
+            self.name = name
+
+        def wait(self):
+            events.append(f"wait {self.name}")
+
+    def batch_isend_irecv(ops):
+        events.append("post " + "+".join(op.name for op in ops))
+        return [Work(op.name) for op in ops]
+
+    monkeypatch.setattr(dist, "batch_isend_irecv", batch_isend_irecv)
+    engine = PlanPipelineEngine.__new__(PlanPipelineEngine)
+    engine._sending = None
+
+    def op(kind, name):
+        return SimpleNamespace(op=kind, name=name), lambda: events.append(f"done {name}")
+
+    engine._exchange([op(dist.isend, "act0")])
+    events.append("forward 1")
+    engine._exchange([op(dist.isend, "act1"), op(dist.irecv, "grad0")])
+    engine._exchange([op(dist.isend, "act2")])
+    engine._finish_sends()
+    assert events == [
+        "post act0",
+        "forward 1",  # ran while act0 was in flight
+        "wait act0",
+        "done act0",
+        "post act1+grad0",
+        "wait act1",
+        "wait grad0",
+        "done act1",
+        "done grad0",
+        "post act2",
+        "wait act2",
+        "done act2",
+    ]
