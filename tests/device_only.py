@@ -1,5 +1,6 @@
-"""A CPU stand-in for GPU memory and for torch's flash varlen kernel, so that tests can check on
-CPU that the CUDA attention path reads nothing back from the device (issue 26).
+"""A CPU stand-in for GPU memory and for torch's flash varlen kernel and compiled flex_attention,
+so that tests can check on CPU that the CUDA attention path reads nothing back from the device
+(issue 26).
 
 A host read of a device tensor (``.item()``, ``.tolist()``, ``int(t)``, ``bool(t)``) waits for every
 kernel queued before it. A :class:`DeviceOnly` tensor, and every tensor computed from it, fails the
@@ -13,7 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
+from dyn_plugin.models import document_flex
 from dyn_plugin.models import varlen_attention as va
 
 # what reading a tensor's values on the host goes through (methods and conversions)
@@ -69,4 +72,22 @@ def stand_in_flash(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(va, "_WINDOWS", True)
     monkeypatch.setattr(va, "_CAUSAL", {"window_size": (-1, 0)})
     monkeypatch.setattr(va, "_GQA", {"enable_gqa": True})
+    CALLS.clear()
+
+
+def reference_flex(q, k, v, *, score_mod, block_mask, scale, enable_gqa):
+    """Compiled flex_attention's stand-in: torch's eager flex (forward only on CPU), which may read
+    the block mask (the compiled kernel reads it on the device)."""
+    CALLS.append((type(q), "flex"))
+    with torch._C.DisableTorchFunctionSubclass():
+        out = flex_attention(
+            plain(q), plain(k), plain(v), score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
+        )
+    return out.as_subclass(type(q))
+
+
+def stand_in_flex(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-call path taken on CPU for soft-capped attention, eager flex standing in for the compiled."""
+    monkeypatch.setattr(va, "flash_device", lambda query: True)
+    monkeypatch.setattr(document_flex, "kernel", lambda: reference_flex)
     CALLS.clear()

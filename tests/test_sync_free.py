@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from device_only import CALLS, DeviceOnly, plain, stand_in_flash
+from device_only import CALLS, DeviceOnly, plain, stand_in_flash, stand_in_flex
+from dyn_plugin.models import document_flex
 from dyn_plugin.models import varlen_attention as va
 from dyn_plugin.runtime.collate import collate
 
@@ -74,6 +76,57 @@ def test_hf_forward_and_backward_read_nothing_back(flash_on_cpu, monkeypatch, fa
         assert torch.allclose(plain(got).float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_a_soft_capped_model_is_one_flex_call_per_layer_and_reads_nothing_back(monkeypatch):
+    """Gemma2 soft-caps its attention logits, which the flash kernel cannot: on CUDA each layer is one
+    compiled flex_attention call over the packed row (its local layers with their window), with the
+    block mask built on the device from the shipped boundaries, and the logits are the per-document
+    loop's. Forward only: torch's flex has no backward on CPU (the GPU check is pending)."""
+    stand_in_flex(monkeypatch)
+    model = _model("gemma2", head_dim=16, sliding_window=5, attn_logit_softcapping=2.0, query_pre_attn_scalar=16)
+    with torch.no_grad():  # logits of a few units, so that the cap changes them (a random init's are ~1e-3)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20)
+            layer.self_attn.k_proj.weight.mul_(20)
+    batch = _packed_batch([7, 12, 3, 9])
+    on_device = {k: v.as_subclass(DeviceOnly) if torch.is_tensor(v) else v for k, v in batch.items()}
+    with torch.no_grad():
+        logits = plain(model(**on_device, use_cache=False).logits)
+        assert CALLS == [(DeviceOnly, "flex")] * 2  # one call per layer, on values computed from the batch
+        monkeypatch.setattr(va, "flash_device", lambda query: False)  # the per-document loop
+        want = model(**batch, use_cache=False).logits
+    assert torch.allclose(logits.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_the_document_block_mask_is_per_document_attention_and_skips_every_empty_block(window):
+    """Across block boundaries (documents of 1 to 300 tokens, one empty): the block mask gives what
+    each document alone gives, and visits exactly the key blocks holding a pair that attends."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    lengths = [300, 1, 0, 170, 5, 240, 9]
+    tokens = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    mask = document_flex.document_block_mask(cu, tokens, window)
+    document = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    i = torch.arange(tokens)
+    seen = (document[:, None] == document[None, :]) & (i[None, :] <= i[:, None])
+    if window is not None:
+        seen &= i[:, None] - i[None, :] < window
+    blocks = -(-tokens // document_flex.BLOCK)
+    padded = torch.zeros(blocks * document_flex.BLOCK, blocks * document_flex.BLOCK, dtype=torch.bool)
+    padded[:tokens, :tokens] = seen
+    needed = padded.view(blocks, document_flex.BLOCK, blocks, document_flex.BLOCK).any(3).any(1)
+    visited = torch.zeros(blocks, blocks, dtype=torch.bool)
+    for row, (n, keys) in enumerate(zip(mask.kv_num_blocks[0, 0].tolist(), mask.kv_indices[0, 0].tolist())):
+        visited[row, keys[:n]] = True
+    assert torch.equal(visited, needed)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, tokens, 16, generator=g) for h in (4, 2, 2))
+    out = flex_attention(q, k, v, block_mask=mask, scale=0.25, enable_gqa=True)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=0.25, enable_gqa=True)
+    assert torch.allclose(out, want, atol=1e-5)
+
+
 def test_padded_rows_read_nothing_back(flash_on_cpu, monkeypatch):
     """Padded micro-batches ship their rows as documents too: each row is one dense causal call, and
     no layer finds the documents from the positions (a read of the device per forward)."""
@@ -100,14 +153,27 @@ def test_the_guard_catches_a_read(flash_on_cpu):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: listed as pending in BENCHMARKS.md")
-def test_training_step_is_sync_free_on_cuda():
-    """One packed micro-batch's forward and backward under CUDA's sync debug mode set to error."""
-    model = _model("llama").cuda()
+@pytest.mark.parametrize(
+    "family, extra",
+    [
+        ("llama", {}),  # the flash varlen kernel
+        ("gemma2", {"head_dim": 16, "sliding_window": 512, "attn_logit_softcapping": 50.0}),  # compiled flex
+    ],
+)
+def test_training_step_is_sync_free_on_cuda(monkeypatch, family, extra):
+    """One packed micro-batch's forward and backward under CUDA's sync debug mode set to error, with
+    the gradients of the per-document loop."""
+    model = _model(family, **extra).cuda()
     batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in _packed_batch([700, 1200, 300, 900]).items()}
-    model(**batch, use_cache=False).loss.backward()  # warm-up: first calls may sync (allocator, kernels)
+    model(**batch, use_cache=False).loss.backward()  # warm-up: first calls may sync (allocator, kernels, compile)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        model(**batch, use_cache=False).loss.backward()
+        loss, grads = _loss_and_grads(model, batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    monkeypatch.setattr(va, "flash_device", lambda query: False)  # the per-document loop
+    want_loss, want_grads = _loss_and_grads(model, batch)
+    assert torch.allclose(loss.float(), want_loss.float(), atol=1e-2)
+    for got, want in zip(grads, want_grads):
+        assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)

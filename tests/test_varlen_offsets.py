@@ -43,12 +43,12 @@ def test_cuda_path_sends_shared_rows_to_flash_and_single_documents_to_sdpa(monke
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 6, 4) for _ in range(3))
     pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
-    out = va._flash_varlen(q, k, v, pos, 0.5)
+    out = va._one_call(q, k, v, pos, 0.5)
     assert calls == [((6, 2, 4), [0, 3, 6], 3, va._CAUSAL)]
     assert torch.equal(out, q.transpose(1, 2))  # flattened rows come back as [b, s, heads, d]
     # one document per row: dense causal SDPA, as the per-document loop computes it
     module = torch.nn.Module().eval()
-    dense = va._flash_varlen(q, k, v, None, 0.5)
+    dense = va._one_call(q, k, v, None, 0.5)
     monkeypatch.setattr(va, "varlen_attn", None)
     assert len(calls) == 1
     assert torch.allclose(dense, va.varlen_attention(module, q, k, v, None, scaling=0.5)[0])
@@ -106,9 +106,9 @@ def test_flash_path_passes_grouped_heads_and_the_window_to_the_kernel(monkeypatc
 
     monkeypatch.setattr(va, "varlen_attn", fake_varlen)
     q, k, v = (torch.randn(1, h, 6, 4) for h in (4, 2, 2))
-    va._flash_varlen(q, k, v, torch.tensor([[0, 1, 2, 0, 1, 2]]), 0.5, window=3)
-    va._flash_varlen(q, k, v, None, 0.5, window=3)
-    va._flash_varlen(q, k, v, torch.tensor([[0, 1, 2, 0, 1, 2]]), 0.5)
+    va._one_call(q, k, v, torch.tensor([[0, 1, 2, 0, 1, 2]]), 0.5, window=3)
+    va._one_call(q, k, v, None, 0.5, window=3)
+    va._one_call(q, k, v, torch.tensor([[0, 1, 2, 0, 1, 2]]), 0.5)
     windowed = {"window_size": (2, 0), **va._GQA}
     assert calls == [
         ((6, 4, 4), (6, 2, 4), [0, 3, 6], windowed),
@@ -122,7 +122,7 @@ def test_grouped_rows_of_one_document_take_dense_sdpa_as_the_loop_computes(monke
     monkeypatch.setattr(va, "varlen_attn", None)
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, h, 6, 4) for h in (4, 2, 2))
-    dense = va._flash_varlen(q, k, v, None, 0.5)
+    dense = va._one_call(q, k, v, None, 0.5)
     assert torch.allclose(dense, va.document_attention(q, k, v, None, scaling=0.5), atol=1e-6)
 
 
@@ -151,5 +151,5 @@ def test_a_packed_row_shipping_its_boundaries_is_attended_without_reading_the_de
     monkeypatch.setattr(va, "varlen_attn", fake_varlen)
     q = torch.randn(1, 4, 5, 4)
     offsets = (batch["cu_seq_lens_q"], batch["max_length_q"])
-    va._flash_varlen(q, q, q, batch["position_ids"], 0.5, offsets=offsets)
+    va._one_call(q, q, q, batch["position_ids"], 0.5, offsets=offsets)
     assert calls == [([0, 3, 5], 3)]

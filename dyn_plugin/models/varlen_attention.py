@@ -13,7 +13,8 @@ layers) or soft-cap their attention logits (Gemma2) pass ``sliding_window`` and 
 every call; the kernel computes exactly what transformers' eager attention does with them (a key
 is seen if ``query - key < sliding_window``; scores become ``tanh(scores / softcap) * softcap``
 before the mask), per document: a window by the flash kernel's own window on CUDA, by masked SDPA
-elsewhere; a soft-cap, which the flash kernel lacks, always written out.
+elsewhere; a soft-cap, which the flash kernel lacks, by one compiled ``flex_attention`` call on CUDA
+(``document_flex``) and written out per document elsewhere.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from . import sequence_parallel
+from . import document_flex, sequence_parallel
 
 NAME = "dyn_varlen"
 
@@ -106,6 +107,20 @@ def flash_exact(
     )
 
 
+def flex_exact(
+    query: torch.Tensor, key: torch.Tensor, dropout: float, window: int | None, softcap: float | None
+) -> bool:
+    """Whether a soft-capped call, which the flash kernel cannot compute, is one ``flex_attention``
+    call computing what the per-document loop does (on CUDA, the caller checks the device): no
+    dropout (flex has none), whole groups of query heads, a window of at least one token."""
+    return (
+        softcap is not None
+        and dropout == 0.0
+        and query.shape[1] % key.shape[1] == 0
+        and (window is None or window >= 1)
+    )
+
+
 def flash_device(query: torch.Tensor) -> bool:
     """Whether torch's flash varlen kernel can run on ``query``'s device (CUDA). One place, so that the
     CPU tests of the flash path's plumbing stand a reference kernel in for it."""
@@ -130,27 +145,32 @@ def flash_call(
     return varlen_attn(query, key, value, cu, cu, longest, longest, scale=scaling, **mask, **gqa)
 
 
-def _flash_varlen(
+def _one_call(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     position_ids: torch.Tensor | None,
     scaling: float | None,
     window: int | None = None,
+    softcap: float | None = None,
     offsets: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
-    """query [b, heads, s, d], key/value [b, kv_heads, s, d] -> [b, s, heads, d], one flash call
-    for every document. ``offsets``: (cu_seqlens on the device, longest document) shipped with the
-    batch, so that the forward reads nothing back from the device; else found from ``position_ids``."""
+    """query [b, heads, s, d], key/value [b, kv_heads, s, d] -> [b, s, heads, d], one kernel call
+    for every document: flash, or flex where logits are soft-capped. ``offsets``: (cu_seqlens on the
+    device, longest document) shipped with the batch, so that the forward reads nothing back from
+    the device; else found from ``position_ids``."""
     b, h, s, d = query.shape
     cu, longest = offsets if offsets is not None else _offsets.get(position_ids, b, s, query.device)
-    # one document per row (padded rows, packing across documents): dense causal SDPA, which has no window
-    if cu.numel() == b + 1 and window is None:
+    # one document per row (padded rows, packing across documents): dense causal SDPA, which has no
+    # window nor cap
+    if cu.numel() == b + 1 and window is None and softcap is None:
         out = F.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=scaling, enable_gqa=key.shape[1] != h
         )
         return out.transpose(1, 2).contiguous()
     flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (query, key, value)]
+    if softcap is not None:
+        return document_flex.flex_call(*flat, cu, scaling, window, softcap).reshape(b, s, h, d)
     return flash_call(*flat, cu, longest, scaling, window).view(b, s, h, d)
 
 
@@ -192,8 +212,10 @@ def document_attention(
     for one document per row; ``window``: a key is seen by queries fewer than ``window`` positions
     after it; ``softcap``: logits soft-capped at it; ``offsets``: the documents' cu_seqlens (over the
     b rows flattened) and longest length, where the batch carries them. Returns [b, s, heads, d]."""
-    if flash_device(query) and flash_exact(query, key, dropout, window, softcap):
-        return _flash_varlen(query, key, value, position_ids, scaling, window, offsets)
+    if flash_device(query) and (
+        flash_exact(query, key, dropout, window, softcap) or flex_exact(query, key, dropout, window, softcap)
+    ):
+        return _one_call(query, key, value, position_ids, scaling, window, softcap, offsets)
     gqa = key.shape[1] != query.shape[1]
     plain = window is None and softcap is None
     rows = []
