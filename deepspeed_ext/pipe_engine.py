@@ -46,6 +46,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from deepspeed_ext.pipe_module import summed_token_loss
 from deepspeed_ext.sequence_parallel import sequence_runtime
+from dyn_plugin.host.feed import DeviceFeed, copy_to
 from dyn_plugin.host.recompute import recompute_switch
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.models.recompute import planned_layers
@@ -152,7 +153,8 @@ class PlanPipelineEngine(PipelineEngine):
         self._check_plan(plan)
         self._step = step
         self._training = training
-        self._tensors = dict(zip(plan.loads, step.micro_batches))
+        # the micro-batches this rank loads, in plan.loads order: each copied while the one before computes
+        self._feed = DeviceFeed(step.micro_batches, self.device, self._loaded_keys(plan))
         self._sequence = sequence_runtime(self, step)
         self._shards: dict[int, SequenceShard] = {}  # micro-batch -> its group's shard, built at first use
         self._loss_scale = self.dp_world_size / step.scored_tokens
@@ -256,7 +258,7 @@ class PlanPipelineEngine(PipelineEngine):
         shard = self._shard(mb)
         if shard is None:
             desc = self._step.plan.micro_batches[mb]
-            return position_ids(desc.seq_lens, desc.layout, desc.shape).to(self.device)
+            return copy_to(position_ids(desc.seq_lens, desc.layout, desc.shape), self.device)
         return shard.own_positions
 
     @property
@@ -265,27 +267,38 @@ class PlanPipelineEngine(PipelineEngine):
         return self._step.plan.split_rank is not None
 
     def _exec_load(self, ins: LoadMicroBatch) -> None:
-        tensors = self._tensors[ins.mb]
+        tensors = next(self._feed)  # on the device
         if self._pairs:
-            # the first stage embeds the inputs, the first decoder stage the shifted targets; the
-            # last stage after it takes the input mask only
-            embeds = {0: "input_ids", self._step.plan.split_rank: "labels"}.get(self.stage_id)
-            ids = (tensors[embeds].to(self.device),) if embeds else ()
-            self._tokens[ins.buffer] = (*ids, tensors["attention_mask"].to(self.device))
+            embeds = self._embedded(self._step.plan)  # the last stage after the first decoder stage: none
+            ids = (tensors[embeds],) if embeds else ()
+            self._tokens[ins.buffer] = (*ids, tensors["attention_mask"])
             if self.is_first_stage():
                 self.pipe_buffers["inputs"][ins.buffer] = ()
         elif self.is_first_stage():
-            self.pipe_buffers["inputs"][ins.buffer] = (tensors["input_ids"].to(self.device), self._positions(ins.mb))
+            self.pipe_buffers["inputs"][ins.buffer] = (tensors["input_ids"], self._positions(ins.mb))
         if self.is_last_stage():  # a shard's labels were shifted before the split
             key = "shift_labels" if self._step.plan.micro_batches[ins.mb].sp > 1 else "labels"
-            self.pipe_buffers["labels"][ins.buffer] = tensors[key].to(self.device)
+            self.pipe_buffers["labels"][ins.buffer] = tensors[key]
+
+    def _embedded(self, plan: ExecutionPlan) -> str | None:
+        """The token ids a pair stage embeds: the first stage the inputs, the first decoder stage the
+        targets (shifted into the decoder's inputs), other stages none."""
+        return {0: "input_ids", plan.split_rank: "labels"}.get(self.stage_id)
+
+    def _loaded_keys(self, plan: ExecutionPlan) -> set[str]:
+        """The tensors of a micro-batch this stage loads (``_exec_load``)."""
+        last = self.stage_id == self.num_stages - 1
+        if plan.split_rank is not None:
+            embeds = self._embedded(plan)
+            return {"attention_mask", *([embeds] if embeds else []), *(["labels"] if last else [])}
+        return {*(["input_ids"] if self.stage_id == 0 else []), *(["labels", "shift_labels"] if last else [])}
 
     def _input_mask(self, mb: int) -> torch.Tensor:
         """The input padding mask of pair micro-batch ``mb`` [rows, input width], from its plan, as
         ``runtime.collate_pairs`` builds it: 1 on each input's tokens, 0 on its padding."""
         desc = self._step.plan.micro_batches[mb]
-        inputs = torch.tensor([n for n, _ in desc.seq_lens], device=self.device)
-        return (torch.arange(desc.shape[1], device=self.device)[None, :] < inputs[:, None]).long()
+        inputs = torch.tensor([n for n, _ in desc.seq_lens])
+        return copy_to((torch.arange(desc.shape[1])[None, :] < inputs[:, None]).long(), self.device)
 
     def _exec_recv_activation(self, ins: RecvActivation) -> list[tuple[dist.P2POp, Callable[[], None]]]:
         received = self._empty(ins.shapes)

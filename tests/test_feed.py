@@ -44,3 +44,19 @@ def test_the_loader_hands_a_gpu_pinned_tensors(monkeypatch):
     pinned.clear()
     next(iter(DynLoader(data, lengths=lens, config=cfg, cost_model=cm, device="cpu")))
     assert pinned == []  # a CPU run copies nothing
+
+
+def test_a_copy_to_a_gpu_is_pinned_and_non_blocking(monkeypatch):
+    """What the pipeline's positions and input masks take to the device (they were blocking copies
+    from pageable memory: a wait for the stream per micro-batch); on CPU a plain move."""
+    from dyn_plugin.host.feed import copy_to
+
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append((a, k)) or self)
+    t = torch.arange(3)
+    copy_to(t, torch.device("cuda"))
+    assert calls == ["pin", ((torch.device("cuda"),), {"non_blocking": True})]
+    calls.clear()
+    copy_to(t, torch.device("cpu"))
+    assert calls == [((torch.device("cpu"),), {})]

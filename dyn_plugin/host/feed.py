@@ -14,6 +14,7 @@ planned data iterator.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Collection, Iterable, Iterator, Mapping
 
 import torch
@@ -46,11 +47,8 @@ class DeviceFeed(Iterator[dict]):
             return
         kept = {k: v for k, v in batch.items() if self._keys is None or k in self._keys}
         moved = [k for k, v in kept.items() if _host_tensor(v) and k not in self._host_keys]
-        if self._stream is None:
-            self._ahead = {**kept, **{k: kept[k].to(self._device) for k in moved}}
-            return
-        with torch.cuda.stream(self._stream):
-            self._ahead = {**kept, **{k: kept[k].pin_memory().to(self._device, non_blocking=True) for k in moved}}
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            self._ahead = {**kept, **{k: copy_to(kept[k], self._device) for k in moved}}
 
     def __next__(self) -> dict:
         if self._ahead is None:
@@ -66,8 +64,18 @@ class DeviceFeed(Iterator[dict]):
         return ready
 
 
+def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (on the host) on ``device`` without blocking the host: on CUDA a non-blocking copy
+    from pinned memory, on the current stream (a blocking copy waits for every kernel queued on the
+    stream before it; one from pageable memory is staged by the host first). torch's pinned-memory
+    allocator keeps the pinned copy until the transfer has read it."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _host_tensor(v: Any) -> bool:
     return torch.is_tensor(v) and v.device.type == "cpu"
 
 
-__all__ = ["DeviceFeed"]
+__all__ = ["DeviceFeed", "copy_to"]
