@@ -21,6 +21,7 @@ from ..models.sequence_parallel import SequenceShard, sharded
 from ..runtime.collate import position_ids
 from ..runtime.loader import Step
 from ..runtime.sequence_groups import SequenceGroups, group_rng, group_seed
+from .feed import copy_to
 
 
 class SequenceRuntime:
@@ -59,7 +60,7 @@ class SequenceRuntime:
         desc = step.plan.micro_batches[mb]
         if desc.sp == 1:
             return None
-        whole = position_ids(desc.seq_lens, desc.layout, desc.shape).to(self.device)
+        whole = copy_to(position_ids(desc.seq_lens, desc.layout, desc.shape), self.device)
         return self.shard(stage, desc.sp, desc.group, step.plan.column - desc.group, whole)
 
     @contextlib.contextmanager
@@ -75,6 +76,6 @@ class SequenceRuntime:
     def micro_batch(self, step: Step, i: int, batch: Mapping[str, torch.Tensor]) -> Iterator[None]:
         """Around entry ``i`` of ``step.micro_batches`` (``batch``): its forward and its backward."""
         size, first, index = step.shards[i]
-        positions = batch["sequence_position_ids"].to(self.device) if size > 1 else None
+        positions = copy_to(batch["sequence_position_ids"], self.device) if size > 1 else None
         with self.running(step, step.plan.loads[i], 0, self.shard(0, size, first, index, positions)):
             yield
