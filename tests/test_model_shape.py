@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from dyn_plugin.config import ClusterConfig, CostModelConfig, DeviceSpec, ModelShape
-from dyn_plugin.cost.analytic import _flops_per_token, analytic_cost_model, param_counts
+from dyn_plugin.cost.analytic import layer_flops_per_token, analytic_cost_model, param_counts
 from dyn_plugin.cost.from_config import build_cost_model
 from dyn_plugin.cost.shape import differences, gated_mlp, shape_from_config
 
@@ -112,7 +112,7 @@ def test_flops_and_parameters_are_the_models_own(family):
     f8, f16 = counted(8), counted(16)  # F(s) = a*s + b*s^2
     per_pair = (f16 - 2 * f8) / 128
     per_token = (f8 - 64 * per_pair) / 8
-    linear, attention = _flops_per_token(shape)
+    linear, attention = layer_flops_per_token(shape)
     assert per_token == pytest.approx(LAYERS * linear + 2 * H * VOCAB, rel=1e-2 if family == "qwen2_moe" else 1e-12)
     assert per_pair == pytest.approx(LAYERS * 2 * attention, rel=1e-12)
 
@@ -127,18 +127,18 @@ def test_flops_and_parameters_are_the_models_own(family):
 def test_experts_and_heads_scale_the_costs():
     dense = ModelShape(hidden_size=512, num_layers=4, num_heads=8, ffn_hidden_size=1024, vocab_size=1000)
     moe = dense.model_copy(update=dict(num_experts=8, experts_per_token=2, expert_ffn_hidden_size=512))
-    lin_dense, att_dense = _flops_per_token(dense)
-    lin_moe, att_moe = _flops_per_token(moe)
+    lin_dense, att_dense = layer_flops_per_token(dense)
+    lin_moe, att_moe = layer_flops_per_token(moe)
     # two active experts of 512 compute as one MLP of 1024, plus the router's 8 logits
     assert lin_moe - lin_dense == 2 * 512 * 8 and att_moe == att_dense
     # ... but all eight are held
     assert param_counts(moe)["layer"] - param_counts(dense)["layer"] == 512 * 8 + 3 * 512 * 512 * 6
     # half of the layers dense: the mean layer
     half = moe.model_copy(update=dict(dense_layers=2))
-    assert _flops_per_token(half)[0] == pytest.approx((lin_moe + lin_dense) / 2)
+    assert layer_flops_per_token(half)[0] == pytest.approx((lin_moe + lin_dense) / 2)
     # heads twice as wide: twice the attention per pair, and Q, K, V and the output projection 512 wider each
     wide = dense.model_copy(update=dict(head_dim=128))
-    lin_wide, att_wide = _flops_per_token(wide)
+    lin_wide, att_wide = layer_flops_per_token(wide)
     assert att_wide == 2 * att_dense and lin_wide - lin_dense == 4 * 2 * 512 * 512
     device = DeviceSpec()
     stored = [analytic_cost_model(s, device).micro_batch_cost([256], layout="packed") for s in (dense, wide)]

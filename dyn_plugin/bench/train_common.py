@@ -209,6 +209,7 @@ def summarize(records: list[dict], modes: Iterable[str], baselines: Sequence[str
                 if predicted
                 else None,
                 "final_loss": rs[-1]["loss"],
+                **_device_figures(rs),
             }
         )
     base = {r["mode"]: r["effective_tokens_per_s"] for r in rows}
@@ -217,6 +218,45 @@ def summarize(records: list[dict], modes: Iterable[str], baselines: Sequence[str
             if mode in base:
                 r[f"speedup_vs_{mode}"] = r["effective_tokens_per_s"] / base[mode]
     return rows
+
+
+def _device_figures(rs: list[dict]) -> dict:
+    """A mode's GPU figures where its records have them (bench.utilization): mean model FLOPs
+    utilisation, and the largest peak memory measured and predicted."""
+
+    def kept(key: str) -> list[float]:
+        return [r[key] for r in rs if r.get(key) is not None]
+
+    mfu, measured, predicted = kept("mfu"), kept("peak_mb_measured"), kept("peak_mb_predicted")
+    return {
+        "mfu": float(np.mean(mfu)) if mfu else None,
+        "peak_mb_measured": max(measured) if measured else None,
+        "peak_mb_predicted": max(predicted) if predicted else None,
+    }
+
+
+def _device_table(rows: list[dict]) -> str:
+    """The GPU figures' table, empty where no mode has them (CPU runs)."""
+    if all(r["mfu"] is None and r["peak_mb_measured"] is None for r in rows):
+        return ""
+
+    def cell(value: float | None, form: str) -> str:
+        return "-" if value is None else format(value, form)
+
+    def error(r: dict) -> str:
+        m, p = r["peak_mb_measured"], r["peak_mb_predicted"]
+        return "-" if m is None or p is None else f"{(p - m) / m:+.1%}"
+
+    return (
+        "\nOn the GPU (MFU: model FLOPs of the real tokens, bench/utilization.py; peak: rank 0's allocated "
+        "memory, measured by torch and predicted by the plan):\n\n"
+        "| mode | MFU | peak MiB measured | predicted | predicted vs measured |\n|---|---|---|---|---|\n"
+        + "".join(
+            f"| {r['mode']} | {cell(r['mfu'], '.1%')} | {cell(r['peak_mb_measured'], ',.0f')} | "
+            f"{cell(r['peak_mb_predicted'], ',.0f')} | {error(r)} |\n"
+            for r in rows
+        )
+    )
 
 
 def report(rows: list[dict], out: str, preamble: str, baselines: Sequence[str]) -> str:
@@ -244,7 +284,7 @@ def report(rows: list[dict], out: str, preamble: str, baselines: Sequence[str]) 
         + f"{r['final_loss']:.3f} |\n"
         for r in rows
     )
-    text = preamble + head + body
+    text = preamble + head + body + _device_table(rows)
     write_atomic(os.path.join(out, "report.md"), text)
     import matplotlib
 

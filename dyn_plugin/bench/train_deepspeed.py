@@ -15,7 +15,8 @@ packing_varlen (the same rows with per-document attention: the strongest baselin
 dyn_plugin (the plugin's plan). Each trains the same model from the same initial weights on
 the same global batches (the Python standard library's source, tokenized with the plugin's
 offline BPE), so only the batching differs. Rank 0 prints one table and writes report.md,
-report.png and records.jsonl.
+report.png and records.jsonl. On a GPU each step also records its model FLOPs utilisation and
+rank 0's peak memory, measured by torch and predicted by the plan (``bench/utilization.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tqdm import tqdm
 import deepspeed_ext
 
 from ..atomic import write_json_atomic
+from ..cost.shape import shape_from_config
 from ..models.hf import build_causal_lm, load_model_config
 from .train_common import (
     add_model_argument,
@@ -45,6 +47,7 @@ from .train_common import (
     tokenized_corpus,
     use_rank_device,
 )
+from .utilization import measured_peak_mb, mfu, model_flops, peak_tflops, start_peak
 
 # mode -> what it changes in the dyn_plugin section
 MODES = {
@@ -116,20 +119,26 @@ def run_mode(mode: str, args, docs, lengths, device: torch.device, dtype: str) -
     )
     records = []
     total = args.warmup + args.steps
+    shape, tflops = shape_from_config(model.config), peak_tflops(device, dtype)
     bar = tqdm(total=total, desc=f"{mode:>12}", disable=dist.get_rank() != 0)
     for n, step in enumerate(loader):
         # every rank of a sequence-parallel group lists the group's samples: count them on its first shard only
-        real = sum(
-            sum(len(docs[i]) for i in mb) for mb, (_, _, index) in zip(step.sample_ids, step.shards) if index == 0
-        )
+        mine = [len(docs[i]) for mb, (_, _, index) in zip(step.sample_ids, step.shards) if index == 0 for i in mb]
         slots = sum(int(m["input_ids"].numel()) for m in step.micro_batches)
         timings: list = []
-        ms, loss, (real, slots) = timed_step(engine, step, device, (real, slots), timings)
+        start_peak(device)
+        counts = (sum(mine), slots, model_flops(shape, mine))
+        ms, loss, (real, slots, flops) = timed_step(engine, step, device, counts, timings)
         bar.update()
         if n == args.warmup and mode == "dyn_plugin":
             write_step_trace(step, timings, loader.context.cost, args.out, device)
         if n >= args.warmup:
-            records.append(step_record(mode, n, step, ms, real, slots, loss))
+            gpu = {
+                "mfu": mfu(flops, ms, dist.get_world_size(), tflops),
+                "peak_mb_measured": measured_peak_mb(device),
+                "peak_mb_predicted": step.predicted_peak_mb,
+            }
+            records.append(step_record(mode, n, step, ms, real, slots, loss, **gpu))
         if n + 1 == total:
             break
     bar.close()

@@ -43,7 +43,7 @@ def _per_layer(shape: ModelShape, sparse: float, dense: float) -> float:
     return ((shape.num_layers - d) * sparse + d * dense) / shape.num_layers
 
 
-def _flops_per_token(shape: ModelShape) -> tuple[float, float]:
+def layer_flops_per_token(shape: ModelShape) -> tuple[float, float]:
     """Forward FLOPs of one layer per token (linear layers) and per causal query-key pair."""
     h, f, q, kv = shape.hidden_size, shape.ffn_hidden_size, shape.query_width, shape.kv_width
     mult = 3 if shape.gated_mlp else 2  # matrices per MLP: (gate,) up, down
@@ -74,7 +74,7 @@ def analytic_cost_model(
     Precision.of(dtype)  # validates dtype
     h, a = shape.hidden_size, shape.num_heads
     flops_ms = device.peak_tflops * device.achieved_fraction * 1e9  # FLOPs per millisecond
-    lin, att = _flops_per_token(shape)
+    lin, att = layer_flops_per_token(shape)
     scale = ACT_BYTES[dtype] / 2  # the per-token byte counts below are for 16-bit activations
 
     def kept(widths: list[int]) -> float:  # each MLP a token runs through keeps its own input and intermediates

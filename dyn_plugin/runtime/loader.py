@@ -115,6 +115,7 @@ class Step:
     scored_tokens: int  # tokens the loss scores, over the whole global batch
     digest: str  # fingerprint of the whole step's plan, equal on every rank
     predicted_ms: float  # the cost model's simulated time of the whole step
+    predicted_peak_mb: float | None = None  # this rank's peak device memory by the plan (None: a hand-made step)
 
     @property
     def loaded(self) -> list[PlannedMicroBatch]:
@@ -541,7 +542,9 @@ class DynLoader:
                 batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
             tensors.append(batch)
             ids.append(list(desc.sample_ids))
-        return Step(rp.epoch, rp.step, rp.plan, tensors, ids, rp.scored_tokens, rp.digest, rp.predicted_ms)
+        return Step(
+            rp.epoch, rp.step, rp.plan, tensors, ids, rp.scored_tokens, rp.digest, rp.predicted_ms, rp.predicted_peak_mb
+        )
 
     def state_dict(self) -> dict:
         """The position (epoch, step) and what it means: the data's identity (lengths, seed, token

@@ -25,7 +25,7 @@ from ..plan.pair_planner import plan_pairs
 from ..plan.pair_spec import PairSpec, pair_planner_spec
 from ..plan.planner import execution_plans
 from ..plan.pricing import checkpointed_layers
-from ..plan.spec import PlannerSpec, planner_spec
+from ..plan.spec import MB, PlannerSpec, planner_spec
 from ..plan.strategy import Proposal, Strategy, plan_strategy_step, runnable_proposal
 from ..plan.two_stage import Stage2Options
 from ..plan.types import StepPlan
@@ -52,6 +52,8 @@ class RankPlan:
     scored_tokens: int  # scored tokens of the whole global batch, every replica included
     digest: str  # of the whole step plan: every rank must hold the same one
     predicted_ms: float  # the simulated step time of the whole plan
+    # this rank's predicted peak device memory: its stage's simulated activation peak and model states
+    predicted_peak_mb: float | None = None
 
     def to_meta(self) -> dict:
         return {
@@ -60,6 +62,7 @@ class RankPlan:
             "scored_tokens": self.scored_tokens,
             "digest": self.digest,
             "predicted_ms": self.predicted_ms,
+            "predicted_peak_mb": self.predicted_peak_mb,
             "plan": json.loads(plan_to_json(self.plan)),
         }
 
@@ -72,6 +75,7 @@ class RankPlan:
             int(meta["scored_tokens"]),
             meta["digest"],
             float(meta["predicted_ms"]),
+            meta["predicted_peak_mb"],
         )
 
 
@@ -306,7 +310,17 @@ class PlanningContext:
             plans = execution_plans(plan, self.spec.hidden_size)
         # every plan a rank runs has been replayed as NCCL runs it: a hang becomes an error here
         check_plans(list(plans.values()), rendezvous=True)
-        return {key: RankPlan(epoch, step, ep, tokens, digest, plan.iteration_ms) for key, ep in plans.items()}
+        return {
+            key: RankPlan(epoch, step, ep, tokens, digest, plan.iteration_ms, self._peak_mb(plan, ep))
+            for key, ep in plans.items()
+        }
+
+    def _peak_mb(self, plan: StepPlan, ep: ExecutionPlan) -> float:
+        """The peak device memory the plan predicts for the rank running ``ep``: its replica's simulated
+        activation peak at its stage plus the model states the stage holds (what the planner kept
+        within the device's memory)."""
+        rep = next(r for r in plan.replicas if r.first <= ep.column < r.first + r.size)
+        return (rep.sim.peak_bytes[ep.stage] + self.spec.memory[ep.stage].states) / MB
 
     def _checkpointed(self, mb) -> tuple[int, ...]:
         """A micro-batch's checkpointed layers per stage; pairs are planned in whole-stage modes only."""
