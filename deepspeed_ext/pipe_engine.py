@@ -49,6 +49,7 @@ from deepspeed_ext.sequence_parallel import sequence_runtime
 from dyn_plugin.host.feed import DeviceFeed, copy_to
 from dyn_plugin.host.recompute import recompute_switch
 from dyn_plugin.layout import RankLayout
+from dyn_plugin.models import varlen_attention
 from dyn_plugin.models.recompute import planned_layers
 from dyn_plugin.models.sequence_parallel import SequenceShard
 from dyn_plugin.plan.instructions import (
@@ -65,7 +66,7 @@ from dyn_plugin.plan.instructions import (
     SendActivation,
     SendGrad,
 )
-from dyn_plugin.runtime.collate import position_ids
+from dyn_plugin.runtime.collate import document_offsets, position_ids
 from dyn_plugin.runtime.loader import Step
 
 
@@ -157,6 +158,7 @@ class PlanPipelineEngine(PipelineEngine):
         self._feed = DeviceFeed(step.micro_batches, self.device, self._loaded_keys(plan))
         self._sequence = sequence_runtime(self, step)
         self._shards: dict[int, SequenceShard] = {}  # micro-batch -> its group's shard, built at first use
+        self._offsets: dict[int, tuple[torch.Tensor, int]] = {}  # micro-batch -> its documents, at first use
         self._loss_scale = self.dp_world_size / step.scored_tokens
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._reserve_pipe_buffers(plan.num_buffers)
@@ -166,7 +168,7 @@ class PlanPipelineEngine(PipelineEngine):
             if handler is None:
                 raise RuntimeError(f"{type(self).__name__} has no handler for {type(ins).__name__}")
             if not isinstance(ins, EXCHANGES):
-                with self._in_group(ins):
+                with self._around_pass(ins):
                     MethodType(handler, self)(ins)
                 continue
             batch += MethodType(handler, self)(ins)
@@ -176,11 +178,12 @@ class PlanPipelineEngine(PipelineEngine):
         self._finish_sends()
 
     @contextlib.contextmanager
-    def _in_group(self, ins: Instruction) -> Iterator[None]:
+    def _around_pass(self, ins: Instruction) -> Iterator[None]:
         """Around a micro-batch's forward and its backward: its sequence-parallel group for attention
         (recompute in backward re-runs attention with the group of its own forward, whatever ran in
         between) and a random stream seeded per group and micro-batch, so dropout draws the same
-        on every rank of the group, again under recompute, and again after a resume.
+        on every rank of the group, again under recompute, and again after a resume; outside a
+        group, its document boundaries for the attention kernel (``_documents``).
 
         NCCL: the attention collectives inside span the group's columns at this stage (their own
         communicator, ``SequenceGroups``). Every column of a group runs the same plan
@@ -193,11 +196,25 @@ class PlanPipelineEngine(PipelineEngine):
         replays all ranks with unbuffered sends and these forwards and backwards as collectives.
         Everything is issued in instruction order on the engine's device (the shard's positions
         included), with no host synchronisation per micro-batch."""
-        if self._sequence is None or not isinstance(ins, (ForwardPass, BackwardPass)):
+        if not isinstance(ins, (ForwardPass, BackwardPass)):
             yield
             return
-        with self._sequence.running(self._step, ins.mb, self.stage_id, self._shard(ins.mb)):
+        with contextlib.ExitStack() as around:
+            if self._sequence is not None:
+                around.enter_context(self._sequence.running(self._step, ins.mb, self.stage_id, self._shard(ins.mb)))
+            if not self._pairs and self._step.plan.micro_batches[ins.mb].sp == 1:
+                around.enter_context(varlen_attention.documents(self._documents(ins.mb)))
             yield
+
+    def _documents(self, mb: int) -> tuple[torch.Tensor, int]:
+        """Micro-batch ``mb``'s document boundaries (on the device) and longest document, from the
+        plan, for the attention kernel of its forward and its backward's recompute: found from the
+        positions instead, they would be read back from the device once per forward."""
+        if mb not in self._offsets:
+            desc = self._step.plan.micro_batches[mb]
+            cu, longest = document_offsets(desc.seq_lens, desc.layout, desc.shape)
+            self._offsets[mb] = (copy_to(cu, self.device), longest)
+        return self._offsets[mb]
 
     def _shard(self, mb: int) -> SequenceShard | None:
         """Micro-batch ``mb``'s sequence-parallel shard (None on a group of one), built once per step."""

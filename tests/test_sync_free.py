@@ -9,6 +9,8 @@ of it, or of anything computed from it, fails the test. The GPU run itself, a tr
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -125,6 +127,43 @@ def test_the_document_block_mask_is_per_document_attention_and_skips_every_empty
     out = flex_attention(q, k, v, block_mask=mask, scale=0.25, enable_gqa=True)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=0.25, enable_gqa=True)
     assert torch.allclose(out, want, atol=1e-5)
+
+
+def test_pipeline_stages_read_nothing_back_with_the_boundaries_the_engine_enters(flash_on_cpu, monkeypatch):
+    """A DeepSpeed pipeline passes (hidden, positions) between layers, so its layers' attention gets
+    no shipped boundaries: the engine enters each micro-batch's (from the plan, around its forward
+    and backward) and the stages then read nothing back; the same logits as the per-document loop."""
+    pytest.importorskip("deepspeed")
+    from deepspeed_ext import pipe_module
+    from deepspeed_ext.pipe_engine import PlanPipelineEngine
+    from dyn_plugin.runtime.collate import document_offsets
+
+    stages = []
+    monkeypatch.setattr(pipe_module, "PlannedPipelineModule", lambda layers, *a, **k: stages.extend(layers))
+    model, lengths = _model("llama"), [7, 12, 3, 9]
+    pipe_module.causal_lm_pipe(model, [1, 1])
+    batch = _packed_batch(lengths)
+
+    def run(ids, positions):
+        x = (ids, positions)
+        for stage in stages:
+            x = stage(x)
+        return x
+
+    cu, longest = document_offsets(lengths, "packed", (1, sum(lengths)))
+    with torch.no_grad(), va.documents((cu.as_subclass(DeviceOnly), longest)):
+        logits = plain(run(*(batch[k].as_subclass(DeviceOnly) for k in ("input_ids", "position_ids"))))
+    assert CALLS == [(DeviceOnly, (-1, 0))] * 2
+    engine = PlanPipelineEngine.__new__(PlanPipelineEngine)  # what the engine enters for a micro-batch
+    engine._offsets, engine.device = {}, torch.device("cpu")
+    engine._step = SimpleNamespace(
+        plan=SimpleNamespace(micro_batches=[SimpleNamespace(seq_lens=lengths, layout="packed", shape=(1, 31))])
+    )
+    assert engine._documents(0)[0].tolist() == cu.tolist() and engine._documents(0)[1] == longest
+    monkeypatch.setattr(va, "flash_device", lambda query: False)  # the per-document loop
+    with torch.no_grad():
+        want = run(batch["input_ids"], batch["position_ids"])
+    assert torch.allclose(logits.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_padded_rows_read_nothing_back(flash_on_cpu, monkeypatch):

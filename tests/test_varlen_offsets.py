@@ -153,3 +153,39 @@ def test_a_packed_row_shipping_its_boundaries_is_attended_without_reading_the_de
     offsets = (batch["cu_seq_lens_q"], batch["max_length_q"])
     va._one_call(q, q, q, batch["position_ids"], 0.5, offsets=offsets)
     assert calls == [([0, 3, 5], 3)]
+
+
+@pytest.mark.parametrize(
+    "lens, layout, shape, sp",
+    [
+        ([3, 2], "packed", (1, 5), 1),
+        ([3, 2], "packed", (1, 6), 2),  # rounded for a group of two: a padding document at the end
+        ([4, 2, 3], "padded", (3, 4), 1),
+        ([2, 3], "padded", (1, 5), 1),
+    ],
+)
+def test_a_pipeline_stage_enters_the_boundaries_collate_ships(lens, layout, shape, sp):
+    """Pipeline stages after the first load no batch: the engine enters each micro-batch's
+    boundaries from its plan (runtime.collate.document_offsets), the same as collate ships to the
+    first stage (a padding document at the end of a packed row included), and an attention call
+    without shipped boundaries takes them."""
+    from dyn_plugin.runtime.collate import collate, document_offsets
+
+    batch = collate(list(range(len(lens))), lens, layout, shape, lambda i: list(range(1, lens[i] + 1)), sp=sp)
+    cu, longest = document_offsets(lens, layout, shape)
+    assert cu.tolist() == batch["cu_seq_lens_q"].tolist() and longest == batch["max_length_q"]
+    assert cu.dtype == batch["cu_seq_lens_q"].dtype == torch.int32
+
+
+def test_an_attention_call_without_shipped_boundaries_takes_the_entered_ones(monkeypatch):
+    seen = []
+    monkeypatch.setattr(va, "document_attention", lambda *a, offsets=None, **k: seen.append(offsets) or a[0])
+    q = torch.randn(1, 2, 5, 4)
+    module = torch.nn.Module()
+    entered = (torch.tensor([0, 3, 5], dtype=torch.int32), 3)
+    with va.documents(entered):
+        va.varlen_attention(module, q, q, q, None, position_ids=torch.tensor([[0, 1, 2, 0, 1]]))
+        shipped = {"cu_seq_lens_q": torch.tensor([0, 5], dtype=torch.int32), "max_length_q": 5}
+        va.varlen_attention(module, q, q, q, None, **shipped)  # what the batch carries comes first
+    va.varlen_attention(module, q, q, q, None)  # outside: none
+    assert seen[0] is entered and seen[1][1] == 5 and seen[2] is None

@@ -19,9 +19,11 @@ elsewhere; a soft-cap, which the flash kernel lacks, by one compiled ``flex_atte
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import weakref
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -279,10 +281,31 @@ def varlen_attention(
     shard = sequence_parallel.current()
     if shard is not None and shard.size > 1:
         return sequence_parallel.attention(shard, query, key, value, local, drop, scaling, window, softcap), None
-    # the loader ships a packed row's boundaries (dyn_plugin.runtime.collate): no device read in forward
+    # the loader ships a packed row's boundaries (dyn_plugin.runtime.collate), or a pipeline stage
+    # enters them (documents): no device read in forward
     cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
-    offsets = (cu.to(query.device, non_blocking=True), int(longest)) if cu is not None and longest is not None else None
+    shipped = cu is not None and longest is not None
+    offsets = (cu.to(query.device, non_blocking=True), int(longest)) if shipped else _documents
     return local(query, key, value, kwargs.get("position_ids"), drop, scaling, offsets=offsets), None
+
+
+# The boundaries of the micro-batch being computed where its caller knows them and the model's call
+# does not carry them (DeepSpeed pipeline stages pass only (hidden, positions) between layers). A
+# module global, as sequence_parallel's shard: autograd runs a backward's recompute on its own threads.
+_documents: tuple[torch.Tensor, int] | None = None
+
+
+@contextlib.contextmanager
+def documents(offsets: tuple[torch.Tensor, int] | None) -> Iterator[None]:
+    """Inside the block, attention calls without shipped boundaries take ``offsets`` (cu_seqlens on
+    the device over the rows flattened, longest document as a host int): the caller's promise that
+    they describe the rows being computed."""
+    global _documents
+    previous, _documents = _documents, offsets
+    try:
+        yield
+    finally:
+        _documents = previous
 
 
 def register() -> str:

@@ -27,6 +27,7 @@ LM, the target length of each (input, target) pair for an encoder-decoder, whose
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from typing import Any, Callable, Sequence
 
@@ -88,6 +89,21 @@ def position_ids(seq_lens: Sequence[int], layout: str, shape: Sequence[int]) -> 
     raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
 
 
+def document_offsets(seq_lens: Sequence[int], layout: str, shape: Sequence[int]) -> tuple[torch.Tensor, int]:
+    """A micro-batch's document boundaries over its rows flattened (int32 ``[n + 1]``) and its
+    longest document, from its plan alone, as :func:`collate` ships them: pipeline stages after the
+    first hand them to the attention kernel, which would otherwise find them on the device (a read
+    back per forward)."""
+    rows, width = int(shape[0]), int(shape[1])
+    if layout == "padded":  # each row one causal document
+        return torch.arange(0, rows * width + 1, width, dtype=torch.int32), width
+    if layout == "packed":
+        fill = width - sum(seq_lens)
+        lengths = [int(s) for s in seq_lens] + ([fill] if fill else [])
+        return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32), max(lengths)
+    raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
+
+
 def collate(
     sample_ids: Sequence[int],
     seq_lens: Sequence[int],
@@ -128,20 +144,18 @@ def collate(
         if starts is not None:
             labels[0, starts] = IGNORE
         # each row one causal document to the plugin's kernel, which then finds nothing on the device
-        rows_cu = torch.arange(0, rows * width + 1, width, dtype=torch.int32)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, **_offsets(rows_cu, width)}
+        offsets = _offsets(*document_offsets(seq_lens, layout, shape))
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, **offsets}
     if layout == "packed":
         fill = width - sum(len(ids) for ids in seqs)
         if fill:  # a document of its own: no real token attends to it, no label scores it
             seqs.append(torch.full((fill,), pad_id, dtype=torch.long))
         input_ids = torch.cat(seqs).unsqueeze(0)
-        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor([len(ids) for ids in seqs]), 0)
+        cu, longest = document_offsets(seq_lens, layout, shape)
         labels = input_ids.clone()
         labels[0, cu[:-1].long()] = IGNORE
         if fill:
             labels[0, -fill:] = IGNORE
-        longest = max(len(ids) for ids in seqs)
         return {
             "input_ids": input_ids,
             "position_ids": position_ids(seq_lens, layout, shape),
