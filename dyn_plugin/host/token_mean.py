@@ -51,12 +51,37 @@ class HostHooks:
     micro_batch: Callable[[int, dict[str, torch.Tensor]], ContextManager[Any]] = _no_context
 
 
+class _Clock:
+    """Time marks when timings are asked for (else None): the host's clock, or CUDA events on a GPU,
+    read once after the step (``wait``)."""
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.cuda, self.enabled = device.type == "cuda", enabled
+
+    def mark(self) -> Any:
+        if not self.enabled:
+            return None
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def wait(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def ms(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+
 def token_mean_step(step: Step, host: HostHooks, dp: int, timings: list | None = None) -> float:
     """Run this rank's micro-batches of ``step``, take the optimizer step, and return the
     token-mean loss of the whole global batch (summed over the ``dp`` ranks).
 
     ``timings``, if given, receives (forward_ms, backward_ms) of each micro-batch and
-    ("step", optimizer ms)."""
+    ("step", optimizer ms), on CUDA from events (the host's clock there times launches, not
+    kernels), read after the step at the cost of one synchronisation."""
     n = len(step.micro_batches)
     if n == 0:
         raise ValueError(f"step {step.index} gave this rank no micro-batch; every rank needs at least one")
@@ -64,27 +89,30 @@ def token_mean_step(step: Step, host: HostHooks, dp: int, timings: list | None =
     # stall the device queue; the one host read is the return value.
     total = torch.zeros((), dtype=torch.float64, device=host.device)
     feed = DeviceFeed(step.micro_batches, host.device, MODEL_KEYS)  # the next one copied while this one runs
+    clock = _Clock(host.device, timings is not None)
+    marks = []  # per micro-batch (start, forward done, backward done), then the optimizer step's two
     for i, (desc, mb, inputs) in enumerate(zip(step.loaded, step.micro_batches, feed)):
         host.recompute.set(desc.recompute, planned_layers(desc, stage=0))  # no pipeline: the one stage
         host.boundary(i == n - 1)
         if desc.sp > 1:  # a shard: HF sums the loss over its labels, shifted before the split
             inputs.update(labels=inputs["shift_labels"], num_items_in_batch=1)
         with host.micro_batch(i, mb):
-            t0 = time.perf_counter()
+            start = clock.mark()
             # only the loss is kept: the output's logits (tokens x vocabulary) alive through backward
             # are memory the profile's peak does not include (it measured forward().loss)
             loss = host.forward(**inputs, use_cache=False).loss
             # the plan knows the count; counting the labels would read a device tensor back
             loss_sum = loss if desc.sp > 1 else loss * scored_tokens(desc.seq_lens)  # HF: the mean
-            t1 = time.perf_counter()
+            forward = clock.mark()
             host.backward(loss_sum * (dp / step.scored_tokens))
         total += loss_sum.detach().double()
-        if timings is not None:
-            timings.append(((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
-    t0 = time.perf_counter()
+        marks.append((start, forward, clock.mark()))
+    start = clock.mark()
     host.optimizer_step()
     if timings is not None:
-        timings.append(("step", (time.perf_counter() - t0) * 1e3))
+        end = clock.mark()
+        clock.wait()
+        timings += [(clock.ms(a, b), clock.ms(b, c)) for a, b, c in marks] + [("step", clock.ms(start, end))]
     if dp > 1:
         import torch.distributed as dist
 
