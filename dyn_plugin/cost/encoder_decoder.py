@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any, Literal, Sequence
 
@@ -254,6 +254,47 @@ class EncoderDecoderCostModel:
     act_bytes: int = 2  # fp16 activations between stages
     update: UpdateCost = field(default_factory=UpdateCost)
 
+    def to_dict(self) -> dict:
+        """Plain JSON-able form (the fits, not the measurements), for planner processes; see from_dict."""
+        tables = [
+            {
+                **{k: getattr(t, k) for k in ("recompute", "tp", "params", "max_enc_len", "max_enc_tokens")},
+                **{k: getattr(t, k) for k in ("max_dec_tokens", "dec_len_at")},
+                **{side: {m: _fit_to_dict(f) for m, f in getattr(t, side).items()} for side in _SIDES},
+            }
+            for t in self.tables.values()
+        ]
+        return {
+            "kind": "encoder_decoder",
+            **{k: getattr(self, k) for k in ("name", "encoder_layers", "decoder_layers", "hidden_size", "vocab_size")},
+            **{k: getattr(self, k) for k in ("dtype", "pad_multiple", "act_bytes")},
+            "update": self.update.to_dict(),
+            "tables": tables,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EncoderDecoderCostModel":
+        tables = {}
+        for t in d["tables"]:
+            fits = {side: {m: _fit_from_dict(f) for m, f in t[side].items()} for side in _SIDES}
+            tables[(t["recompute"], t["tp"])] = PairTable(
+                t["recompute"],
+                t["tp"],
+                **fits,
+                params=t["params"],
+                max_enc_len=t["max_enc_len"],
+                max_enc_tokens=t["max_enc_tokens"],
+                max_dec_tokens=t["max_dec_tokens"],
+                dec_len_at=_tuples(t["dec_len_at"]),
+            )
+        fields = ("name", "encoder_layers", "decoder_layers", "hidden_size", "vocab_size", "dtype", "pad_multiple")
+        return cls(
+            **{k: d[k] for k in fields},
+            tables=tables,
+            act_bytes=d["act_bytes"],
+            update=UpdateCost.from_dict(d["update"]),
+        )
+
     def table(self, recompute: Recompute, tp: int = 1) -> PairTable:
         if (recompute, tp) not in self.tables:
             have = ", ".join(f"{r}/tp{t}" for r, t in sorted(self.tables))
@@ -369,6 +410,26 @@ class EncoderDecoderCostModel:
             )
 
         return max(one(s) for s in stages)
+
+
+_SIDES = ("encoder", "decoder", "head")
+_FITS = {f.__name__: f for f in (LinearFit, TermFit, GridFit)}
+
+
+def _fit_to_dict(fit: LinearFit | TermFit | GridFit) -> dict:
+    return {"type": type(fit).__name__, **asdict(fit)}
+
+
+def _fit_from_dict(d: dict) -> LinearFit | TermFit | GridFit:
+    """A fit as ``_fit_to_dict`` wrote it: its tuples back as tuples (the fits are hashed: their
+    evaluation arrays are cached per fit)."""
+    d = dict(d)
+    kind = _FITS[d.pop("type")]
+    return kind(**{k: _tuples(v) for k, v in d.items()})
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 def _read(source: str | os.PathLike | dict[str, Any]) -> dict[str, Any]:

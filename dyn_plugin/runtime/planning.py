@@ -169,8 +169,6 @@ class PlanningContext:
             ),
             (cfg.strategy.enabled, "strategy.enabled", "false"),
             (cfg.sequence_parallel.enabled, "sequence_parallel.enabled", "false"),
-            # planner processes rebuild the cost model from JSON, which the encoder-decoder one has no form of
-            (cfg.store.backend != "none", f"store.backend {cfg.store.backend!r}", "'none' (plans made on each rank)"),
         ]
         for on, what, fix in refused:
             if on:
@@ -349,9 +347,10 @@ class PlanningContext:
     @classmethod
     def from_json(cls, text: str) -> "PlanningContext":
         d = json.loads(text)
+        cost = EncoderDecoderCostModel if d["cost"].get("kind") == "encoder_decoder" else TableCostModel
         return cls(
             DynPluginConfig.model_validate(d["config"]),
-            TableCostModel.from_dict(d["cost"]),
+            cost.from_dict(d["cost"]),
             np.asarray(d["lengths"], dtype=np.int64),
             d["dp"],
             d["pp"],
