@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from dyn_plugin.config import ClusterConfig, CostModelConfig, DeviceSpec, ModelShape
-from dyn_plugin.cost.analytic import layer_flops_per_token, analytic_cost_model, param_counts
+from dyn_plugin.cost.analytic import analytic_cost_model, layer_flops_per_token, param_counts
 from dyn_plugin.cost.from_config import build_cost_model
 from dyn_plugin.cost.shape import differences, gated_mlp, shape_from_config
 
