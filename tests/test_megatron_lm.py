@@ -237,8 +237,9 @@ def case_run(name: str, tmp_path_factory) -> dict:
 
 
 # within the suite's time: the padded twins of packed cases run with the slow tests (their packed
-# cases cover the same layouts of ranks; dp2-sp-padded keeps padded rows in the suite)
-SLOW_CASES = {"dp2-padded", "tp2-pp2-padded"}
+# cases cover the same layouts of ranks; dp2-sp-padded keeps padded rows in the suite), and so do
+# tensor and pipeline parallelism alone (tp2-pp2-packed runs both, pp2-dp2-sp-packed pipelines again)
+SLOW_CASES = {"dp2-padded", "tp2-pp2-padded", "tp2-packed", "pp2-packed"}
 
 
 @pytest.fixture(
@@ -319,6 +320,7 @@ def test_a_plan_longer_than_seq_length_is_refused_at_start_naming_the_flag(tmp_p
     assert "IndexError" not in output and all(s["calls"] == 0 for s in stats), stats  # refused before training
 
 
+@pytest.mark.slow  # within the suite's time: test_megatron_kills resumes pretrain_gpt.py after kills, checked the same way
 def test_a_run_killed_after_a_checkpoint_resumes_as_if_never_stopped(tmp_path):
     """SIGKILL on every rank right after the checkpoint of iteration 2, then the same command with
     --load: the resumed run trains exactly the documents the uninterrupted run trained in

@@ -347,9 +347,10 @@ class PlanningContext:
     @classmethod
     def from_json(cls, text: str) -> "PlanningContext":
         d = json.loads(text)
+        config = DynPluginConfig.model_validate(d["config"])
         cost = EncoderDecoderCostModel if d["cost"].get("kind") == "encoder_decoder" else TableCostModel
         return cls(
-            DynPluginConfig.model_validate(d["config"]),
+            config,
             cost.from_dict(d["cost"]),
             np.asarray(d["lengths"], dtype=np.int64),
             d["dp"],
