@@ -22,9 +22,27 @@ def die_with_parent(parent: int) -> None:
 
 
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
+    """A TCP port on loopback that nothing listens on right now, drawn below the kernel's ephemeral
+    range: a port from ``bind(("", 0))`` comes from that range, where every outgoing connection
+    (gloo opens many) can take it between this check and the caller's listen (EADDRINUSE)."""
+    import random
     import socket
 
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 0
+    low = max(10000, ephemeral_low - 20000)
+    draw = random.Random()  # seeded from the OS: a test's random.seed cannot make two callers agree
+    for _ in range(64) if ephemeral_low > low else ():
+        port = draw.randrange(low, ephemeral_low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -7,7 +7,6 @@ losses and (summed) gradients. Otherwise packing would change training, not just
 from __future__ import annotations
 
 import copy
-import socket
 from typing import Iterator
 
 import pytest
@@ -22,15 +21,10 @@ from device_only import CALLS, DeviceOnly, plain, stand_in_flash
 from megatron_patches.attention import PackedDotProductAttention, attention_patches
 from megatron_patches.cpu import cpu_patches
 from megatron_patches.registry import Registry
+from ranks import free_port
 
 LENGTHS = [5, 9, 3]
 VOCAB = 100
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +40,7 @@ def megatron() -> Iterator[None]:
     registry.apply()
     initialized_here = not dist.is_initialized()
     if initialized_here:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
