@@ -21,14 +21,23 @@ def test_offsets_start_at_position_resets_and_at_every_row():
 
 
 def test_offsets_are_found_once_per_position_tensor():
-    cache = va._OffsetsCache()
+    from dyn_plugin.models.per_forward import PerForward
+
+    cache, found = PerForward(), []
     cpu = torch.device("cpu")
+
+    def offsets(pos):
+        return cache.get(pos, (1, 3, cpu), lambda: found.append(pos) or va.cumulative_offsets(pos, 1, 3, cpu))
+
     pos = torch.tensor([[0, 1, 0]])
-    first = cache.get(pos, 1, 3, cpu)
-    assert cache.get(pos, 1, 3, cpu) is first  # the next layer of the same forward
-    other = cache.get(torch.tensor([[0, 1, 2]]), 1, 3, cpu)  # the next micro-batch
+    first = offsets(pos)
+    assert offsets(pos) is first and len(found) == 1  # the next layer of the same forward
+    other = offsets(torch.tensor([[0, 1, 2]]))  # the next micro-batch
     assert other is not first and other[0].tolist() == [0, 3]
-    assert cache.get(None, 1, 3, cpu)[0].tolist() == [0, 3]
+    assert offsets(None)[0].tolist() == [0, 3] and offsets(None) is offsets(None)
+    assert len(found) == 3
+    equal = torch.tensor([[0, 1, 2]])  # equal values, another tensor: found again (identity, not value)
+    assert offsets(equal) is not other and len(found) == 4
 
 
 def test_cuda_path_sends_shared_rows_to_flash_and_single_documents_to_sdpa(monkeypatch):

@@ -18,11 +18,12 @@ every layer reuses it.
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from .per_forward import PerForward
 
 BLOCK = 128  # flex_attention's default sparse block: queries and keys per block
 
@@ -64,24 +65,7 @@ def document_block_mask(cu: torch.Tensor, tokens: int, window: int | None) -> Bl
     )
 
 
-class _MaskCache:
-    """The block masks of the boundaries tensor every layer of one forward (and its recompute)
-    receives: one per window, built at the first layer that asks."""
-
-    def __init__(self) -> None:
-        self.cu: weakref.ref | None = None
-        self.masks: dict[tuple[int, int | None], BlockMask] = {}
-
-    def get(self, cu: torch.Tensor, tokens: int, window: int | None) -> BlockMask:
-        if self.cu is None or self.cu() is not cu:
-            self.cu, self.masks = weakref.ref(cu), {}
-        key = (tokens, window)
-        if key not in self.masks:
-            self.masks[key] = document_block_mask(cu, tokens, window)
-        return self.masks[key]
-
-
-_masks = _MaskCache()
+_masks = PerForward()  # one block mask per window per forward, reused by every layer
 
 
 def flex_call(
@@ -106,7 +90,7 @@ def flex_call(
         k,
         v,
         score_mod=capped,
-        block_mask=_masks.get(cu, tokens, window),
+        block_mask=_masks.get(cu, (tokens, window), lambda: document_block_mask(cu, tokens, window)),
         scale=scaling,
         enable_gqa=key.shape[1] != query.shape[1],
     )

@@ -22,13 +22,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import weakref
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from . import document_flex, sequence_parallel
+from .per_forward import PerForward
 
 NAME = "dyn_varlen"
 
@@ -68,28 +68,8 @@ def cumulative_offsets(
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
-class _OffsetsCache:
-    """Every layer of one forward (and its recompute) sees the same position_ids tensor: find its
-    documents once, since the longest document is a host read (one sync per forward, not per layer)."""
-
-    def __init__(self) -> None:
-        self.key: tuple | None = None
-        self.ids: weakref.ref | None = None
-        self.value: tuple[torch.Tensor, int] | None = None
-
-    def get(self, position_ids: torch.Tensor | None, batch: int, seq: int, device: torch.device):
-        key = (batch, seq, device)
-        if key == self.key and (
-            (position_ids is None and self.ids is None)
-            or (position_ids is not None and self.ids is not None and self.ids() is position_ids)
-        ):
-            return self.value
-        self.value = cumulative_offsets(position_ids, batch, seq, device)
-        self.key, self.ids = key, None if position_ids is None else weakref.ref(position_ids)
-        return self.value
-
-
-_offsets = _OffsetsCache()
+# every layer of one forward finds its documents once: the longest document is a host read
+_offsets = PerForward()
 
 
 def flash_exact(
@@ -162,7 +142,13 @@ def _one_call(
     device, longest document) shipped with the batch, so that the forward reads nothing back from
     the device; else found from ``position_ids``."""
     b, h, s, d = query.shape
-    cu, longest = offsets if offsets is not None else _offsets.get(position_ids, b, s, query.device)
+    cu, longest = (
+        offsets
+        if offsets is not None
+        else _offsets.get(
+            position_ids, (b, s, query.device), lambda: cumulative_offsets(position_ids, b, s, query.device)
+        )
+    )
     # one document per row (padded rows, packing across documents): dense causal SDPA, which has no
     # window nor cap
     if cu.numel() == b + 1 and window is None and softcap is None:
