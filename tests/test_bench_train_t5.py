@@ -44,3 +44,23 @@ def test_bench_train_t5_is_deepspeed_data_parallel(tmp_path, capsys, flags):
     profile.write_text("{}")
     assert main(["bench", "train", "--model", "t5", "--profile", str(profile), *flags]) != 0
     assert "--model t5 trains under DeepSpeed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        ("{not json", "is not valid JSON"),
+        ("[1, 2]", "not a CPU profile of an encoder-decoder"),
+        ('{"model": {"config": {}}}', "incomplete or malformed"),
+    ],
+)
+def test_a_bad_profile_is_refused_by_name_before_any_rank_starts(tmp_path, content, says):
+    from dyn_plugin.bench.train_pairs import cpu_pair_profile
+
+    bad = tmp_path / "p.json"
+    bad.write_text(content)
+    with pytest.raises(SystemExit) as refused:
+        cpu_pair_profile(str(bad))
+    assert says in str(refused.value) and "dynplugin profile --model tiny-t5" in str(refused.value)
+    with pytest.raises(SystemExit, match="does not exist"):
+        cpu_pair_profile(str(tmp_path / "missing.json"))

@@ -21,7 +21,6 @@ prints the summary as JSON.)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import numpy as np
@@ -32,7 +31,8 @@ from tqdm import tqdm
 import deepspeed_ext
 
 from ..atomic import atomic_path
-from ..cost.encoder_decoder import import_t5_tables
+from ..cost.encoder_decoder import EncoderDecoderCostModel, import_t5_tables
+from ..jsonfile import read_json
 from ..models.hf import build_seq2seq_lm
 from ..runtime.planning import PAIR_METHODS
 from .train_common import (
@@ -134,6 +134,27 @@ def run_mode(mode: str, args, data: list[dict], lengths: np.ndarray, model_cfg: 
     return records
 
 
+def cpu_pair_profile(path: str) -> tuple[dict, EncoderDecoderCostModel]:
+    """The tables ``--profile`` names and their cost model, or SystemExit saying what is wrong
+    (before any rank joins the group)."""
+    redo = "(dynplugin profile --model tiny-t5)"
+    try:
+        raw = read_json(path, "--profile")
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{exc}; make one {redo}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict) or "config" not in raw["model"]:
+        raise SystemExit(f"--profile {path}: not a CPU profile of an encoder-decoder; make one {redo}")
+    try:
+        cost = import_t5_tables(raw)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SystemExit(
+            f"--profile {path}: its tables are incomplete or malformed ({exc!r}); make one {redo}"
+        ) from None
+    if cost.dtype != "fp32":
+        raise SystemExit(f"--profile {path}: a {cost.dtype} profile; this benchmark trains fp32 on CPU ranks {redo}")
+    return raw, cost
+
+
 def main() -> None:
     p = common_parser(
         __doc__,
@@ -152,6 +173,7 @@ def main() -> None:
     unknown = [m for m in modes if m not in trainable_modes()]
     if unknown:
         raise SystemExit(f"--modes {','.join(unknown)}: trainable on pairs today are {', '.join(trainable_modes())}")
+    raw, cost = cpu_pair_profile(args.profile)
     deepspeed_ext.skip_cpu_shm_build()
     import deepspeed
 
@@ -159,11 +181,6 @@ def main() -> None:
     if device.type != "cpu":
         raise SystemExit("the encoder-decoder benchmark trains on CPU ranks (its profile is a CPU, fp32 one)")
     deepspeed.init_distributed(dist_backend="gloo")
-    with open(args.profile) as f:
-        raw = json.load(f)
-    cost = import_t5_tables(raw)
-    if cost.dtype != "fp32" or "config" not in raw.get("model", {}):
-        raise SystemExit(f"{args.profile}: not a CPU profile of an encoder-decoder (dynplugin profile --model tiny-t5)")
     os.makedirs(args.out, exist_ok=True)
     data, lengths = tokenized_pairs(args.lengths, args.max_len, args.out)
     records = []
