@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from dyn_plugin.bench.train_deepspeed import device_memory_mb, precision_section
@@ -27,11 +28,12 @@ def test_cuda_memory_is_the_gpus(monkeypatch):
     assert device_memory_mb(torch.device("cpu")) == 8000
 
 
-def test_bench_train_runs_the_comparison(tmp_path, capsys):
-    """`make demo`'s main job, small: profile the tiny Llama, then train it five ways on 2 ranks."""
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    """The tiny Llama profiled on a tiny grid (the plans need a profile; its accuracy is not at stake here)."""
     from dyn_plugin.cli import main
 
-    profile = tmp_path / "profile.json"
+    profile = tmp_path_factory.mktemp("profile") / "profile.json"
     assert (
         main(
             [
@@ -39,7 +41,7 @@ def test_bench_train_runs_the_comparison(tmp_path, capsys):
                 "--out",
                 str(profile),
                 "--seq-lens",
-                "16,256,1024",
+                "16,1024",
                 "--micro-batch-sizes",
                 "1,2",
                 "--max-tokens",
@@ -47,7 +49,7 @@ def test_bench_train_runs_the_comparison(tmp_path, capsys):
                 "--recompute",
                 "none",
                 "--repeats",
-                "2",
+                "1",
                 "--validate",
                 "0",
                 "--threads",
@@ -57,7 +59,13 @@ def test_bench_train_runs_the_comparison(tmp_path, capsys):
         )
         == 0
     )
-    capsys.readouterr()
+    return profile
+
+
+def test_bench_train_runs_the_comparison(profile, tmp_path, capsys):
+    """`make demo`'s main job, small: the tiny Llama trained five ways on 2 ranks."""
+    from dyn_plugin.cli import main
+
     assert (
         main(
             [
@@ -72,7 +80,7 @@ def test_bench_train_runs_the_comparison(tmp_path, capsys):
                 "--max-len",
                 "1024",
                 "--global-tokens",
-                "8192",
+                "4096",
                 "--json",
             ]
         )
@@ -88,6 +96,9 @@ def test_bench_train_runs_the_comparison(tmp_path, capsys):
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["tid"] for e in spans} == {0, 1} and {e["pid"] for e in spans} == {0, 1}  # measured, predicted; 2 ranks
 
+
+@pytest.mark.slow  # within the suite's time: the module's --local_rank handling; torchrun launches it above
+def test_bench_train_runs_under_deepspeeds_launcher(profile, tmp_path):
     # the same module under DeepSpeed's own launcher (which adds --local_rank)
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     done = subprocess.run(
@@ -106,7 +117,7 @@ def test_bench_train_runs_the_comparison(tmp_path, capsys):
             "--max-len",
             "1024",
             "--global-tokens",
-            "8192",
+            "4096",
             "--modes",
             "dyn_plugin",
         ],
@@ -116,3 +127,13 @@ def test_bench_train_runs_the_comparison(tmp_path, capsys):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert [r["mode"] for r in json.loads((tmp_path / "ds" / "summary.json").read_text())] == ["dyn_plugin"]
+
+
+def test_modes_pick_the_batchings_and_an_unknown_one_is_refused_before_any_rank_starts(capsys):
+    from dyn_plugin.cli import main
+
+    assert main(["bench", "train", "--modes", "padded,packed", "--out", "/nonexistent/never-written"]) == 2
+    err = capsys.readouterr().err
+    assert "--modes: unknown packed" in err and "packing_varlen" in err
+    assert main(["bench", "train", "--model", "t5", "--profile", __file__, "--modes", "sp_dynamic"]) == 2
+    assert "--modes: unknown sp_dynamic" in capsys.readouterr().err  # a DeepSpeed batching the pairs lack

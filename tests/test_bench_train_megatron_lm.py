@@ -19,34 +19,57 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ["padded", "megatron-lm", "megatron-lm-sdpa", "dyn_plugin"]
 
 
-def test_megatron_lm_comparison_trains_every_mode(tmp_path):
+def bench(tmp_path, *modes: str) -> tuple[dict[str, dict], list[dict], object]:
+    """(rows by mode, per-step records, output folder) of the benchmark over ``modes`` (all without)."""
     mlm = os.environ.get("MEGATRON_LM") or str(shared_path("third_party", "megatron-lm"))
     out = tmp_path / "train"
     # 1024-token rows, 2 per iteration: the shorter documents of the corpus leave padded rows part empty
     cmd = [sys.executable, "-m", "dyn_plugin", "bench", "train", "--host", "megatron-lm", "--megatron-lm", mlm]
     cmd += ["--out", str(out), "--steps", "1", "--max-len", "1024", "--global-tokens", "2048", "--json"]
+    cmd += ["--modes", ",".join(modes)] if modes else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {r["mode"]: r for r in map(json.loads, done.stdout.splitlines())}
-    assert list(rows) == MODES
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     for r in rows.values():
         assert r["benchmark"] == "train-megatron-lm" and r["steps"] == 1
         assert r["effective_tokens_per_s"] > 0 and r["measured_step_ms"] > 0 and math.isfinite(r["final_loss"])
-        assert r["speedup_vs_padded"] > 0 and r["speedup_vs_megatron-lm"] > 0 and r["speedup_vs_megatron-lm-sdpa"] > 0
-    for mode in ("padded", "dyn_plugin"):  # the plans made inside the ranks reported their predictions
+    for mode in {"padded", "dyn_plugin"} & set(rows):  # the plans made inside the ranks reported their predictions
         assert rows[mode]["predicted_step_ms"] > 0 and rows[mode]["prediction_mape"] >= 0
+    assert all(r["token_slots"] <= 2048 for r in records)  # one iteration's budget in every mode
+    assert (out / "report.md").read_text().startswith("# Training demo: Megatron-LM's pretrain_gpt.py")
+    assert (out / "code-1024.idx").stat().st_size > 0  # the corpus as a Megatron indexed dataset
+    return rows, records, out
+
+
+def test_the_plugins_two_modes_train_the_same_documents_and_compare(tmp_path):
+    """The suite's share: the plugin's padded and planned runs (Megatron-LM's own two in the slow test)."""
+    rows, records, _ = bench(tmp_path, "padded", "dyn_plugin")
+    assert list(rows) == ["padded", "dyn_plugin"] and [r["mode"] for r in records] == ["padded", "dyn_plugin"]
+    assert rows["dyn_plugin"]["speedup_vs_padded"] > 0 and "speedup_vs_megatron-lm" not in rows["dyn_plugin"]
+    assert rows["padded"]["padding_fraction"] > 0.05 and rows["dyn_plugin"]["padding_fraction"] < 0.01
+    assert records[0]["real_tokens"] == records[1]["real_tokens"]
+
+
+@pytest.mark.slow  # within the suite's time: two more pretrain_gpt.py runs, Megatron-LM's own samples
+def test_megatron_lm_comparison_trains_every_mode(tmp_path):
+    rows, records, _ = bench(tmp_path)
+    assert list(rows) == MODES and [r["mode"] for r in records] == MODES
+    for r in rows.values():
+        assert r["speedup_vs_padded"] > 0 and r["speedup_vs_megatron-lm"] > 0 and r["speedup_vs_megatron-lm-sdpa"] > 0
     for mode in ("megatron-lm", "megatron-lm-sdpa"):  # Megatron-LM's own samples: no plan, no padding
         assert rows[mode]["predicted_step_ms"] is None and rows[mode]["padding_fraction"] == 0
     assert rows["padded"]["padding_fraction"] > 0.05
     assert rows["dyn_plugin"]["padding_fraction"] < 0.01
-    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
-    assert [r["mode"] for r in records] == MODES
-    # one iteration's budget in every mode; the plugin's two modes train the same documents
-    assert all(r["token_slots"] <= 2048 for r in records)
+    # the plugin's two modes train the same documents
     assert records[0]["real_tokens"] == records[3]["real_tokens"]
-    assert (out / "report.md").read_text().startswith("# Training demo: Megatron-LM's pretrain_gpt.py")
-    assert (out / "code-1024.idx").stat().st_size > 0  # the corpus as a Megatron indexed dataset
+
+
+def test_an_unknown_mode_is_refused_with_the_hosts_list(tmp_path):
+    cmd = [sys.executable, "-m", "dyn_plugin", "bench", "train", "--host", "megatron-lm", "--modes", "padded,nope"]
+    done = subprocess.run(cmd + ["--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--modes: unknown nope" in done.stderr and "megatron-lm-sdpa" in done.stderr
 
 
 def test_missing_checkout_names_the_option(tmp_path):

@@ -302,7 +302,9 @@ def test_the_megatron_core_loop_survives_random_kills(core):
     assert core.kills(3) == 3
 
 
-# in `make test`: the script users run, one kill (three on each path, and 100, in the slow tests)
+# within the suite's time, the script users run is killed at the points its save order names (below);
+# one random kill, three on each path, and 100, in the slow tests
+@pytest.mark.slow
 def test_pretrain_gpt_survives_a_random_kill(pretrain_gpt):
     assert pretrain_gpt.kills(1) == 1
 
@@ -350,6 +352,7 @@ def refused_on_every_rank(output: str) -> bool:
     return all(re.search(rf"^\[default{r}\]:.*{refusal}", output, re.M) for r in range(WORLD))
 
 
+@pytest.mark.slow  # within the suite's time: the same refusal through the megatron-core example, below
 def test_pretrain_gpt_refuses_a_checkpoint_without_the_marker_unless_finetuning(pretrain_gpt, tmp_path):
     """Megatron-LM's tracker names a checkpoint the plugin never committed (written without the
     plugin, or by one that published the tracker first): its data position is unknown, so the

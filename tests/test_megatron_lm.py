@@ -239,7 +239,8 @@ def case_run(name: str, tmp_path_factory) -> dict:
 # within the suite's time: the padded twins of packed cases run with the slow tests (their packed
 # cases cover the same layouts of ranks; dp2-sp-padded keeps padded rows in the suite), and so do
 # tensor and pipeline parallelism alone (tp2-pp2-packed runs both, pp2-dp2-sp-packed pipelines again)
-SLOW_CASES = {"dp2-padded", "tp2-pp2-padded", "tp2-packed", "pp2-packed"}
+# and plain data parallelism (pp2-dp2-sp-packed runs two data-parallel columns of packed rows)
+SLOW_CASES = {"dp2-padded", "tp2-pp2-padded", "tp2-packed", "pp2-packed", "dp2-packed"}
 
 
 @pytest.fixture(

@@ -32,7 +32,13 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+# within the suite's time: no recompute runs with the slow tests (pretrain_gpt.py's cases train without it)
+SLOW_CASES = {"dp2-packed-no-recompute"}
+
+
+@pytest.fixture(
+    scope="module", params=[pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CASES else n for n in CASES]
+)
 def trained(request, tmp_path_factory):
     world, pp, method, recompute, env = CASES[request.param]
     out = tmp_path_factory.mktemp(request.param)

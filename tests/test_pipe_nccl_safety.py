@@ -90,7 +90,8 @@ def test_train_step_keeps_collectives_on_the_device_and_reads_the_host_once(monk
     assert reads == ["__float__"], "one host read, for the returned loss, whatever the micro-batch count"
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+# within the suite's time: bf16 (a GPU run's precision); fp32 with the slow tests
+@pytest.mark.parametrize("dtype", [pytest.param("fp32", marks=pytest.mark.slow), "bf16"])
 def test_pipeline_engine_takes_a_data_iterator_and_evaluates_forward_only(tmp_path, dtype):
     import json
 

@@ -91,6 +91,7 @@ def test_two_ranks_mix_group_sizes_for_every_zero_stage(two_ranks):
     )
 
 
+@pytest.mark.slow  # within the suite's time: two and three ranks regroup (below), ring and Ulysses in test_strategy_training
 def test_four_ranks_regroup_every_step(tmp_path):
     """[4] (ring: 2 key/value heads do not split 4 ways), then [2, 1, 1] and [1, 1, 2] (Ulysses)."""
     steps = [[[4], "packed"], [[2, 1, 1], "padded"], [[1, 1, 2], "packed"]]

@@ -234,6 +234,9 @@ def main() -> None:
     p.add_argument("--memory-mb", type=float, help="device memory the plans may fill (default: the GPU's, 8000 on CPU)")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # from the deepspeed launcher
     args = p.parse_args()
+    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    if unknown:
+        p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
     deepspeed_ext.skip_cpu_shm_build()
     import deepspeed
 

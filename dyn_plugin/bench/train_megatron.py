@@ -179,7 +179,7 @@ def main() -> None:
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
-        p.error(f"unknown modes {', '.join(unknown)}: choose from {', '.join(MODES)}")
+        p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
     megatron_patches.apply()  # once: each mode configures its own run
     ex = load_example()
     device = ex["initialize"](1, 1, args.seed)

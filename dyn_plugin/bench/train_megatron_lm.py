@@ -196,21 +196,27 @@ def plans(folder: str, iterations: int) -> list[tuple[int, int, float]]:
 def bench_train_megatron_lm(args: argparse.Namespace) -> list[dict]:
     """Run every mode (Megatron-LM's default seed in each) and write the report into ``args.out``; the summary rows.
     ``args``: ``megatron_lm`` (the checkout), ``out``, ``profile``, ``lengths``, ``max_len``, ``global_tokens``,
-    ``warmup``, ``steps``, ``ranks``, ``memory_mb``, ``json``."""
+    ``warmup``, ``steps``, ``ranks``, ``memory_mb``, ``modes`` (comma-separated, or None for all), ``json``."""
     script = pretrain_gpt(args.megatron_lm)
     if args.global_tokens % args.max_len:
         raise SystemExit(
             f"--global-tokens {args.global_tokens} is not a multiple of --max-len {args.max_len}: "
             "Megatron-LM's iteration is --global-batch-size samples of --seq-length (= --max-len) tokens"
         )
+    modes = args.modes.split(",") if args.modes else list(MODES)
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(
+            f"--modes: unknown {', '.join(unknown)}; with --host megatron-lm choose from {', '.join(MODES)}"
+        )
     os.makedirs(args.out, exist_ok=True)
     prefix = write_corpus(args)
     records = []
-    for mode in tqdm(MODES, desc="megatron-lm modes", disable=args.json):
+    for mode in tqdm(modes, desc="megatron-lm modes", disable=args.json):
         t0 = time.perf_counter()
         records += run_mode(mode, args, script, prefix)
         logger.info("%s trained in %.0f s", mode, time.perf_counter() - t0)
-    rows = summarize(records, MODES, BASELINES)
+    rows = summarize(records, modes, BASELINES)
     write_results(args.out, records, rows)
     text = report(rows, args.out, preamble(args), BASELINES)
     if not args.json:  # --json prints only the rows

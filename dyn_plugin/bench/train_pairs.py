@@ -172,7 +172,9 @@ def main() -> None:
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in trainable_modes()]
     if unknown:
-        raise SystemExit(f"--modes {','.join(unknown)}: trainable on pairs today are {', '.join(trainable_modes())}")
+        raise SystemExit(
+            f"--modes: unknown {', '.join(unknown)}; trainable on pairs today are {', '.join(trainable_modes())}"
+        )
     raw, cost = cpu_pair_profile(args.profile)
     deepspeed_ext.skip_cpu_shm_build()
     import deepspeed

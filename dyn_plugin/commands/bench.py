@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Iterable
 
 from ..bench.families import FAMILIES
 from ..bench.shard import SETUPS
@@ -241,6 +242,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tiny-llama profile of this machine (dynplugin profile); without it the "
         "analytic cost model prices the plans, and every row says so",
     )
+    train.add_argument(
+        "--modes",
+        help="comma-separated subset of the host's batchings, in the order to run (default: all of them; with "
+        "--sp the sequence-parallel ones); an unknown name is refused with the host's list",
+    )
     train.add_argument("--out", type=output_dir, default="out/bench-train")
     train.add_argument("--steps", type=STEPS, default=4)
     train.add_argument("--ranks", type=count(1, 1024), default=2)
@@ -426,11 +432,11 @@ def bench_train(args: argparse.Namespace, host: dict) -> int:
             "train-megatron",
             args,
             host,
-            ["--max-len", str(args.max_len or 4096), "--global-tokens", str(args.global_tokens)],
+            ["--max-len", str(args.max_len or 4096), "--global-tokens", str(args.global_tokens)] + _modes(args),
         )
-    from ..bench.train_deepspeed import SP_MODES
+    from ..bench.train_deepspeed import MODES, SP_MODES
 
-    extra = ["--modes", ",".join(SP_MODES)] if args.sp else []
+    extra = _modes(args, MODES) or (["--modes", ",".join(SP_MODES)] if args.sp else [])
     max_len = args.max_len or (16384 if args.sp else 4096)
     return launch_comparison(
         "dyn_plugin.bench.train_deepspeed",
@@ -452,13 +458,29 @@ def bench_train_pairs(args: argparse.Namespace, host: dict) -> int:
             "(dynplugin profile --model tiny-t5 --ranks 2 --threads 1 --out t5-profile.json); no analytic "
             "model prices an encoder-decoder"
         )
+    from ..bench.train_pairs import trainable_modes
+
+    modes = _modes(args, trainable_modes())
     return launch_comparison(
         "dyn_plugin.bench.train_pairs",
         "train-t5",
         args,
         host,
-        ["--max-len", str(args.max_len or 512), "--global-tokens", str(args.global_tokens or 8192)],
+        ["--max-len", str(args.max_len or 512), "--global-tokens", str(args.global_tokens or 8192)] + modes,
     )
+
+
+def _modes(args: argparse.Namespace, known: Iterable[str] | None = None) -> list[str]:
+    """``--modes`` for the host's module, checked here against ``known`` where this process may import
+    the host's list (megatron's module checks its own: importing it would apply Megatron's patches)."""
+    if not args.modes:
+        return []
+    if known is not None:
+        known = list(known)
+        unknown = [m for m in args.modes.split(",") if m not in known]
+        if unknown:
+            raise ValueError(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    return ["--modes", args.modes]
 
 
 def example_config(name: str) -> str:
