@@ -18,7 +18,7 @@ from dyn_plugin.cost.from_config import live_cost_model, model_shape
 from dyn_plugin.cost.table import TableCostModel
 from dyn_plugin.device import rank_device, training_dtype
 from dyn_plugin.host.attention import priced_layouts
-from dyn_plugin.host.encoder_decoder import check_pair_inputs
+from dyn_plugin.host.encoder_decoder import pair_inputs
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.models.hf import is_encoder_decoder
 from dyn_plugin.plan.shard_plan import ShardPlan
@@ -91,7 +91,8 @@ def initialize(
     """``deepspeed.initialize`` with the plugin's loader; returns (engine, optimizer, loader, scheduler).
 
     An encoder-decoder (T5) trains on (input, target) pairs: ``lengths`` of shape [N, 2], dataset
-    items with ``input_ids`` and ``labels``, and an encoder-decoder ``cost_model``; data-parallel,
+    items with ``input_ids`` and ``labels``, and an encoder-decoder ``cost_model`` (or the config's
+    ``cost_model.profile`` naming tables of pairs: ``host.encoder_decoder.pair_cost_model``); data-parallel,
     or in a pipeline of encoder stages then decoder stages (``seq2seq_pipe``).
 
     ``shard_plan``: a sharding plan to apply under ZeRO-3 instead of the one ``sharding.plan`` names."""
@@ -100,7 +101,7 @@ def initialize(
 
     cfg = config if isinstance(config, LoadedConfig) else load_config(config)
     if is_encoder_decoder(model):  # before the layouts: theirs are a decoder-only model's
-        _check_encoder_decoder(cfg, model, lengths, cost_model)
+        cost_model = _check_encoder_decoder(cfg, model, lengths, cost_model)
     cfg = priced_layouts(model, cfg)
     if cost_model is not None and cost_model.dtype != training_dtype(cfg.deepspeed):
         raise _dtype_mismatch(
@@ -211,10 +212,12 @@ def initialize(
     return engine, optimizer, loader, scheduler
 
 
-def _check_encoder_decoder(cfg: LoadedConfig, model: torch.nn.Module, lengths: Sequence[Any], cost_model: Any) -> None:
+def _check_encoder_decoder(
+    cfg: LoadedConfig, model: torch.nn.Module, lengths: Sequence[Any], cost_model: Any
+) -> EncoderDecoderCostModel:
     """What an encoder-decoder (T5) trains under: (input, target) pairs planned by the
     encoder-decoder planner, data parallel (ZeRO 0-3) or in a pipeline of encoder stages then
-    decoder stages (ZeRO 0-1, ``seq2seq_pipe``)."""
+    decoder stages (ZeRO 0-1, ``seq2seq_pipe``); returns the cost model that plans them."""
     plugin, name = cfg.plugin, type(model).__name__
     refused = [
         (plugin.sequence_parallel.enabled, "sequence_parallel.enabled", "sequence parallelism over pairs"),
@@ -233,7 +236,7 @@ def _check_encoder_decoder(cfg: LoadedConfig, model: torch.nn.Module, lengths: S
                 "models under DeepSpeed; train it on padded pairs (sequence_parallel and sharding off, "
                 "microbatching.layout 'padded' or 'auto')"
             )
-    check_pair_inputs(name, lengths, cost_model)
+    return pair_inputs(model, lengths, cost_model, plugin.cost_model, training_dtype(cfg.deepspeed))
 
 
 def _check_sharding(cfg: LoadedConfig) -> None:

@@ -123,10 +123,17 @@ def test_the_search_names_the_longest_pair_when_nothing_fits():
     [
         ({"microbatching": {"layout": "packed"}}, [[2, 2]], COST, "rows packed with several pairs are not built"),
         ({}, [2], COST, "it trains on \\(input, target\\) pairs; give lengths as an \\[N, 2\\] array"),
-        ({}, [[2, 2]], None, "pass cost_model=, an encoder-decoder cost model"),
+        ({}, [[2, 2]], None, "no analytic model prices an encoder-decoder"),
+        # the config's tables price the precision the model's parameters train in (fp32 here)
+        (
+            {"cost_model": {"kind": "profile", "profile": "a100-t5-11b"}},
+            [[2, 2]],
+            None,
+            "measured in fp16, but the run trains in fp32",
+        ),
         ({"pipeline": {"stages": 2}}, [[2, 2]], COST, "data-parallel only"),
     ],
-    ids=["packed", "sequences", "cost-model", "pipeline"],
+    ids=["packed", "sequences", "cost-model", "tables-precision", "pipeline"],
 )
 def test_the_fsdp_entry_refuses_what_is_not_built_for_t5(plugin, lengths, cost, message):
     from dyn_plugin.fsdp import initialize

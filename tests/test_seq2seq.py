@@ -159,16 +159,26 @@ def test_deepspeed_trains_t5_on_pairs_exactly_for_every_zero_stage(tmp_path):
         ({"sequence_parallel": {"enabled": True}}, [[2, 2]], "sequence parallelism over pairs are not built"),
         ({"microbatching": {"layout": "packed"}}, [[2, 2]], "rows packed with several pairs are not built"),
         ({}, [2], "it trains on (input, target) pairs; give lengths as an [N, 2] array"),
-        ({}, [[2, 2]], "pass cost_model=, an encoder-decoder cost model"),
+        ("decoder-only", [[2, 2]], "pass cost_model=, an encoder-decoder cost model"),
+        ({}, [[2, 2]], "cost_model.kind 'analytic': no analytic model prices an encoder-decoder"),
     ],
-    ids=["sequence parallel", "packed", "sequence lengths", "decoder-only cost model"],
+    ids=["sequence parallel", "packed", "sequence lengths", "decoder-only cost model", "analytic config"],
 )
 def test_deepspeed_initialize_refuses_what_is_not_built_for_encoder_decoders(plugin, lengths, message):
     import deepspeed_ext
+    from dyn_plugin.cost.bundled import load_bundled
+    from dyn_plugin.cost.profile import cost_model_from_profile
 
+    cost = None
+    if plugin == "decoder-only":
+        plugin, cost = {}, cost_model_from_profile(load_bundled("a100-gpt-6.7b"))
     with pytest.raises(ValueError, match=re.escape(message)):
         deepspeed_ext.initialize(
-            model=build_seq2seq_lm(T5), config={"dyn_plugin": plugin}, dataset=_pairs([(2, 2)]), lengths=lengths
+            model=build_seq2seq_lm(T5),
+            config={"dyn_plugin": plugin},
+            dataset=_pairs([(2, 2)]),
+            lengths=lengths,
+            cost_model=cost,
         )
 
 

@@ -94,11 +94,13 @@ def tokenized_pairs(name: str, max_len: int, out: str) -> tuple[list[dict], np.n
     return data, np.array([[len(x), len(y)] for x, y in zip(*split)], dtype=np.int64)
 
 
-def run_mode(mode: str, args, data: list[dict], lengths: np.ndarray, model_cfg: dict, cost, device) -> list[dict]:
+def run_mode(mode: str, args, data: list[dict], lengths: np.ndarray, model_cfg: dict, device) -> list[dict]:
+    # the tables priced from the config, as a user's JSON config names them (host.encoder_decoder.pair_cost_model)
     config = {
         "zero_optimization": {"stage": 1},
         "zero_allow_untested_optimizer": True,
         "dyn_plugin": {
+            "cost_model": {"kind": "profile", "profile": args.profile},
             "microbatching": {"global_tokens": args.global_tokens, "max_seq_len": args.max_len, "method": MODES[mode]},
             "cluster": {
                 "devices_per_node": dist.get_world_size(),
@@ -114,7 +116,6 @@ def run_mode(mode: str, args, data: list[dict], lengths: np.ndarray, model_cfg: 
         dataset=data,
         lengths=lengths,
         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-        cost_model=cost,
         seed=args.seed,
     )
     records = []
@@ -187,7 +188,7 @@ def main() -> None:
     data, lengths = tokenized_pairs(args.lengths, args.max_len, args.out)
     records = []
     for mode in modes:
-        records += run_mode(mode, args, data, lengths, raw["model"]["config"], cost, device)
+        records += run_mode(mode, args, data, lengths, raw["model"]["config"], device)
     if dist.get_rank() == 0:
         preamble = batchings_preamble(
             f"# Training demo: {cost.name}, DeepSpeed ZeRO-1, {dist.get_world_size()} {ranks_on(device, 'fp32')}",

@@ -17,6 +17,9 @@ DIR = Path(__file__).resolve().parents[1] / "profiles"
 # the measured tables the bundled A100 profile was imported from (shipped: tests and plans need no
 # checkout beside the repository)
 MEASURED_DIR = DIR / "measured"
+# encoder-decoder tables by name (the DynaPipe artifact's T5-11B on A100s, fp16): read as measured,
+# by ``encoder_decoder.import_t5_tables``, not as profiles
+PAIR_TABLES = {"a100-t5-11b": MEASURED_DIR / "a100-t5-11b.json"}
 
 
 def names() -> list[str]:

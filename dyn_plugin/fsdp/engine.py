@@ -28,9 +28,9 @@ from ..config import LoadedConfig, load_config
 from ..cost.encoder_decoder import EncoderDecoderCostModel
 from ..cost.from_config import live_cost_model, model_shape
 from ..cost.table import TableCostModel
-from ..device import rank_device
+from ..device import dtype_name, rank_device
 from ..host.attention import priced_layouts
-from ..host.encoder_decoder import check_pair_inputs
+from ..host.encoder_decoder import pair_inputs
 from ..layout import RankLayout
 from ..models.hf import is_encoder_decoder
 from ..models.shard_units import shard_units
@@ -69,7 +69,7 @@ def initialize(
     if fsdp not in ("fsdp2", "fsdp1"):
         raise ValueError(f"fsdp={fsdp!r}: choose 'fsdp2' (fully_shard) or 'fsdp1' (FullyShardedDataParallel)")
     if is_encoder_decoder(model):  # before the layouts: theirs are a decoder-only model's
-        _check_encoder_decoder(cfg, model, lengths, cost_model)
+        cost_model = _check_encoder_decoder(cfg, model, lengths, cost_model)
     else:
         cfg = priced_layouts(model, cfg)
     plugin = cfg.plugin
@@ -137,9 +137,12 @@ def initialize(
     return model, optimizer, loader, plan
 
 
-def _check_encoder_decoder(cfg: LoadedConfig, model: nn.Module, lengths: Sequence[Any], cost_model: Any) -> None:
+def _check_encoder_decoder(
+    cfg: LoadedConfig, model: nn.Module, lengths: Sequence[Any], cost_model: Any
+) -> EncoderDecoderCostModel:
     """What an encoder-decoder (T5) trains under here: (input, target) pairs planned by the pair
-    planner, padded per side, with an encoder-decoder cost model."""
+    planner, padded per side, with an encoder-decoder cost model (returned): the argument, else the
+    config's tables in the precision of the model's parameters, which it trains in."""
     name = type(model).__name__
     model_type = getattr(model.config, "model_type", None)
     if model_type != "t5":
@@ -158,4 +161,4 @@ def _check_encoder_decoder(cfg: LoadedConfig, model: nn.Module, lengths: Sequenc
             f"microbatching.method 'packing_full' with an encoder-decoder model ({name}): packed pairs train under "
             "deepspeed_ext (data parallel) only; use another method under FSDP"
         )
-    check_pair_inputs(name, lengths, cost_model)
+    return pair_inputs(model, lengths, cost_model, cfg.plugin.cost_model, dtype_name(next(model.parameters()).dtype))
