@@ -263,6 +263,24 @@ def test_shard_command_prints_and_writes_the_plan(tmp_path, capsys):
     assert plan.frontier and all(a[1] >= b[1] for a, b in zip(plan.frontier, plan.frontier[1:]))
 
 
+def test_shard_command_searches_an_encoder_decoder_over_pairs_priced_by_the_configs_tables(tmp_path, capsys):
+    """T5-11B on one node of A100s: its sublayers are the units, the bundled 'tasks' pairs the
+    typical step, the config's bundled T5-11B tables the prices (recording no model: a warning)."""
+    from dyn_plugin.plan.shard_plan import ShardPlan
+
+    config = json.loads(open("examples/a100_t5_11b_shard.json").read())
+    config["dyn_plugin"]["microbatching"]["global_tokens"] = 16384
+    config["dyn_plugin"]["cluster"]["num_nodes"] = 1
+    path, out = tmp_path / "ds.json", tmp_path / "plan.json"
+    path.write_text(json.dumps(config))
+    assert main(["shard", "--model", "examples/t5-11b.json", "--config", str(path), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "encoder.block." in text and "decoder.block." in text and "x23" in text
+    plan = ShardPlan.load(out)
+    assert plan.world == 8 and plan.dtype == "fp16" and plan.peak_bytes <= plan.memory_budget_bytes
+    assert len(plan.units) == 24 * 2 + 24 * 3 + 1  # self-attention and feed-forward per encoder block, + cross
+
+
 def test_shard_command_says_the_minimum_budget(tmp_path, capsys):
     config = json.loads(open("examples/a100_gpt67b_shard.json").read())
     config["dyn_plugin"]["sharding"]["memory_budget_mb"] = 8000

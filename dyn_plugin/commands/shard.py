@@ -19,8 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        help="the model: a preset (tiny-llama, llama-350m, tiny-gpt2) or a "
-        "HF config.json; built on the meta device, no weights",
+        help="the model: a preset (tiny-llama, llama-350m, tiny-gpt2, tiny-t5) or a "
+        "HF config.json; built on the meta device, no weights. An encoder-decoder (T5) is searched over "
+        "(input, target) pairs, priced by the tables of pairs the config's cost_model.profile names",
     )
     parser.add_argument(
         "--config",
@@ -30,9 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--lengths",
-        default="code",
-        help="lengths .npy/.json or a bundled distribution; one global "
-        "batch of it is the typical step the search prices",
+        help="lengths .npy/.json or a bundled distribution (default code; pairs for an encoder-decoder, "
+        "default tasks); one global batch of it is the typical step the search prices",
     )
     parser.add_argument("--world", type=RANKS, help="ranks (default: cluster.devices_per_node * cluster.num_nodes)")
     parser.add_argument(
@@ -56,29 +56,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..config import load_config
     from ..cost.from_config import build_cost_model
-    from ..lengths.io import cap_lengths, load_lengths
+    from ..host.encoder_decoder import pair_cost_model
+    from ..lengths.io import load_lengths
+    from ..lengths.pairs import load_pairs
+    from ..models.hf import hf_config, load_model_config
     from ..models.shard_units import config_units
-    from ..plan.sharding import search_sharding
-    from ..runtime.sampler import global_batches
+    from ..runtime.sharding import search_for_run
 
     cfg = load_config(args.config)
     plugin = cfg.plugin
-    cost = build_cost_model(plugin.cost_model, plugin.cluster)
+    model = hf_config(load_model_config(args.model))
+    if model.is_encoder_decoder:  # searched over pairs, priced by the config's tables of pairs
+        cost = pair_cost_model(plugin.cost_model, model)
+        lengths = load_pairs(args.lengths or "tasks")
+    else:
+        cost = build_cost_model(plugin.cost_model, plugin.cluster)
+        lengths = load_lengths(args.lengths or "code")
     world = args.world if args.world is not None else plugin.cluster.world_size
     host = args.host or (plugin.sharding.host if plugin.sharding.host != "auto" else "fsdp2")
     name, units = config_units(args.model)
-    lengths = cap_lengths(load_lengths(args.lengths), plugin.microbatching.max_seq_len, plugin.microbatching.truncate)
-    ids = global_batches(lengths, plugin.microbatching.global_tokens, 1, args.seed)[0]
-    plan = search_sharding(
-        units,
-        cost,
-        plugin,
-        world=world,
-        lengths=[int(lengths[i]) for i in ids],
-        host=host,
-        model=name,
-        longest=int(lengths.max()),
-    )
+    plan = search_for_run(units, plugin, cost, lengths, world=world, host=host, model=name, seed=args.seed)
     plan.save(args.out)
     if args.json:
         print(json.dumps(plan.to_dict()))

@@ -95,13 +95,15 @@ def shard_units(model: nn.Module) -> list[ShardUnit]:
 
 def config_units(spec: str | dict) -> tuple[str, list[ShardUnit]]:
     """(model name, units) of a model given as a preset, a HF ``config.json`` path or a dict: built on
-    the meta device, so a 6.7B-parameter model costs no memory and no time to inventory."""
+    the meta device, so a 6.7B-parameter model costs no memory and no time to inventory. An
+    encoder-decoder's (T5's) units are its sublayers, per side."""
     import torch
 
-    from .hf import build_causal_lm, load_model_config
+    from .hf import build_causal_lm, build_seq2seq_lm, hf_config, load_model_config
 
     cfg = load_model_config(spec)
+    build = build_seq2seq_lm if hf_config(cfg).is_encoder_decoder else build_causal_lm
     with torch.device("meta"):
-        model = build_causal_lm(cfg)
+        model = build(cfg)
     name = spec if isinstance(spec, str) else cfg["model_type"]
     return str(name), shard_units(model)

@@ -58,25 +58,7 @@ def resolve_shard_plan(
                 "`dynplugin shard --out`, or unset sharding.plan to search one at start-up"
             ) from exc
     if plan is None:
-        mb = plugin.microbatching
-        lengths = np.asarray(lengths)
-        pairs = lengths.ndim == 2  # an encoder-decoder's (input, target) pairs, each side capped
-        lengths = (
-            np.stack([cap_lengths(lengths[:, side], mb.max_seq_len, mb.truncate) for side in (0, 1)], axis=1)
-            if pairs
-            else cap_lengths(lengths, mb.max_seq_len, mb.truncate)
-        )  # as the loader caps them
-        ids = global_batches(lengths, mb.global_tokens, 1, seed)[0]
-        plan = search_sharding(
-            units,
-            cost,
-            plugin,
-            world=world,
-            lengths=[tuple(int(x) for x in lengths[i]) if pairs else int(lengths[i]) for i in ids],
-            host=host,
-            model=model,
-            longest=tuple(int(x) for x in lengths.max(axis=0)) if pairs else int(lengths.max()),
-        )
+        plan = search_for_run(units, plugin, cost, lengths, world=world, host=host, model=model, seed=seed)
     plan.check_units(u.name for u in units)
     plan.check_world(world)
     if plan.dtype != cost.dtype:
@@ -85,6 +67,40 @@ def resolve_shard_plan(
             "in the precision the model trains in"
         )
     return plan
+
+
+def search_for_run(
+    units: Sequence[ShardUnit],
+    plugin: DynPluginConfig,
+    cost: TableCostModel | EncoderDecoderCostModel,
+    lengths: Sequence[int] | Sequence[Sequence[int]],
+    *,
+    world: int,
+    host: str,
+    model: str = "",
+    seed: int = 0,
+) -> ShardPlan:
+    """The plan searched for the run's first global batch of ``lengths`` (one per sample, or an
+    encoder-decoder's [N, 2] pairs), capped as the loader caps them, leaving room for the longest."""
+    mb = plugin.microbatching
+    lengths = np.asarray(lengths)
+    pairs = lengths.ndim == 2  # an encoder-decoder's (input, target) pairs, each side capped
+    lengths = (
+        np.stack([cap_lengths(lengths[:, side], mb.max_seq_len, mb.truncate) for side in (0, 1)], axis=1)
+        if pairs
+        else cap_lengths(lengths, mb.max_seq_len, mb.truncate)
+    )
+    ids = global_batches(lengths, mb.global_tokens, 1, seed)[0]
+    return search_sharding(
+        units,
+        cost,
+        plugin,
+        world=world,
+        lengths=[tuple(int(x) for x in lengths[i]) if pairs else int(lengths[i]) for i in ids],
+        host=host,
+        model=model,
+        longest=tuple(int(x) for x in lengths.max(axis=0)) if pairs else int(lengths.max()),
+    )
 
 
 def shard_plan_for_run(
