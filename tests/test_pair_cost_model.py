@@ -73,3 +73,13 @@ def test_what_cannot_price_the_run_is_refused_naming_the_field_and_the_fix(cfg, 
         pair_cost_model(cfg, tiny_t5(), dtype)
     assert says in str(refused.value)
     assert "cost_model" in str(refused.value) and "dynplugin profile" in str(refused.value)
+
+
+@pytest.mark.parametrize("name", ["a100-t5-11b", str(MEASURED_DIR / "a100-t5-11b.json")])
+def test_tables_of_pairs_named_for_a_decoder_only_model_are_refused_as_such(name):
+    from dyn_plugin.config import ClusterConfig
+    from dyn_plugin.cost.from_config import build_cost_model
+
+    with pytest.raises(ValueError, match="tables of an encoder-decoder's \\(input, target\\) pairs") as refused:
+        build_cost_model(config(name), ClusterConfig())
+    assert "a100-gpt-6.7b" in str(refused.value)

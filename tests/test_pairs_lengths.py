@@ -340,3 +340,13 @@ def test_lengths_command_writes_pairs(tmp_path, capsys, run_command):
     assert run_command(lengths_cmd, ["tasks", "--bundled", "--out", str(tmp_path / "t.npy"), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["count"] == TK.TASKS_SIZE and summary["input"]["count"] == TK.TASKS_SIZE
+
+
+def test_a_distribution_of_the_other_kind_is_refused_saying_which_kind_it_is():
+    from dyn_plugin.lengths.io import load_lengths
+    from dyn_plugin.lengths.pairs import load_pairs
+
+    with pytest.raises(ValueError, match="'tasks' is a bundled distribution of \\(input, target\\) pairs"):
+        load_lengths("tasks")
+    with pytest.raises(ValueError, match="'code' is a bundled distribution of single sequence lengths.*tasks"):
+        load_pairs("code")

@@ -28,9 +28,16 @@ def build_cost_model(cfg: CostModelConfig, cluster: ClusterConfig, shape: ModelS
                 "dyn_plugin.cost_model.model is required for kind='analytic' (hidden_size, num_layers, ...)"
             )
         return analytic_cost_model(cfg.model or shape, cluster.device, cfg.dtype)
-    from .bundled import load_bundled, names
+    from .bundled import PAIR_TABLES, load_bundled, names
     from .profile import cost_model_from_profile, load_profile
 
+    if cfg.profile in PAIR_TABLES or _holds_pair_tables(cfg.profile):
+        raise ValueError(
+            f"dyn_plugin.cost_model.profile {cfg.profile!r}: tables of an encoder-decoder's (input, target) pairs, "
+            "which price encoder-decoders trained on pairs (deepspeed_ext or the FSDP entry with [N, 2] lengths, "
+            "`dynplugin shard --model <its config.json>`); for a decoder-only model name its profile "
+            f"(`dynplugin profile`) or a bundled one ({', '.join(names())})"
+        )
     if os.path.exists(cfg.profile):
         profile = load_profile(cfg.profile)
     elif cfg.profile in names():
@@ -50,6 +57,22 @@ def build_cost_model(cfg: CostModelConfig, cluster: ClusterConfig, shape: ModelS
     if shape is not None:
         check_profile_shape(cfg.profile, profile.model.name, profile.model.shape, shape)
     return cost_model_from_profile(profile, allow_extrapolation=cfg.allow_extrapolation)
+
+
+def _holds_pair_tables(path: str) -> bool:
+    """Whether ``path`` is a JSON file of encoder-decoder tables (decoder rows), not a profile."""
+    if not path.endswith(".json") or not os.path.isfile(path):
+        return False
+    from ..jsonfile import read_json
+
+    try:
+        raw = read_json(path, "dyn_plugin.cost_model.profile")
+    except ValueError:
+        return False  # load_profile says what is wrong with it
+    tables = raw.get("tables") if isinstance(raw, dict) else None
+    return isinstance(tables, list) and any(
+        isinstance(t, dict) and isinstance(t.get("time_ms"), dict) and "decoder.forward" in t["time_ms"] for t in tables
+    )
 
 
 def check_profile_shape(source: str, name: str, measured: ModelShape | None, trained: ModelShape) -> None:

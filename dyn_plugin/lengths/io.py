@@ -24,6 +24,7 @@ from dyn_plugin.atomic import atomic_path, write_json_atomic
 from dyn_plugin.checks import MAX_TOKENS
 from dyn_plugin.jsonfile import read_json
 from dyn_plugin.lengths.corpus import DISTRIBUTIONS, iter_documents
+from dyn_plugin.lengths.tasks import PAIR_DISTRIBUTIONS
 from dyn_plugin.lengths.tokenizer import get_tokenizer, token_lengths
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,11 @@ def validate_lengths(
 
 def load_lengths(source: str | os.PathLike) -> np.ndarray:
     """A bundled distribution by name, or a ``.npy`` / ``.json`` file, validated, as int64."""
+    if isinstance(source, str) and source in PAIR_DISTRIBUTIONS:
+        raise ValueError(
+            f"{source!r} is a bundled distribution of (input, target) pairs, which encoder-decoders train on; "
+            f"one length per sequence is needed here: {', '.join(DISTRIBUTIONS)}, or a .npy/.json file"
+        )
     return load_checked(source, DISTRIBUTIONS, validate_lengths, what="lengths", items="ints")
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 from numpy.typing import ArrayLike
 
+from dyn_plugin.lengths.corpus import DISTRIBUTIONS
 from dyn_plugin.lengths.io import load_checked, save_checked, summarize, validate_lengths
 from dyn_plugin.lengths.tasks import PAIR_DISTRIBUTIONS, labeled_pairs
 from dyn_plugin.lengths.tokenizer import get_tokenizer, token_lengths
@@ -60,6 +61,11 @@ def validate_pairs(values: ArrayLike) -> np.ndarray:
 
 def load_pairs(source: str | os.PathLike) -> np.ndarray:
     """A bundled pair distribution by name, or a ``.npy`` / ``.json`` file, validated, int64 ``[N, 2]``."""
+    if isinstance(source, str) and source in DISTRIBUTIONS:
+        raise ValueError(
+            f"{source!r} is a bundled distribution of single sequence lengths, which decoder-only models train on; "
+            f"an encoder-decoder needs (input, target) pairs: {', '.join(PAIR_DISTRIBUTIONS)}, or an [N, 2] .npy/.json"
+        )
     return load_checked(source, PAIR_DISTRIBUTIONS, validate_pairs, what="pairs", items="[input, target] pairs")
 
 
