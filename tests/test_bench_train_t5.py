@@ -50,13 +50,23 @@ def test_bench_train_t5_is_deepspeed_data_parallel(tmp_path, capsys, flags):
     "content, says",
     [
         ("{not json", "is not valid JSON"),
-        ("[1, 2]", "not a CPU profile of an encoder-decoder"),
-        ('{"model": {"config": {}}}', "incomplete or malformed"),
+        ("[1, 2]", "no decoder tables of (input, target) pairs"),
+        ('{"model": {"config": {}}}', "no decoder tables of (input, target) pairs"),
+        ("a100", "not a CPU profile of an encoder-decoder"),  # tables of pairs, but no model to build
+        ("a100-without-tp", "its tables are incomplete or malformed"),
     ],
 )
 def test_a_bad_profile_is_refused_by_name_before_any_rank_starts(tmp_path, content, says):
     from dyn_plugin.bench.train_pairs import cpu_pair_profile
 
+    if content.startswith("a100"):
+        from dyn_plugin.cost.bundled import PAIR_TABLES
+
+        raw = json.loads(PAIR_TABLES["a100-t5-11b"].read_text())
+        if content == "a100-without-tp":
+            raw["model"] = {"config": {"model_type": "t5"}}
+            del raw["tables"][0]["tp"]
+        content = json.dumps(raw)
     bad = tmp_path / "p.json"
     bad.write_text(content)
     with pytest.raises(SystemExit) as refused:

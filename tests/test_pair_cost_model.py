@@ -10,7 +10,7 @@ import pytest
 from dyn_plugin.config import CostModelConfig
 from dyn_plugin.cost.bundled import MEASURED_DIR
 from dyn_plugin.cost.encoder_decoder import EncoderDecoderCostModel
-from dyn_plugin.host.encoder_decoder import pair_cost_model
+from dyn_plugin.cost.from_config import pair_cost_model
 from dyn_plugin.models.hf import PRESETS, hf_config
 
 A100_T5 = json.loads((MEASURED_DIR / "a100-t5-11b.json").read_text())
@@ -63,7 +63,7 @@ def test_bundled_a100_tables_price_the_model_trained_with_a_warning(caplog):
     [
         (CostModelConfig(kind="analytic"), "fp32", "no analytic model prices an encoder-decoder"),
         (config("nowhere.json"), "fp32", "no such file, and not bundled tables"),
-        (config(str(MEASURED_DIR / "a100-gpt-6.7b.json")), "fp16", "holds no decoder tables of pairs"),
+        (config(str(MEASURED_DIR / "a100-gpt-6.7b.json")), "fp16", "no decoder tables of (input, target) pairs"),
         (config("a100-t5-11b"), "fp32", "measured in fp16, but the run trains in fp32"),
         (config("a100-t5-11b", dtype="bf16"), "fp16", "measured in fp16, but dyn_plugin.cost_model.dtype is bf16"),
     ],

@@ -31,8 +31,7 @@ from tqdm import tqdm
 import deepspeed_ext
 
 from ..atomic import atomic_path
-from ..cost.encoder_decoder import EncoderDecoderCostModel, import_t5_tables
-from ..jsonfile import read_json
+from ..cost.encoder_decoder import EncoderDecoderCostModel, import_t5_tables, read_pair_tables
 from ..models.hf import build_seq2seq_lm
 from ..runtime.planning import PAIR_METHODS
 from .train_common import (
@@ -140,10 +139,10 @@ def cpu_pair_profile(path: str) -> tuple[dict, EncoderDecoderCostModel]:
     (before any rank joins the group)."""
     redo = "(dynplugin profile --model tiny-t5)"
     try:
-        raw = read_json(path, "--profile")
+        raw = read_pair_tables(path, "--profile")
     except (OSError, ValueError) as exc:
         raise SystemExit(f"{exc}; make one {redo}") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict) or "config" not in raw["model"]:
+    if not isinstance(raw.get("model"), dict) or "config" not in raw["model"]:
         raise SystemExit(f"--profile {path}: not a CPU profile of an encoder-decoder; make one {redo}")
     try:
         cost = import_t5_tables(raw)

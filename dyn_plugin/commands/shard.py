@@ -55,8 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..config import load_config
-    from ..cost.from_config import build_cost_model
-    from ..host.encoder_decoder import pair_cost_model
+    from ..cost.from_config import build_cost_model, pair_cost_model
     from ..lengths.io import load_lengths
     from ..lengths.pairs import load_pairs
     from ..models.hf import hf_config, load_model_config

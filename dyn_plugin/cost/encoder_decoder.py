@@ -28,7 +28,6 @@ the measured grid are out of range (``covers``), as for GPT.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -37,6 +36,7 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 
+from ..jsonfile import read_json
 from .measured_tables import MB
 from .model import (
     MEGATRON_LOSS_BYTES,
@@ -432,11 +432,22 @@ def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-def _read(source: str | os.PathLike | dict[str, Any]) -> dict[str, Any]:
-    if isinstance(source, dict):
-        return source
-    with open(source) as f:
-        return json.load(f)
+def read_pair_tables(source: str | os.PathLike | dict[str, Any], what: str = "T5 tables") -> dict[str, Any]:
+    """The encoder-decoder tables in ``source`` (a path, or already parsed): a ValueError naming
+    ``what`` where the file is not JSON or holds no decoder tables of (input, target) pairs (a
+    decoder-only profile, say); FileNotFoundError where it does not exist."""
+    raw = source if isinstance(source, dict) else read_json(source, what)
+    tables = raw.get("tables") if isinstance(raw, dict) else None
+    if not isinstance(tables, list) or not any(
+        isinstance(t, dict) and isinstance(t.get("time_ms"), dict) and t["time_ms"].get("decoder.forward")
+        for t in tables
+    ):
+        where = "" if isinstance(source, dict) else f" {os.fspath(source)}"
+        raise ValueError(
+            f"{what}{where}: no decoder tables of (input, target) pairs (an object with 'tables' holding "
+            "'decoder.forward' rows, as `dynplugin profile --model tiny-t5` writes; see the a100-measured README)"
+        )
+    return raw
 
 
 def _points(table: dict, key: str, name: str, *, decoder: bool, pick) -> dict[tuple[int, int, int], float]:
@@ -575,9 +586,7 @@ def import_t5_tables(
     11B's. The file's ``dtype`` (default fp16, the A100 tables') sets the bytes of a parameter and
     of an activation; its ``update`` (measured optimizer step and all-reduce, ``UpdateCost``) and
     ``pad_multiple`` are read where present."""
-    raw = _read(source)
-    if not isinstance(raw, dict) or not raw.get("tables"):
-        raise ValueError("T5 tables: expected an object with 'tables' (see the a100-measured README)")
+    raw = read_pair_tables(source)
     shape = {**T5_11B, **raw.get("model", {})}
     given = dict(
         encoder_layers=encoder_layers, decoder_layers=decoder_layers, hidden_size=hidden_size, vocab_size=vocab_size
@@ -615,7 +624,7 @@ def held_out_pairs(source: str | os.PathLike | dict[str, Any], *, vocab_size: in
     (decoder layer) is left out, the layer's fits refitted without it and its points predicted,
     for all four metrics. ``edge``: the largest micro-batch measured there (the next ran out of memory)."""
     rows = []
-    for t in _read(source)["tables"]:
+    for t in read_pair_tables(source)["tables"]:
         tp, rc = int(t["tp"]), t["recompute"]
         for side in ("encoder", "decoder"):
             pts = _complete(t, side)
