@@ -92,7 +92,7 @@ def initialize(
 
     An encoder-decoder (T5) trains on (input, target) pairs: ``lengths`` of shape [N, 2], dataset
     items with ``input_ids`` and ``labels``, and an encoder-decoder ``cost_model`` (or the config's
-    ``cost_model.profile`` naming tables of pairs: ``host.encoder_decoder.pair_cost_model``); data-parallel,
+    ``cost_model.profile`` naming tables of pairs: ``cost.from_config.pair_cost_model``); data-parallel,
     or in a pipeline of encoder stages then decoder stages (``seq2seq_pipe``).
 
     ``shard_plan``: a sharding plan to apply under ZeRO-3 instead of the one ``sharding.plan`` names."""

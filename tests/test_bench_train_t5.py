@@ -7,6 +7,7 @@ import pytest
 
 from dyn_plugin.bench.train_pairs import MODES, trainable_modes
 from dyn_plugin.cli import main
+from dyn_plugin.models.hf import PRESETS
 
 
 def test_bench_train_t5_runs_the_comparison(tmp_path, capsys):
@@ -54,6 +55,7 @@ def test_bench_train_t5_is_deepspeed_data_parallel(tmp_path, capsys, flags):
         ('{"model": {"config": {}}}', "no decoder tables of (input, target) pairs"),
         ("a100", "not a CPU profile of an encoder-decoder"),  # tables of pairs, but no model to build
         ("a100-without-tp", "its tables are incomplete or malformed"),
+        ("a100-fp16", "measured in fp16, but the run trains in fp32"),  # as every rank's initialize refuses it
     ],
 )
 def test_a_bad_profile_is_refused_by_name_before_any_rank_starts(tmp_path, content, says):
@@ -66,6 +68,8 @@ def test_a_bad_profile_is_refused_by_name_before_any_rank_starts(tmp_path, conte
         if content == "a100-without-tp":
             raw["model"] = {"config": {"model_type": "t5"}}
             del raw["tables"][0]["tp"]
+        if content == "a100-fp16":  # the A100 tables (fp16) as if measured on tiny T5
+            raw["model"] = {"config": PRESETS["tiny-t5"]}
         content = json.dumps(raw)
     bad = tmp_path / "p.json"
     bad.write_text(content)

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 -m dyn_plugin.bench.train_pairs --profile out/t5-profile.json --out out/train-t5
 
 The model is the one the profile measured (``dynplugin profile --model tiny-t5``: its tables,
-read by ``cost.encoder_decoder.import_t5_tables``, price every plan); CPU ranks, gloo, fp32,
+named in the DeepSpeed config and read by ``cost.from_config.pair_cost_model``, price every plan); CPU ranks, gloo, fp32,
 ZeRO-1. The data: the bundled pair distribution's texts (``tasks``: summaries, signatures,
 explanations, ... of the standard library, man pages and pydoc topics), tokenized with the
 plugin's offline BPE, each side cut to ``--max-len`` tokens.
@@ -31,8 +31,10 @@ from tqdm import tqdm
 import deepspeed_ext
 
 from ..atomic import atomic_path
-from ..cost.encoder_decoder import EncoderDecoderCostModel, import_t5_tables, read_pair_tables
-from ..models.hf import build_seq2seq_lm
+from ..config import CostModelConfig
+from ..cost.encoder_decoder import EncoderDecoderCostModel, read_pair_tables
+from ..cost.from_config import pair_cost_model
+from ..models.hf import build_seq2seq_lm, hf_config
 from ..runtime.planning import PAIR_METHODS
 from .train_common import (
     batchings_preamble,
@@ -94,7 +96,7 @@ def tokenized_pairs(name: str, max_len: int, out: str) -> tuple[list[dict], np.n
 
 
 def run_mode(mode: str, args, data: list[dict], lengths: np.ndarray, model_cfg: dict, device) -> list[dict]:
-    # the tables priced from the config, as a user's JSON config names them (host.encoder_decoder.pair_cost_model)
+    # the tables priced from the config, as a user's JSON config names them (cost.from_config.pair_cost_model)
     config = {
         "zero_optimization": {"stage": 1},
         "zero_allow_untested_optimizer": True,
@@ -135,8 +137,9 @@ def run_mode(mode: str, args, data: list[dict], lengths: np.ndarray, model_cfg: 
 
 
 def cpu_pair_profile(path: str) -> tuple[dict, EncoderDecoderCostModel]:
-    """The tables ``--profile`` names and their cost model, or SystemExit saying what is wrong
-    (before any rank joins the group)."""
+    """The tables ``--profile`` names and their cost model, checked as every rank's
+    ``deepspeed_ext.initialize`` will check them (``cost.from_config.pair_cost_model``: the model they
+    record, trained in fp32), or SystemExit saying what is wrong, before any rank joins the group."""
     redo = "(dynplugin profile --model tiny-t5)"
     try:
         raw = read_pair_tables(path, "--profile")
@@ -145,13 +148,14 @@ def cpu_pair_profile(path: str) -> tuple[dict, EncoderDecoderCostModel]:
     if not isinstance(raw.get("model"), dict) or "config" not in raw["model"]:
         raise SystemExit(f"--profile {path}: not a CPU profile of an encoder-decoder; make one {redo}")
     try:
-        cost = import_t5_tables(raw)
-    except (KeyError, TypeError, ValueError) as exc:
+        model = hf_config(raw["model"]["config"])
+        cost = pair_cost_model(CostModelConfig(kind="profile", profile=path), model, "fp32")
+    except (KeyError, TypeError) as exc:
         raise SystemExit(
             f"--profile {path}: its tables are incomplete or malformed ({exc!r}); make one {redo}"
         ) from None
-    if cost.dtype != "fp32":
-        raise SystemExit(f"--profile {path}: a {cost.dtype} profile; this benchmark trains fp32 on CPU ranks {redo}")
+    except ValueError as exc:
+        raise SystemExit(f"--profile {path}: {exc}; make one {redo}") from None
     return raw, cost
 
 
