@@ -16,6 +16,7 @@ strategy proposals and their cache) carry, so damage that still parses is caught
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -47,14 +48,23 @@ def _mode(target: str) -> int:
         return 0o666 & ~_umask()
 
 
-def fsync_directory(directory: str) -> None:
-    """Make the rename itself durable; some file systems cannot open or fsync a directory."""
-    with contextlib.suppress(OSError):
+# what a file system that cannot open or fsync a directory answers: nothing to make durable there
+_NO_DIRECTORY_SYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EISDIR}
+
+
+def fsync_directory(directory: str, *, strict: bool = False) -> None:
+    """Make the entries of ``directory`` (a rename, a new file or folder) durable. Some file systems
+    cannot open or fsync a directory: that is never an error. Any other failure (EIO, ENOSPC, EDQUOT)
+    is ignored unless ``strict``, where it raises: a checkpoint must not be published over it."""
+    try:
         fd = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+    except OSError as exc:
+        if strict and exc.errno not in _NO_DIRECTORY_SYNC:
+            raise
 
 
 def _target(path: str | os.PathLike) -> tuple[str, str]:
@@ -70,15 +80,16 @@ def _temporary(target: str, directory: str) -> tuple[int, str]:
     return tempfile.mkstemp(dir=directory, prefix=f".{base}.", suffix=f".tmp{os.path.splitext(base)[1]}")
 
 
-def _publish(tmp: str, target: str, directory: str) -> None:
+def _publish(tmp: str, target: str, directory: str, strict: bool = False) -> None:
     os.chmod(tmp, _mode(target))
     os.replace(tmp, target)
-    fsync_directory(directory)
+    fsync_directory(directory, strict=strict)
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str) -> str:
+def write_atomic(path: str | os.PathLike, data: bytes | str, *, strict: bool = False) -> str:
     """Write ``data`` (str as UTF-8) to ``path`` whole or not at all (see the module docstring);
-    returns the path written."""
+    returns the path written. ``strict``: a failure to sync the directory after the rename raises
+    too (``fsync_directory``), for files whose durability others rely on (a checkpoint's marker)."""
     target, directory = _target(path)
     payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     fd, tmp = _temporary(target, directory)
@@ -87,7 +98,7 @@ def write_atomic(path: str | os.PathLike, data: bytes | str) -> str:
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
-        _publish(tmp, target, directory)
+        _publish(tmp, target, directory, strict)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -95,9 +106,9 @@ def write_atomic(path: str | os.PathLike, data: bytes | str) -> str:
     return target
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any, **dumps: Any) -> str:
+def write_json_atomic(path: str | os.PathLike, obj: Any, *, strict: bool = False, **dumps: Any) -> str:
     """``obj`` as JSON (``dumps``: ``json.dumps``'s options), newline-terminated, written atomically."""
-    return write_atomic(path, json.dumps(obj, **dumps) + "\n")
+    return write_atomic(path, json.dumps(obj, **dumps) + "\n", strict=strict)
 
 
 @contextlib.contextmanager

@@ -392,6 +392,17 @@ class LoaderConfig(_Section):
         return self.local_plan_after_s if self.local_plan_after_s is not None else self.plan_timeout_s / 4
 
 
+class CheckpointConfig(_Section):
+    """What a resume checks of a checkpoint (whose marker lists every file with its size and sha256)."""
+
+    verify: Literal["hashes", "sizes"] = Field(
+        default="hashes",
+        description="'hashes': every file's size and contents (reads the checkpoint once, split over the ranks "
+        "that share a disk); 'sizes': sizes only, for checkpoints too large to read at resume (a file damaged "
+        "without changing its size then goes unnoticed). The sizes are always checked",
+    )
+
+
 def with_password(url: str, password: str | None) -> str:
     """``url`` with its password replaced (None: removed), user, host and port kept."""
     parts = urlsplit(url)
@@ -505,6 +516,7 @@ class DynPluginConfig(_Section):
     cluster: ClusterConfig = ClusterConfig()
     store: StoreConfig = StoreConfig()
     loader: LoaderConfig = LoaderConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     @model_validator(mode="after")
     def _pipeline_fits_model(self) -> "DynPluginConfig":

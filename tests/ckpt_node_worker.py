@@ -1,5 +1,6 @@
-"""One rank of the two-node checkpoint test: each rank plays its own node (LOCAL_RANK=0 on both),
-with its own checkpoint directory, and resumes the loader from its own copy (run as a script)."""
+"""One rank of the two-node checkpoint test: each rank plays its own node, with its own checkpoint
+directory, and resumes the loader from its own copy (run as a script). ``stale``: rank 1's copy of
+the tag is then replaced by another save under the same name (a node that missed the last sync)."""
 
 import json
 import os
@@ -16,13 +17,24 @@ from dyn_plugin.runtime.loader import DynLoader  # noqa: E402
 from test_loader import make  # noqa: E402
 
 
+class Files:
+    """DeepSpeed's checkpoint engine, as far as save_checkpoint uses it: one file per save."""
+
+    def save(self, state_dict, path):
+        torch.save(state_dict, path)
+
+
 class NodeLocalEngine:
     """What save/load_checkpoint ask of a DeepSpeed engine, writing to this node's disk only."""
 
     global_steps = 2
 
+    def __init__(self, weights: float = 1.0) -> None:
+        self.checkpoint_engine = Files()
+        self.weights = weights
+
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
-        os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
+        self.checkpoint_engine.save({"w": torch.full((4,), self.weights)}, os.path.join(save_dir, tag, "model.pt"))
 
     def load_checkpoint(self, load_dir, tag):
         path = os.path.join(load_dir, tag)
@@ -44,6 +56,9 @@ def main() -> None:
     for _ in range(2):
         next(it)
     deepspeed_ext.save_checkpoint(NodeLocalEngine(), first, node_dir, tag="t")
+    if sys.argv[2] == "stale":  # rank 1's node holds another save under the same name
+        other = loader()
+        deepspeed_ext.save_checkpoint(NodeLocalEngine(2.0), other, node_dir if rank == 1 else os.path.join(out, "x"), tag="t")
     resumed = loader()
     result = {"written": os.path.exists(os.path.join(node_dir, "t", MARKER))}
     try:

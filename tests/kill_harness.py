@@ -230,9 +230,9 @@ class KillSwitch:
                 switch._die()
             return original_save(obj, f, *args, **kwargs)
 
-        def commit(directory, record):
+        def commit(directory, doc):
             switch.hit("commit")
-            return original_commit(directory, record)
+            return original_commit(directory, doc)
 
         torch.save, checkpoint.commit = save, commit
         self._saving = state

@@ -5,10 +5,10 @@ The loop is the example's (``examples/megatron_gpt/train.py``: its GPT, Megatron
 over its ``--data`` folder, its forward step, Megatron's optimizer, DDP and learning-rate schedule,
 all imported from it), with what a run that can be killed needs and the example leaves out: a
 checkpoint after every step, each in a folder of its own (``--save``/step-N), and a resume from
-the newest whole one (``dyn_plugin.host.checkpoint.agreed_newest``). A checkpoint folder holds the
-optimizer's state and the loop's counters (written first) and Megatron's distributed checkpoint of
-the model, through ``dist_checkpointing.save``: the plugin's patch of it writes the marker last,
-with the loader's position, and its patch of ``dist_checkpointing.load`` restores that position.
+the latest whole one (``dyn_plugin.host.checkpoint.agreed_newest``). A checkpoint folder holds the
+optimizer's state and the loop's counters and Megatron's distributed checkpoint of the model, all
+written inside one ``checkpoint.saving`` (the marker last, with the loader's position and every
+file's hash); the plugin's patch of ``dist_checkpointing.load`` restores that position.
 
 The kill switch (``kill_harness.KillSwitch``, point in ``$KILL``) is armed on the model and the
 saves; each step is logged as it is trained (``megatron_kill_rank``) and the last launch writes
@@ -59,23 +59,22 @@ def arguments() -> argparse.Namespace:
 
 
 def save(switch, folder: str, model, optimizer, iteration: int, scheduler_steps: int) -> None:
-    """The loop's own files first, then Megatron's checkpoint: its marker, written last, makes the
-    folder whole. A folder left by a killed launch loses its marker before anything is rewritten."""
+    """The loop's own files, then Megatron's checkpoint, all inside one ``checkpoint.saving``: the
+    folder is cleared (a killed launch's marker first) before anything is written, and the marker,
+    written last, makes it whole (the patched ``dist_checkpointing.save`` joins the save under way)."""
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     from dyn_plugin.host import checkpoint
+    from megatron_patches import runtime
 
-    with switch.saving():
-        if checkpoint.is_writer():
-            checkpoint.begin(folder)
-        dist.barrier()
+    record = checkpoint.Record.of(runtime.RUN.loader)
+    with switch.saving(), checkpoint.saving(os.path.dirname(folder), os.path.basename(folder), record):
         torch.save(optimizer.state_dict(), os.path.join(folder, f"optim-{dist.get_rank()}.pt"))
         if dist.get_rank() == 0:
             with open(os.path.join(folder, "train_state.json"), "w") as f:
                 json.dump({"iteration": iteration, "scheduler_steps": scheduler_steps}, f)
-        dist.barrier()
         dist_checkpointing.save(model.module.sharded_state_dict(), folder)
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -48,38 +49,42 @@ def _record(position: int) -> "checkpoint.Record":
     return checkpoint.Record(position, {"epoch": 0, "step": position}, {"world_size": 2})
 
 
+def _save(root, tag: str, position: int, data: bytes = b"weights") -> None:
+    with checkpoint.saving(root, tag, _record(position)) as save:
+        (Path(save.directory) / "model.pt").write_bytes(data)  # the host's files
+
+
 def test_a_checkpoint_is_whole_only_once_committed(tmp_path, monkeypatch, caplog):
     first, second = tmp_path / "step3", tmp_path / "step5"
-    for directory, position in ((first, 3), (second, 5)):
-        checkpoint.begin(directory)
-        (directory / "model.pt").write_bytes(b"weights")  # the host's files
-        checkpoint.commit(directory, _record(position))
+    _save(tmp_path, "step3", 3)
+    _save(tmp_path, "step5", 5)
     assert sorted(os.listdir(second)) == sorted(["model.pt", checkpoint.MARKER])  # no temporary file left
-    assert checkpoint.newest(tmp_path).path == str(second)
+    assert checkpoint.agreed_newest(tmp_path).path == str(second)
     assert checkpoint.read(second).loader == {"epoch": 0, "step": 5}
 
     # a save killed between the host's files and the marker: the directory is skipped, named
     (tmp_path / "step7").mkdir()
     (tmp_path / "step7" / "model.pt").write_bytes(b"half")
-    # a save into a re-used directory, killed before its commit: begin took the old marker away,
+    # a save into a re-used directory, killed before its commit: prepare took the old marker away,
     # so the old checkpoint's files, half replaced, never pass for it
-    checkpoint.begin(second)
+    checkpoint.release(checkpoint.prepare(tmp_path, "step5", _record(5)))
     with caplog.at_level("WARNING"):
-        assert checkpoint.newest(tmp_path).path == str(first)
+        assert checkpoint.agreed_newest(tmp_path).path == str(first)
     skipped = " ".join(r.getMessage() for r in caplog.records)
-    assert "step7 has no" in skipped and "step5 has no" in skipped
+    assert "step7 has no" in skipped
+    assert os.listdir(second) == []  # the re-save cleared it, marker first
 
     # a crash while writing the marker leaves none: the checkpoint stays incomplete, not half-published
     def crash(*_a, **_k):
-        raise OSError("disk full")
+        raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(atomic.os, "replace", crash)
-    with pytest.raises(OSError, match="disk full"):
-        checkpoint.commit(second, _record(5))
+    with pytest.raises(checkpoint.CheckpointError, match="step5 was not saved: rank 0: writing the marker: .*No space"):
+        _save(tmp_path, "step5", 5)
     monkeypatch.undo()
     assert os.listdir(second) == ["model.pt"]
-    assert checkpoint.newest(tmp_path).path == str(first)
-    assert checkpoint.newest(tmp_path / "elsewhere") is None
+    assert checkpoint.agreed_newest(tmp_path).path == str(first)
+    assert checkpoint.agreed_newest(tmp_path / "elsewhere") is None
     with pytest.raises(RuntimeError, match="step5 is not whole: it has no dyn_plugin_checkpoint.json"):
         checkpoint.agreed_newest(tmp_path, "step5")  # named, an incomplete checkpoint is refused
 
@@ -161,7 +166,17 @@ def test_restore_moves_the_loader_and_warns_of_what_changed(caplog):
     with caplog.at_level("WARNING"):
         checkpoint.restore(same, checkpoint.Checkpoint("ckpt", record.position, record.loader, record.run))
     assert same.step == 1 and not caplog.records
-    other_cfg = cfg.model_copy(update={"loader": cfg.loader.model_copy(update={"prefetch": 7})})
+    # where plans travel (the store, a password in its URL, the loader's settings) is not what they are
+    travel = cfg.model_copy(
+        update={
+            "loader": cfg.loader.model_copy(update={"prefetch": 7}),
+            "store": cfg.store.model_copy(update={"url": "redis://:hunter2@host:6379/0"}),
+        }
+    )
+    assert checkpoint.run_identity(DynLoader(data, lengths=lens, config=travel, cost_model=cm, seed=3)) == record.run
+    assert "hunter2" not in json.dumps(record.run)
+    mb = cfg.microbatching.model_copy(update={"pad_multiple": cfg.microbatching.pad_multiple * 2})
+    other_cfg = cfg.model_copy(update={"microbatching": mb})
     other = DynLoader(data, lengths=lens, config=other_cfg, cost_model=cm, seed=3)
     with caplog.at_level("WARNING"):
         checkpoint.restore(other, checkpoint.Checkpoint("ckpt", record.position, record.loader, record.run))

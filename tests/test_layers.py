@@ -22,18 +22,19 @@ ALLOWED = {
     "checks": set(),
     "jsonfile": set(),
     "atomic": set(),
+    "version": set(),
     "config": {"checks", "jsonfile"},
     "child": set(),
     "lengths": {"checks", "jsonfile", "atomic"},
     "layout": set(),
     "device": set(),
-    "cost": {"config", "checks", "jsonfile", "atomic"},
+    "cost": {"config", "checks", "jsonfile", "atomic", "version"},
     "plan": {"config", "lengths", "cost", "layout", "checks", "jsonfile", "atomic"},
     "store": {"config", "child"},
     "models": {"cost", "plan", "checks", "jsonfile"},
     "profiling": {"config", "cost", "models", "child", "device"},
     "runtime": {"config", "lengths", "cost", "plan", "store", "child", "layout", "device", "checks", "jsonfile"},
-    "host": {"config", "cost", "plan", "runtime", "models", "layout", "device", "jsonfile", "atomic"},
+    "host": {"config", "cost", "plan", "runtime", "models", "layout", "device", "jsonfile", "atomic", "version"},
     # bench sits above the hosts: its training benchmarks (train_*.py) train through the FSDP entry,
     # DeepSpeed's and (in child processes only) Megatron's adapters, so it may import them
     "bench": {
@@ -82,9 +83,9 @@ ALLOWED = {
     },
     "cli": {"commands"},
     "__main__": {"cli"},
-    "__init__": {"cost"},
+    "__init__": {"cost", "version"},
 }
-PURE = ("checks", "jsonfile", "atomic", "config", "lengths", "cost", "plan", "layout")
+PURE = ("checks", "jsonfile", "atomic", "version", "config", "lengths", "cost", "plan", "layout")
 # the modules that may import megatron_patches: the Megatron training benchmark, which runs only as the
 # ranks' main module, launched by name (``dynplugin bench train --host megatron``) in child processes, and
 # the rank script of ``bench train --host megatron-lm``, launched by path in place of pretrain_gpt.py

@@ -121,19 +121,20 @@ def _state(pid) -> str:
         return "Z"
 
 
-@pytest.mark.parametrize("nodes", [2, 1])
-def test_every_node_keeps_its_own_loader_state(tmp_path, nodes):
-    """No shared filesystem: each rank plays a node with its own checkpoint directory. Two nodes
-    (LOCAL_RANK 0 on both): both write the checkpoint's marker and resume from their copy; one node
-    (LOCAL_RANK 0 and 1): only local rank 0 writes it, so rank 1's directory holds no whole
-    checkpoint and the resume is refused on both ranks (not on rank 1 alone, which would leave
-    rank 0 waiting in its first collective)."""
-    env = {"LOCAL_RANK": "0"} if nodes == 2 else {}
-    codes, logs = run("ckpt_node_worker.py", tmp_path, env=env, timeout=120)
+@pytest.mark.parametrize("copies", ["whole", "stale"])
+def test_every_node_keeps_its_own_loader_state(tmp_path, copies):
+    """No shared filesystem: each rank plays a node with its own checkpoint directory, each writes
+    its own marker and resumes from its own copy. When one node's copy is another save under the
+    same name, the ranks agree on markers, not names: the resume is refused on both ranks (not on
+    rank 1 alone, which would leave rank 0 waiting in its first collective)."""
+    codes, logs = run("ckpt_node_worker.py", tmp_path, copies, timeout=120)
     assert codes == [0, 0], logs
     results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2)]
-    if nodes == 2:
+    if copies == "whole":
         assert results[0] == results[1] == {"written": True, "resumed_step": 2, "next_digest_equal": True}
     else:
-        assert results[0]["written"] and not results[1]["written"]
-        assert results[0]["error"] == results[1]["error"] and "node1/t is not whole" in results[0]["error"]
+        assert results[0]["written"] and results[1]["written"]
+        said = [results[r]["error"].replace(f"node{r}", "nodeN") for r in range(2)]  # each names its own copy
+        assert said[0] == said[1] and "the ranks read different markers" in said[0] and "a stale copy" in said[0]
+
+

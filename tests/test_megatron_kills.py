@@ -394,9 +394,8 @@ def test_a_save_before_the_first_step_of_a_resumed_run_is_whole_or_absent(tmp_pa
     from megatron_patches import runtime, train_state
 
     folder = tmp_path / "iter_0000007"
-    folder.mkdir()
-    record = checkpoint.Record(7, {"epoch": 0, "step": 7}, {"world_size": 1})
-    checkpoint.commit(folder, record)
+    with checkpoint.saving(tmp_path, folder.name, checkpoint.Record(7, {"epoch": 0, "step": 7}, {"world_size": 1})):
+        pass
     monkeypatch.setattr(runtime, "RUN", runtime.PluginRun(config=None, resume=checkpoint.read(folder)))
     marked_while_written = []
 
@@ -408,3 +407,6 @@ def test_a_save_before_the_first_step_of_a_resumed_run_is_whole_or_absent(tmp_pa
     save({}, tmp_path / "elsewhere")
     assert marked_while_written == [False, False]
     assert checkpoint.read(folder).position == checkpoint.read(tmp_path / "elsewhere").position == 7
+    # each save descends from the one resumed, and is later than every save before it
+    assert checkpoint.read(folder).parent["sequence"] == 1
+    assert (checkpoint.read(folder).sequence, checkpoint.read(tmp_path / "elsewhere").sequence) == (2, 3)

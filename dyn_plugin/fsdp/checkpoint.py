@@ -55,17 +55,17 @@ def save_checkpoint(
 ) -> str:
     """The sharded state of ``model`` and ``optimizer`` (FSDP1 or FSDP2), ``scheduler``'s state and
     ``client_state`` plus the loader's position, published whole in ``save_dir/tag`` (default
-    ``step<step>``, else ``step<loader.position>``). Every rank calls it; returns the tag."""
-    tag = tag or f"step{loader.position if step is None else step}"
-    directory = os.path.join(save_dir, tag)
+    ``step<step>``, else ``step<loader.position>``). Every rank calls it; returns the tag. Any rank's
+    failure (DCP's own, or the protocol's) raises ``CheckpointError`` on every rank, nothing published."""
+    tag = checkpoint.check_tag(tag or f"step{loader.position if step is None else step}")
     record = checkpoint.Record.of(loader)
-    checkpoint.prepare(directory)
-    stepped = bool(optimizer.state)
-    state = _state(model, optimizer, scheduler, pickle.dumps({"client_state": client_state or {}, "stepped": stepped}))
-    if not stepped:
-        optimizer.state.clear()  # a save before the first step leaves the training as it was
-    dcp.save(state, checkpoint_id=directory)
-    checkpoint.publish(directory, record)
+    with checkpoint.saving(save_dir, tag, record) as save:
+        stepped = bool(optimizer.state)
+        extra = pickle.dumps({"client_state": client_state or {}, "stepped": stepped})
+        state = _state(model, optimizer, scheduler, extra)
+        if not stepped:
+            optimizer.state.clear()  # a save before the first step leaves the training as it was
+        dcp.save(state, checkpoint_id=save.directory)
     return tag
 
 
@@ -79,12 +79,12 @@ def load_checkpoint(
     scheduler: Any = None,
 ) -> tuple[str, dict]:
     """Restore ``model``, ``optimizer``, ``scheduler`` and the loader from the newest whole checkpoint
-    under ``load_dir`` (or ``tag``, refused on every rank unless whole): training then continues with
+    under ``load_dir`` (the latest; or ``tag``, refused on every rank unless whole): training then continues with
     exactly the samples the interrupted epoch had left. The model must be sharded as when it was
     saved (the same plan: its split linears name the parameters). Returns the checkpoint's path and
     ``client_state``, as ``deepspeed_ext.load_checkpoint`` does; FileNotFoundError when there is
     nothing to resume."""
-    found = checkpoint.agreed_newest(load_dir, tag)
+    found = checkpoint.agreed_newest(load_dir, tag, verify_hashes=loader.config.checkpoint.verify == "hashes")
     if found is None:
         raise FileNotFoundError(f"no whole dyn-plugin checkpoint in {load_dir}")
     state = _state(model, optimizer, scheduler, b"")

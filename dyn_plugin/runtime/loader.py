@@ -59,6 +59,7 @@ import torch
 from ..checks import MAX_SEED, check_count, check_number
 from ..config import DynPluginConfig, LoadedConfig, load_config
 from ..cost.encoder_decoder import EncoderDecoderCostModel
+from ..cost.native import build
 from ..cost.table import TableCostModel
 from ..device import collective_device
 from ..layout import RankLayout
@@ -79,8 +80,10 @@ FAILURE_POLL_S = 0.25
 # a try can take store.timeout_s, which no step should pay every time.
 OUTAGE_PROBE_S = 1.0
 # What the ranks compare each step; the last three say why digests differ.
-CHECKED = ("plan digest", "lengths", "cost model", "config")
-# Each gathered row ends, after CHECKED, with 1 where that rank gave up on a store that stopped answering.
+CHECKED = ("plan digest", "lengths", "cost model", "config", "dyn-plugin build")
+# Each gathered row ends, after CHECKED, with this rank's reasons to stop every rank (bits):
+GAVE_UP = 1  # it gave up on a store that stopped answering
+REJECTED = 2  # a plan it read from the store failed its check (signature, size or schema)
 ROW = len(CHECKED) + 1
 # A rank's giving up is acted on this many steps later, when every rank waits for that step's check
 # (two steps old: done long since, unless the host runs that far ahead of the device).
@@ -98,7 +101,9 @@ class _StoreHealth:
     down_since: float | None = None  # when this rank's first failed try of this outage began
     probed: float = 0.0  # when it last tried the store during the outage
     gave_up: bool = False  # down for plan_timeout_s: said in every later plan check
-    given_up: tuple[int, int, list[int]] | None = None  # (epoch, step, ranks) of the first giving up gathered
+    rejected: bool = False  # a plan from the store failed its check here: said in every later plan check
+    # (epoch, step, ranks, reason bit) of the first stop gathered: every rank raises at that step
+    given_up: tuple[int, int, list[int], int] | None = None
     stalled: dict[int, bytes | None] = field(default_factory=dict)  # planner -> its progress when found late
     planners_failed: bool = False  # a planner exited: every step is planned here unless its plan is there
     served: bool = False  # a plan came from the store: the planners started, so a late plan is late
@@ -228,15 +233,20 @@ class DynLoader:
         self._finalizer = weakref.finalize(self, _close, self._store)
 
     def _agree_run_id(self) -> str | None:
-        """A random id every rank of this run shares: rank 0 draws it and broadcasts it (on
-        ``self.device``, as the backend needs). None when several ranks have no process group."""
+        """A random id every rank of this run shares: rank 0 draws it and every rank takes it from a
+        gather (on ``self.device``, as the backend needs) that also compares the ranks' planning code
+        (``build``) before they share any plan. None when several ranks have no process group."""
         import torch.distributed as dist
 
         token = int.from_bytes(os.urandom(7), "little")  # 56 bits: fits an int64 tensor
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            t = torch.tensor([token], dtype=torch.int64, device=self.device)
-            dist.broadcast(t, src=0)
-            token = int(t.item())
+            mine = torch.tensor([token, _as_int63(hashlib.sha256(build().encode()).hexdigest())], dtype=torch.int64)
+            rows = torch.empty(dist.get_world_size() * 2, dtype=torch.int64, device=self.device)
+            dist.all_gather_single(rows, mine.to(self.device))
+            rows = rows.view(-1, 2).tolist()
+            if any(row[1] != rows[0][1] for row in rows):
+                raise PlanMismatch(_builds_differ())
+            token = rows[0][0]
         elif self.layout.world > 1:
             return None
         return f"{token:014x}"
@@ -306,12 +316,13 @@ class DynLoader:
         if not _agreeing():
             return
         world = dist.get_world_size()
-        row = [_as_int63(rp.digest), *self._local_fingerprints, int(self._health.gave_up)]
+        health = self._health
+        row = [_as_int63(rp.digest), *self._local_fingerprints, GAVE_UP * health.gave_up + REJECTED * health.rejected]
         local = torch.tensor(row, dtype=torch.int64)
         if self.device.type == "cuda":  # from pinned memory, so the copy does not wait for the device either
             local = local.pin_memory().to(self.device, non_blocking=True)
         gathered = torch.empty(world * ROW, dtype=torch.int64, device=self.device)
-        work = dist.all_gather_into_tensor(gathered, local, async_op=True)
+        work = dist.all_gather_single(gathered, local, async_op=True)
         event = None
         if gathered.is_cuda:
             # the copy waits on the gather on the device; the host only ever asks the event
@@ -339,20 +350,31 @@ class DynLoader:
             rows = gathered.view(-1, ROW).tolist()
             checked = [row[: len(CHECKED)] for row in rows]
             if any(row != checked[0] for row in checked):
+                build_at = CHECKED.index("dyn-plugin build")
+                if any(row[build_at] != checked[0][build_at] for row in checked):
+                    raise PlanMismatch(_builds_differ())  # every rank sees it, so every rank gathers the words
                 raise PlanMismatch(_mismatch_message(epoch, step, checked))
-            quitting = [r for r, row in enumerate(rows) if row[-1]]
-            if quitting and self._health.given_up is None:
-                self._health.given_up = (epoch, step, quitting)
+            for reason in (REJECTED, GAVE_UP):
+                quitting = [r for r, row in enumerate(rows) if row[-1] & reason]
+                if quitting and self._health.given_up is None:
+                    self._health.given_up = (epoch, step, quitting, reason)
 
     def _raise_if_given_up(self, due: int | None) -> None:
-        """Raise, alike on every rank, when a rank gave up on the store at a step up to ``due`` of
-        this epoch (None: any step): every rank has waited for that step's check by now."""
+        """Raise, alike on every rank, when a rank gave up on the store, or rejected a plan from it, at
+        a step up to ``due`` of this epoch (None: any step): every rank has waited for that step's check by now."""
         given = self._health.given_up
         if given is None or (due is not None and given[1] > due):
             return
-        from ..store import StoreUnavailable
+        from ..store import PayloadError, StoreUnavailable
 
-        epoch, step, ranks = given
+        epoch, step, ranks, reason = given
+        if reason == REJECTED:
+            raise PayloadError(
+                f"rank(s) {ranks} read a plan of epoch {epoch} step {step} from the plan store at "
+                f"{self._store.address} that failed its check (HMAC signature, size or schema: forged, altered, or "
+                "signed with another secret; that rank's log names the key); every rank stops at this step: give "
+                "every rank and planner the same store.secret_env secret, and check what else writes to the store"
+            )
         raise StoreUnavailable(
             f"the plan store at {self._store.address} did not answer for loader.plan_timeout_s = "
             f"{self.config.loader.plan_timeout_s:g} s (rank(s) {ranks} gave up at epoch {epoch} step {step}); every "
@@ -362,9 +384,31 @@ class DynLoader:
 
     def _plan(self, epoch: int, step: int) -> RankPlan:
         t0 = time.perf_counter()
-        rp = self._plan_here(epoch, step) if self._store is None else self._plan_from_store(epoch, step)
+        rp = self._plan_here(epoch, step) if self._store is None else self._checked_plan_from_store(epoch, step)
         self.plan_wait_s.append(time.perf_counter() - t0)
         return rp
+
+    def _checked_plan_from_store(self, epoch: int, step: int) -> RankPlan:
+        """A plan from the store that fails its check here is not raised alone, which would leave the
+        other ranks inside the step's first collective: this rank plans the step itself (the same plan)
+        and says so in its plan checks, and every rank raises ``GIVE_UP_LAG`` steps later. Where plans
+        cannot be remade here (``strategy.ilp_time_budget_ms``) it raises at once."""
+        from ..store import PayloadError
+
+        try:
+            return self._plan_from_store(epoch, step)
+        except PayloadError as exc:
+            if not (self._remakeable and _agreeing()):
+                raise
+            self._health.rejected = True
+            logger.error(
+                "%s; planning epoch %d step %d on this rank (the same plan), and every rank stops %d steps from now",
+                exc,
+                epoch,
+                step,
+                GIVE_UP_LAG,
+            )
+            return self._plan_here(epoch, step)
 
     def _plan_here(self, epoch: int, step: int) -> RankPlan:
         return self.context.plan(epoch, step)[(self.column, self.stage)]
@@ -654,18 +698,41 @@ def _as_int63(hex_digest: str) -> int:
     return int(hex_digest[:16], 16) >> 1  # a non-negative int64
 
 
+# where plans travel, not what they are (and a store URL may hold a password)
+NOT_PLANNED = {"store", "loader", "checkpoint"}
+
+
+def plan_config_digest(config: DynPluginConfig) -> str:
+    """The sha256 (hex) of the config as the plans depend on it: ``NOT_PLANNED`` left out."""
+    return hashlib.sha256(config.model_dump_json(exclude=NOT_PLANNED).encode()).hexdigest()
+
+
 def _fingerprints(
     lengths_hash: bytes, cost: TableCostModel | EncoderDecoderCostModel, config: DynPluginConfig, sizes: tuple
 ) -> list[int]:
-    """Fingerprints of what a plan depends on, in CHECKED order after the digest. The store and
-    loader sections are left out: they change where plans travel, not what they are."""
+    """Fingerprints of what a plan depends on, in CHECKED order after the digest (the config's as
+    ``plan_config_digest`` sees it)."""
     parts = [
         lengths_hash,
         # the encoder-decoder cost model has no JSON form: its fitted tables, pickled, are as exact
         json.dumps(cost.to_dict(), sort_keys=True).encode() if hasattr(cost, "to_dict") else pickle.dumps(cost),
-        (config.model_dump_json(exclude={"store", "loader"}) + repr(sizes)).encode(),
+        (plan_config_digest(config) + repr(sizes)).encode(),
+        build().encode(),
     ]
     return [_as_int63(hashlib.sha256(p).hexdigest()) for p in parts]
+
+
+def _builds_differ() -> str:
+    """Which planning code each rank runs, gathered (every rank calls it), as a refusal."""
+    import torch.distributed as dist
+
+    builds: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(builds, build())
+    ranks = "; ".join(f"rank {r}: {b}" for r, b in enumerate(builds))
+    return (
+        f"the ranks run different planning code ({ranks}), which may plan the same step differently; install "
+        "the same dyn-plugin on every rank, with its C++ extension built on each (or on none)"
+    )
 
 
 def _mismatch_message(epoch: int, step: int, rows: list[list[int]]) -> str:

@@ -55,12 +55,16 @@ class RedisPlanStore(PlanStore):
         password = password or (unquote(url_password) if url_password is not None else None)
         self._has_password = password is not None
         per_attempt_s = config.timeout_s / (config.retries + 1)
+        # over TLS the server's name is checked against its certificate: said here, as redis-py before 6
+        # leaves it off by default (a URL's own ssl_check_hostname still wins, refused off loopback)
+        tls = {"ssl_check_hostname": True} if urlsplit(config.url).scheme == "rediss" else {}
         self._client = redis.Redis.from_url(
             with_password(config.url, None),
             password=password,
             socket_timeout=per_attempt_s,
             socket_connect_timeout=per_attempt_s,
             retry=Retry(NoBackoff(), 0),  # retries are ours, bounded by timeout_s
+            **tls,
         )
         self._get_within = self._client.register_script(_GET_WITHIN)
 

@@ -15,12 +15,16 @@ whatever host it is given, so rank 0 binds the listening socket itself, to ``sto
 only, and hands it over; on a non-loopback host a shared secret (every value HMAC-signed)
 is mandatory.
 
-Size: TCPStore cannot report a value's size without sending it, so ``max_payload_mb`` is
-checked once a value has arrived (Redis checks before; see redis_store.py).
+Size: libuv's TCPStore server drops the connection on any frame over 8 MiB, so a value larger
+than ``FRAME_BYTES`` is stored as chunks under keys of its own, and its key holds a head naming
+them, written last (a reader never sees a head before its chunks). ``max_payload_mb`` is checked
+from the head before a chunked value is read, else once a value has arrived (Redis checks before;
+see redis_store.py).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -41,6 +45,10 @@ DEFAULT_PORT = 29511
 # TCPStore returns the stored value, or _ABSENT when the key is missing. Stored values
 # start with a 0x00/0x01 flag byte (see base.PlanStore), so none can equal _ABSENT.
 _ABSENT = b"\xff"
+# libuv's server refuses frames over 8 MiB (key and value): values above this go as chunks
+FRAME_BYTES = 4 << 20
+# the first byte of a chunked value's head (its JSON follows: chunk count, bytes, the chunks' key prefix)
+_CHUNKED = b"\x02"
 
 
 def resolve_port(config: StoreConfig) -> int:
@@ -129,15 +137,38 @@ class TCPPlanStore(PlanStore):
 
     def _put(self, full_key: str, value: bytes, ttl_s: float | None) -> None:
         with self._calling("put", full_key) as store:
+            if len(value) > FRAME_BYTES:
+                prefix = f"{full_key}/#chunk-{os.urandom(6).hex()}"
+                chunks = range(0, len(value), FRAME_BYTES)
+                for i, start in enumerate(chunks):  # one connection: the server applies them before the head
+                    store.set(f"{prefix}/{i}", value[start : start + FRAME_BYTES])
+                value = _CHUNKED + json.dumps({"chunks": len(chunks), "bytes": len(value), "prefix": prefix}).encode()
             store.set(full_key, value)
             # TCPStore.set is fire-and-forget: a get on another connection could overtake it.
             # A reply on this connection means the server has applied the set.
             store.check([full_key])
 
+    def _read(self, store: TCPStore, key: str) -> bytes | None:
+        value = store.compare_set(key, _ABSENT, _ABSENT)
+        return None if value == _ABSENT else value
+
     def _get(self, full_key: str) -> bytes | None:
         with self._calling("get", full_key) as store:
-            value = store.compare_set(full_key, _ABSENT, _ABSENT)
-        return None if value == _ABSENT else value
+            value = self._read(store, full_key)
+            if value is None or not value.startswith(_CHUNKED):
+                return value
+            head = json.loads(value[1:])
+            if head["bytes"] > self._max_stored_bytes:
+                raise self._too_big(full_key, head["bytes"])
+            parts = [self._read(store, f"{head['prefix']}/{i}") for i in range(head["chunks"])]
+        if any(p is None for p in parts):
+            return None  # deleted while it was read
+        value = b"".join(parts)  # type: ignore[arg-type]
+        if len(value) != head["bytes"]:
+            raise StoreError(
+                f"'{full_key}' on {self.address} holds {len(value)} bytes in chunks, its head says {head['bytes']}"
+            )
+        return value
 
     def _wait(self, full_key: str, timeout_s: float) -> bytes:
         deadline = time.monotonic() + timeout_s
@@ -155,7 +186,12 @@ class TCPPlanStore(PlanStore):
 
     def _delete(self, full_key: str) -> None:
         with self._calling("delete", full_key) as store:
+            value = self._read(store, full_key)
             store.delete_key(full_key)
+            if value is not None and value.startswith(_CHUNKED):
+                head = json.loads(value[1:])
+                for i in range(head["chunks"]):
+                    store.delete_key(f"{head['prefix']}/{i}")
 
 
 def _serve(host: str, port: int, timeout_s: float) -> TCPStore:
