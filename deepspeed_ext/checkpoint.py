@@ -66,7 +66,9 @@ def _move_latest_off(save_dir: str, tag: str) -> None:
     if named != tag:
         return
     directory = os.path.join(save_dir, *tag.split("/"))
-    others = [c for c in checkpoint.complete(save_dir) if os.path.abspath(c.path) != os.path.abspath(directory)]
+    others = [
+        c for c in checkpoint.complete(save_dir, warn=False) if os.path.abspath(c.path) != os.path.abspath(directory)
+    ]
     if others:
         write_atomic(latest, _tag_of(others[-1].path, save_dir), strict=True)
     else:

@@ -58,7 +58,9 @@ def main() -> None:
     deepspeed_ext.save_checkpoint(NodeLocalEngine(), first, node_dir, tag="t")
     if sys.argv[2] == "stale":  # rank 1's node holds another save under the same name
         other = loader()
-        deepspeed_ext.save_checkpoint(NodeLocalEngine(2.0), other, node_dir if rank == 1 else os.path.join(out, "x"), tag="t")
+        deepspeed_ext.save_checkpoint(
+            NodeLocalEngine(2.0), other, node_dir if rank == 1 else os.path.join(out, "x"), tag="t"
+        )
     resumed = loader()
     result = {"written": os.path.exists(os.path.join(node_dir, "t", MARKER))}
     try:

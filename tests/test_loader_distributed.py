@@ -136,5 +136,3 @@ def test_every_node_keeps_its_own_loader_state(tmp_path, copies):
         assert results[0]["written"] and results[1]["written"]
         said = [results[r]["error"].replace(f"node{r}", "nodeN") for r in range(2)]  # each names its own copy
         assert said[0] == said[1] and "the ranks read different markers" in said[0] and "a stale copy" in said[0]
-
-

@@ -284,7 +284,7 @@ def prepare(
         sync_tree(directory, root)  # its entry in the parent (a new tag) durable before files land in it
         if before is not None:
             before()
-        return max((c.sequence for c in complete(root)), default=0)
+        return max((c.sequence for c in complete(root, warn=False)), default=0)
 
     latest, error = attempt(lead, f"preparing {directory}") if save.leader else (0, None)
     rows = gather((latest, error))
@@ -404,9 +404,10 @@ class _Saving:
 
     def __exit__(self, kind, exc, tb) -> bool:
         assert self.save is not None
-        if exc is not None and not isinstance(exc, Exception):
-            release(self.save)  # KeyboardInterrupt, SystemExit: the process is going away
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            release(self.save)  # the process is going away
             return False
+        # any other failure, torch's CheckpointException (a BaseException) included, is exchanged
         self.published = publish(self.save, exc, after=self.hooks.get("after"))
         return False
 
@@ -444,27 +445,29 @@ def read(directory: str | os.PathLike) -> Checkpoint:
         raise ValueError(f"checkpoint marker {path} is malformed ({describe(exc)})") from None
 
 
-def complete(root: str | os.PathLike) -> list[Checkpoint]:
+def complete(root: str | os.PathLike, *, warn: bool = True) -> list[Checkpoint]:
     """The checkpoints under ``root`` (nested tags included) whose marker is whole, oldest first
     (by sequence, then position); every other directory holding files, or nothing, is skipped with a
-    warning naming it (an interrupted save, a damaged or unreadable marker). Their files are not checked here."""
+    warning naming it (an interrupted save, a damaged or unreadable marker; ``warn=False``: silently,
+    as a save looking for the highest sequence does). Their files are not checked here."""
     root = os.fspath(root)
     found = []
+    say = logger.warning if warn else logger.debug
     for here, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         if here == root:
             continue
         if MARKER not in files:
             if not dirs or any(not f.startswith(".") for f in files):  # not a folder of tags (run1/ of run1/step10)
-                logger.warning("%s has no %s: its save was interrupted; skipped", here, MARKER)
+                say("%s has no %s: its save was interrupted; skipped", here, MARKER)
             continue
         dirs.clear()  # a checkpoint holds no other
         try:
             found.append(read(here))
         except FileNotFoundError:
-            logger.warning("%s lost its %s while being read; skipped", here, MARKER)
+            say("%s lost its %s while being read; skipped", here, MARKER)
         except (OSError, ValueError) as exc:
-            logger.warning("%s skipped: %s", here, describe(exc) if isinstance(exc, OSError) else exc)
+            say("%s skipped: %s", here, describe(exc) if isinstance(exc, OSError) else exc)
     return sorted(found, key=lambda c: (c.sequence, c.position, c.path))
 
 

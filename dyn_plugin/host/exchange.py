@@ -50,7 +50,13 @@ def attempt(fn: Callable[[], T], what: str) -> tuple[T | None, str | None]:
 
 
 def describe(exc: BaseException) -> str:
-    """An error in one line: its type where the message does not say it (an OSError's strerror does)."""
+    """An error in one line: its type where the message does not say it (an OSError's strerror does);
+    the ranks' own errors inside one that gathered them (torch.distributed.checkpoint's)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:  # CheckpointException: rank -> (exception, traceback)
+        return "; ".join(
+            f"rank {r}: {describe(f[0] if isinstance(f, tuple) else f)}" for r, f in sorted(failures.items())
+        )
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
         return f"{exc.strerror} (errno {exc.errno}): {exc.filename}"
