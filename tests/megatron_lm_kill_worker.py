@@ -9,6 +9,8 @@ launcher, with the kill switch (``kill_harness.KillSwitch``, point in ``$KILL``)
   names the iteration; a kill after the tracker is the next ``pre-forward``;
 - ``startup``: the checkpoint loaded, training not begun.
 
+``FAULT`` (``tests/faults.py``: ``what:ERRNO@rank``) fails that I/O on that rank for the whole launch.
+
 Each step is logged as the plugin hands it out, with Megatron-LM's iteration (``megatron_kill_rank``;
 the log is trimmed to the restored iteration as ``train`` starts), and ``train``'s end writes the
 final parameters. $MEGATRON_LM_OUT: the folder of the log and the final parameters.
@@ -19,6 +21,7 @@ import sys
 
 out, script = os.environ["MEGATRON_LM_OUT"], os.environ["MEGATRON_LM_SCRIPT"]
 rank = int(os.environ.get("RANK", "0"))
+FAULT = None
 
 
 def arm(switch) -> None:
@@ -66,8 +69,12 @@ def main() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    from faults import inject
     from kill_harness import KillSwitch
 
+    global FAULT
+    FAULT = inject(os.environ.get("FAULT"), rank)  # held: the patch lasts as long as the launch
+    FAULT.__enter__()
     switch = KillSwitch(rank)
     switch.arm_saves()
     arm(switch)

@@ -346,9 +346,9 @@ def test_pretrain_gpt_resumes_after_kills_between_the_marker_and_the_tracker_and
     training.check()
 
 
-def refused_on_every_rank(output: str) -> bool:
-    """Whether each rank (its lines teed by torchrun as ``[defaultR]:``) refused the checkpoint for its missing marker."""
-    refusal = re.escape(f"is not whole: it has no {MARKER}")
+def refused_on_every_rank(output: str, why: str = f"it has no {MARKER}") -> bool:
+    """Whether each rank (its lines teed by torchrun as ``[defaultR]:``) refused the checkpoint, saying ``why``."""
+    refusal = re.escape(f"is not whole: {why}")
     return all(re.search(rf"^\[default{r}\]:.*{refusal}", output, re.M) for r in range(WORLD))
 
 
@@ -374,15 +374,44 @@ def test_pretrain_gpt_refuses_a_checkpoint_without_the_marker_unless_finetuning(
     check_exactly_once(consumed(out), DOCUMENTS)
 
 
-def test_the_megatron_core_example_refuses_a_checkpoint_without_the_marker(core, tmp_path):
+@pytest.mark.parametrize("damage", ["no marker", "a file damaged"])
+def test_the_megatron_core_example_refuses_a_checkpoint_not_whole(core, tmp_path, damage):
     """The example's loop (examples/megatron_gpt/train.py, unchanged) told to ``--load`` a
-    checkpoint the plugin never committed: refused on every rank (megatron-core has no --finetune)."""
+    checkpoint the plugin never committed, or one with a file damaged after the save: refused on
+    every rank before anything of it is read (megatron-core has no --finetune)."""
     ckpt = tmp_path / "step-2"
     shutil.copytree(core.saved / "step-2", ckpt)
-    (ckpt / MARKER).unlink()
+    if damage == "no marker":
+        (ckpt / MARKER).unlink()
+        why = f"it has no {MARKER}"
+    else:
+        shard = sorted(ckpt.glob("*.distcp"))[-1]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        why = f"{shard} does not hash to what its save wrote"
     args = ["--data", str(core.folder / "data"), "--steps", str(core.steps), *CORE_MODEL, "--load", str(ckpt)]
     code, output = Job(launcher(tmp_path, EXAMPLE, args), {"PYTHONPATH": str(ROOT)}).run()
-    assert code != 0 and refused_on_every_rank(output), output[-8000:]
+    assert code != 0 and refused_on_every_rank(output, why), output[-8000:]
+
+
+def test_pretrain_gpt_a_marker_write_failing_on_one_rank_fails_the_save_on_every_rank(pretrain_gpt, tmp_path):
+    """Megatron-LM's ``pretrain_gpt.py``: rank 0's write of iteration 1's marker fails with EIO. Both
+    ranks stop at that save with the same error, naming the file; the folder has no marker and
+    Megatron-LM's tracker names no iteration."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    job = pretrain_gpt_job(pretrain_gpt.folder, ckpt, out, pretrain_gpt.steps)
+    code, output = job.run({"FAULT": "replace-marker:EIO@0"})
+    said = re.escape(
+        f"iter_0000001 was not saved: rank 0: writing the marker: Input/output error (errno 5): "
+        f"{ckpt / 'iter_0000001' / MARKER}"
+    )
+    assert code != 0 and all(re.search(rf"^\[default{r}\]:.*{said}", output, re.M) for r in range(WORLD)), output[
+        -8000:
+    ]
+    assert not (ckpt / "iter_0000001" / MARKER).exists()
+    assert not (ckpt / "latest_checkpointed_iteration.txt").exists()
 
 
 def test_a_save_before_the_first_step_of_a_resumed_run_is_whole_or_absent(tmp_path, monkeypatch):
