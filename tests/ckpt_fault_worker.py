@@ -360,6 +360,31 @@ def files_scenarios(h: Harness, out: str, only: set[str]) -> None:
 
         h.scenario("plan-rejected", rejected)
 
+    # 10. ranks running different planning code: refused by name before they share a plan
+    if not only or "other-build" in only:
+        import dyn_plugin.runtime.loader as loader_module
+
+        def other_build(store: dict | None) -> None:
+            real = loader_module.build
+            if RANK == 1:
+                loader_module.build = lambda: "dyn-plugin 9.9.9 without its C++ extension"
+            try:
+                over = {"store": store} if store else {}
+                bcfg, bcm, blens, bdata = make(**over)
+                planned = DynLoader(
+                    bdata, lengths=blens, config=bcfg, cost_model=bcm, layout=RankLayout(WORLD), column=RANK, seed=11
+                )
+                try:
+                    next(iter(planned))
+                finally:
+                    planned.close()
+            finally:
+                loader_module.build = real
+
+        h.scenario("other-build", lambda: other_build(None))
+        port = int(os.environ["STORE_PORT"]) + 1
+        h.scenario("other-build-store", lambda: other_build({"backend": "tcp", "port": port, "namespace": "b"}))
+
 
 def deepspeed_scenarios(h: Harness, out: str, only: set[str]) -> None:
     from dyn_plugin.models.hf import build_causal_lm

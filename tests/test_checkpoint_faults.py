@@ -135,6 +135,14 @@ def test_a_plan_failing_its_check_on_one_rank_stops_every_rank_at_the_same_step(
     assert steps["0"] == steps["1"] == 2  # the rank that rejected planned its step itself; both stopped two later
 
 
+@pytest.mark.parametrize("where", ["other-build", "other-build-store"])
+def test_ranks_running_different_planning_code_are_refused_by_name(files, where):
+    """Without a store at the first plan check; with one before any plan is shared (the loader's start)."""
+    error = same_everywhere(files, where)["error"]
+    assert error.startswith("PlanMismatch: the ranks run different planning code"), error
+    assert "rank 1: dyn-plugin 9.9.9 without its C++ extension" in error and "rank 0: dyn-plugin 0.1.0" in error
+
+
 @pytest.fixture(scope="module")
 def deepspeed_host(tmp_path_factory) -> list[dict]:
     return outcomes(tmp_path_factory.mktemp("deepspeed"), "deepspeed")

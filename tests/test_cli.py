@@ -68,6 +68,13 @@ def test_bench_cost_prints_json(capsys):
         assert record["max_rel_diff_native_vs_python"] < 1e-12
 
 
+def test_bench_checkpoint_prints_json_and_leaves_nothing(capsys, tmp_path):
+    assert main(["bench", "checkpoint", "--size-mb", "3", "--files", "3", "--dir", str(tmp_path), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["benchmark"] == "checkpoint" and record["files"] == 3 and record["seal_mb_per_s"] > 0
+    assert record["verify_hashes_s"] > 0 and list(tmp_path.iterdir()) == []
+
+
 def test_pure_python_path_works_and_says_so():
     """Without the C++ extension the package still plans costs, and the report says which path runs."""
     code = (

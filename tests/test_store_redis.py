@@ -169,6 +169,19 @@ def test_non_loopback_redis_needs_password_secret_and_checked_tls(url, env, refu
     assert not isinstance(err.value, StoreUnavailable)
 
 
+@pytest.mark.parametrize(
+    "url, checked", [("rediss://redis.example:6380/0", True), ("redis://redis.example:6379/0", None)]
+)
+def test_tls_checks_the_servers_name_whatever_redis_pys_default(url, checked):
+    """redis-py before 6 leaves ssl_check_hostname off by default (setup.py allows redis>=5): the
+    store says it explicitly over rediss://."""
+    from dyn_plugin.store.redis_store import RedisPlanStore
+
+    config = StoreConfig(backend="redis", url=url, namespace="n", timeout_s=5.0)
+    store = RedisPlanStore(config, password="pw", secret=None)  # no connection is made yet
+    assert store._client.connection_pool.connection_kwargs.get("ssl_check_hostname") is checked
+
+
 def test_non_loopback_redis_with_password_and_secret_is_served(redis_server, monkeypatch):  # noqa: F811
     monkeypatch.setenv(PASSWORD_ENV, redis_server.password)
     monkeypatch.setenv("DYN_PLUGIN_STORE_SECRET", SECRET)

@@ -257,3 +257,47 @@ def test_client_in_another_process_and_master_death():
     finally:
         proc.kill()
         proc.join()
+
+
+def test_values_over_the_servers_frame_go_as_chunks(pair):
+    """libuv's TCPStore server drops the connection on a frame over 8 MiB (a 9 MiB plan failed as
+    "rank 0 has most likely exited", and planners retried it for ever): such values go as chunks,
+    their head written last, and a delete takes the chunks too."""
+    rank0, rank1 = pair
+    big = bytes(range(256)) * (9 * 2**20 // 256 + 5)
+    rank1.put("plan/big", big)  # from a client, as planner processes put
+    assert rank0.get("plan/big") == big and rank1.wait("plan/big", timeout_s=2) == big
+    raw = rank0._store
+    assert raw.num_keys() > 3  # the chunks are keys of their own
+    rank1.delete("plan/big")
+    assert rank0.get("plan/big") is None and raw.num_keys() <= 1
+
+
+def test_a_chunked_value_over_the_limit_is_refused_before_it_is_read(pair):
+    rank0, rank1 = pair
+    rank0.put("plan/big", bytes(9 * 2**20))
+    small = TCPPlanStore(
+        rank1._store, host="127.0.0.1", namespace=rank1.namespace, secret=None, max_payload_bytes=2**20
+    )
+    with pytest.raises(PayloadError, match=r"holds 9437185 bytes, over store.max_payload_mb"):
+        small.get("plan/big")
+
+
+def test_a_plan_over_max_payload_mb_stops_its_planner_which_is_not_retried(caplog):
+    """The planner process refuses a plan over the limit naming its size and the limit, and exits;
+    the ranks plan those steps themselves (the same plans) instead of waiting on it."""
+    from dyn_plugin.runtime.loader import DynLoader
+    from test_loader import make
+
+    cfg, cm, lens, data = make(store={"backend": "tcp", "port": 0, "max_payload_mb": 0.0005})
+    loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, seed=7)
+    try:
+        with caplog.at_level("WARNING"):
+            steps = [s.digest for s in loader]
+    finally:
+        loader.close()
+    alone = DynLoader(data, lengths=lens, config=make()[0], cost_model=cm, seed=7)
+    assert steps == [s.digest for s in alone]
+    said = [r.getMessage() for r in caplog.records if "max_payload_mb" in r.getMessage()]
+    assert said and "planner process 0" in said[0] and "exited with code 1" in said[0], caplog.text
+    assert "bytes, over store.max_payload_mb (524 bytes)" in said[0]

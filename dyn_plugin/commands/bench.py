@@ -37,7 +37,8 @@ HELP = (
     "shard (the per-module sharding search vs FSDP's uniform strategies, simulated), "
     "strategy (Hydraulis's heterogeneous strategies vs the seed's stage 1, homogeneous and DynaPipe, simulated), "
     "loader (planning ahead, plan wait, store latency), train (DeepSpeed or Megatron on 2 CPU ranks, batchings "
-    "side by side), families (each model family's step, predicted from a profile of another, against measured)"
+    "side by side), families (each model family's step, predicted from a profile of another, against measured), "
+    "checkpoint (what the checkpoint protocol's hashes cost: sealing a save, verifying a resume)"
 )
 
 
@@ -265,6 +266,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "of 2 and against full recompute, sequences up to 16384 "
         "tokens, device memory capped so the longest need one of them",
     )
+    from ..bench.checkpoint import add_arguments as checkpoint_arguments
+
+    checkpoint = checkpoint_arguments(sub, size=number(0.0), count=count(1, 4096))
     families = sub.add_parser(
         "families",
         help="the cost model held out on each family's tiny model (Llama, Mistral, Qwen2, Qwen2-MoE, Mixtral, Phi3, "
@@ -291,7 +295,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     families.add_argument("--warmup", type=count(0), default=1)
     families.add_argument("--repeats", type=STEPS, default=10, help="timed rounds; the minimum is kept")
     families.add_argument("--seed", type=SEED, default=0)
-    for p in (cost, planner, sp, shard, strategy, loader, train, families):
+    for p in (cost, planner, sp, shard, strategy, loader, train, families, checkpoint):
         p.add_argument("--json", action="store_true", help="one JSON object per line, no indentation")
 
 
@@ -352,7 +356,12 @@ def run(args: argparse.Namespace) -> int:
         for record in records:
             print(json.dumps({**record, **host}, indent=None if args.json else 2), flush=True)
         return 0
-    record = {"cost": bench_cost}[args.what](args)
+    if args.what == "checkpoint":
+        from ..bench.checkpoint import bench_checkpoint
+
+        record = bench_checkpoint(args)
+    else:
+        record = {"cost": bench_cost}[args.what](args)
     record.update(host)
     print(json.dumps(record, indent=None if args.json else 2))
     return 0

@@ -265,7 +265,7 @@ class DynLoader:
             prefetch=plan_cfg.prefetch,
             start=position,
             world_size=self.layout.world * self.tp,
-            on_failure=lambda why: store.put(ERROR_KEY, why.encode()),
+            on_failure=lambda why: store.put(ERROR_KEY, _within(why, self.config.store.max_payload_bytes)),
         )
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _close, self._store, self._pool)
@@ -685,6 +685,16 @@ def _close(store, pool=None) -> None:
             logger.warning("could not publish the planners' stop key (%s); terminating them", exc)
         pool.close()
     store.close()
+
+
+def _within(text: str, limit: int) -> bytes:
+    """``text`` as UTF-8 in at most ``limit`` bytes: its start and its end (a planner's failure: which
+    planner, and its traceback's last line, the error) around an ellipsis, when it does not fit."""
+    data = text.encode()
+    if len(data) <= limit:
+        return data
+    half = max(limit - 5, 0) // 2
+    return data[:half] + b" ... " + data[len(data) - half :] if half else data[:limit]
 
 
 def _agreeing() -> bool:
