@@ -9,7 +9,9 @@ Checkpoints follow the plugin's protocol (``dyn_plugin.host.checkpoint``): befor
 ``dist_checkpointing.save`` writes, the iteration's folder is locked and cleared (a re-used folder's
 marker first); once every rank's files are written, they are hashed and synced and the marker (the
 loader's position, what the plans depend on, every file's size and hash) is written, before
-Megatron-LM's tracker file names the iteration; an asynchronous save (``--async-save``) commits from
+Megatron-LM's tracker file names the iteration (a tracker that names the iteration being saved again
+is first moved to the latest other whole one: a failed re-save never leaves it naming a folder that
+is not whole); an asynchronous save (``--async-save``) commits from
 the save's finalize step, when its files are. A failure on any rank fails the save on every rank. A
 kill anywhere leaves the tracker naming the last whole checkpoint. On load the folder is checked on
 every rank before anything of it is read (a checkpoint without a marker, or with a file damaged, is
@@ -31,6 +33,7 @@ from .registry import Patch
 logger = logging.getLogger(__name__)
 
 CHECKPOINTING = "megatron.core.dist_checkpointing.serialization"
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's: the iteration its load reads
 
 
 def _finetuning() -> bool:
@@ -41,6 +44,33 @@ def _finetuning() -> bool:
         return bool(getattr(get_args(), "finetune", False))
     except (ImportError, AssertionError):  # megatron-core alone, or Megatron-LM's args not parsed
         return False
+
+
+def _move_tracker_off(root: str, tag: str) -> None:
+    """Before iteration folder ``tag`` is rewritten: a Megatron-LM tracker naming it names the latest
+    other whole iteration under ``root``, or is removed (a failed re-save must not leave it naming a
+    folder that is not whole). Loops without a tracker (megatron-core's) are left as they are."""
+    from dyn_plugin.atomic import fsync_directory, write_atomic
+    from dyn_plugin.host import checkpoint
+
+    tracker = os.path.join(root, TRACKER)
+    try:
+        with open(tracker) as f:
+            named = f.read().strip()
+    except FileNotFoundError:
+        return
+    if not (tag.startswith("iter_") and named.isdigit() and int(named) == int(tag[len("iter_") :])):
+        return
+    others = [
+        c
+        for c in checkpoint.complete(root, warn=False)
+        if os.path.basename(c.path).startswith("iter_") and os.path.basename(c.path) != tag
+    ]
+    if others:
+        write_atomic(tracker, str(int(os.path.basename(others[-1].path)[len("iter_") :])), strict=True)
+    else:
+        os.unlink(tracker)
+        fsync_directory(root, strict=True)
 
 
 def _save(original: Callable) -> Callable:
@@ -63,7 +93,7 @@ def _save(original: Callable) -> Callable:
         root, tag = os.path.split(os.path.abspath(os.fspath(checkpoint_dir)))
         # a loop may have written its own files into the folder already (megatron-core's example does):
         # only what the old checkpoint there wrote goes
-        save = checkpoint.prepare(root, tag, record, keep_recent=True)
+        save = checkpoint.prepare(root, tag, record, keep_recent=True, before=lambda: _move_tracker_off(root, tag))
         try:
             request = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         except Exception as exc:

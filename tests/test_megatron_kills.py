@@ -439,3 +439,29 @@ def test_a_save_before_the_first_step_of_a_resumed_run_is_whole_or_absent(tmp_pa
     # each save descends from the one resumed, and is later than every save before it
     assert checkpoint.read(folder).parent["sequence"] == 1
     assert (checkpoint.read(folder).sequence, checkpoint.read(tmp_path / "elsewhere").sequence) == (2, 3)
+
+
+def test_a_failed_resave_leaves_megatron_lms_tracker_naming_a_whole_checkpoint(tmp_path, monkeypatch):
+    """Megatron-LM's tracker names iteration 7; saving 7 again fails half-way: the tracker then names
+    iteration 5, the latest other whole one, as DeepSpeed's ``latest`` does (its own load reads it)."""
+    from dyn_plugin.host import checkpoint
+    from megatron_patches import runtime, train_state
+
+    record = checkpoint.Record(5, {"epoch": 0, "step": 5}, {"world_size": 1})
+    for tag in ("iter_0000005", "iter_0000007"):
+        with checkpoint.saving(tmp_path, tag, record) as save:
+            (Path(save.directory) / "common.pt").write_bytes(b"weights")
+    (tmp_path / train_state.TRACKER).write_text("7")
+    monkeypatch.setattr(
+        runtime, "RUN", runtime.PluginRun(config=None, resume=checkpoint.read(tmp_path / "iter_0000005"))
+    )
+
+    def megatron_save(state, directory, *args, **kwargs):
+        raise OSError(28, "No space left on device", str(directory / "__0_0.distcp"))
+
+    with pytest.raises(
+        checkpoint.CheckpointError, match="iter_0000007 was not saved: rank 0: writing the files: No space"
+    ):
+        train_state._save(megatron_save)({}, tmp_path / "iter_0000007")
+    assert (tmp_path / train_state.TRACKER).read_text() == "5"
+    assert not (tmp_path / "iter_0000007" / MARKER).exists()
