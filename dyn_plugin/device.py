@@ -18,8 +18,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.ite
 
 def local_rank() -> int:
     """This process's rank on its node: the launcher's ``LOCAL_RANK``, else (one node) the global
-    rank, else 0. Files written once per node (the loader position) and the GPU a rank drives
-    follow it."""
+    rank, else 0. The GPU a rank drives follows it."""
     import torch.distributed as dist
 
     if "LOCAL_RANK" in os.environ:
