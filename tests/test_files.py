@@ -189,6 +189,8 @@ NOT_ATOMIC = {
     "dyn_plugin/store/redis_server.py": "redis.conf and redis.log in the server's private directory",
     "dyn_plugin/bench/megatron_lm_rank.py": "a rank's per-step log, appended to",
     "dyn_plugin/bench/train_megatron_lm.py": "the child's output log, written as it runs",
+    "dyn_plugin/bench/checkpoint.py": "the benchmark's scratch checkpoint, in a temporary folder it removes, and "
+    "/proc/sys/vm/drop_caches",
     "dyn_plugin/host/checkpoint.py": "the empty probe by which ranks learn who shares a disk, created exclusively "
     "and removed at once",
     "dyn_plugin/bench/strategy.py": "plot_strategies saves to the name it is given: commands/strategy.py gives "

@@ -257,7 +257,7 @@ class DynLoader:
         position = self.context.position(self.epoch, self.step)
         self._store.put(CURSOR_KEY, str(position).encode())
         plan_cfg = self.config.loader
-        store = self._store
+        store, limit = self._store, self.config.store.max_payload_bytes  # not self: the pool must not hold the loader
         self._pool = PlannerPool(
             self.context.to_json(),
             self._store_cfg.model_dump_json(exclude_unset=True),
@@ -265,7 +265,7 @@ class DynLoader:
             prefetch=plan_cfg.prefetch,
             start=position,
             world_size=self.layout.world * self.tp,
-            on_failure=lambda why: store.put(ERROR_KEY, _within(why, self.config.store.max_payload_bytes)),
+            on_failure=lambda why: store.put(ERROR_KEY, _within(why, limit)),
         )
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _close, self._store, self._pool)
