@@ -17,8 +17,8 @@ from dyn_plugin.cost.encoder_decoder import EncoderDecoderCostModel
 from dyn_plugin.cost.from_config import live_cost_model, model_shape
 from dyn_plugin.cost.table import TableCostModel
 from dyn_plugin.device import rank_device, training_dtype
-from dyn_plugin.host.attention import priced_layouts
 from dyn_plugin.host.encoder_decoder import pair_inputs
+from dyn_plugin.host.exactness import checked
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.models.hf import is_encoder_decoder
 from dyn_plugin.plan.shard_plan import ShardPlan
@@ -102,7 +102,6 @@ def initialize(
     cfg = config if isinstance(config, LoadedConfig) else load_config(config)
     if is_encoder_decoder(model):  # before the layouts: theirs are a decoder-only model's
         cost_model = _check_encoder_decoder(cfg, model, lengths, cost_model)
-    cfg = priced_layouts(model, cfg)
     if cost_model is not None and cost_model.dtype != training_dtype(cfg.deepspeed):
         raise _dtype_mismatch(
             "the cost_model argument's dtype",
@@ -138,14 +137,12 @@ def initialize(
     # also where the user initialized torch.distributed: DeepSpeed's own communicator (the pipeline
     # engine's) is set up only by its init_distributed, which leaves an existing process group as it is
     deepspeed.init_distributed()
+    # the plugin's kernel where plans need it, the layouts priced, the start-up check (alike on every rank)
+    cfg = checked(model, cfg)
     rank = dist.get_rank()
     layout = RankLayout(world=dist.get_world_size(), stages=pp)  # refuses stages that do not divide the world
     dp = layout.columns
     stage, column = layout.coords(rank)  # stage-major, as DeepSpeed's PipeDataParallelTopology lays ranks out
-    if sp.enabled:
-        from deepspeed_ext.sequence_parallel import use_plugin_attention
-
-        use_plugin_attention(model)
     ds_config = _deepspeed_config(cfg.deepspeed, dp)
     cost = cost_model or _cost_model(cfg, model)
     state_bytes = None
@@ -185,7 +182,10 @@ def initialize(
 
             model = seq2seq_pipe(model, stages)  # encoder stages then decoder stages, at the plan's split
         else:
-            model = causal_lm_pipe(model, [s.num_layers for s in stages])
+            counts = [s.num_layers for s in stages]
+            if cfg.plugin.start_check.enabled:
+                _check_stages(model, counts)
+            model = causal_lm_pipe(model, counts)
         swap = _engine_class(deepspeed, PlanPipelineEngine)
     with swap:
         engine, optimizer, _, scheduler = deepspeed.initialize(
@@ -210,6 +210,24 @@ def initialize(
             device=engine.device,
         )
     return engine, optimizer, loader, scheduler
+
+
+def _check_stages(model: torch.nn.Module, counts: list[int]) -> None:
+    """The start-up check of the pipeline's stages (``pipe_module.stage_difference``), alike on every rank."""
+    from deepspeed_ext.pipe_module import stage_difference
+    from dyn_plugin.host.exactness import ExactnessError, family, timed
+    from dyn_plugin.host.exchange import gather
+
+    found, ms = timed(stage_difference, model, counts)
+    found = next((f for f in gather(found) if f is not None), None)
+    logger.info("start-up check of %s's pipeline stages %s: %s (%.0f ms)", family(model), counts, found or "exact", ms)
+    if found is not None:
+        raise ExactnessError(
+            f"{family(model)}: {found}; the stage builder (deepspeed_ext/pipe_module.py) does not do what this "
+            "family's forward does there: train it without pipeline stages (pipeline.stages 1), or pass a "
+            f"PipelineModule of your own (the start-up check against the model's own forward, tolerance "
+            f"{found.tolerance:g} per token; start_check.enabled)"
+        )
 
 
 def _check_encoder_decoder(

@@ -19,10 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import torch
-
 from dyn_plugin.host.sequence_parallel import SequenceRuntime
-from dyn_plugin.models.varlen_attention import register
 from dyn_plugin.runtime.loader import Step
 
 
@@ -36,19 +33,6 @@ def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
             "data-parallel ranks into fixed sequence-parallel groups under the plugin's plans; remove it "
             "and use dyn_plugin.sequence_parallel (the plugin picks a group size per micro-batch)"
         )
-
-
-def use_plugin_attention(model: torch.nn.Module) -> None:
-    """Make a transformers model attend through ``dyn_varlen``, the kernel that spans a group
-    (windows and soft-caps included, by Ulysses or the ring)."""
-    if not getattr(model, "_supports_attention_backend", False) or not hasattr(model, "config"):
-        raise ValueError(
-            f"sequence_parallel.enabled needs a transformers model whose attention goes through "
-            f"transformers' AttentionInterface (_supports_attention_backend): {type(model).__name__} "
-            "does not, so its attention could not span a sequence-parallel group; disable "
-            "sequence_parallel or use such a model"
-        )
-    model.config._attn_implementation = register()
 
 
 def sequence_runtime(engine: Any, step: Step) -> SequenceRuntime | None:

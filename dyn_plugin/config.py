@@ -403,6 +403,18 @@ class CheckpointConfig(_Section):
     )
 
 
+class StartCheckConfig(_Section):
+    """The start-up check of what a host built against the user's model (dyn_plugin.host.exactness)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="before the first step, run the model on a few tokens as the run will (packed or padded "
+        "rows, sequence shards, pipeline stages) and against the model run on each document alone, and refuse "
+        "(or plan padded rows, under layout 'auto') what differs, naming the piece; false skips it (a few "
+        "forwards of a few tokens, logged with their time)",
+    )
+
+
 def with_password(url: str, password: str | None) -> str:
     """``url`` with its password replaced (None: removed), user, host and port kept."""
     parts = urlsplit(url)
@@ -517,6 +529,7 @@ class DynPluginConfig(_Section):
     store: StoreConfig = StoreConfig()
     loader: LoaderConfig = LoaderConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    start_check: StartCheckConfig = StartCheckConfig()
 
     @model_validator(mode="after")
     def _pipeline_fits_model(self) -> "DynPluginConfig":

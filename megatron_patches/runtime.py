@@ -228,6 +228,18 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
             f"to max_seq_len tokens would fail inside the model; build the model for at least that many positions, "
             f"or lower max_seq_len (with microbatching.truncate = true to cut longer documents)"
         )
+    from megatron.core.models.gpt import GPTModel
+
+    from .arguments import may_pack
+
+    if not isinstance(chunk, GPTModel) and may_pack(run.config.plugin):
+        # megatron-core's other decoders (MambaModel's hybrids: state-space mixers outside attention)
+        # are not checked to keep the documents of a packed (THD) row apart
+        raise ConfigError(
+            f"{type(chunk).__name__} is not megatron-core's GPTModel: the plugin's packed (THD) rows are built and "
+            "checked for GPTModel's attention only, and a token mixer outside attention (a hybrid's state-space "
+            "layers) would read across their documents; set dyn_plugin.microbatching.layout to 'padded'"
+        )
     cm = plugin.cost_model
     dtype = _dtype(chunk)
     if "dtype" in cm.model_fields_set and cm.dtype != dtype:

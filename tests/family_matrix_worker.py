@@ -121,7 +121,63 @@ FAMILIES: dict[str, dict] = {
         max_position_embeddings=None,
     ),
     "olmo2": dict(model_type="olmo2"),
+    # multipliers around the layers (embedding, residuals, attention, logits)
+    "granite": dict(
+        model_type="granite",
+        embedding_multiplier=3.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.3,
+        logits_scaling=4.0,
+    ),
+    # attention and MLP in parallel from one norm; logits scaled
+    "cohere": dict(model_type="cohere", logit_scale=0.5),
+    # hybrid: linear-attention layers (a token mixer outside attention) around a softmax-attention one
+    "minimax": dict(
+        model_type="minimax",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        head_dim=16,
+        block_size=8,
+    ),
+    # the same, with microbatching.layout 'auto' (LAYOUTS): the start-up check plans padded rows
+    "minimax-auto": dict(
+        model_type="minimax",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        head_dim=16,
+        block_size=8,
+    ),
+    # multi-head latent attention: query/key heads of 16 + 8 (rotary), value heads of 8; routed experts
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        num_key_value_heads=4,
+    ),
+    # attention sinks (one learned logit per head), windowed and full layers, experts
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=16,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    ),
 }
+
+# families trained under another microbatching.layout than 'packed'
+LAYOUTS = {"minimax-auto": "auto"}
 
 # words a refusal may name the feature by (besides the family's model_type and class name)
 FEATURE_WORDS = (
@@ -200,10 +256,10 @@ def plugin_section(memory_mb: float, layout: str = "packed") -> dict:
     }
 
 
-def deepspeed_config(path: str, params: int) -> dict:
+def deepspeed_config(path: str, params: int, layout: str = "packed") -> dict:
     # a small device: room for the model states and ACTIVATION_MB, so that the plan cuts each rank's
     # share of the global batch into several packed micro-batches (gradient accumulation)
-    plugin = plugin_section(memory_mb=params * STATE_BYTES / 2**20 + ACTIVATION_MB)
+    plugin = plugin_section(memory_mb=params * STATE_BYTES / 2**20 + ACTIVATION_MB, layout=layout)
     if path == "ds-pipe":
         plugin["pipeline"] = {"stages": 2}
     if path.startswith("sp-"):
@@ -323,7 +379,9 @@ class Cell:
 
         engine, _, loader, _ = deepspeed_ext.initialize(
             model=model,
-            config=deepspeed_config(self.path, sum(p.numel() for p in model.parameters())),
+            config=deepspeed_config(
+                self.path, sum(p.numel() for p in model.parameters()), LAYOUTS.get(self.family, "packed")
+            ),
             dataset=self.data,
             lengths=self.lengths,
             optimizer=lambda params: torch.optim.SGD(params, lr=LR),
@@ -338,7 +396,9 @@ class Cell:
         host = self.path
         plan, labels = fsdp_plan(model, self.world, host)
         self.info["shard_plan"] = labels
-        plugin = plugin_section(memory_mb=ACTIVATION_MB + plan.state_bytes / 2**20)
+        plugin = plugin_section(
+            memory_mb=ACTIVATION_MB + plan.state_bytes / 2**20, layout=LAYOUTS.get(self.family, "packed")
+        )
         wrapped, optimizer, loader, plan = initialize(
             model,
             {"dyn_plugin": plugin},
@@ -391,6 +451,7 @@ def rank_outcome(path: str, family: str, data, lengths, world: int, rank: int) -
         out = {
             "error": {
                 "type": type(e).__name__,
+                "refusal": isinstance(e, REFUSALS),  # the start-up check's ExactnessError is a ValueError
                 "message": str(e).strip(),
                 "first_line": lines[0],
                 "phase": cell.phase,
@@ -432,14 +493,14 @@ def combine(family: str, outcomes: list[dict]) -> dict:
         before_training = all("error" in o and o["error"]["phase"] in ("build", "initialize") for o in outcomes)
         if (
             before_training
-            and all(e["type"] in {c.__name__ for c in REFUSALS} for _, e in errors)
+            and all(e["refusal"] for _, e in errors)
             and names_feature(first["message"], family, info.get("model"))
         ):
             return {"status": "refused", "message": first["message"], **cell}
         note = ""
-        if before_training and first["type"] in {c.__name__ for c in REFUSALS}:
+        if before_training and first["refusal"]:
             note = " (raised before training, but its message names no feature)"
-        elif first["type"] in {c.__name__ for c in REFUSALS}:
+        elif first["refusal"]:
             note = f" (raised in phase {first['phase']!r}, not before training)"
         return {
             "status": "crash",

@@ -35,35 +35,43 @@ def packed_positions(docs_per_row, width):
     return torch.stack(rows)
 
 
-def check_attention_case(shard, heads, kv_heads, pos, kind, dtype, window=None, softcap=None):
+def check_attention_case(shard, heads, kv_heads, pos, kind, dtype, window=None, softcap=None, dv=8, sinks=False):
     """fp64 shows the algorithm exact (1e-12); fp32 stays within 1e-6 of it, as fp32 SDPA does.
     ``window`` / ``softcap``: the model's sliding window and attention-logit soft-cap (Mistral,
-    Gemma2), as transformers' attention modules pass them to the kernel."""
+    Gemma2), as transformers' attention modules pass them to the kernel; ``dv``: the values' width
+    (below the queries' and keys' 8: multi-head latent attention, DeepSeek-V3); ``sinks``: one logit
+    per head beside the keys' (GPT-OSS), whose gradient sums over every rank's queries."""
     rank, k = shard.index, shard.size
     rows, width = pos.shape
     n = width // k
     gen = torch.Generator().manual_seed(1234)
-    q, key, v = (
-        torch.randn(rows, h, width, 8, generator=gen, dtype=torch.float64) for h in (heads, kv_heads, kv_heads)
-    )
-    dout = torch.randn(rows, width, heads, 8, generator=gen, dtype=torch.float64)
+    q, key = (torch.randn(rows, h, width, 8, generator=gen, dtype=torch.float64) for h in (heads, kv_heads))
+    v = torch.randn(rows, kv_heads, width, dv, generator=gen, dtype=torch.float64)
+    dout = torch.randn(rows, width, heads, dv, generator=gen, dtype=torch.float64)
+    sink = torch.randn(heads, generator=gen, dtype=torch.float64) if sinks else None
     # single-process reference: per-document attention over the whole rows, in fp64
     ref = [t.clone().requires_grad_() for t in (q, key, v)]
-    ref_out = document_attention(*ref, pos, 0.0, None, window=window, softcap=softcap)
+    ref_sink = sink.clone().requires_grad_() if sinks else None
+    ref_out = document_attention(*ref, pos, 0.0, None, window=window, softcap=softcap, sinks=ref_sink)
     (ref_out * dout).sum().backward()
     mine = slice(rank * n, (rank + 1) * n)
     local = [t[:, :, mine].to(dtype).requires_grad_() for t in (q, key, v)]
+    local_sink = sink.to(dtype).requires_grad_() if sinks else None
     module = torch.nn.Module().eval()
     with sp.sharded(shard):  # forward and backward, as the runtime does
-        out = varlen_attention(module, *local, None, position_ids=pos[:, mine], sliding_window=window, softcap=softcap)[
-            0
-        ]
+        out = varlen_attention(
+            module, *local, None, position_ids=pos[:, mine], sliding_window=window, softcap=softcap, s_aux=local_sink
+        )[0]
         (out * dout[:, mine].to(dtype)).sum().backward()
-    label = f"{kind} k={k} heads={heads}/{kv_heads} {dtype} window={window} softcap={softcap}"
+    label = f"{kind} k={k} heads={heads}/{kv_heads} {dtype} window={window} softcap={softcap} dv={dv} sinks={sinks}"
     tol = TOL if dtype == torch.float32 else 1e-12
     close(f"{label} out", out.double(), ref_out[:, mine], tol)
     for name, got, want in zip("qkv", local, ref):
         close(f"{label} d{name}", got.grad.double(), want.grad[:, :, mine], tol)
+    if sinks:
+        summed = local_sink.grad.double().clone()
+        dist.all_reduce(summed, group=shard.group)
+        close(f"{label} dsinks", summed, ref_sink.grad, tol)
 
 
 def attention(group, size, index):
@@ -90,6 +98,10 @@ def attention(group, size, index):
                 # the scores reach: the inputs are N(0, 1) over 8 dimensions)
                 for window, softcap in ((4, None), (None, 1.0), (7, 0.5)):
                     check_attention_case(shard, heads, kv_heads, pos, kind, torch.float64, window, softcap)
+                # values narrower than keys (DeepSeek-V3's latent attention) and attention sinks (GPT-OSS)
+                check_attention_case(shard, heads, kv_heads, pos, kind, torch.float64, dv=6)
+                check_attention_case(shard, heads, kv_heads, pos, kind, torch.float64, 4, None, sinks=True)
+                check_attention_case(shard, heads, kv_heads, pos, kind, torch.float32, None, 1.0, dv=6, sinks=True)
     assert sp.current() is None
     # dropout: Ulysses runs it in the per-document kernel, ring refuses it
     pos = layouts["packed"]

@@ -238,3 +238,29 @@ def test_an_encoder_decoder_megatron_model_is_refused_before_planning():
     for model in ([SimpleNamespace(module=marked)], type("T5Model", (), {})()):
         with pytest.raises(ConfigError, match="T5 under Megatron is not built"):
             runtime.build_loader(run, model)
+
+
+def test_a_megatron_model_other_than_gpt_is_refused_packed():
+    """megatron-core's other decoders (MambaModel's hybrids) are not checked to keep a packed row's
+    documents apart: refused before planning, naming the padded layout that is exact for them."""
+    from types import SimpleNamespace
+
+    run = runtime.configure({"dyn_plugin": {"microbatching": {"layout": "packed"}}})
+    run.documents = runtime.Documents([[1]], np.array([1]))
+    ps = SimpleNamespace(
+        get_virtual_pipeline_model_parallel_world_size=lambda: None,
+        get_context_parallel_world_size=lambda: 1,
+        get_pipeline_model_parallel_world_size=lambda: 1,
+        get_data_parallel_world_size=lambda: 1,
+        get_tensor_model_parallel_world_size=lambda: 1,
+    )
+    import megatron.core
+
+    real = megatron.core.parallel_state
+    megatron.core.parallel_state = ps
+    try:
+        with pytest.raises(ConfigError, match="MambaModel is not megatron-core's GPTModel.*'padded'"):
+            runtime.build_loader(run, type("MambaModel", (), {})())
+    finally:
+        megatron.core.parallel_state = real
+        runtime.RUN = None

@@ -166,14 +166,16 @@ def test_pipeline_stages_run_each_family_as_the_model_does(family, tied, monkeyp
     torch.testing.assert_close(x, per_document_logits(reference, ids), rtol=1e-5, atol=1e-5)
 
 
-def test_the_pipeline_head_applies_the_final_soft_cap():
+def test_the_pipeline_head_applies_the_logit_factor_then_the_final_soft_cap():
     pytest.importorskip("deepspeed")
-    from deepspeed_ext.pipe_module import Head
+    from deepspeed_ext.pipe_module import Around, Head
 
     torch.manual_seed(0)
-    head = Head(torch.nn.Identity(), torch.nn.Linear(8, 16), softcap=3.0)
+    head = Head(torch.nn.Identity(), torch.nn.Linear(8, 16), Around(softcap=3.0))
     h = torch.randn(2, 5, 8) * 10
     assert torch.equal(head((h, None)), torch.tanh(head.lm_head(h) / 3.0) * 3.0)
+    scaled = Head(torch.nn.Identity(), head.lm_head, Around(logits=0.25, softcap=3.0))
+    assert torch.equal(scaled((h, None)), torch.tanh(head.lm_head(h) * 0.25 / 3.0) * 3.0)
 
 
 def test_gpt_neox_blocks_are_found_and_recompute_exactly():
@@ -228,15 +230,50 @@ def test_a_family_without_attention_backends_is_refused_by_the_builder():
     assert build_causal_lm(tiny, attn_implementation="sdpa").config._attn_implementation == "sdpa"
 
 
-@pytest.mark.parametrize(
-    "kwargs,feature", [({"s_aux": torch.zeros(4)}, "attention sinks"), ({"is_causal": False}, "bidirectional")]
-)
-def test_the_kernel_refuses_what_it_does_not_compute(kwargs, feature):
-    """Attention sinks (gpt-oss) and bidirectional layers reach the kernel as keyword arguments:
-    refused by name, never attended causally without them."""
+def test_the_kernel_refuses_bidirectional_layers():
+    """Bidirectional layers reach the kernel as a keyword argument: refused by name, never attended
+    causally."""
     q = torch.zeros(1, 4, 8, 16)
-    with pytest.raises(ValueError, match=feature):
-        varlen_attention(torch.nn.Linear(1, 1), q, q, q, None, **kwargs)
+    with pytest.raises(ValueError, match="attends bidirectionally"):
+        varlen_attention(torch.nn.Linear(1, 1), q, q, q, None, is_causal=False)
+
+
+def test_attention_sinks_are_gpt_oss_eager_attention_per_document_and_refused_on_cuda(monkeypatch):
+    """GPT-OSS's sinks (one learned logit per head beside the keys', ``s_aux``) on a packed row of two
+    documents, windowed, against transformers' own eager attention run on each document alone, the
+    gradients too; on CUDA (the flash path, stood in for) they are refused by name: the flash kernel
+    has none, and the written-out loop there is not what the plan prices."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = 2, False
+    module.sinks = sinks = torch.nn.Parameter(torch.randn(4))  # eager reads them from the module
+    lens, window = (5, 7), 4
+    q = torch.randn(1, 4, 12, 8, requires_grad=True)
+    k, v = (torch.randn(1, 2, 12, 8, requires_grad=True) for _ in range(2))
+    positions = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
+    out, _ = varlen_attention(
+        module, q, k, v, None, scaling=0.3, sliding_window=window, s_aux=sinks, position_ids=positions
+    )
+    parts, start = [], 0
+    for n in lens:
+        i = torch.arange(n)
+        seen = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+        mask = torch.zeros(n, n).masked_fill(~seen, float("-inf"))[None, None]
+        part, _ = eager_attention_forward(
+            module, *(t[:, :, start : start + n] for t in (q, k, v)), mask, scaling=0.3, dropout=0.0, s_aux=sinks
+        )
+        parts.append(part)
+        start += n
+    want = torch.cat(parts, dim=1)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v, sinks))
+    for got, ref in zip(grads, torch.autograd.grad(want.square().sum(), (q, k, v, sinks))):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    monkeypatch.setattr("dyn_plugin.models.varlen_attention.flash_device", lambda query: True)
+    with pytest.raises(ValueError, match="attention sinks.*on CUDA.*not price"):
+        varlen_attention(module, q, k, v, None, s_aux=sinks)
 
 
 def test_packed_rows_are_planned_only_where_the_attention_runs_them_at_the_planned_cost():

@@ -236,7 +236,9 @@ def test_refused_before_training(section, fix):
 
 
 def test_a_model_without_transformers_attention_interface_is_refused():
-    from deepspeed_ext.sequence_parallel import use_plugin_attention
+    from dyn_plugin.config import load_config
+    from dyn_plugin.host.attention import use_document_kernel
 
+    cfg = load_config({"dyn_plugin": {"sequence_parallel": {"enabled": True}}})
     with pytest.raises(ValueError, match="AttentionInterface"):
-        use_plugin_attention(torch.nn.Linear(2, 2))
+        use_document_kernel(torch.nn.Linear(2, 2), cfg)

@@ -38,7 +38,8 @@ HELP = (
     "strategy (Hydraulis's heterogeneous strategies vs the seed's stage 1, homogeneous and DynaPipe, simulated), "
     "loader (planning ahead, plan wait, store latency), train (DeepSpeed or Megatron on 2 CPU ranks, batchings "
     "side by side), families (each model family's step, predicted from a profile of another, against measured), "
-    "checkpoint (what the checkpoint protocol's hashes cost: sealing a save, verifying a resume)"
+    "checkpoint (what the checkpoint protocol's hashes cost: sealing a save, verifying a resume), "
+    "start-check (what the start-up check costs per host at a 1.1B-parameter shape)"
 )
 
 
@@ -269,6 +270,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..bench.checkpoint import add_arguments as checkpoint_arguments
 
     checkpoint = checkpoint_arguments(sub, size=number(0.0), count=count(1, 4096))
+    from ..bench.start_check import add_arguments as start_check_arguments
+
+    start_check = start_check_arguments(sub, count=count(1, 100))
     families = sub.add_parser(
         "families",
         help="the cost model held out on each family's tiny model (Llama, Mistral, Qwen2, Qwen2-MoE, Mixtral, Phi3, "
@@ -295,7 +299,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     families.add_argument("--warmup", type=count(0), default=1)
     families.add_argument("--repeats", type=STEPS, default=10, help="timed rounds; the minimum is kept")
     families.add_argument("--seed", type=SEED, default=0)
-    for p in (cost, planner, sp, shard, strategy, loader, train, families, checkpoint):
+    for p in (cost, planner, sp, shard, strategy, loader, train, families, checkpoint, start_check):
         p.add_argument("--json", action="store_true", help="one JSON object per line, no indentation")
 
 
@@ -360,6 +364,10 @@ def run(args: argparse.Namespace) -> int:
         from ..bench.checkpoint import bench_checkpoint
 
         record = bench_checkpoint(args)
+    elif args.what == "start-check":
+        from ..bench.start_check import bench_start_check
+
+        record = bench_start_check(args)
     else:
         record = {"cost": bench_cost}[args.what](args)
     record.update(host)

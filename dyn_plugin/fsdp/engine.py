@@ -29,8 +29,8 @@ from ..cost.encoder_decoder import EncoderDecoderCostModel
 from ..cost.from_config import live_cost_model, model_shape
 from ..cost.table import TableCostModel
 from ..device import dtype_name, rank_device
-from ..host.attention import priced_layouts
 from ..host.encoder_decoder import pair_inputs
+from ..host.exactness import checked
 from ..layout import RankLayout
 from ..models.hf import is_encoder_decoder
 from ..models.shard_units import shard_units
@@ -70,8 +70,6 @@ def initialize(
         raise ValueError(f"fsdp={fsdp!r}: choose 'fsdp2' (fully_shard) or 'fsdp1' (FullyShardedDataParallel)")
     if is_encoder_decoder(model):  # before the layouts: theirs are a decoder-only model's
         cost_model = _check_encoder_decoder(cfg, model, lengths, cost_model)
-    else:
-        cfg = priced_layouts(model, cfg)
     plugin = cfg.plugin
     if plugin.pipeline.stages > 1 or plugin.sequence_parallel.enabled:
         raise ValueError(
@@ -85,6 +83,9 @@ def initialize(
         )
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    # every rank alike: the plugin's kernel where plans need it, the layouts priced, the start-up check
+    cfg = checked(model, cfg)
+    plugin = cfg.plugin
     world, rank = dist.get_world_size(), dist.get_rank()
     if torch.cuda.is_available():
         device = rank_device()

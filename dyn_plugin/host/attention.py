@@ -4,7 +4,8 @@ The planner prices a packed row's attention per document (the sum of the documen
 lengths), which is what a kernel that attends within documents computes. A model attending through
 transformers' SDPA or eager attention trains packed rows exactly too (transformers turns the
 position-id resets into a block-causal mask), but computes the whole row's square under that mask:
-a row of eight 512-token documents costs 8x what was priced. There packed rows are not planned:
+a row of eight 512-token documents costs 8x what was priced. Such a model is switched to the plugin's kernel where the plans call for packed rows and its
+family takes the switch (``use_document_kernel``); where it cannot, packed rows are not planned:
 ``microbatching.layout`` 'auto' plans padded rows, and 'packed' is refused naming both fixes.
 
 An encoder-decoder's plans are the pair planner's, which prices a packed row of pairs over the whole
@@ -18,11 +19,46 @@ from typing import Any
 
 from ..config import LoadedConfig
 from ..models.hf import is_encoder_decoder
+from ..models.varlen_attention import NAME, register
 
 logger = logging.getLogger(__name__)
 
 # attend within each document of a packed row (position-id resets), at the cost the planner prices
 DOCUMENT_KERNELS = ("dyn_varlen", "flash_attention_2", "flash_attention_3")
+
+
+def use_document_kernel(model: Any, cfg: LoadedConfig) -> None:
+    """Where the plans call for the plugin's kernel (packed rows: layout 'packed' or 'auto', a packing
+    method; sequence parallelism, whose attention spans a group) and the model attends through
+    another of transformers' implementations (as ``from_pretrained`` and ``from_config`` build it:
+    'sdpa'), switch it to the plugin's kernel, and log it; the family must route attention through
+    transformers' AttentionInterface. Sequence parallelism needs the switch (flash-attention cannot
+    span a group), and is refused where the family cannot take it."""
+    config = getattr(model, "config", None)
+    attention = getattr(config, "_attn_implementation", None)
+    mb, sp = cfg.plugin.microbatching, cfg.plugin.sequence_parallel.enabled
+    packed = mb.layout != "padded" or mb.method.startswith("packing")
+    supported = attention is not None and getattr(model, "_supports_attention_backend", False)
+    if sp and not supported:
+        raise ValueError(
+            f"sequence_parallel.enabled needs a transformers model whose attention goes through transformers' "
+            f"AttentionInterface (_supports_attention_backend): {type(model).__name__} does not, so its "
+            "attention could not span a sequence-parallel group; disable sequence_parallel or use such a model"
+        )
+    if attention is None or attention == NAME or is_encoder_decoder(model):
+        return
+    if not sp and (attention in DOCUMENT_KERNELS or not packed):
+        return
+    if not supported:
+        return  # priced_layouts plans padded rows, or refuses 'packed' naming the fixes
+    model.set_attn_implementation(register())
+    logger.info(
+        "%s attended with %r; switched to the plugin's per-document kernel %r, which %s",
+        type(model).__name__,
+        attention,
+        NAME,
+        "spans sequence-parallel groups" if sp else "runs packed rows at the cost the plan prices",
+    )
 
 
 def priced_layouts(model: Any, cfg: LoadedConfig) -> LoadedConfig:

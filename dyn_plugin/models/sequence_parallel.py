@@ -117,12 +117,15 @@ def attention(
     scaling: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """query: [b, heads, s/k, d], key/value: [b, kv_heads, s/k, d], this rank's positions; returns
-    this rank's output [b, s/k, heads, d]. ``local`` is the per-document kernel Ulysses runs (with
-    ``window`` and ``softcap`` bound, as ``varlen_attention`` gives it); the ring applies both itself:
-    a key is seen by the queries fewer than ``window`` positions after it, and scores are
-    soft-capped (``softcap * tanh(score / softcap)``) before the softmax."""
+    """query: [b, heads, s/k, d], key: [b, kv_heads, s/k, d], value: [b, kv_heads, s/k, dv] (dv may
+    differ from d: multi-head latent attention), this rank's positions; returns this rank's output
+    [b, s/k, heads, dv]. ``local`` is the per-document kernel Ulysses runs (with ``window`` and
+    ``softcap`` bound, as ``varlen_attention`` gives it; it takes the ``sinks`` of its heads); the ring
+    applies all three itself: a key is seen by the queries fewer than ``window`` positions after it,
+    scores are soft-capped (``softcap * tanh(score / softcap)``) before the softmax, and ``sinks``
+    ([heads], one logit each beside the keys', with no value) join the softmax after the merge."""
     heads, kv_heads, width = query.shape[1], key.shape[1], shard.position_ids.shape[1]
     if query.shape[2] * shard.size != width:
         raise ValueError(
@@ -137,6 +140,9 @@ def attention(
                 f"heads must both divide by the group size {shard.size}; set sequence_parallel.attention "
                 "to 'ring' or 'auto' (ring where they do not divide)"
             )
+        if sinks is not None:  # each rank attends with its block of heads after the all-to-all
+            per = heads // shard.size
+            local = functools.partial(local, sinks=sinks[shard.index * per : (shard.index + 1) * per])
         return _ulysses(shard, query, key, value, local, dropout, scaling)
     if dropout > 0:
         raise ValueError(
@@ -145,7 +151,9 @@ def attention(
         )
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     limits = (window, softcap)
-    return _RingAttention.apply(query, key, value, shard.documents, shard.group, shard.index, shard.size, scale, limits)
+    return _RingAttention.apply(
+        query, key, value, sinks, shard.documents, shard.group, shard.index, shard.size, scale, limits
+    )
 
 
 # --- Ulysses -----------------------------------------------------------------------------------
@@ -251,24 +259,26 @@ def _math_dtype(x: torch.Tensor) -> torch.dtype:
 class _RingAttention(torch.autograd.Function):
     """Blocks are computed in fp32 at least, in chunks of queries (``_chunks``). Rank i
     needs key blocks j <= i only (causal), but every block passes every rank, so the ring's
-    exchanges stay in step."""
+    exchanges stay in step. Keys and values travel as one tensor, side by side in the last
+    dimension (their widths may differ: multi-head latent attention). Sinks join the log-sum-exp
+    once every block is merged: a key of their own, scored the same for every query, with no value."""
 
     @staticmethod
-    def forward(ctx, query, key, value, docs, group, index: int, size: int, scale: float, limits: tuple):
+    def forward(ctx, query, key, value, sinks, docs, group, index: int, size: int, scale: float, limits: tuple):
         b, h, n, d = query.shape
-        kv_heads = key.shape[1]
+        kv_heads, dv = key.shape[1], value.shape[-1]
         q = query.to(_math_dtype(query)).view(b, kv_heads, h // kv_heads, n, d) * scale
-        out = q.new_zeros(q.shape)
+        out = q.new_zeros((*q.shape[:-1], dv))
         lse = q.new_full(q.shape[:-1], float("-inf"))
-        kv = torch.stack([key, value])
+        kv = torch.cat([key, value.to(key.dtype)], dim=-1)
         for step in range(size):
             block = (index - step) % size
             if step < size - 1:  # the next block is on its way while this one is computed
                 incoming, works = _pass_on(kv, group, index, size)
             if block <= index:  # step 0 is the diagonal block, where every query sees itself: lse is finite after it
-                v = kv[1].to(q.dtype).unsqueeze(2)
+                v = kv[..., d:].to(q.dtype).unsqueeze(2)
                 for rows in _chunks(n):
-                    s, _ = _scores(q[..., rows, :], kv[0], docs, index, block, limits, rows)
+                    s, _ = _scores(q[..., rows, :], kv[..., :d], docs, index, block, limits, rows)
                     merged = torch.logaddexp(lse[..., rows], torch.logsumexp(s, dim=-1))
                     out[..., rows, :] = (
                         out[..., rows, :] * torch.exp(lse[..., rows] - merged).unsqueeze(-1)
@@ -278,37 +288,42 @@ class _RingAttention(torch.autograd.Function):
             if step < size - 1:
                 _wait(works)
                 kv = incoming
-        ctx.save_for_backward(query, key, value, docs, out, lse)
+        if sinks is not None:
+            sink = sinks.to(q.dtype).view(1, kv_heads, h // kv_heads, 1)
+            merged = torch.logaddexp(lse, sink)
+            out = out * torch.exp(lse - merged).unsqueeze(-1)
+            lse = merged
+        ctx.save_for_backward(query, key, value, sinks, docs, out, lse)
         ctx.ring = (group, index, size, scale, limits)
-        return out.view(b, h, n, d).transpose(1, 2).to(query.dtype).contiguous()
+        return out.view(b, h, n, dv).transpose(1, 2).to(query.dtype).contiguous()
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, docs, out, lse = ctx.saved_tensors
+        query, key, value, sinks, docs, out, lse = ctx.saved_tensors
         group, index, size, scale, limits = ctx.ring
         b, h, n, d = query.shape
-        kv_heads = key.shape[1]
-        q = query.to(out.dtype).view(out.shape) * scale
+        kv_heads, dv = key.shape[1], value.shape[-1]
+        q = query.to(out.dtype).view(*out.shape[:-1], d) * scale
         dout = grad_out.to(out.dtype).transpose(1, 2).reshape(out.shape)
         delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O), flash-attention's D
         dq = torch.zeros_like(q)
-        kv = torch.stack([key, value])
-        dkv = q.new_zeros((2, b, kv_heads, n, d))  # the gradient of the block held now, travelling with it
+        kv = torch.cat([key, value.to(key.dtype)], dim=-1)
+        dkv = q.new_zeros((b, kv_heads, n, d + dv))  # the gradient of the block held now, travelling with it
         for step in range(size):
             block = (index - step) % size
             if step < size - 1:
                 incoming, works = _pass_on(kv, group, index, size)
             if block <= index:
-                k, v = kv[0].to(q.dtype).unsqueeze(2), kv[1].to(q.dtype).unsqueeze(2)
+                k, v = kv[..., :d].to(q.dtype).unsqueeze(2), kv[..., d:].to(q.dtype).unsqueeze(2)
                 for rows in _chunks(n):
-                    s, slope = _scores(q[..., rows, :], kv[0], docs, index, block, limits, rows)
+                    s, slope = _scores(q[..., rows, :], kv[..., :d], docs, index, block, limits, rows)
                     p = torch.exp(s - lse[..., rows].unsqueeze(-1))
-                    dkv[1] += (p.transpose(-1, -2) @ dout[..., rows, :]).sum(2)
+                    dkv[..., d:] += (p.transpose(-1, -2) @ dout[..., rows, :]).sum(2)
                     ds = p * (dout[..., rows, :] @ v.transpose(-1, -2) - delta[..., rows, :])
                     if slope is not None:  # through the cap to the raw score
                         ds = ds * slope
                     dq[..., rows, :] += ds @ k
-                    dkv[0] += (ds.transpose(-1, -2) @ q[..., rows, :]).sum(2)  # q carries the scale already
+                    dkv[..., :d] += (ds.transpose(-1, -2) @ q[..., rows, :]).sum(2)  # q carries the scale already
             if step < size - 1:  # finished before the gradients go, so the two exchanges never interleave
                 _wait(works)
                 kv = incoming
@@ -316,5 +331,10 @@ class _RingAttention(torch.autograd.Function):
             received, dkv_works = _pass_on(dkv, group, index, size)
             _wait(dkv_works)  # the sent buffer stays referenced until its send is done
             dkv = received
+        dsinks = None
+        if sinks is not None:  # a sink's probability times (its value 0 - D), summed over this rank's queries
+            sink = sinks.to(q.dtype).view(1, kv_heads, h // kv_heads, 1)
+            dsinks = -(torch.exp(sink - lse) * delta.squeeze(-1)).sum((0, 3)).reshape(h).to(sinks.dtype)
         dq = (dq * scale).view(b, h, n, d).to(query.dtype)
-        return dq, dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None, None, None
+        dk, dv_ = dkv[..., :d].to(key.dtype), dkv[..., d:].to(value.dtype)
+        return dq, dk, dv_, dsinks, None, None, None, None, None, None

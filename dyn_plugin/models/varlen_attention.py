@@ -162,25 +162,44 @@ def _one_call(
     return flash_call(*flat, cu, longest, scaling, window).view(b, s, h, d)
 
 
-def _windowed(q, k, v, dropout: float, scaling: float | None, window: int | None, softcap: float | None):
-    """Causal attention of one document with a sliding window and/or a logit soft-cap, as
-    transformers' eager attention computes it. q: [1, heads, s, d], k/v: [1, kv_heads, s, d]."""
-    s = q.shape[2]
-    i = torch.arange(s, device=q.device)
-    seen = i[None, :] <= i[:, None]
+def _windowed(
+    q,
+    k,
+    v,
+    dropout: float,
+    scaling: float | None,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
+    offset: int = 0,
+):
+    """Causal attention of one document with a sliding window, a logit soft-cap and/or attention
+    sinks, as transformers' eager attention computes them. q: [1, heads, s, d], k/v: [1, kv_heads,
+    offset + s, d] (``offset`` keys before the queries' first: an earlier shard's). A sink is one
+    learned logit per head beside the keys' in the softmax, with no value (GPT-OSS's ``s_aux``)."""
+    s, t = q.shape[2], k.shape[2]
+    i = torch.arange(offset, offset + s, device=q.device)[:, None]
+    j = torch.arange(t, device=q.device)[None, :]
+    seen = j <= i
     if window is not None:
-        seen &= i[None, :] > i[:, None] - window
-    if softcap is None:
+        seen &= j > i - window
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=seen, dropout_p=dropout, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]
         )
     repeat = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     # in fp32 at least, as transformers' eager attention (fp64 stays fp64)
     math = torch.promote_types(q.dtype, torch.float32)
-    weights = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1, dtype=math).to(q.dtype)
+    scores = scores.to(math).masked_fill(~seen, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(math).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
+    else:
+        weights = torch.softmax(scores, dim=-1).to(q.dtype)
     return F.dropout(weights, p=dropout, training=dropout > 0) @ v
 
 
@@ -194,18 +213,23 @@ def document_attention(
     window: int | None = None,
     softcap: float | None = None,
     offsets: tuple[torch.Tensor, int] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention within each document of each row. query: [b, heads, s, d], key/value:
     [b, kv_heads, s, d]; position_ids: [rows, s] (rows = b, or 1 standing for every row), or None
     for one document per row; ``window``: a key is seen by queries fewer than ``window`` positions
     after it; ``softcap``: logits soft-capped at it; ``offsets``: the documents' cu_seqlens (over the
-    b rows flattened) and longest length, where the batch carries them. Returns [b, s, heads, d]."""
-    if flash_device(query) and (
-        flash_exact(query, key, dropout, window, softcap) or flex_exact(query, key, dropout, window, softcap)
+    b rows flattened) and longest length, where the batch carries them; ``sinks``: one logit per
+    head beside the keys' (written out per document, on CPU only: ``varlen_attention`` refuses them on
+    CUDA). Returns [b, s, heads, d]."""
+    if (
+        sinks is None
+        and flash_device(query)
+        and (flash_exact(query, key, dropout, window, softcap) or flex_exact(query, key, dropout, window, softcap))
     ):
         return _one_call(query, key, value, position_ids, scaling, window, softcap, offsets)
     gqa = key.shape[1] != query.shape[1]
-    plain = window is None and softcap is None
+    plain = window is None and softcap is None and sinks is None
     rows = []
     for b in range(query.shape[0]):
         q, k, v = query[b : b + 1], key[b : b + 1], value[b : b + 1]
@@ -222,7 +246,7 @@ def document_attention(
                 enable_gqa=gqa,
             )
             if plain
-            else _windowed(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], dropout, scaling, window, softcap)
+            else _windowed(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], dropout, scaling, window, softcap, sinks)
             for s, e in bounds
         ]
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
@@ -250,29 +274,69 @@ def varlen_attention(
             f"{NAME} attention expects attention_mask=None (padded rows are right-padded and causal, "
             "packed rows carry position_ids resets)"
         )
-    if kwargs.get("s_aux") is not None or kwargs.get("is_causal") is False:
-        # attention sinks (gpt-oss) and bidirectional layers compute what this causal kernel does not
-        feature = "attention sinks (s_aux)" if kwargs.get("s_aux") is not None else "bidirectional attention"
+    if kwargs.get("is_causal") is False:
         raise ValueError(
-            f"{type(module).__name__} attends with {feature}, which the plugin's {NAME} kernel does not compute; "
-            "train this model with its own attention implementation (and padded rows, microbatching.layout "
-            "'padded')"
+            f"{type(module).__name__} attends bidirectionally, which the plugin's causal {NAME} kernel does not "
+            "compute; train this model with its own attention implementation (and padded rows, "
+            "microbatching.layout 'padded')"
+        )
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and flash_device(query):
+        raise ValueError(
+            f"{type(module).__name__} attends with attention sinks (s_aux): on CUDA the plugin's {NAME} kernel "
+            "computes them only written out per document, which the plan does not price (torch's flash varlen "
+            "kernel has no sinks); train this model with its own attention implementation (and padded rows, "
+            "microbatching.layout 'padded')"
         )
     drop = dropout if module.training else 0.0
     # most families pass their window (None on full layers); Qwen2-MoE only sets it on its sliding
     # layers' modules and leaves it to the mask the kernel does not take
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     softcap = kwargs.get("softcap")
+    if _carried is not None:
+        return _carry(module, query, key, value, scaling, window, softcap, sinks), None
     local = functools.partial(document_attention, window=window, softcap=softcap)
     shard = sequence_parallel.current()
     if shard is not None and shard.size > 1:
-        return sequence_parallel.attention(shard, query, key, value, local, drop, scaling, window, softcap), None
+        return sequence_parallel.attention(shard, query, key, value, local, drop, scaling, window, softcap, sinks), None
     # the loader ships a packed row's boundaries (dyn_plugin.runtime.collate), or a pipeline stage
     # enters them (documents): no device read in forward
     cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     shipped = cu is not None and longest is not None
     offsets = (cu.to(query.device, non_blocking=True), int(longest)) if shipped else _documents
-    return local(query, key, value, kwargs.get("position_ids"), drop, scaling, offsets=offsets), None
+    return local(query, key, value, kwargs.get("position_ids"), drop, scaling, offsets=offsets, sinks=sinks), None
+
+
+# Each attention module's keys and values over the forwards run inside ``carrying()`` (the
+# start-up check's sequence shards, host/exactness.py): a later forward attends over them too.
+_carried: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+@contextlib.contextmanager
+def carrying() -> Iterator[None]:
+    """Inside the block, each attention module keeps the keys and values it is called with, and its
+    next call attends over them before its own: forwards over consecutive parts of one document
+    (positions running on) then compute what sequence parallelism's attention does, in one process,
+    while every other module sees only its own part. One row, one document; eager math."""
+    global _carried
+    previous, _carried = _carried, {}
+    try:
+        yield
+    finally:
+        _carried = previous
+
+
+def _carry(module, query, key, value, scaling, window, softcap, sinks) -> torch.Tensor:
+    if query.shape[0] != 1:
+        raise ValueError("carrying() attends over one row at a time")
+    assert _carried is not None
+    earlier = _carried.get(id(module))
+    if earlier is not None:
+        key, value = torch.cat([earlier[0], key], dim=2), torch.cat([earlier[1], value], dim=2)
+    _carried[id(module)] = (key, value)
+    offset = key.shape[2] - query.shape[2]
+    out = _windowed(query, key, value, 0.0, scaling, window, softcap, sinks, offset)
+    return out.transpose(1, 2).contiguous()
 
 
 # The boundaries of the micro-batch being computed where its caller knows them and the model's call

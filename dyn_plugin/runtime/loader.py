@@ -709,7 +709,7 @@ def _as_int63(hex_digest: str) -> int:
 
 
 # where plans travel, not what they are (and a store URL may hold a password)
-NOT_PLANNED = {"store", "loader", "checkpoint"}
+NOT_PLANNED = {"store", "loader", "checkpoint", "start_check"}
 
 
 def plan_config_digest(config: DynPluginConfig) -> str:
