@@ -211,6 +211,12 @@ class MicrobatchingConfig(_Section):
         default="auto", description="activation recompute; 'auto' uses the cheapest one that fits in memory"
     )
 
+    @property
+    def may_pack(self) -> bool:
+        """Whether the plans may hold packed rows: the packing baselines always, the plugin's planner
+        unless its layout is pinned to padded."""
+        return self.method.startswith("packing") or (self.method == "dynapipe" and self.layout != "padded")
+
 
 class PipelineConfig(_Section):
     stages: int = Field(default=1, gt=0, description="pipeline-parallel stages")

@@ -95,13 +95,6 @@ def _wrap_parse_args(original: Callable[..., Any]) -> Callable[..., Any]:
     return parse_args
 
 
-def may_pack(plugin: Any) -> bool:
-    """Whether the plan may hold packed (THD) micro-batches: the packing baselines always do, the
-    plugin's planner unless its layout is pinned to padded."""
-    mb = plugin.microbatching
-    return mb.method.startswith("packing") or (mb.method == "dynapipe" and mb.layout != "padded")
-
-
 def check_arguments(args: Any) -> None:
     """Refuse, at start, Megatron-LM arguments the plan cannot run under, naming the flag and the
     fix; and make the plan's global batch Megatron-LM's (see ``global_batch``)."""
@@ -135,7 +128,7 @@ def check_arguments(args: Any) -> None:
             "ranks, and megatron-core 0.16's context parallelism fixes one group size for the run; leave "
             "--context-parallel-size out (1)"
         )
-    packs = may_pack(plugin)
+    packs = plugin.microbatching.may_pack
     if packs and getattr(args, "micro_batch_size", 1) != 1:
         raise ConfigError(
             f"--micro-batch-size {args.micro_batch_size} with packed micro-batches (microbatching.method "

@@ -230,9 +230,7 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
         )
     from megatron.core.models.gpt import GPTModel
 
-    from .arguments import may_pack
-
-    if not isinstance(chunk, GPTModel) and may_pack(run.config.plugin):
+    if not isinstance(chunk, GPTModel) and run.config.plugin.microbatching.may_pack:
         # megatron-core's other decoders (MambaModel's hybrids: state-space mixers outside attention)
         # are not checked to keep the documents of a packed (THD) row apart
         raise ConfigError(

@@ -152,3 +152,15 @@ def test_the_stages_do_what_the_family_does_around_its_layers_and_a_broken_build
     monkeypatch.setattr(pipe_module, "around", lambda m: pipe_module.Around(truth.embedding, None, truth.softcap))
     found = pipe_module.stage_difference(model, [2, 1])
     assert found is not None and found.piece.startswith("the head"), found
+
+
+def test_attention_sinks_are_refused_at_start_where_the_run_trains_on_cuda(monkeypatch):
+    """GPT-OSS runs with its sinks in the plugin's kernel on CPU; on CUDA the kernel would write them
+    out per document, unpriced: refused before the first step, not inside it."""
+    torch.manual_seed(0)
+    gpt_oss = dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=16)
+    model = build_causal_lm({**TINY, **gpt_oss})
+    assert exactness.check_at_start(model, config()).plugin.microbatching.layout == "auto"  # CPU: exact
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(exactness.ExactnessError, match=r"gpt_oss \(GptOssForCausalLM\): attention sinks.*on CUDA"):
+        exactness.check_at_start(model, config())

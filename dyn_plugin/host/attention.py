@@ -37,7 +37,7 @@ def use_document_kernel(model: Any, cfg: LoadedConfig) -> None:
     config = getattr(model, "config", None)
     attention = getattr(config, "_attn_implementation", None)
     mb, sp = cfg.plugin.microbatching, cfg.plugin.sequence_parallel.enabled
-    packed = mb.layout != "padded" or mb.method.startswith("packing")
+    packed = mb.may_pack
     supported = attention is not None and getattr(model, "_supports_attention_backend", False)
     if sp and not supported:
         raise ValueError(

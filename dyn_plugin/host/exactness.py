@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..config import LoadedConfig
+from ..models.varlen_attention import NAME as KERNEL
 from ..models.varlen_attention import carrying
 from ..runtime.collate import collate
 
@@ -321,7 +322,7 @@ def check_at_start(model: nn.Module, cfg: LoadedConfig) -> LoadedConfig:
         logger.warning("start-up check of %s skipped: %s", type(model).__name__, why)
         return cfg
     mb, sp = plugin.microbatching, plugin.sequence_parallel
-    packed = mb.layout != "padded" or mb.method.startswith("packing") or sp.enabled
+    packed = mb.may_pack or sp.enabled
     checks = [packed_difference] if packed else []
     if mb.layout != "packed":
         checks.append(padded_difference)
@@ -340,6 +341,14 @@ def check_at_start(model: nn.Module, cfg: LoadedConfig) -> LoadedConfig:
         "; ".join(str(d) for d in found) or "exact",
         ", ".join(f"{k.removesuffix('_difference')} {v:.0f} ms" for k, v in spent.items()),
     )
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    sinks = any(isinstance(getattr(m, "sinks", None), nn.Parameter) for m in model.modules())
+    if sinks and attention == KERNEL and torch.cuda.is_available():
+        raise ExactnessError(
+            f"{name}: attention sinks (GPT-OSS's s_aux) on CUDA: the plugin's kernel would compute them only "
+            "written out per document, which the plan does not price (torch's flash varlen kernel has none); train "
+            "this model with its own attention implementation and padded rows (microbatching.layout 'padded')"
+        )
     packed_found = next((d for d in found if d.check == "packed rows"), None)
     refusals = []
     if packed_found is not None and (mb.layout == "packed" or mb.method.startswith("packing")):
