@@ -30,8 +30,8 @@ from dyn_plugin.commands.bench import GPT_48L, example_config
 from dyn_plugin.cost.from_config import build_cost_model
 from dyn_plugin.lengths.io import cap_lengths, load_lengths
 from dyn_plugin.models.shard_units import config_units
-from dyn_plugin.plan.shard_plan import MB
-from dyn_plugin.plan.sharding import RESOLUTION, _Search, choice_columns, search_sharding, smallest, uniform_plan
+from dyn_plugin.plan.sharding.search import RESOLUTION, _Search, choice_columns, search_sharding, smallest, uniform_plan
+from dyn_plugin.plan.sharding.shard_plan import MB
 from dyn_plugin.runtime.sampler import global_batches
 
 # FSDP's names for some uniform plans (choice label / shard size); the others are labelled so

@@ -173,7 +173,7 @@ PYBIND11_MODULE(_core, m) {
         return py::make_tuple(res.ok, res.choice, res.weight, frontier);
       },
       py::arg("weights"), py::arg("times"), py::arg("opens"), py::arg("reserve"), py::arg("capacity"),
-      "multiple-choice knapsack with a shared reserve (plan/knapsack.py): (ok, choice per item, units used, "
+      "multiple-choice knapsack with a shared reserve (plan/sharding/knapsack.py): (ok, choice per item, units used, "
       "frontier[capacity + 1]); items in descending reserve order");
 
   m.def(
@@ -204,6 +204,6 @@ PYBIND11_MODULE(_core, m) {
         return py::make_tuple(res.bad, res.members, res.finish);
       },
       py::arg("times"), py::arg("kinds"), py::arg("fill"), py::arg("order"), py::arg("rounds"),
-      "stage-1 dispatch (plan/dispatch.py): the greedy in the given order, then up to rounds improvement rounds; "
+      "stage-1 dispatch (plan/assignment/dispatch.py): the greedy in the given order, then up to rounds improvement rounds; "
       "(sequence that fits nowhere or -1, members per pipeline, finish per pipeline)");
 }

@@ -1,4 +1,4 @@
-// Hydraulis's stage 1, the twin of dyn_plugin/plan/dispatch.py: the greedy (sequences in the
+// Hydraulis's stage 1, the twin of dyn_plugin/plan/assignment/dispatch.py: the greedy (sequences in the
 // given order, each onto the pipeline where it would finish earliest; a heap per kind) and the
 // local improvement (moves and swaps off the pipeline with the largest finish). Same candidates,
 // same ties, same floating-point operations in the same order as the Python, so both return

@@ -1,4 +1,4 @@
-// Multiple-choice knapsack with a shared reserve: the twin of dyn_plugin/plan/knapsack.py (same
+// Multiple-choice knapsack with a shared reserve: the twin of dyn_plugin/plan/sharding/knapsack.py (same
 // candidates in the same order, one addition each, the first least one kept), so both return the
 // same choices and bit-identical frontiers.
 //

@@ -1,4 +1,4 @@
-// DynaPipe micro-batching DP in C++: the twin of dyn_plugin/plan/microbatch.py (same loops,
+// DynaPipe micro-batching DP in C++: the twin of dyn_plugin/plan/steps/microbatch.py (same loops,
 // same order, same tie-breaking, same arithmetic, so both give the same plan). Costs come from
 // CostTable (cost_table.hpp) directly: no Python call per query.
 #pragma once

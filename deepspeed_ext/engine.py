@@ -21,7 +21,7 @@ from dyn_plugin.host.encoder_decoder import pair_inputs
 from dyn_plugin.host.exactness import checked
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.models.hf import is_encoder_decoder
-from dyn_plugin.plan.shard_plan import ShardPlan
+from dyn_plugin.plan.sharding.shard_plan import ShardPlan
 from dyn_plugin.profiling.allocator import stable_cpu_allocator
 from dyn_plugin.runtime.loader import DynLoader
 

@@ -2,7 +2,7 @@
 
 DeepSpeed runs a fixed ``TrainSchedule``: the same micro-batch count every step, shapes
 exchanged before every transfer (``dynamic_shape``) or assumed constant. Here each step runs the
-rank's plan (``dyn_plugin.plan.instructions``): its own number, sizes, layouts and order of
+rank's plan (``dyn_plugin.plan.steps.instructions``): its own number, sizes, layouts and order of
 micro-batches. Shapes travel in the instructions, so no meta-data is exchanged. A receive
 completes before the next instruction runs; a send alone is waited for at the next exchange, so
 the forward or backward between runs beside it (on NCCL a wait makes the compute stream wait for
@@ -52,7 +52,7 @@ from dyn_plugin.layout import RankLayout
 from dyn_plugin.models import varlen_attention
 from dyn_plugin.models.recompute import planned_layers
 from dyn_plugin.models.sequence_parallel import SequenceShard
-from dyn_plugin.plan.instructions import (
+from dyn_plugin.plan.steps.instructions import (
     EXCHANGES,
     BackwardPass,
     ExecutionPlan,

@@ -1,4 +1,4 @@
-"""A sharding plan (dyn_plugin/plan/shard_plan.py) as DeepSpeed ZeRO-3 settings, and what they lose.
+"""A sharding plan (dyn_plugin/plan/sharding/shard_plan.py) as DeepSpeed ZeRO-3 settings, and what they lose.
 
 ZeRO-3 (0.19) decides per parameter, not per module. ``DeepSpeedZeRoOffload.mark_persistent_parameters``
 walks ``named_parameters()`` and keeps a parameter whole on every rank ("persistent") when its size
@@ -42,7 +42,7 @@ import torch
 
 from dyn_plugin.cost.model import Precision
 from dyn_plugin.models.shard_units import parameter_units, unit_modules
-from dyn_plugin.plan.shard_plan import MB, ShardPlan
+from dyn_plugin.plan.sharding.shard_plan import MB, ShardPlan
 
 __all__ = ["Zero3Mapping", "zero3_settings", "zero3_memory_bytes", "persistent_parameters", "merge_zero_config"]
 

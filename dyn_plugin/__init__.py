@@ -20,7 +20,7 @@ _EXPORTS = {
     "load_config": "dyn_plugin.config",
     "DynLoader": "dyn_plugin.runtime.loader",
     "Step": "dyn_plugin.runtime.loader",
-    "ShardPlan": "dyn_plugin.plan.shard_plan",
+    "ShardPlan": "dyn_plugin.plan.sharding.shard_plan",
 }
 
 __all__ = ["__version__", "native_available", *_EXPORTS]

@@ -191,7 +191,7 @@ class CostModelConfig(_Section):
 
 
 class MicrobatchingConfig(_Section):
-    # the names of plan/methods.py's METHODS (tests/test_config.py checks: this layer imports no planner)
+    # the names of plan/methods/registry.py's METHODS (tests/test_config.py checks: this layer imports no planner)
     method: Literal["dynapipe", "fixed_padding", "token_budget", "packing_full", "packing_varlen"] = Field(
         default="dynapipe",
         description="the plugin's plan, or a baseline's batching (for side-by-side comparisons)",
@@ -220,7 +220,7 @@ class MicrobatchingConfig(_Section):
 
 class PipelineConfig(_Section):
     stages: int = Field(default=1, gt=0, description="pipeline-parallel stages")
-    # the names of plan/schedule.py's SCHEDULES (tests/test_config.py checks)
+    # the names of plan/steps/schedule.py's SCHEDULES (tests/test_config.py checks)
     schedule: Literal["1f1b", "adaptive", "auto"] = Field(
         default="auto", description="'auto' picks the schedule with the shortest simulated step"
     )
@@ -277,7 +277,7 @@ class SequenceParallelConfig(_Section):
 
 
 class ShardingConfig(_Section):
-    """OSDP: a sharding choice per module, searched under a memory budget (dyn_plugin/plan/sharding.py)."""
+    """OSDP: a sharding choice per module, searched under a memory budget (dyn_plugin/plan/sharding/search.py)."""
 
     enabled: bool = Field(
         default=False,
@@ -319,7 +319,7 @@ class ShardingConfig(_Section):
 
 class StrategyConfig(_Section):
     """Hydraulis: heterogeneous strategies (pipelines of different sequence-parallel sizes), one
-    chosen per step (dyn_plugin/plan/strategy.py); its pipelines are sequence_parallel's groups."""
+    chosen per step (dyn_plugin/plan/strategies/strategy.py); its pipelines are sequence_parallel's groups."""
 
     enabled: bool = Field(
         default=False,

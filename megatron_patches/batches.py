@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from dyn_plugin.plan.instructions import PlannedMicroBatch
+from dyn_plugin.plan.steps.instructions import PlannedMicroBatch
 from dyn_plugin.runtime.collate import IGNORE, position_ids
 
 from .registry import Patch

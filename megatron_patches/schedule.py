@@ -28,7 +28,7 @@ import logging
 from typing import Any, Callable
 
 from dyn_plugin.host.feed import DeviceFeed
-from dyn_plugin.plan.instructions import PlannedMicroBatch
+from dyn_plugin.plan.steps.instructions import PlannedMicroBatch
 
 from .batches import HOST_KEYS, PlannedBatches, device, megatron_batch
 from .registry import Patch
@@ -42,7 +42,7 @@ SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 
 def run_order(step) -> list[int]:
     """The plan's micro-batches in the order this rank runs their forward passes."""
-    from dyn_plugin.plan.instructions import ForwardPass
+    from dyn_plugin.plan.steps.instructions import ForwardPass
 
     return [i.mb for i in step.plan.instructions if isinstance(i, ForwardPass)]
 
@@ -51,7 +51,7 @@ def megatron_1f1b(order: list[int], stages: int, stage: int) -> list[tuple[str, 
     """What megatron-core's non-interleaved 1F1B runs on ``stage``: ``min(stages - stage - 1, n)``
     warm-up forwards, forward/backward pairs, then the remaining backwards, in ``order``: the
     planner's 1F1B with no cap on the micro-batches in flight."""
-    from dyn_plugin.plan.schedule import one_f_one_b
+    from dyn_plugin.plan.steps.schedule import one_f_one_b
 
     positions = one_f_one_b(len(order), stages).stages[stage]  # over positions 0 .. n - 1 of ``order``
     return [(op.kind, order[op.mb]) for op in positions]
@@ -61,7 +61,7 @@ def check_runs_as_planned(step, stages: int) -> None:
     """Refuse a step whose order on this stage is not the one Megatron's schedule will run: a plan
     is priced (time, and memory: the micro-batches in flight) as it is ordered, so running it in
     another order would break the plan's promises silently."""
-    from dyn_plugin.plan.instructions import BackwardPass, ForwardPass
+    from dyn_plugin.plan.steps.instructions import BackwardPass, ForwardPass
 
     planned = [
         ("F" if isinstance(i, ForwardPass) else "B", i.mb)

@@ -34,11 +34,11 @@ import deepspeed  # noqa: E402
 from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
 from dyn_plugin.plan import methods  # noqa: E402
-from dyn_plugin.plan.planner import plan_step  # noqa: E402
-from dyn_plugin.plan.pricing import make_micro_batch  # noqa: E402
-from dyn_plugin.plan.schedule import one_f_one_b  # noqa: E402
-from dyn_plugin.plan.simulator import simulate  # noqa: E402
-from dyn_plugin.plan.types import ReplicaPlan, StepPlan  # noqa: E402
+from dyn_plugin.plan.methods.planner import plan_step  # noqa: E402
+from dyn_plugin.plan.steps.pricing import make_micro_batch  # noqa: E402
+from dyn_plugin.plan.steps.schedule import one_f_one_b  # noqa: E402
+from dyn_plugin.plan.steps.simulator import simulate  # noqa: E402
+from dyn_plugin.plan.steps.types import ReplicaPlan, StepPlan  # noqa: E402
 from ranks import finish  # noqa: E402
 
 PER_GROUP = 2  # micro-batches per group: equal counts, as ZeRO-2/3 need

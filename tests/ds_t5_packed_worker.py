@@ -27,7 +27,7 @@ from ds_t5_worker import T5, param_diff, planned_pairs, random_pairs, reference_
 from dyn_plugin.cost.bundled import DIR  # noqa: E402
 from dyn_plugin.cost.encoder_decoder import import_t5_tables, packed_pair_shape  # noqa: E402
 from dyn_plugin.models.hf import build_seq2seq_lm  # noqa: E402
-from dyn_plugin.plan.instructions import ExecutionPlan, LoadMicroBatch, OptimizerStep, PlannedMicroBatch  # noqa: E402
+from dyn_plugin.plan.steps.instructions import ExecutionPlan, LoadMicroBatch, OptimizerStep, PlannedMicroBatch  # noqa: E402
 from dyn_plugin.runtime.collate import scored_tokens  # noqa: E402
 from dyn_plugin.runtime.loader import Step, load_micro_batch  # noqa: E402
 from ranks import finish  # noqa: E402

@@ -23,7 +23,7 @@ from dyn_plugin.cost.bundled import DIR  # noqa: E402
 from dyn_plugin.cost.encoder_decoder import import_t5_tables  # noqa: E402
 from dyn_plugin.host.recompute import recompute_switch  # noqa: E402
 from dyn_plugin.models.hf import build_seq2seq_lm  # noqa: E402
-from dyn_plugin.plan.instructions import EXCHANGES  # noqa: E402
+from dyn_plugin.plan.steps.instructions import EXCHANGES  # noqa: E402
 from ranks import finish  # noqa: E402
 from token_mean import LR, reference  # noqa: E402
 

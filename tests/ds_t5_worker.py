@@ -29,7 +29,7 @@ from dyn_plugin.cost.bundled import DIR  # noqa: E402
 from dyn_plugin.cost.encoder_decoder import import_t5_tables, pair_shape  # noqa: E402
 from dyn_plugin.host.recompute import recompute_switch  # noqa: E402
 from dyn_plugin.models.hf import PRESETS, build_seq2seq_lm  # noqa: E402
-from dyn_plugin.plan.instructions import (  # noqa: E402
+from dyn_plugin.plan.steps.instructions import (  # noqa: E402
     ExecutionPlan,
     LoadMicroBatch,
     OptimizerStep,

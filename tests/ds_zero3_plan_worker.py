@@ -20,7 +20,7 @@ from deepspeed_ext.zero3 import zero3_memory_bytes, zero3_settings  # noqa: E402
 from dyn_plugin.host.recompute import recompute_switch  # noqa: E402
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
 from dyn_plugin.models.shard_units import parameter_units, shard_units  # noqa: E402
-from dyn_plugin.plan.shard_plan import Choice, ShardPlan, UnitPlan  # noqa: E402
+from dyn_plugin.plan.sharding.shard_plan import Choice, ShardPlan, UnitPlan  # noqa: E402
 from ranks import finish  # noqa: E402
 
 # unit -> choice; every other unit "full". Case "attention": the threshold alone separates them (attention

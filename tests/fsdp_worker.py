@@ -15,7 +15,7 @@ from dyn_plugin.fsdp.memory import measure, predicted_peak_bytes
 from dyn_plugin.fsdp.targets import wrap_targets
 from dyn_plugin.models.hf import build_causal_lm
 from dyn_plugin.models.shard_units import shard_units
-from dyn_plugin.plan.shard_plan import Choice, ShardPlan, UnitPlan
+from dyn_plugin.plan.sharding.shard_plan import Choice, ShardPlan, UnitPlan
 from token_mean import LR, MODEL, global_samples, random_dataset, reference
 
 STEPS = 2

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from dyn_plugin.config import DynPluginConfig
 from dyn_plugin.cost.from_config import build_cost_model
-from dyn_plugin.plan.shard_plan import ShardUnit
+from dyn_plugin.plan.sharding.shard_plan import ShardUnit
 from dyn_plugin.runtime.sharding import shard_plan_for_run
 
 dist.init_process_group("gloo")

@@ -385,7 +385,7 @@ def _loader(t: Path, **kw: object):
 def _spec(t: Path, **kw: object):
     from dyn_plugin.config import load_config
     from dyn_plugin.cost.from_config import build_cost_model
-    from dyn_plugin.plan.spec import planner_spec
+    from dyn_plugin.plan.steps.spec import planner_spec
 
     plugin = load_config(t / "good.json").plugin
     return planner_spec(build_cost_model(plugin.cost_model, plugin.cluster), plugin, **{"dp": 1, **kw})

@@ -10,7 +10,7 @@ from dyn_plugin.config import load_config
 from dyn_plugin.cost.from_config import live_cost_model, model_shape
 from dyn_plugin.models.hf import build_causal_lm, load_model_config
 from dyn_plugin.models.shard_units import shard_units
-from dyn_plugin.plan.sharding import BASELINES, uniform_plan
+from dyn_plugin.plan.sharding.search import BASELINES, uniform_plan
 
 MAX_LEN, GLOBAL_TOKENS = 256, 1024
 BUDGET_MB = 64  # fits the sharded plans beside a 256-token sequence, not every module replicated (59 + 24 MB)

@@ -245,7 +245,7 @@ def test_bench_train_host_megatron_launches_megatrons_comparison(tmp_path, capsy
 
 
 def test_shard_command_prints_and_writes_the_plan(tmp_path, capsys):
-    from dyn_plugin.plan.shard_plan import ShardPlan
+    from dyn_plugin.plan.sharding.shard_plan import ShardPlan
 
     out, png = tmp_path / "plan.json", tmp_path / "frontier.png"
     rc = main(
@@ -273,7 +273,7 @@ def test_shard_command_prints_and_writes_the_plan(tmp_path, capsys):
 def test_shard_command_searches_an_encoder_decoder_over_pairs_priced_by_the_configs_tables(tmp_path, capsys):
     """T5-11B on one node of A100s: its sublayers are the units, the bundled 'tasks' pairs the
     typical step, the config's bundled T5-11B tables the prices (recording no model: a warning)."""
-    from dyn_plugin.plan.shard_plan import ShardPlan
+    from dyn_plugin.plan.sharding.shard_plan import ShardPlan
 
     config = json.loads(open("examples/a100_t5_11b_shard.json").read())
     config["dyn_plugin"]["microbatching"]["global_tokens"] = 16384
@@ -302,7 +302,7 @@ def test_shard_command_says_the_minimum_budget(tmp_path, capsys):
 
 
 def test_strategy_command_prints_writes_and_caches(tmp_path, capsys):
-    from dyn_plugin.plan.strategy import Proposal
+    from dyn_plugin.plan.strategies.strategy import Proposal
 
     out, png, cache = tmp_path / "s.json", tmp_path / "s.png", tmp_path / "cache"
     args = [

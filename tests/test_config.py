@@ -167,8 +167,8 @@ def test_strategy_section_refusals_name_the_fields_and_the_fix():
 @pytest.mark.parametrize(
     "section, key, registry",
     [
-        ("microbatching", "method", "dyn_plugin.plan.methods:METHODS"),
-        ("pipeline", "schedule", "dyn_plugin.plan.schedule:SCHEDULES"),
+        ("microbatching", "method", "dyn_plugin.plan.methods.registry:METHODS"),
+        ("pipeline", "schedule", "dyn_plugin.plan.steps.schedule:SCHEDULES"),
         ("store", "backend", "dyn_plugin.store.factory:BACKENDS"),
     ],
 )
@@ -205,7 +205,7 @@ def test_plans_keep_the_measured_margin_of_the_allocator_in_use(monkeypatch):
 def test_the_planner_fills_the_plannable_memory_only():
     from dyn_plugin.cost.bundled import load_bundled
     from dyn_plugin.cost.profile import cost_model_from_profile
-    from dyn_plugin.plan.spec import planner_spec
+    from dyn_plugin.plan.steps.spec import planner_spec
 
     cost = cost_model_from_profile(load_bundled("a100-gpt-6.7b"))
     cfg = DynPluginConfig.model_validate(

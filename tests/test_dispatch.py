@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from dyn_plugin.cost.native import core
 from dyn_plugin.lengths.io import load_lengths
-from dyn_plugin.plan.dispatch import dispatch, seed_dispatch
-from dyn_plugin.plan.microbatch import InfeasibleError
+from dyn_plugin.plan.assignment.dispatch import dispatch, seed_dispatch
+from dyn_plugin.plan.steps.microbatch import InfeasibleError
 
 MIXTURE = load_lengths("mixture")
 
@@ -204,7 +204,7 @@ def test_near_the_optimum_on_tiny_inputs():
 def test_never_worse_than_the_seed_where_its_orders_are_tried(n):
     """Up to TRIAL_PLACEMENTS / TRIALS sequences, dispatch tries every order the seed tries, and
     longest-first, then improves the best: its makespan is never above the seed's."""
-    from dyn_plugin.plan.dispatch import TRIAL_PLACEMENTS, TRIALS
+    from dyn_plugin.plan.assignment.dispatch import TRIAL_PLACEMENTS, TRIALS
 
     assert n * TRIALS <= TRIAL_PLACEMENTS
     for seed in range(4):

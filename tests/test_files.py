@@ -17,10 +17,10 @@ from dyn_plugin.atomic import atomic_path, check_sha256, payload_sha256, with_sh
 from dyn_plugin.cost.profile import load_profile, save_profile
 from dyn_plugin.host import checkpoint
 from dyn_plugin.lengths.io import load_lengths, save_lengths
-from dyn_plugin.plan.schemes import Scheme
-from dyn_plugin.plan.shard_plan import Choice, ShardPlan, UnitPlan
-from dyn_plugin.plan.strategy import Proposal, Strategy, cached_proposal
-from dyn_plugin.plan.trace import write_chrome_trace
+from dyn_plugin.plan.sharding.shard_plan import Choice, ShardPlan, UnitPlan
+from dyn_plugin.plan.steps.trace import write_chrome_trace
+from dyn_plugin.plan.strategies.schemes import Scheme
+from dyn_plugin.plan.strategies.strategy import Proposal, Strategy, cached_proposal
 from test_profile import make_profile, synthetic_samples
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -371,7 +371,7 @@ def test_a_damaged_proposal_cache_is_rebuilt_with_a_warning(tmp_path, caplog, ho
         with pytest.raises(IsADirectoryError):  # it cannot be replaced either: the rename says so
             cached_proposal("k1", tmp_path, make)
         return
-    with caplog.at_level(logging.WARNING, logger="dyn_plugin.plan.strategy"):
+    with caplog.at_level(logging.WARNING, logger="dyn_plugin.plan.strategies.strategy"):
         got = cached_proposal("k1", tmp_path, make)
     assert got == _proposal("k1") and made == [1]
     assert any(str(path) in r.getMessage() and "proposing again" in r.getMessage() for r in caplog.records)

@@ -13,7 +13,7 @@ from dyn_plugin.fsdp.targets import wrap_targets
 from dyn_plugin.models.hf import build_causal_lm
 from dyn_plugin.models.shard_units import shard_units
 from dyn_plugin.models.split_linear import SplitLinear, slice_sizes, split_linear
-from dyn_plugin.plan.shard_plan import Choice, ShardPlan, UnitPlan
+from dyn_plugin.plan.sharding.shard_plan import Choice, ShardPlan, UnitPlan
 from ranks import run
 
 TINY = dict(

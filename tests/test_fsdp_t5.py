@@ -16,10 +16,10 @@ from dyn_plugin.cost.encoder_decoder import import_t5_tables
 from dyn_plugin.cost.sharding import unit_compute
 from dyn_plugin.models.hf import PRESETS, build_seq2seq_lm
 from dyn_plugin.models.shard_units import parameter_units, shard_units
-from dyn_plugin.plan.pair_planner import plan_pairs
-from dyn_plugin.plan.pair_spec import pair_planner_spec
-from dyn_plugin.plan.shard_plan import MB, ShardUnit
-from dyn_plugin.plan.sharding import search_sharding, typical_step
+from dyn_plugin.plan.sharding.search import search_sharding, typical_step
+from dyn_plugin.plan.sharding.shard_plan import MB, ShardUnit
+from dyn_plugin.plan.steps.pair_planner import plan_pairs
+from dyn_plugin.plan.steps.pair_spec import pair_planner_spec
 from ranks import run
 from test_fsdp import PER_STEP
 

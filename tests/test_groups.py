@@ -9,13 +9,13 @@ from dyn_plugin.config import DynPluginConfig
 from dyn_plugin.cost.bundled import load_bundled
 from dyn_plugin.cost.profile import cost_model_from_profile
 from dyn_plugin.lengths.io import load_lengths
-from dyn_plugin.plan.baselines import SP_BASELINES, plan_baseline
-from dyn_plugin.plan.bounds import ideal_ms
-from dyn_plugin.plan.groups import aligned_firsts, groupings
-from dyn_plugin.plan.instructions import check_plans
-from dyn_plugin.plan.microbatch import InfeasibleError
-from dyn_plugin.plan.planner import execution_plans, plan_step
-from dyn_plugin.plan.spec import planner_spec
+from dyn_plugin.plan.methods.baselines import SP_BASELINES, plan_baseline
+from dyn_plugin.plan.methods.planner import execution_plans, plan_step
+from dyn_plugin.plan.sequence_parallel.groups import aligned_firsts, groupings
+from dyn_plugin.plan.steps.bounds import ideal_ms
+from dyn_plugin.plan.steps.instructions import check_plans
+from dyn_plugin.plan.steps.microbatch import InfeasibleError
+from dyn_plugin.plan.steps.spec import planner_spec
 from dyn_plugin.runtime.sampler import global_batches
 
 COST = replace(cost_model_from_profile(load_bundled("a100-gpt-6.7b")), num_heads=32, num_kv_heads=32)
@@ -143,7 +143,7 @@ def test_fixed_sp_is_the_size_a_user_would_tune():
 def test_zero3_recomputes_alike_at_each_run_position():
     """ZeRO-3 gathers parameters in module order and recompute re-runs modules: every rank's i-th
     micro-batch must recompute alike (the runtime refuses plans that do not)."""
-    from dyn_plugin.plan.pricing import checkpointed_layers
+    from dyn_plugin.plan.steps.pricing import checkpointed_layers
 
     differed = 0
     for sp in (False, True):
@@ -187,7 +187,7 @@ def test_runtime_warns_when_costs_are_extrapolated(caplog):
 
 
 def test_the_gap_to_the_ideal_step_adds_up_term_by_term():
-    from dyn_plugin.plan.bounds import gap_terms
+    from dyn_plugin.plan.steps.bounds import gap_terms
 
     spec = spec_for(4)
     for batch in batches(65536, 2):

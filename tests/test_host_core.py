@@ -10,9 +10,9 @@ from dyn_plugin import atomic
 from dyn_plugin.device import DTYPE_NAMES, DTYPES, dtype_name, local_rank, training_dtype
 from dyn_plugin.host import checkpoint
 from dyn_plugin.layout import RankLayout
-from dyn_plugin.plan.instructions import PlannedMicroBatch, build_execution_plans, plan_from_json, plan_to_json
-from dyn_plugin.plan.schedule import one_f_one_b
-from dyn_plugin.plan.types import MicroBatch
+from dyn_plugin.plan.steps.instructions import PlannedMicroBatch, build_execution_plans, plan_from_json, plan_to_json
+from dyn_plugin.plan.steps.schedule import one_f_one_b
+from dyn_plugin.plan.steps.types import MicroBatch
 
 
 @pytest.mark.parametrize("world,stages", [(1, 1), (4, 1), (4, 2), (6, 3), (8, 4), (3, 3)])

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dyn_plugin.plan.instructions import (
+from dyn_plugin.plan.steps.instructions import (
     BackwardPass,
     ExecutionPlan,
     ForwardPass,
@@ -22,8 +22,8 @@ from dyn_plugin.plan.instructions import (
     plan_from_json,
     plan_to_json,
 )
-from dyn_plugin.plan.schedule import choose_schedule, one_f_one_b
-from dyn_plugin.plan.types import LinkSpec, MicroBatch
+from dyn_plugin.plan.steps.schedule import choose_schedule, one_f_one_b
+from dyn_plugin.plan.steps.types import LinkSpec, MicroBatch
 
 HIDDEN = 16
 

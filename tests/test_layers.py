@@ -147,6 +147,41 @@ def test_imports_point_one_way(path):
             assert top not in FRAMEWORKS, f"{path.relative_to(ROOT)} imports {name}: {layer!r} must stay framework-free"
 
 
+# plan/'s sub-packages, by mechanism, each importing only the ones listed (the pieces every
+# mechanism shares sit in the core, ``steps``: a split strictly by paper would make a cycle)
+PLAN = {
+    "steps": set(),
+    "assignment": {"steps"},
+    "sequence_parallel": {"steps", "assignment"},
+    "methods": {"steps", "assignment", "sequence_parallel"},
+    "sharding": {"steps", "methods"},
+    "strategies": {"steps", "assignment", "sequence_parallel"},
+}
+PLAN_MODULES = sorted((PKG / "plan").rglob("*.py"))
+
+
+def test_plan_is_grouped_by_mechanism():
+    flat = sorted(p.name for p in (PKG / "plan").glob("*.py") if p.name != "__init__.py")
+    assert not flat, f"modules directly in dyn_plugin/plan/: {flat}; give each a sub-package in PLAN"
+    packages = sorted(p.name for p in (PKG / "plan").iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert packages == sorted(PLAN), f"plan/'s sub-packages {packages} are not PLAN's {sorted(PLAN)}"
+
+
+@pytest.mark.parametrize("path", PLAN_MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_plans_packages_import_one_way(path):
+    parts = path.relative_to(PKG / "plan").parts
+    if len(parts) == 1:
+        return  # plan/__init__.py
+    package = parts[0]
+    for name in _imports(path):
+        bits = name.split(".")
+        if bits[:2] == ["dyn_plugin", "plan"] and len(bits) > 2 and bits[2] != package:
+            assert bits[2] in PLAN[package], (
+                f"{path.relative_to(ROOT)} imports {name}: plan.{package} may import only "
+                f"{sorted(PLAN[package]) or 'nothing'} of plan's other packages"
+            )
+
+
 # The host adapters outside dyn_plugin. They sit above the core and beside each other: each may import
 # any dyn_plugin layer below the hosts, never another host, nor what sits above them (benchmarks, CLI).
 HOSTS = ("deepspeed_ext", "megatron_patches")
@@ -196,8 +231,8 @@ def test_no_module_imports_the_megatron_benchmark():
 
 
 def test_the_check_sees_relative_imports():
-    names = _imports(PKG / "plan" / "baselines.py")
-    assert "dyn_plugin.cost.model" in names and "dyn_plugin.plan.assign" in names
+    names = _imports(PKG / "plan" / "methods" / "baselines.py")
+    assert "dyn_plugin.cost.model" in names and "dyn_plugin.plan.steps.assign" in names
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -306,15 +341,15 @@ def test_the_cycle_check_sees_function_level_imports():
     graph = {"plan.a": {"plan.b"}, "plan.b": {"plan.c"}, "plan.c": {"plan.a"}, "plan.d": {"plan.a"}}
     assert _cycles(graph) == [({"plan.a", "plan.b", "plan.c"}, ["plan.a", "plan.b", "plan.c", "plan.a"])]
     # planner.py runs groups.py's plan_groups, imported at the top; groups.py must never import it back
-    assert "plan.groups" in module_graph()["plan.planner"]
+    assert "plan.sequence_parallel.groups" in module_graph()["plan.methods.planner"]
     # a function-level import (two_stage.py loads the ILP, and HiGHS, only where it is asked for)
-    assert "plan.microbatch_ilp" in module_graph()["plan.two_stage"]
+    assert "plan.assignment.microbatch_ilp" in module_graph()["plan.assignment.two_stage"]
 
 
 def test_names_are_imported_from_the_module_that_defines_them():
     """planner.py was split (spec.py, pricing.py, replicas.py, bounds.py, types.py) without re-exports:
     what it imports for its own use is not to be imported from it."""
-    planner = PKG / "plan" / "planner.py"
+    planner = PKG / "plan" / "methods" / "planner.py"
     own = {n.name for n in ast.parse(planner.read_text()).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     wrong = []
     for folder in ("dyn_plugin", "tests", "deepspeed_ext", "megatron_patches", "examples", "benchmarks"):
@@ -324,6 +359,6 @@ def test_names_are_imported_from_the_module_that_defines_them():
                 if not isinstance(node, ast.ImportFrom):
                     continue
                 base = package[: len(package) - node.level + 1] if node.level else ()
-                if ".".join(base + tuple((node.module or "").split("."))) == "dyn_plugin.plan.planner":
+                if ".".join(base + tuple((node.module or "").split("."))) == "dyn_plugin.plan.methods.planner":
                     wrong += [f"{path.relative_to(ROOT)}: {a.name}" for a in node.names if a.name not in own]
-    assert not wrong, f"imported from plan/planner.py, which does not define them: {wrong}"
+    assert not wrong, f"imported from plan/methods/planner.py, which does not define them: {wrong}"

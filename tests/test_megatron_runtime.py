@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 import megatron_patches  # noqa: E402
 from dyn_plugin.config import ConfigError  # noqa: E402
-from dyn_plugin.plan.instructions import PlannedMicroBatch  # noqa: E402
+from dyn_plugin.plan.steps.instructions import PlannedMicroBatch  # noqa: E402
 from dyn_plugin.runtime.collate import collate, scored_tokens  # noqa: E402
 from megatron_patches import runtime  # noqa: E402
 from megatron_patches.batches import megatron_batch, packed_seq_params  # noqa: E402
@@ -181,7 +181,7 @@ def test_the_planned_global_batch_is_megatron_lms_unless_set(patched):
 def _step(ops: list[tuple[str, int]], stage: int):
     from types import SimpleNamespace
 
-    from dyn_plugin.plan.instructions import BackwardPass, ForwardPass
+    from dyn_plugin.plan.steps.instructions import BackwardPass, ForwardPass
 
     kinds = {"F": ForwardPass, "B": BackwardPass}
     return SimpleNamespace(

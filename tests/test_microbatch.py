@@ -15,7 +15,7 @@ from dyn_plugin.cost.native import core
 from dyn_plugin.cost.sequence_parallel import SequenceParallelCost
 from dyn_plugin.cost.table import evaluate_stage
 from dyn_plugin.plan import microbatch
-from dyn_plugin.plan.microbatch import InfeasibleError, StageMemory, partition
+from dyn_plugin.plan.steps.microbatch import InfeasibleError, StageMemory, partition
 
 SHAPE = ModelShape(
     hidden_size=1024, num_layers=8, num_heads=16, ffn_hidden_size=4096, vocab_size=32000, flash_attention=False
@@ -179,8 +179,8 @@ def test_native_features_per_rank_match_python(lens, layout, sp, rc):
 
 
 def planner_spec(pp, budget_gb, attention):
-    from dyn_plugin.plan.spec import PlannerSpec
-    from dyn_plugin.plan.types import LinkSpec
+    from dyn_plugin.plan.steps.spec import PlannerSpec
+    from dyn_plugin.plan.steps.types import LinkSpec
 
     return PlannerSpec(
         COST,
@@ -207,7 +207,7 @@ def planner_spec(pp, budget_gb, attention):
 def test_runs_cost_what_the_planner_prices_their_micro_batch(lens, layout, pp, sp, attention):
     """Every run the DP considers costs exactly what ``make_micro_batch`` charges the micro-batch it
     becomes, collectives included, in the mode the DP picked for it."""
-    from dyn_plugin.plan.pricing import make_micro_batch
+    from dyn_plugin.plan.steps.pricing import make_micro_batch
 
     spec = planner_spec(pp, 20, attention)
     order = sorted(lens, reverse=True)

@@ -1,4 +1,4 @@
-"""Stage 2 as an integer program (plan/microbatch_ilp.py): exact on tiny inputs, never worse than
+"""Stage 2 as an integer program (plan/assignment/microbatch_ilp.py): exact on tiny inputs, never worse than
 the DP or an LPT greedy, every sequence once, memory respected, the same answer in every process."""
 
 import hashlib
@@ -17,10 +17,10 @@ from dyn_plugin.config import DynPluginConfig
 from dyn_plugin.cost.bundled import load_bundled
 from dyn_plugin.cost.profile import cost_model_from_profile
 from dyn_plugin.lengths.io import load_lengths
-from dyn_plugin.plan.microbatch import InfeasibleError
-from dyn_plugin.plan.microbatch_ilp import _Model, dp_groups, ilp_partition, lpt_groups, pipeline_time_ms
-from dyn_plugin.plan.pricing import make_micro_batch, usable
-from dyn_plugin.plan.spec import planner_spec
+from dyn_plugin.plan.assignment.microbatch_ilp import _Model, dp_groups, ilp_partition, lpt_groups, pipeline_time_ms
+from dyn_plugin.plan.steps.microbatch import InfeasibleError
+from dyn_plugin.plan.steps.pricing import make_micro_batch, usable
+from dyn_plugin.plan.steps.spec import planner_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -162,7 +162,7 @@ SOLVE = """
 import hashlib, json, sys
 sys.path.insert(0, {root!r})
 from tests.test_microbatch_ilp import draw, spec_for
-from dyn_plugin.plan.microbatch_ilp import ilp_partition
+from dyn_plugin.plan.assignment.microbatch_ilp import ilp_partition
 res = ilp_partition(draw(24, 5, 4, 2), spec_for(4, 2), node_limit=50)
 print(hashlib.sha256(json.dumps([res.groups, res.recompute, res.status]).encode()).hexdigest())
 """

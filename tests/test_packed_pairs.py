@@ -19,9 +19,9 @@ from dyn_plugin.host.recompute import recompute_switch
 from dyn_plugin.host.token_mean import HostHooks, token_mean_step
 from dyn_plugin.models.hf import PRESETS, build_seq2seq_lm
 from dyn_plugin.models.seq2seq import check_packable, pair_forward, shift_targets
-from dyn_plugin.plan.instructions import ExecutionPlan, LoadMicroBatch, PlannedMicroBatch
-from dyn_plugin.plan.pair_baselines import pair_packing
-from dyn_plugin.plan.pair_spec import pair_planner_spec
+from dyn_plugin.plan.methods.pair_baselines import pair_packing
+from dyn_plugin.plan.steps.instructions import ExecutionPlan, LoadMicroBatch, PlannedMicroBatch
+from dyn_plugin.plan.steps.pair_spec import pair_planner_spec
 from dyn_plugin.runtime.collate import IGNORE, scored_tokens
 from dyn_plugin.runtime.collate_pairs import PACKED_PAIR_KEYS, collate_packed_pairs
 from dyn_plugin.runtime.loader import Step, load_micro_batch

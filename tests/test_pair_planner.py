@@ -15,20 +15,20 @@ from dyn_plugin.config import DynPluginConfig
 from dyn_plugin.cost.bundled import MEASURED_DIR
 from dyn_plugin.cost.encoder_decoder import PairStage, import_t5_tables
 from dyn_plugin.plan import microbatch
-from dyn_plugin.plan.microbatch import InfeasibleError, StageMemory
-from dyn_plugin.plan.pair_baselines import PAIR_BASELINES, budget_pair_groups
-from dyn_plugin.plan.pair_microbatch import (
+from dyn_plugin.plan.methods.pair_baselines import PAIR_BASELINES, budget_pair_groups
+from dyn_plugin.plan.steps.microbatch import InfeasibleError, StageMemory
+from dyn_plugin.plan.steps.pair_microbatch import (
     ORDERS,
     make_pair_micro_batch,
     order_pairs,
     pair_usable,
     partition_pairs,
 )
-from dyn_plugin.plan.pair_planner import plan_pairs
-from dyn_plugin.plan.pair_spec import PairSpec, balanced_split_rank, pair_planner_spec, split_stages
-from dyn_plugin.plan.schedule import one_f_one_b
-from dyn_plugin.plan.simulator import simulate, stage_peak_bytes
-from dyn_plugin.plan.types import LinkSpec
+from dyn_plugin.plan.steps.pair_planner import plan_pairs
+from dyn_plugin.plan.steps.pair_spec import PairSpec, balanced_split_rank, pair_planner_spec, split_stages
+from dyn_plugin.plan.steps.schedule import one_f_one_b
+from dyn_plugin.plan.steps.simulator import simulate, stage_peak_bytes
+from dyn_plugin.plan.steps.types import LinkSpec
 
 COST = import_t5_tables(MEASURED_DIR / "a100-t5-11b.json")
 GIB = 2**30

@@ -8,7 +8,13 @@ import torch
 import torch.distributed as dist
 
 import deepspeed_ext
-from dyn_plugin.plan.instructions import ExecutionPlan, LoadMicroBatch, OptimizerStep, PlannedMicroBatch, ReduceGrads
+from dyn_plugin.plan.steps.instructions import (
+    ExecutionPlan,
+    LoadMicroBatch,
+    OptimizerStep,
+    PlannedMicroBatch,
+    ReduceGrads,
+)
 from dyn_plugin.runtime.collate import collate
 from dyn_plugin.runtime.loader import Step
 
@@ -180,7 +186,7 @@ def test_every_planned_step_is_replayed_without_buffering(monkeypatch):
 
     import numpy as np
 
-    import dyn_plugin.plan.planner as planner
+    import dyn_plugin.plan.methods.planner as planner
     from dyn_plugin.config import load_config
     from dyn_plugin.cost.from_config import build_cost_model
     from dyn_plugin.runtime.planning import PlanningContext

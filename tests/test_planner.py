@@ -11,14 +11,14 @@ from dyn_plugin.config import DynPluginConfig, load_config
 from dyn_plugin.cost.from_config import build_cost_model
 from dyn_plugin.lengths.io import load_lengths
 from dyn_plugin.lengths.packing import pack_rows
-from dyn_plugin.plan.assign import assign_to_replicas
-from dyn_plugin.plan.baselines import BASELINES, plan_baseline
-from dyn_plugin.plan.bounds import critical_path_ms, ideal_ms
-from dyn_plugin.plan.instructions import check_plans, plan_from_json, plan_to_json
-from dyn_plugin.plan.microbatch import InfeasibleError, StageMemory
-from dyn_plugin.plan.planner import execution_plans, plan_step
-from dyn_plugin.plan.pricing import make_micro_batch
-from dyn_plugin.plan.spec import planner_spec
+from dyn_plugin.plan.methods.baselines import BASELINES, plan_baseline
+from dyn_plugin.plan.methods.planner import execution_plans, plan_step
+from dyn_plugin.plan.steps.assign import assign_to_replicas
+from dyn_plugin.plan.steps.bounds import critical_path_ms, ideal_ms
+from dyn_plugin.plan.steps.instructions import check_plans, plan_from_json, plan_to_json
+from dyn_plugin.plan.steps.microbatch import InfeasibleError, StageMemory
+from dyn_plugin.plan.steps.pricing import make_micro_batch
+from dyn_plugin.plan.steps.spec import planner_spec
 from dyn_plugin.runtime.sampler import global_batches
 
 CONFIG = load_config("examples/a100_gpt67b.json")
@@ -183,7 +183,7 @@ def test_every_plan_pays_the_update_after_its_pipelines(plans):
 def test_token_budget_groups_as_deepspeed_batch_by_seqlens():
     from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import batch_by_seqlens
 
-    from dyn_plugin.plan.baselines import budget_groups
+    from dyn_plugin.plan.methods.baselines import budget_groups
 
     lengths = np.random.default_rng(0).integers(1, 500, size=300).tolist()
     for budget in (500, 2000, 9000):
@@ -227,9 +227,9 @@ def test_a_host_that_cannot_cap_micro_batches_in_flight_gets_more_recompute_inst
     flight is met by recomputing more, every order tried keeps every stage's natural warm-up, and
     an order that would overflow is not taken (a plan Megatron would run otherwise is never made;
     megatron_patches.schedule refuses one)."""
-    from dyn_plugin.plan.pricing import recompute_to_fit
-    from dyn_plugin.plan.schedule import choose_schedule, one_f_one_b
-    from dyn_plugin.plan.simulator import stage_peak_bytes
+    from dyn_plugin.plan.steps.pricing import recompute_to_fit
+    from dyn_plugin.plan.steps.schedule import choose_schedule, one_f_one_b
+    from dyn_plugin.plan.steps.simulator import stage_peak_bytes
 
     mbs = tuple(
         make_micro_batch([i], {i: n}, spec=SPEC, layout="padded", recompute="none") for i, n in enumerate([2048] * 6)

@@ -15,13 +15,13 @@ from dyn_plugin.lengths.io import load_lengths
 from dyn_plugin.models.hf import PRESETS, build_causal_lm
 from dyn_plugin.models.recompute import RecomputeSwitch, _attention, decoder_layers
 from dyn_plugin.plan import pyramid, replicas
-from dyn_plugin.plan.bounds import critical_path_ms
-from dyn_plugin.plan.microbatch import StageMemory
-from dyn_plugin.plan.planner import plan_step
-from dyn_plugin.plan.pricing import make_micro_batch
-from dyn_plugin.plan.schedule import choose_schedule
-from dyn_plugin.plan.simulator import simulate, stage_peak_bytes
-from dyn_plugin.plan.spec import planner_spec
+from dyn_plugin.plan.methods.planner import plan_step
+from dyn_plugin.plan.steps.bounds import critical_path_ms
+from dyn_plugin.plan.steps.microbatch import StageMemory
+from dyn_plugin.plan.steps.pricing import make_micro_batch
+from dyn_plugin.plan.steps.schedule import choose_schedule
+from dyn_plugin.plan.steps.simulator import simulate, stage_peak_bytes
+from dyn_plugin.plan.steps.spec import planner_spec
 from dyn_plugin.profiling.profiler import run_profile
 from dyn_plugin.profiling.workload import ProfileGrid, make_inputs
 from dyn_plugin.runtime.sampler import global_batches

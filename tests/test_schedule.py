@@ -2,9 +2,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dyn_plugin.plan.schedule import choose_schedule, one_f_one_b
-from dyn_plugin.plan.simulator import simulate
-from dyn_plugin.plan.types import LinkSpec, MicroBatch
+from dyn_plugin.plan.steps.schedule import choose_schedule, one_f_one_b
+from dyn_plugin.plan.steps.simulator import simulate
+from dyn_plugin.plan.steps.types import LinkSpec, MicroBatch
 
 LINK = LinkSpec(gb_per_s=25.0)
 

@@ -8,8 +8,8 @@ import pytest
 
 from dyn_plugin.config import DynPluginConfig
 from dyn_plugin.cost.calibrated import MODELS, calibrated_cost_model, named_cost_model
-from dyn_plugin.plan.pricing import make_micro_batch, usable
-from dyn_plugin.plan.schemes import Scheme, scheme_costs, scheme_spec
+from dyn_plugin.plan.steps.pricing import make_micro_batch, usable
+from dyn_plugin.plan.strategies.schemes import Scheme, scheme_costs, scheme_spec
 
 MAX_LEN = 32768
 CONFIG = DynPluginConfig.model_validate(

@@ -14,7 +14,7 @@ from dyn_plugin.cost.encoder_decoder import pair_shape
 from dyn_plugin.host.recompute import recompute_switch
 from dyn_plugin.host.token_mean import HostHooks, token_mean_step
 from dyn_plugin.models.hf import PRESETS, build_causal_lm, build_seq2seq_lm
-from dyn_plugin.plan.instructions import ExecutionPlan, LoadMicroBatch, PlannedMicroBatch
+from dyn_plugin.plan.steps.instructions import ExecutionPlan, LoadMicroBatch, PlannedMicroBatch
 from dyn_plugin.runtime.collate import IGNORE, scored_tokens
 from dyn_plugin.runtime.collate_pairs import collate_pairs
 from dyn_plugin.runtime.loader import Step, load_micro_batch

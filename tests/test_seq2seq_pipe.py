@@ -17,7 +17,8 @@ import pytest
 from dyn_plugin.config import DynPluginConfig
 from dyn_plugin.cost.bundled import MEASURED_DIR
 from dyn_plugin.cost.encoder_decoder import PairStage, import_t5_tables
-from dyn_plugin.plan.instructions import (
+from dyn_plugin.plan.methods.planner import execution_plans
+from dyn_plugin.plan.steps.instructions import (
     BackwardPass,
     ForwardPass,
     LoadMicroBatch,
@@ -29,9 +30,8 @@ from dyn_plugin.plan.instructions import (
     plan_from_json,
     plan_to_json,
 )
-from dyn_plugin.plan.pair_planner import plan_pairs
-from dyn_plugin.plan.pair_spec import pair_planner_spec
-from dyn_plugin.plan.planner import execution_plans
+from dyn_plugin.plan.steps.pair_planner import plan_pairs
+from dyn_plugin.plan.steps.pair_spec import pair_planner_spec
 from ranks import run
 
 COST = import_t5_tables(MEASURED_DIR / "a100-t5-11b.json")

@@ -17,9 +17,8 @@ from dyn_plugin.cost.from_config import build_cost_model
 from dyn_plugin.cost.native import core
 from dyn_plugin.cost.sharding import HOST_KINDS, Links, price, unit_compute
 from dyn_plugin.cost.update import UpdateCost
-from dyn_plugin.plan.knapsack import solve
-from dyn_plugin.plan.shard_plan import MB, SCHEMA, VERSION, Choice, ShardPlan, ShardUnit
-from dyn_plugin.plan.sharding import (
+from dyn_plugin.plan.sharding.knapsack import solve
+from dyn_plugin.plan.sharding.search import (
     BASELINES,
     choice_columns,
     search_sharding,
@@ -29,7 +28,8 @@ from dyn_plugin.plan.sharding import (
     typical_step,
     uniform_plan,
 )
-from dyn_plugin.plan.spec import planner_spec
+from dyn_plugin.plan.sharding.shard_plan import MB, SCHEMA, VERSION, Choice, ShardPlan, ShardUnit
+from dyn_plugin.plan.steps.spec import planner_spec
 from dyn_plugin.runtime.planning import PlanningContext
 
 H, VOCAB = 256, 4096
@@ -553,7 +553,7 @@ def test_search_on_48_layers_is_fast():
 def test_the_plan_leaves_room_for_the_runs_longest_sequence():
     """The typical batch is one global batch; a later one may hold a longer sequence. The plan
     leaves the planner room for the run's longest sequence alone, so every later step plans."""
-    from dyn_plugin.plan.planner import plan_step
+    from dyn_plugin.plan.methods.planner import plan_step
 
     cfg = config(130)
     cost = build_cost_model(cfg.cost_model, cfg.cluster)

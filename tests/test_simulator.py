@@ -4,10 +4,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dyn_plugin.plan.schedule import choose_schedule, one_f_one_b
-from dyn_plugin.plan.simulator import memory_timeline, simulate
-from dyn_plugin.plan.trace import chrome_trace, write_chrome_trace
-from dyn_plugin.plan.types import LinkSpec, MicroBatch, Op, Schedule
+from dyn_plugin.plan.steps.schedule import choose_schedule, one_f_one_b
+from dyn_plugin.plan.steps.simulator import memory_timeline, simulate
+from dyn_plugin.plan.steps.trace import chrome_trace, write_chrome_trace
+from dyn_plugin.plan.steps.types import LinkSpec, MicroBatch, Op, Schedule
 
 FREE = LinkSpec(gb_per_s=float("inf"), latency_us=0.0)
 

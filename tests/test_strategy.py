@@ -11,11 +11,11 @@ from dyn_plugin.bench.strategy import strategy_config
 from dyn_plugin.config import DynPluginConfig
 from dyn_plugin.cost.calibrated import named_cost_model
 from dyn_plugin.lengths.io import load_lengths
-from dyn_plugin.plan.microbatch import InfeasibleError
-from dyn_plugin.plan.planner import execution_plans
-from dyn_plugin.plan.schemes import Scheme, scheme_costs
-from dyn_plugin.plan.spec import planner_spec
-from dyn_plugin.plan.strategy import (
+from dyn_plugin.plan.methods.planner import execution_plans
+from dyn_plugin.plan.steps.microbatch import InfeasibleError
+from dyn_plugin.plan.steps.spec import planner_spec
+from dyn_plugin.plan.strategies.schemes import Scheme, scheme_costs
+from dyn_plugin.plan.strategies.strategy import (
     Proposal,
     Strategy,
     cached_proposal,
@@ -127,8 +127,8 @@ DIGEST = """
 import sys, numpy as np
 from dyn_plugin.bench.strategy import strategy_config
 from dyn_plugin.cost.calibrated import named_cost_model
-from dyn_plugin.plan.schemes import scheme_costs
-from dyn_plugin.plan.strategy import Proposal, plan_cluster_step, Stage2Options
+from dyn_plugin.plan.strategies.schemes import scheme_costs
+from dyn_plugin.plan.strategies.strategy import Proposal, plan_cluster_step, Stage2Options
 from dyn_plugin.runtime.planning import step_digest
 kinds = {k.scheme: k for k in scheme_costs(named_cost_model("gpt-6.7b"), strategy_config(16384), gpus=16)}
 proposal = Proposal.from_json(open(sys.argv[1]).read())

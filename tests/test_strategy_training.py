@@ -16,8 +16,8 @@ import pytest
 
 from dyn_plugin.config import ConfigError, DynPluginConfig
 from dyn_plugin.cost.from_config import build_cost_model
-from dyn_plugin.plan.schemes import Scheme
-from dyn_plugin.plan.strategy import Proposal, Strategy
+from dyn_plugin.plan.strategies.schemes import Scheme
+from dyn_plugin.plan.strategies.strategy import Proposal, Strategy
 from dyn_plugin.runtime.planning import PlanningContext
 from ranks import free_port
 from test_sequence_parallel_training import EXACT, check_exact, launch

@@ -14,10 +14,10 @@ from dataclasses import replace
 from ..cost.bundled import MEASURED_DIR
 from ..cost.model import features
 from ..cost.table_memory import MeasuredLayerMemory
-from ..plan.pricing import sp_buffer_bytes
-from ..plan.simulator import stage_peak_bytes
-from ..plan.spec import PlannerSpec
-from ..plan.types import MicroBatch, StepPlan
+from ..plan.steps.pricing import sp_buffer_bytes
+from ..plan.steps.simulator import stage_peak_bytes
+from ..plan.steps.spec import PlannerSpec
+from ..plan.steps.types import MicroBatch, StepPlan
 
 MB = 1 << 20
 # the measured tables a model's layers can be priced by independently of the cost model's fit
@@ -86,7 +86,7 @@ def table_micro_batch(mb: MicroBatch, spec: PlannerSpec, tables: MeasuredLayerMe
     matrices, quadratic in the row's length, divide by sp, not by sp^2). Its checkpointed layers
     under its recompute mode, the others under none; the embedding's and head's from the cost
     model (the tables did not measure them); the peak adds the largest in-flight extra of any one
-    of them, and under sequence parallelism the executor's buffers as ``plan/pricing.py`` prices
+    of them, and under sequence parallelism the executor's buffers as ``plan/steps/pricing.py`` prices
     them (the tables ran without). Returns (micro-batch, 1 if some row was longer than the tables
     measured (extrapolated, ``MeasuredLayerMemory.sequence``), else 0)."""
     rows = [mb.shape[1]] * mb.shape[0] if mb.layout == "padded" else [int(s) for s in mb.seq_lens]

@@ -22,10 +22,10 @@ from ..config import DynPluginConfig
 from ..cost.bundled import load_bundled
 from ..cost.profile import cost_model_from_profile
 from ..lengths.io import load_lengths
-from ..plan.baselines import BASELINES, plan_baseline
-from ..plan.bounds import critical_path_ms, ideal_ms
-from ..plan.planner import plan_step
-from ..plan.spec import planner_spec
+from ..plan.methods.baselines import BASELINES, plan_baseline
+from ..plan.methods.planner import plan_step
+from ..plan.steps.bounds import critical_path_ms, ideal_ms
+from ..plan.steps.spec import planner_spec
 from ..runtime.sampler import global_batches
 
 MAX_LEN = 8192

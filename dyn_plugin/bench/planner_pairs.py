@@ -22,9 +22,9 @@ from ..config import DynPluginConfig
 from ..cost.bundled import MEASURED_DIR
 from ..cost.encoder_decoder import import_t5_tables
 from ..lengths.pairs import load_pairs
-from ..plan.pair_baselines import PAIR_BASELINES
-from ..plan.pair_planner import plan_pairs
-from ..plan.pair_spec import pair_planner_spec
+from ..plan.methods.pair_baselines import PAIR_BASELINES
+from ..plan.steps.pair_planner import plan_pairs
+from ..plan.steps.pair_spec import pair_planner_spec
 from ..runtime.sampler import global_batches
 
 MAX_LEN = 4096  # the longest input and target the tp 1 tables measured

@@ -3,7 +3,7 @@
 For each model, cluster and memory budget: the searched plan (``osdp``) and FSDP's uniform
 strategies (``full_shard``, ``shard_grad_op``, ``no_shard`` where it fits, and ``hybrid_shard``:
 FULL_SHARD inside a node, replicated across nodes, with more than one node), each priced the same
-way on the step the planner cuts for the memory its model states leave (plan/sharding.py), so
+way on the step the planner cuts for the memory its model states leave (plan/sharding/search.py), so
 a method that keeps more gathered also gets fewer, smaller micro-batches or more recompute.
 Records: search time (with its planning, pricing and knapsack parts), simulated step, peak by
 the plan's own estimate and, for GPT-6.7B, by the measured tables (``table_peak_bytes``: the
@@ -24,10 +24,10 @@ from ..cost.from_config import build_cost_model
 from ..cost.table import TableCostModel
 from ..cost.table_memory import MeasuredLayerMemory
 from ..lengths.io import cap_lengths, load_lengths
-from ..plan.planner import plan_step
-from ..plan.shard_plan import MB, Choice, ShardPlan, ShardUnit
-from ..plan.sharding import BASELINES, choice_columns, search_sharding, uniform_plan
-from ..plan.spec import planner_spec
+from ..plan.methods.planner import plan_step
+from ..plan.sharding.search import BASELINES, choice_columns, search_sharding, uniform_plan
+from ..plan.sharding.shard_plan import MB, Choice, ShardPlan, ShardUnit
+from ..plan.steps.spec import planner_spec
 from ..runtime.sampler import global_batches
 from .memory import measured_tables, table_micro_batch
 

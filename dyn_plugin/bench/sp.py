@@ -4,7 +4,7 @@ A GPT-6.7B-class model on the measured A100 tables (an A100-80GB: 72000 MB per d
 allocator's margin, ZeRO-1, 8 devices per node) with the attention collectives priced from the link bandwidths; global batches drawn from
 the bundled length distributions, sequences capped at ``max_len``. The tables were measured up
 to 8192 tokens, so longer sequences are priced by extrapolation; every record counts the
-micro-batches that were (``extrapolated``). Methods (plan/baselines.py for the baselines):
+micro-batches that were (``extrapolated``). Methods (plan/methods/baselines.py for the baselines):
 ``dynamic_sp`` (the plugin), ``dynamic_sp_whole_stage`` (the same without pyramid
 checkpointing), ``dynapipe`` (no sequence parallelism; infeasible where a sequence fits no
 device), ``fixed_sp``, ``megatron_hybrid_cp``, ``dcp_bucket``.
@@ -25,10 +25,10 @@ from ..cost.bundled import load_bundled
 from ..cost.profile import cost_model_from_profile
 from ..cost.table_memory import MeasuredLayerMemory
 from ..lengths.io import load_lengths
-from ..plan.baselines import SP_BASELINES, plan_baseline
-from ..plan.bounds import critical_path_ms, gap_terms, ideal_ms
-from ..plan.planner import plan_step
-from ..plan.spec import planner_spec
+from ..plan.methods.baselines import SP_BASELINES, plan_baseline
+from ..plan.methods.planner import plan_step
+from ..plan.steps.bounds import critical_path_ms, gap_terms, ideal_ms
+from ..plan.steps.spec import planner_spec
 from ..runtime.sampler import global_batches
 from .memory import measured_tables, memory_record
 
@@ -129,7 +129,7 @@ def _bench_config(
             "micro_batches": float(np.mean([len(p.micro_batches) for p in plans])),
             "extrapolated": int(sum(p.extrapolated for p in plans)),
             "bubble": float(np.mean([p.bubble_fraction for p in plans])),
-            # ms of the step beyond ideal_ms, term by term (plan/bounds.py gap_terms)
+            # ms of the step beyond ideal_ms, term by term (plan/steps/bounds.py gap_terms)
             "gap_ms": {k: float(np.mean([g[k] for g in gaps])) for k in gaps[0]},
             **memory,
         }

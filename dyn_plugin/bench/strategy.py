@@ -5,7 +5,7 @@ Per (distribution, model, GPUs): the proposal is made once from the distribution
 ``propose_ms``); then global batches of ``tokens_per_gpu x GPUs`` tokens, sequences capped at
 ``max_len``, are planned by each method and simulated in the same simulator:
 
-- ``hydraulis``: the proposal's strategies, stage 1 = ``plan/dispatch.py`` (greedy + local
+- ``hydraulis``: the proposal's strategies, stage 1 = ``plan/assignment/dispatch.py`` (greedy + local
   improvement, C++), stage 2 = DynaPipe's DP per pipeline, the fastest simulated strategy;
 - ``seed_stage1``: the same strategies and stage 2, stage 1 = the seed's randomised greedy, best
   of 50 orders (``seed_dispatch``);
@@ -36,11 +36,11 @@ import numpy as np
 from ..cost.calibrated import named_cost_model
 from ..cost.table_memory import MeasuredLayerMemory
 from ..lengths.io import load_lengths
-from ..plan.dispatch import dispatch, seed_dispatch
-from ..plan.microbatch import InfeasibleError
-from ..plan.planner import plan_step
-from ..plan.schemes import scheme_costs
-from ..plan.strategy import Strategy, plan_cluster_step, propose
+from ..plan.assignment.dispatch import dispatch, seed_dispatch
+from ..plan.methods.planner import plan_step
+from ..plan.steps.microbatch import InfeasibleError
+from ..plan.strategies.schemes import scheme_costs
+from ..plan.strategies.strategy import Strategy, plan_cluster_step, propose
 from ..runtime.sampler import global_batches
 from .memory import MB, measured_tables, memory_record
 
@@ -357,6 +357,6 @@ def plot_strategies(proposal, path: str, *, title: str = "", plan=None) -> None:
 
 
 def _scheme_of(rep):
-    from ..plan.schemes import Scheme
+    from ..plan.strategies.schemes import Scheme
 
     return Scheme(rep.tp, len(rep.schedule.stages), rep.size)

@@ -47,9 +47,9 @@ from ..fsdp.memory import measure, predicted_peak_bytes
 from ..fsdp.step import train_step
 from ..models.hf import build_causal_lm, load_model_config
 from ..models.shard_units import shard_units
-from ..plan.shard_plan import MB, ShardPlan, ShardUnit
-from ..plan.sharding import BASELINES, search_sharding, smallest_activation, uniform_plan
-from ..plan.spec import planner_spec
+from ..plan.sharding.search import BASELINES, search_sharding, smallest_activation, uniform_plan
+from ..plan.sharding.shard_plan import MB, ShardPlan, ShardUnit
+from ..plan.steps.spec import planner_spec
 from ..profiling.device import DTYPES
 from ..runtime.sampler import global_batches
 from .train_common import (

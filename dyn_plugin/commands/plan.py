@@ -45,10 +45,10 @@ def run(args: argparse.Namespace) -> int:
     from ..config import load_config
     from ..cost.from_config import build_cost_model
     from ..lengths.io import cap_lengths, load_lengths
-    from ..plan.baselines import BASELINES, SP_BASELINES, plan_baseline
-    from ..plan.bounds import critical_path_ms, ideal_ms
-    from ..plan.planner import plan_step
-    from ..plan.spec import planner_spec
+    from ..plan.methods.baselines import BASELINES, SP_BASELINES, plan_baseline
+    from ..plan.methods.planner import plan_step
+    from ..plan.steps.bounds import critical_path_ms, ideal_ms
+    from ..plan.steps.spec import planner_spec
     from ..runtime.sampler import global_batches
 
     cfg = load_config(args.config)
@@ -148,8 +148,8 @@ def _print_tables(records: list[dict]) -> None:
 
 
 def _write_trace(plan, link, path: str) -> None:
-    from ..plan.simulator import simulate
-    from ..plan.trace import chrome_trace, write_chrome_trace
+    from ..plan.steps.simulator import simulate
+    from ..plan.steps.trace import chrome_trace, write_chrome_trace
 
     traces = []
     for i, r in enumerate(plan.replicas):
@@ -162,8 +162,8 @@ def _write_plans(plan, spec, directory: str) -> None:
     import os
 
     from ..atomic import write_atomic
-    from ..plan.instructions import check_plans, plan_to_json
-    from ..plan.planner import execution_plans
+    from ..plan.methods.planner import execution_plans
+    from ..plan.steps.instructions import check_plans, plan_to_json
 
     os.makedirs(directory, exist_ok=True)
     every = list(execution_plans(plan, spec.hidden_size).values())

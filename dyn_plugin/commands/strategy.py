@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..lengths.io import load_lengths
-    from ..plan.strategy import cached_proposal
+    from ..plan.strategies.strategy import cached_proposal
 
     if (args.model is None) == (args.config is None):
         raise ValueError("give --model NAME (simulated strategies) or --config DS_JSON (a run's), one of them")
@@ -84,8 +84,8 @@ def model_proposal(lengths, args: argparse.Namespace):
 
     from ..bench.strategy import strategy_config
     from ..cost.calibrated import named_cost_model
-    from ..plan.schemes import scheme_costs
-    from ..plan.strategy import proposal_key, propose
+    from ..plan.strategies.schemes import scheme_costs
+    from ..plan.strategies.strategy import proposal_key, propose
 
     gpus = args.gpus if args.gpus is not None else 64
     tokens = args.tokens if args.tokens is not None else 4096 * gpus
@@ -103,8 +103,8 @@ def config_proposal(lengths, args: argparse.Namespace):
     from ..config import load_config
     from ..cost.from_config import build_cost_model
     from ..lengths.io import cap_lengths
-    from ..plan.spec import planner_spec
-    from ..plan.strategy import proposal_key, runnable_proposal, scheme_kinds
+    from ..plan.steps.spec import planner_spec
+    from ..plan.strategies.strategy import proposal_key, runnable_proposal, scheme_kinds
 
     plugin = load_config(args.config).plugin
     gpus = args.gpus if args.gpus is not None else plugin.cluster.world_size

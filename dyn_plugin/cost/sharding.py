@@ -1,5 +1,5 @@
 """What each sharding choice of each unit costs, per rank and step: memory, communication, and
-the part of it compute does not hide (the search in plan/sharding.py picks one per unit).
+the part of it compute does not hide (the search in plan/sharding/search.py picks one per unit).
 
 Per rank, with N = shard size, R = world / N replicas, M micro-batches in the step, P a unit's
 parameters and p, g, o the bytes per parameter of weights, gradients and optimizer state:
@@ -64,7 +64,7 @@ _EVERY, _FIRST, _LAST = range(3)  # in every micro-batch, only the first, only t
 
 
 class Unit(Protocol):
-    """A sharding unit (plan/shard_plan.py ``ShardUnit``)."""
+    """A sharding unit (plan/sharding/shard_plan.py ``ShardUnit``)."""
 
     name: str
     params: int
@@ -74,7 +74,7 @@ class Unit(Protocol):
 
 
 class ChoiceLike(Protocol):
-    """A sharding choice (plan/shard_plan.py ``Choice``)."""
+    """A sharding choice (plan/sharding/shard_plan.py ``Choice``)."""
 
     kind: str
     reshard_to: int

@@ -1,4 +1,4 @@
-"""Host adapter for plain PyTorch FSDP: a sharding plan (plan/shard_plan.py) delivered as an
+"""Host adapter for plain PyTorch FSDP: a sharding plan (plan/sharding/shard_plan.py) delivered as an
 FSDP1 auto-wrap policy (policy.py) or FSDP2 ``fully_shard`` calls (fully_shard.py), and a thin
 training entry with the plugin's loader: ``initialize`` (engine.py) and ``train_step`` (step.py), as
 in deepspeed_ext."""

@@ -34,7 +34,7 @@ from ..host.exactness import checked
 from ..layout import RankLayout
 from ..models.hf import is_encoder_decoder
 from ..models.shard_units import shard_units
-from ..plan.shard_plan import ShardPlan
+from ..plan.sharding.shard_plan import ShardPlan
 from ..profiling.allocator import stable_cpu_allocator
 from ..runtime.loader import DynLoader
 from ..runtime.sharding import shard_plan_for_run

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from ..plan.shard_plan import Choice, ShardPlan
+from ..plan.sharding.shard_plan import Choice, ShardPlan
 from .targets import unit_targets, wrap_targets
 
 HELD = ("keep", "replicate")  # units whose gradients are reduced once per step, not per micro-batch

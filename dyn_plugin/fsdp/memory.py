@@ -18,7 +18,7 @@ from typing import Iterator
 import torch
 
 from ..cost.table import TableCostModel
-from ..plan.shard_plan import ShardPlan
+from ..plan.sharding.shard_plan import ShardPlan
 from ..profiling.memory import LiveMemory
 from ..runtime.loader import Step
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import CustomPolicy
 
-from ..plan.shard_plan import ShardPlan
+from ..plan.sharding.shard_plan import ShardPlan
 from .targets import wrap_targets
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..host.recompute import recompute_switch
 from ..host.token_mean import HostHooks, token_mean_step
-from ..plan.shard_plan import ShardPlan
+from ..plan.sharding.shard_plan import ShardPlan
 from ..runtime.loader import Step
 from .fully_shard import held_units
 

@@ -15,7 +15,7 @@ from torch import nn
 from ..device import DTYPE_NAMES
 from ..models.shard_units import unit_modules
 from ..models.split_linear import split_linear
-from ..plan.shard_plan import Choice, ShardPlan
+from ..plan.sharding.shard_plan import Choice, ShardPlan
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch.utils.checkpoint as cp
 from torch import nn
 
 from ..cost.model import RECOMPUTES
-from ..plan.instructions import PlannedMicroBatch
+from ..plan.steps.instructions import PlannedMicroBatch
 
 # what transformer blocks call their attention block (Llama-likes, GPT-2, GPT-NeoX)
 ATTENTION_NAMES = ("self_attn", "attn", "attention")

@@ -1,4 +1,4 @@
-"""A model's sharding units: the modules a sharding plan decides for (plan/shard_plan.py).
+"""A model's sharding units: the modules a sharding plan decides for (plan/sharding/shard_plan.py).
 
 Each decoder layer gives two units, its attention block and its MLP; a T5 block one unit per
 sublayer (self-attention, the decoder's cross-attention, feed-forward), of component "encoder" or
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..plan.shard_plan import ShardUnit
+from ..plan.sharding.shard_plan import ShardUnit
 from .hf import is_encoder_decoder
 from .recompute import _attention, decoder_layers
 

@@ -2,7 +2,7 @@
 
 Each slice is its own ``nn.Linear`` holding some rows of the weight (and the matching bias
 entries), so a host can shard some slices fully and keep the others gathered
-(``Choice("split")`` in plan/shard_plan.py). Every output feature is still one dot product over
+(``Choice("split")`` in plan/sharding/shard_plan.py). Every output feature is still one dot product over
 all input features, computed by one slice, so the forward and the weight and bias gradients
 are bit-exact to the unsplit layer when the slice boundaries fall on the GEMM's blocks (see
 ``ALIGN``). The input gradient is the one place the split shows: it is

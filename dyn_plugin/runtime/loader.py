@@ -65,7 +65,7 @@ from ..device import collective_device
 from ..layout import RankLayout
 from ..lengths.io import cap_lengths, validate_lengths
 from ..lengths.pairs import validate_pairs
-from ..plan.instructions import ExecutionPlan, PlannedMicroBatch
+from ..plan.steps.instructions import ExecutionPlan, PlannedMicroBatch
 from .collate import collate, shard
 from .collate_pairs import collate_packed_pairs, collate_pairs
 from .planning import PlanningContext, RankPlan

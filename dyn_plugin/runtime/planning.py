@@ -18,17 +18,17 @@ import numpy as np
 from ..config import ConfigError, DynPluginConfig, with_password
 from ..cost.encoder_decoder import EncoderDecoderCostModel
 from ..cost.table import TableCostModel
-from ..plan.instructions import ExecutionPlan, check_plans, plan_from_json, plan_to_json
-from ..plan.methods import plan_method
-from ..plan.pair_baselines import PAIR_BASELINES
-from ..plan.pair_planner import plan_pairs
-from ..plan.pair_spec import PairSpec, pair_planner_spec
-from ..plan.planner import execution_plans
-from ..plan.pricing import checkpointed_layers
-from ..plan.spec import MB, PlannerSpec, planner_spec
-from ..plan.strategy import Proposal, Strategy, plan_strategy_step, runnable_proposal
-from ..plan.two_stage import Stage2Options
-from ..plan.types import StepPlan
+from ..plan.assignment.two_stage import Stage2Options
+from ..plan.methods.pair_baselines import PAIR_BASELINES
+from ..plan.methods.planner import execution_plans
+from ..plan.methods.registry import plan_method
+from ..plan.steps.instructions import ExecutionPlan, check_plans, plan_from_json, plan_to_json
+from ..plan.steps.pair_planner import plan_pairs
+from ..plan.steps.pair_spec import PairSpec, pair_planner_spec
+from ..plan.steps.pricing import checkpointed_layers
+from ..plan.steps.spec import MB, PlannerSpec, planner_spec
+from ..plan.steps.types import StepPlan
+from ..plan.strategies.strategy import Proposal, Strategy, plan_strategy_step, runnable_proposal
 from .collate import scored_tokens
 from .sampler import epoch_batches
 

@@ -23,8 +23,8 @@ from ..config import DynPluginConfig
 from ..cost.encoder_decoder import EncoderDecoderCostModel
 from ..cost.table import TableCostModel
 from ..lengths.io import cap_lengths
-from ..plan.shard_plan import ShardPlan, ShardUnit
-from ..plan.sharding import search_sharding
+from ..plan.sharding.search import search_sharding
+from ..plan.sharding.shard_plan import ShardPlan, ShardUnit
 from .sampler import global_batches
 
 logger = logging.getLogger(__name__)

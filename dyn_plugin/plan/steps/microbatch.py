@@ -30,10 +30,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..cost.model import Features, Layout, Recompute, StageSpec, round_up
-from ..cost.native import core
-from ..cost.sequence_parallel import LayerComm
-from ..cost.table import TableCostModel, evaluate_stage
+from ...cost.model import Features, Layout, Recompute, StageSpec, round_up
+from ...cost.native import core
+from ...cost.sequence_parallel import LayerComm
+from ...cost.table import TableCostModel, evaluate_stage
 
 THIN = 0.02  # keep a t_max candidate only if it is 2% above the last kept one
 

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..cost.model import features
+from ...cost.model import features
 from .pricing import make_micro_batch
 from .pyramid import fewest_checkpointed_alone
 from .spec import PlannerSpec

@@ -14,10 +14,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..config import DynPluginConfig
-from ..cost.encoder_decoder import EncoderDecoderCostModel, PairStage, pair_shape
-from .pair_planner import plan_pairs
-from .pair_spec import PairSpec, pair_planner_spec
+from ...config import DynPluginConfig
+from ...cost.encoder_decoder import EncoderDecoderCostModel, PairStage, pair_shape
+from ..steps.pair_planner import plan_pairs
+from ..steps.pair_spec import PairSpec, pair_planner_spec
 
 PAIR_COMPONENTS = ("embedding", "encoder", "decoder", "head")
 _ENCODER, _DECODER = PairStage(encoder_layers=1), PairStage(decoder_layers=1)

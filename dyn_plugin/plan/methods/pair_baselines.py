@@ -25,15 +25,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..cost.encoder_decoder import packed_pair_shape
-from ..cost.model import round_up
-from ..lengths.packing import pack_pair_rows
-from .assign import split_for_replicas
-from .microbatch import InfeasibleError
-from .pair_microbatch import check_pairs, pair_usable, price_pair_groups
-from .pair_planner import schedule_pair_replicas
-from .pair_spec import PairSpec
-from .types import PairMicroBatch, StepPlan
+from ...cost.encoder_decoder import packed_pair_shape
+from ...cost.model import round_up
+from ...lengths.packing import pack_pair_rows
+from ..steps.assign import split_for_replicas
+from ..steps.microbatch import InfeasibleError
+from ..steps.pair_microbatch import check_pairs, pair_usable, price_pair_groups
+from ..steps.pair_planner import schedule_pair_replicas
+from ..steps.pair_spec import PairSpec
+from ..steps.types import PairMicroBatch, StepPlan
 
 
 def _uniform(

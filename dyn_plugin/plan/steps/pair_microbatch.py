@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..cost.model import Recompute, round_up
+from ...cost.model import Recompute, round_up
 from .microbatch import InfeasibleError, best_bound
 from .pair_spec import PairSpec
 from .types import PairMicroBatch

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from ..steps.spec import PlannerSpec
+from ..steps.types import StepPlan
 from .baselines import BASELINES, REGISTRY
 from .planner import plan_step
-from .spec import PlannerSpec
-from .types import StepPlan
 
 # name -> plan(lengths, *, spec, max_len)
 METHODS: dict[str, Callable[..., StepPlan]] = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..cost.model import Layout, Recompute
+from ...cost.model import Layout, Recompute
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cost.native import core
+from ...cost.native import core
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from ..atomic import write_json_atomic
+from ...atomic import write_json_atomic
 from .simulator import memory_timeline
 from .types import MicroBatch, SimResult
 

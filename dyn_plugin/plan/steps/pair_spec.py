@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..checks import MAX_RANKS, check_count
-from ..config import DynPluginConfig
-from ..cost.encoder_decoder import EncoderDecoderCostModel, PairStage
-from ..cost.model import RECOMPUTES, Recompute, split_layers
+from ...checks import MAX_RANKS, check_count
+from ...config import DynPluginConfig
+from ...cost.encoder_decoder import EncoderDecoderCostModel, PairStage
+from ...cost.model import RECOMPUTES, Recompute, split_layers
 from .microbatch import StageMemory
 from .spec import MB, device_budget
 from .types import LinkSpec

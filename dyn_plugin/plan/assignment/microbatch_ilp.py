@@ -55,11 +55,11 @@ from typing import Sequence
 import highspy
 import numpy as np
 
-from ..cost.model import COMPONENTS
-from ..cost.table import LinearFit
-from .microbatch import InfeasibleError, partition
-from .pricing import cheapest_feasible, make_micro_batch, usable
-from .spec import PlannerSpec
+from ...cost.model import COMPONENTS
+from ...cost.table import LinearFit
+from ..steps.microbatch import InfeasibleError, partition
+from ..steps.pricing import cheapest_feasible, make_micro_batch, usable
+from ..steps.spec import PlannerSpec
 
 logger = logging.getLogger(__name__)
 

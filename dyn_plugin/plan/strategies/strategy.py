@@ -3,7 +3,7 @@
 Long sequences want wide pipelines (more memory, less time per sequence), short ones many narrow
 pipelines (no tensor- or sequence-parallel collectives, no fill and drain); one scheme for every
 pipeline is a compromise. A **strategy** is a multiset of pipelines, each of some scheme
-(``plan/schemes.py``), using every GPU.
+(``plan/strategies/schemes.py``), using every GPU.
 
 **Proposal** (offline, from a length distribution). A strategy is designed for the batches whose
 longest sequence is at some quantile of the batch's longest (the median batch, the 90th
@@ -23,8 +23,8 @@ keeps the best homogeneous strategy (one scheme everywhere, holding the longest 
 chosen the same way, deduplicated.
 
 **Per step.** The strategies that hold the batch's longest sequence are dispatched (stage 1,
-``plan/dispatch.py``); the best ``PLANNED`` by dispatch makespan get stage 2 and a simulation
-(``plan/two_stage.py``), and the fastest simulated plan wins, so a step is never planned slower
+``plan/assignment/dispatch.py``); the best ``PLANNED`` by dispatch makespan get stage 2 and a simulation
+(``plan/assignment/two_stage.py``), and the fastest simulated plan wins, so a step is never planned slower
 than the homogeneous strategy would be where that one is among the finalists.
 
 Proposals are JSON (never pickle), keyed by a digest of their inputs (``proposal_key``), cached
@@ -44,16 +44,16 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from ..atomic import check_sha256, with_sha256, write_atomic
-from ..jsonfile import read_json
-from .dispatch import Dispatch, dispatch
-from .groups import size_limits
-from .microbatch import InfeasibleError
-from .pricing import same_recompute
+from ...atomic import check_sha256, with_sha256, write_atomic
+from ...jsonfile import read_json
+from ..assignment.dispatch import Dispatch, dispatch
+from ..assignment.two_stage import Pipeline, Stage2Options, plan_members
+from ..sequence_parallel.groups import size_limits
+from ..steps.microbatch import InfeasibleError
+from ..steps.pricing import same_recompute
+from ..steps.spec import PlannerSpec
+from ..steps.types import StepPlan
 from .schemes import Scheme, SchemeCost
-from .spec import PlannerSpec
-from .two_stage import Pipeline, Stage2Options, plan_members
-from .types import StepPlan
 
 PROPOSAL_SCHEMA = "dyn_plugin.strategy_proposal"
 PROPOSAL_VERSION = 1

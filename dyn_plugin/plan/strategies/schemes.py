@@ -17,13 +17,13 @@ from typing import Sequence
 
 import numpy as np
 
-from ..config import DynPluginConfig
-from ..cost.model import Layout
-from ..cost.sequence_parallel import attention_kind
-from ..cost.table import TableCostModel
-from .groups import SizeLimits, sequence_ms
-from .pricing import make_micro_batch, usable
-from .spec import PlannerSpec, planner_spec
+from ...config import DynPluginConfig
+from ...cost.model import Layout
+from ...cost.sequence_parallel import attention_kind
+from ...cost.table import TableCostModel
+from ..sequence_parallel.groups import SizeLimits, sequence_ms
+from ..steps.pricing import make_micro_batch, usable
+from ..steps.spec import PlannerSpec, planner_spec
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from ..cost.model import RECOMPUTES, Features, Layout, Recompute, features, tensor_shape
-from ..cost.table import evaluate_checkpointed, evaluate_stage
+from ...cost.model import RECOMPUTES, Features, Layout, Recompute, features, tensor_shape
+from ...cost.table import evaluate_checkpointed, evaluate_stage
 from .simulator import simulate, stage_peak_bytes
 from .spec import ACT_BYTES, PlannerSpec
 from .types import MicroBatch, Schedule, SimResult, StepPlan

@@ -35,8 +35,8 @@ import os
 from dataclasses import asdict, dataclass, replace
 from typing import Iterable, Literal, Sequence
 
-from ..atomic import check_sha256, with_sha256, write_json_atomic
-from ..jsonfile import read_json
+from ...atomic import check_sha256, with_sha256, write_json_atomic
+from ...jsonfile import read_json
 
 SCHEMA = "dyn_plugin.shard_plan"
 VERSION = 1

@@ -32,13 +32,13 @@ from typing import Sequence
 
 import numpy as np
 
-from ..cost.model import Layout
-from .dispatch import dispatch as stage1
-from .microbatch import InfeasibleError
-from .pricing import make_micro_batch, usable
-from .spec import PlannerSpec
-from .two_stage import Pipeline, plan_members
-from .types import StepPlan
+from ...cost.model import Layout
+from ..assignment.dispatch import dispatch as stage1
+from ..assignment.two_stage import Pipeline, plan_members
+from ..steps.microbatch import InfeasibleError
+from ..steps.pricing import make_micro_batch, usable
+from ..steps.spec import PlannerSpec
+from ..steps.types import StepPlan
 
 ESTIMATED = 8  # groupings dispatched after the fluid estimate
 PLANNED = 3  # groupings planned and simulated in full

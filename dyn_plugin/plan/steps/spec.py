@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..checks import MAX_RANKS, check_count
-from ..config import DynPluginConfig
-from ..cost.model import LAYOUTS, RECOMPUTES, Layout, Recompute, StageSpec, features, split_layers
-from ..cost.sequence_parallel import LayerComm, attention_kind, group_sizes
-from ..cost.table import TableCostModel, evaluate_stage
+from ...checks import MAX_RANKS, check_count
+from ...config import DynPluginConfig
+from ...cost.model import LAYOUTS, RECOMPUTES, Layout, Recompute, StageSpec, features, split_layers
+from ...cost.sequence_parallel import LayerComm, attention_kind, group_sizes
+from ...cost.table import TableCostModel, evaluate_stage
 from .microbatch import StageMemory
 from .types import LinkSpec
 

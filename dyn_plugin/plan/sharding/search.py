@@ -37,18 +37,18 @@ from typing import Sequence
 
 import numpy as np
 
-from ..config import DynPluginConfig
-from ..cost.encoder_decoder import EncoderDecoderCostModel
-from ..cost.model import COMPONENTS, features
-from ..cost.sharding import HOST_KINDS, Links, Prices, price, unit_compute
-from ..cost.table import TableCostModel
+from ...config import DynPluginConfig
+from ...cost.encoder_decoder import EncoderDecoderCostModel
+from ...cost.model import COMPONENTS, features
+from ...cost.sharding import HOST_KINDS, Links, Prices, price, unit_compute
+from ...cost.table import TableCostModel
+from ..methods.planner import plan_step
+from ..steps.pair_spec import pair_planner_spec
+from ..steps.pricing import in_range, make_micro_batch
+from ..steps.spec import PlannerSpec, planner_spec
 from .knapsack import solve
 from .pair_sharding import pair_least_activation, pair_step
-from .pair_spec import pair_planner_spec
-from .planner import plan_step
-from .pricing import in_range, make_micro_batch
 from .shard_plan import MB, Choice, ShardPlan, ShardUnit, UnitPlan, uniform_choice_units
-from .spec import PlannerSpec, planner_spec
 
 logger = logging.getLogger(__name__)
 

@@ -37,15 +37,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..cost.model import Layout
-from ..lengths.packing import pack_rows
-from .assign import split_for_replicas
-from .groups import aligned_firsts, plan_groups, sequence_ms, size_limits
-from .microbatch import InfeasibleError
-from .pricing import make_micro_batch, usable
-from .replicas import schedule_replica, schedule_replicas
-from .spec import PlannerSpec
-from .types import MicroBatch, StepPlan
+from ...cost.model import Layout
+from ...lengths.packing import pack_rows
+from ..sequence_parallel.groups import aligned_firsts, plan_groups, sequence_ms, size_limits
+from ..steps.assign import split_for_replicas
+from ..steps.microbatch import InfeasibleError
+from ..steps.pricing import make_micro_batch, usable
+from ..steps.replicas import schedule_replica, schedule_replicas
+from ..steps.spec import PlannerSpec
+from ..steps.types import MicroBatch, StepPlan
 
 
 def _uniform(

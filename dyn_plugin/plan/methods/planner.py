@@ -14,16 +14,16 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from ..layout import RankLayout
-from ..lengths.packing import pack_rows
-from .assign import split_for_replicas
-from .groups import plan_groups
-from .instructions import ExecutionPlan, build_execution_plans
-from .microbatch import InfeasibleError, partition
-from .pricing import cheapest_feasible, make_micro_batch, same_recompute
-from .replicas import schedule_replicas
-from .spec import PlannerSpec
-from .types import MicroBatch, StepPlan
+from ...layout import RankLayout
+from ...lengths.packing import pack_rows
+from ..sequence_parallel.groups import plan_groups
+from ..steps.assign import split_for_replicas
+from ..steps.instructions import ExecutionPlan, build_execution_plans
+from ..steps.microbatch import InfeasibleError, partition
+from ..steps.pricing import cheapest_feasible, make_micro_batch, same_recompute
+from ..steps.replicas import schedule_replicas
+from ..steps.spec import PlannerSpec
+from ..steps.types import MicroBatch, StepPlan
 
 
 def execution_plans(

@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping, Sequence
 
-from ..cost.model import Layout, Recompute
+from ...cost.model import Layout, Recompute
 from .types import MicroBatch, Op, Schedule
 
 SCHEMA = "dyn_plugin.execution_plan"

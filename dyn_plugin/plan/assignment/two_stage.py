@@ -1,8 +1,8 @@
 """Hydraulis's two-stage assignment of one step's sequences to a strategy's pipelines.
 
-Stage 1 (``plan/dispatch.py``) sends every sequence to one pipeline, balancing their estimated
+Stage 1 (``plan/assignment/dispatch.py``) sends every sequence to one pipeline, balancing their estimated
 finish times; stage 2 cuts each pipeline's sequences into micro-batches: DynaPipe's DP
-(``plan/microbatch.py``) by default, or the ILP (``plan/microbatch_ilp.py``), kept for a
+(``plan/steps/microbatch.py``) by default, or the ILP (``plan/assignment/microbatch_ilp.py``), kept for a
 pipeline only where it simulates faster than the DP's cut. Each pipeline is then scheduled and
 simulated as any replica is (``replicas.schedule_replica``), so a step under a strategy is an
 ordinary ``StepPlan``: where the pipelines differ in sequence-parallel size only, it runs for real;
@@ -16,13 +16,13 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from ..cost.model import Layout
-from .assign import split_for_replicas
-from .microbatch import InfeasibleError, partition
-from .pricing import cheapest_feasible, make_micro_batch
-from .replicas import schedule_replica
-from .spec import PlannerSpec
-from .types import MicroBatch, ReplicaPlan, StepPlan
+from ...cost.model import Layout
+from ..steps.assign import split_for_replicas
+from ..steps.microbatch import InfeasibleError, partition
+from ..steps.pricing import cheapest_feasible, make_micro_batch
+from ..steps.replicas import schedule_replica
+from ..steps.spec import PlannerSpec
+from ..steps.types import MicroBatch, ReplicaPlan, StepPlan
 
 Stage2 = Literal["dp", "ilp"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from ..cost.model import RECOMPUTES
+from ...cost.model import RECOMPUTES
 from .pair_microbatch import partition_pairs, price_pair_groups
 from .pair_spec import PairSpec
 from .pricing import relax_recompute

@@ -25,8 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..cost.native import core
-from .microbatch import InfeasibleError
+from ...cost.native import core
+from ..steps.microbatch import InfeasibleError
 
 # Bound on local-improvement rounds (one accepted move or swap each): every accepted round
 # lowers the descending-sorted finishes lexicographically, so it stops by itself; the bound only
