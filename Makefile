@@ -28,8 +28,9 @@ install: $(VENV)/.ext
 
 # DYN_PLUGIN_REQUIRE_NATIVE: a C++ extension that did not build fails the tests instead of skipping them
 # `make test` leaves out tests marked slow (pyproject addopts); this runs only those
+# --durations=25: the 25 slowest tests listed at the end (in CI's log too: .ci/run runs this target)
 test: install lint
-	DYN_PLUGIN_REQUIRE_NATIVE=1 $(PY) -m pytest -q
+	DYN_PLUGIN_REQUIRE_NATIVE=1 $(PY) -m pytest -q --durations=25
 
 # the formatter and linter (pyproject [tool.ruff]); `make format` rewrites, `make lint` only checks
 lint: install

@@ -25,8 +25,7 @@ import math
 
 import numpy as np
 
-from dyn_plugin.bench.shard import plugin_config
-from dyn_plugin.commands.bench import GPT_48L, example_config
+from dyn_plugin.bench.shard import GPT_48L, example_config, plugin_config
 from dyn_plugin.cost.from_config import build_cost_model
 from dyn_plugin.lengths.io import cap_lengths, load_lengths
 from dyn_plugin.models.shard_units import config_units

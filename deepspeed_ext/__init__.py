@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from deepspeed_ext.checkpoint import load_checkpoint, save_checkpoint
 from deepspeed_ext.engine import initialize, skip_cpu_shm_build
+from deepspeed_ext.state import shard_plan_of
 from deepspeed_ext.step import train_step
 from dyn_plugin.cost.from_config import model_shape
 from dyn_plugin.device import training_dtype
@@ -46,5 +47,6 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "skip_cpu_shm_build",
+    "shard_plan_of",
     "model_shape",
 ]

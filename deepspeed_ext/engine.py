@@ -11,14 +11,18 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from deepspeed_ext.sequence_parallel import check_deepspeed_config
+from deepspeed_ext.state import EngineState, remember
 from deepspeed_ext.zero3 import merge_zero_config, zero3_settings
 from dyn_plugin.config import LoadedConfig, load_config
 from dyn_plugin.cost.encoder_decoder import EncoderDecoderCostModel
 from dyn_plugin.cost.from_config import live_cost_model, model_shape
 from dyn_plugin.cost.table import TableCostModel
 from dyn_plugin.device import rank_device, training_dtype
+from dyn_plugin.host import support
 from dyn_plugin.host.encoder_decoder import pair_inputs
 from dyn_plugin.host.exactness import checked
+from dyn_plugin.host.sequence_parallel import SequenceRuntime
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.models.hf import is_encoder_decoder
 from dyn_plugin.plan.sharding.shard_plan import ShardPlan
@@ -100,8 +104,14 @@ def initialize(
     import torch.distributed as dist
 
     cfg = config if isinstance(config, LoadedConfig) else load_config(config)
+    pp = cfg.plugin.pipeline.stages
+    # what this host runs of the plugin's features (dyn_plugin/host/support.py), all refused at once
+    support.check(
+        "DeepSpeed pipeline" if pp > 1 else "DeepSpeed",
+        support.Run(cfg.plugin, cfg.zero_stage, is_encoder_decoder(model)),
+    )
     if is_encoder_decoder(model):  # before the layouts: theirs are a decoder-only model's
-        cost_model = _check_encoder_decoder(cfg, model, lengths, cost_model)
+        cost_model = pair_inputs(model, lengths, cost_model, cfg.plugin.cost_model, training_dtype(cfg.deepspeed))
     if cost_model is not None and cost_model.dtype != training_dtype(cfg.deepspeed):
         raise _dtype_mismatch(
             "the cost_model argument's dtype",
@@ -109,27 +119,12 @@ def initialize(
             training_dtype(cfg.deepspeed),
             "build it (or measure its profile) in the precision DeepSpeed trains in",
         )
-    pp = cfg.plugin.pipeline.stages
     sp = cfg.plugin.sequence_parallel
     if sp.enabled:
-        _check_sequence_parallel(cfg)
+        check_deepspeed_config(cfg.deepspeed)
     if shard_plan is not None and not cfg.plugin.sharding.enabled:
         raise ValueError(
             "a shard_plan was given but dyn_plugin.sharding.enabled is false; set it to true to apply the plan"
-        )
-    if cfg.plugin.sharding.enabled:
-        _check_sharding(cfg)
-    if pp > 1 and cfg.zero_stage >= 2:
-        raise ValueError(
-            f"pipeline.stages = {pp} with zero_optimization.stage = {cfg.zero_stage}: DeepSpeed's "
-            "pipeline engine supports ZeRO stages 0 and 1 only; use ZeRO-1 with pipelines, or ZeRO-2/3 without"
-        )
-    method = cfg.plugin.microbatching.method
-    if cfg.zero_stage >= 2 and method != "dynapipe":
-        raise ValueError(
-            f"microbatching.method {method!r} with zero_optimization.stage = {cfg.zero_stage}: that batching "
-            "does not give every data-parallel rank the same number of micro-batches, which ZeRO-2/3 "
-            "need; use method 'dynapipe' (it plans equal counts) or ZeRO stage 0 or 1"
         )
     if not torch.cuda.is_available():
         # the allocator the CPU profile was measured under (dyn_plugin/cost/allocator.py)
@@ -196,11 +191,9 @@ def initialize(
             config=ds_config,
             dist_init_required=False,
         )
-    engine._dyn_plugin_shard_plan = shard_plan if cfg.plugin.sharding.enabled else None  # the plan that ran
+    sequence = None
     if sp.enabled:
-        from deepspeed_ext.sequence_parallel import SequenceRuntime
-
-        engine._dyn_plugin_sequence = SequenceRuntime(
+        sequence = SequenceRuntime(
             sp,
             columns=dp,
             stages=pp,
@@ -209,6 +202,7 @@ def initialize(
             seed=seed,
             device=engine.device,
         )
+    remember(engine, EngineState(shard_plan if cfg.plugin.sharding.enabled else None, sequence))
     return engine, optimizer, loader, scheduler
 
 
@@ -227,49 +221,6 @@ def _check_stages(model: torch.nn.Module, counts: list[int]) -> None:
             "family's forward does there: train it without pipeline stages (pipeline.stages 1), or pass a "
             f"PipelineModule of your own (the start-up check against the model's own forward, tolerance "
             f"{found.tolerance:g} per token; start_check.enabled)"
-        )
-
-
-def _check_encoder_decoder(
-    cfg: LoadedConfig, model: torch.nn.Module, lengths: Sequence[Any], cost_model: Any
-) -> EncoderDecoderCostModel:
-    """What an encoder-decoder (T5) trains under: (input, target) pairs planned by the
-    encoder-decoder planner, data parallel (ZeRO 0-3) or in a pipeline of encoder stages then
-    decoder stages (ZeRO 0-1, ``seq2seq_pipe``); returns the cost model that plans them."""
-    plugin, name = cfg.plugin, type(model).__name__
-    refused = [
-        (plugin.sequence_parallel.enabled, "sequence_parallel.enabled", "sequence parallelism over pairs"),
-        (plugin.sharding.enabled, "sharding.enabled", "sharding plans"),
-        (plugin.microbatching.layout == "packed", "microbatching.layout 'packed'", "rows packed with several pairs"),
-        (
-            plugin.pipeline.stages > 1 and plugin.microbatching.method == "packing_full",
-            f"microbatching.method 'packing_full' with pipeline.stages = {plugin.pipeline.stages}",
-            "pipelines of packed pairs (packing_full trains data parallel: models.seq2seq)",
-        ),
-    ]
-    for on, setting, feature in refused:
-        if on:
-            raise ValueError(
-                f"{setting} with an encoder-decoder model ({name}): {feature} are not built for encoder-decoder "
-                "models under DeepSpeed; train it on padded pairs (sequence_parallel and sharding off, "
-                "microbatching.layout 'padded' or 'auto')"
-            )
-    return pair_inputs(model, lengths, cost_model, plugin.cost_model, training_dtype(cfg.deepspeed))
-
-
-def _check_sharding(cfg: LoadedConfig) -> None:
-    """A sharding plan runs here only as ZeRO-3 settings."""
-    if cfg.zero_stage != 3:
-        raise ValueError(
-            f"dyn_plugin.sharding.enabled with zero_optimization.stage = {cfg.zero_stage}: DeepSpeed "
-            "expresses a per-module sharding plan only under ZeRO-3; set zero_optimization.stage to 3, "
-            "or train with the FSDP entry dyn_plugin.fsdp"
-        )
-    host = cfg.plugin.sharding.host
-    if host not in ("auto", "zero3"):
-        raise ValueError(
-            f"dyn_plugin.sharding.host = {host!r} under DeepSpeed: plans here run as ZeRO-3 settings; set "
-            "it to 'zero3' or 'auto', or train with the FSDP entry dyn_plugin.fsdp"
         )
 
 
@@ -306,19 +257,6 @@ def _apply_sharding(
         for line in mapping.lost:
             logger.warning("sharding plan under ZeRO-3: %s", line)
     return plan, mapping
-
-
-def _check_sequence_parallel(cfg: LoadedConfig) -> None:
-    from deepspeed_ext.sequence_parallel import check_deepspeed_config
-
-    check_deepspeed_config(cfg.deepspeed)
-    balance = cfg.plugin.sequence_parallel.balance
-    if cfg.zero_stage >= 2 and balance == "inter":
-        raise ValueError(
-            f"sequence_parallel.balance = 'inter' with zero_optimization.stage = {cfg.zero_stage}: groups "
-            "would run different numbers of micro-batches, but ZeRO-2/3 need the same number on every "
-            "rank; use balance 'intra' or 'auto', or ZeRO stage 0 or 1"
-        )
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from deepspeed_ext.state import state_of
 from dyn_plugin.host.sequence_parallel import SequenceRuntime
 from dyn_plugin.runtime.loader import Step
 
@@ -37,7 +38,7 @@ def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
 
 def sequence_runtime(engine: Any, step: Step) -> SequenceRuntime | None:
     """The engine's sequence-parallel runtime (None without ``sequence_parallel.enabled``)."""
-    sequence = getattr(engine, "_dyn_plugin_sequence", None)
+    sequence = state_of(engine).sequence
     # the plan's micro-batches, not the loaded ones: a pipeline's middle stages load none
     if sequence is None and any(d.sp > 1 for d in step.plan.micro_batches):
         raise ValueError(

@@ -37,6 +37,10 @@ MAX_INT = 2**53  # any integer field: far above a real value, far below int64
 ZERO_STAGES = (0, 1, 2, 3)
 
 
+# the precisions a run trains in, by the names every config, profile and flag uses
+Precision = Literal["fp32", "fp16", "bf16"]
+
+
 class ConfigError(ValueError):
     """A config that cannot be used; the message names each bad field and how to fix it."""
 
@@ -178,7 +182,7 @@ class CostModelConfig(_Section):
     model: ModelShape | None = Field(
         default=None, description="model shape for kind='analytic'; adapters fill it from the live model when absent"
     )
-    dtype: Literal["fp32", "fp16", "bf16"] = Field(default="bf16", description="training precision")
+    dtype: Precision = Field(default="bf16", description="training precision")
     allow_extrapolation: bool = Field(
         default=False, description="price micro-batches larger than the profile measured instead of refusing them"
     )

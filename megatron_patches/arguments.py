@@ -28,6 +28,7 @@ import logging
 from typing import Any, Callable
 
 from dyn_plugin.config import ConfigError
+from dyn_plugin.host import support
 
 from .registry import Patch
 
@@ -104,6 +105,7 @@ def check_arguments(args: Any) -> None:
     if run is None:
         return
     plugin = run.config.plugin
+    support.check("Megatron-LM", support.Run(plugin))  # the plugin's features this host runs, all at once
     seq = getattr(args, "seq_length", None)
     longest = plugin.microbatching.max_seq_len
     if seq is not None and longest > seq:
@@ -115,12 +117,11 @@ def check_arguments(args: Any) -> None:
             f"model is built for {seq} positions; raise --seq-length (and --max-position-embeddings) to at least "
             f"{longest}, or lower max_seq_len to {seq} (with microbatching.truncate = true to cut longer documents)"
         )
-    if getattr(args, "decoder_seq_length", None) is not None:
-        # pretrain_t5.py's flag: the plugin's Megatron path plans decoder-only sequences
-        raise ConfigError(
-            f"--decoder-seq-length {args.decoder_seq_length}: T5 (an encoder-decoder) under Megatron is not built; "
-            "the plugin plans decoder-only models under Megatron (pretrain_gpt.py, megatron-core's GPTModel); train "
-            "an encoder-decoder data-parallel through deepspeed_ext"
+    if getattr(args, "decoder_seq_length", None) is not None:  # pretrain_t5.py's flag
+        raise support.refusal(
+            "encoder-decoder (input, target) pairs",
+            "Megatron-LM",
+            asked_by=f"--decoder-seq-length {args.decoder_seq_length}",
         )
     if (getattr(args, "context_parallel_size", 1) or 1) > 1:
         raise ConfigError(

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from dyn_plugin.config import ConfigError, LoadedConfig, ModelShape, load_config
-from dyn_plugin.host import checkpoint
+from dyn_plugin.host import checkpoint, support
 from dyn_plugin.host.sequence_parallel import SequenceRuntime
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.runtime.loader import DynLoader, Step
@@ -113,17 +113,8 @@ def configure(config: str | os.PathLike | Mapping[str, Any] | LoadedConfig | Non
 
 
 def check_config(cfg: LoadedConfig) -> None:
-    plugin = cfg.plugin
-    if plugin.strategy.enabled:
-        raise ConfigError(
-            "dyn_plugin.strategy.enabled under Megatron: heterogeneous strategies run with the DeepSpeed "
-            "host only; set strategy.enabled to false"
-        )
-    if plugin.sharding.enabled:
-        raise ConfigError(
-            "dyn_plugin.sharding.enabled under Megatron: per-module sharding plans run with FSDP or "
-            "DeepSpeed ZeRO-3; set sharding.enabled to false"
-        )
+    """What Megatron runs of the plugin's features (dyn_plugin/host/support.py), all refused at once."""
+    support.check("megatron-core", support.Run(cfg.plugin))
 
 
 def model_shape_view(model: Any) -> ModelShape:
@@ -178,11 +169,7 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
     chunk = unwrap(model)
     model_type = getattr(getattr(chunk, "model_type", None), "name", None)  # Megatron-LM's get_model sets it
     if model_type == "encoder_and_decoder" or type(chunk).__name__ == "T5Model":
-        raise ConfigError(
-            f"{type(chunk).__name__} is an encoder-decoder: T5 under Megatron is not built; the plugin plans "
-            "decoder-only models under Megatron (megatron-core's GPTModel); train an encoder-decoder data-parallel "
-            "through deepspeed_ext"
-        )
+        raise support.refusal("encoder-decoder (input, target) pairs", "megatron-core")
     if run.documents is None:
         raise RuntimeError(
             "no training documents: the plugin takes them from megatron-core's dataset builder "
@@ -210,16 +197,9 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
             f"{pp} pipeline stages (pipeline_model_parallel_size); set pipeline.stages to {pp}"
         )
     if pp > 1:
-        pipe = plugin.pipeline
-        if "cap_in_flight" in pipe.model_fields_set and pipe.cap_in_flight:
-            raise ConfigError(
-                "dyn_plugin.pipeline.cap_in_flight = true under Megatron: Megatron's 1F1B warms every stage up with "
-                "stages - stage - 1 forwards and cannot hold fewer micro-batches in flight; leave it out (the plans "
-                "fit memory by recompute instead)"
-            )
         # plan (and price) what Megatron's schedule runs: the plan's micro-batch order, with every
-        # stage's natural warm-up; memory is fit by recompute
-        plugin = plugin.model_copy(update={"pipeline": pipe.model_copy(update={"cap_in_flight": False})})
+        # stage's natural warm-up (cap_in_flight is refused by the support table); memory is fit by recompute
+        plugin = plugin.model_copy(update={"pipeline": plugin.pipeline.model_copy(update={"cap_in_flight": False})})
     positions = getattr(chunk, "max_sequence_length", None)
     if positions is not None and plugin.microbatching.max_seq_len > positions:
         raise ConfigError(

@@ -362,12 +362,12 @@ def files_scenarios(h: Harness, out: str, only: set[str]) -> None:
 
     # 10. ranks running different planning code: refused by name before they share a plan
     if not only or "other-build" in only:
-        import dyn_plugin.runtime.loader as loader_module
+        import dyn_plugin.runtime.plan_agreement as agreement_module
 
         def other_build(store: dict | None) -> None:
-            real = loader_module.build
+            real = agreement_module.build
             if RANK == 1:
-                loader_module.build = lambda: "dyn-plugin 9.9.9 without its C++ extension"
+                agreement_module.build = lambda: "dyn-plugin 9.9.9 without its C++ extension"
             try:
                 over = {"store": store} if store else {}
                 bcfg, bcm, blens, bdata = make(**over)
@@ -379,7 +379,7 @@ def files_scenarios(h: Harness, out: str, only: set[str]) -> None:
                 finally:
                     planned.close()
             finally:
-                loader_module.build = real
+                agreement_module.build = real
 
         h.scenario("other-build", lambda: other_build(None))
         port = int(os.environ["STORE_PORT"]) + 1
@@ -520,20 +520,20 @@ def fsdp_scenarios(h: Harness, out: str, only: set[str]) -> None:
     cfg = config("none", "packed", plan)
     cfg["dyn_plugin"]["microbatching"]["global_tokens"] = GLOBAL_TOKENS
     cfg["dyn_plugin"]["cluster"]["device"]["memory_mb"] = plan.state_bytes / 2**20 + 1.2
-    model, optimizer, loader, plan = fsdp.initialize(
+    model, optimizer, loader, _ = fsdp.initialize(
         model,
         cfg,
         data,
         lengths,
-        plan=plan,
+        shard_plan=plan,
         fsdp="fsdp2",
-        optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
         seed=3,
     )
     steps = steps_of(loader)
 
     def train() -> None:
-        fsdp.train_step(model, optimizer, next(steps), plan)
+        fsdp.train_step(model, optimizer, next(steps))
 
     def root_of(name: str) -> str:
         root = os.path.join(out, name)

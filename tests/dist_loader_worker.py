@@ -34,7 +34,7 @@ def main() -> None:
         with open(os.path.join(out, f"namespace{rank}.txt"), "w") as f:
             f.write(loader._store.namespace)
     if mode.startswith("skew"):
-        from dyn_plugin.runtime.loader import PlanMismatch
+        from dyn_plugin.runtime.plan_agreement import PlanMismatch
 
         try:
             next(iter(loader))
@@ -48,7 +48,7 @@ def main() -> None:
         with open(state_path) as f:
             loader.load_state_dict(json.load(f))
     if loader._pool is None and loader.is_host and store["backend"] != "none":
-        loader._start_planners()
+        loader._source.start_planners(loader.position)
     with open(os.path.join(out, f"pids{rank}.json"), "w") as f:
         json.dump([p.pid for p in loader._pool.procs] if loader._pool else [], f)
     stop_after = int(mode.split(":")[1]) if mode.startswith("stop-after") else None

@@ -20,7 +20,7 @@ import deepspeed  # noqa: E402
 from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
 from dyn_plugin.host.recompute import recompute_switch  # noqa: E402
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
-from dyn_plugin.plan import methods  # noqa: E402
+from dyn_plugin.plan.methods import registry as methods  # noqa: E402
 from dyn_plugin.runtime import planning  # noqa: E402
 from ranks import finish  # noqa: E402
 

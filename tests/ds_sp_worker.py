@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import deepspeed_ext
+from deepspeed_ext.state import state_of
 
 deepspeed_ext.skip_cpu_shm_build()
 
@@ -33,7 +34,7 @@ import deepspeed  # noqa: E402
 
 from ds_exact_worker import LR, MODEL, random_dataset, reference  # noqa: E402
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
-from dyn_plugin.plan import methods  # noqa: E402
+from dyn_plugin.plan.methods import registry as methods  # noqa: E402
 from dyn_plugin.plan.methods.planner import plan_step  # noqa: E402
 from dyn_plugin.plan.steps.pricing import make_micro_batch  # noqa: E402
 from dyn_plugin.plan.steps.schedule import one_f_one_b  # noqa: E402
@@ -180,7 +181,7 @@ def exact_case(case, data, lengths, out, plugin=None) -> dict:
         **case,
         "max_abs_diff": diff,
         "steps": steps,
-        "kinds": engine._dyn_plugin_sequence.kinds,
+        "kinds": state_of(engine).sequence.kinds,
         "weights": weights,
     }
 

@@ -97,7 +97,7 @@ def run_case(name: str, data, lengths, world: int, plan_dir: str, recompute: str
         seed=3,
         **kwargs,
     )
-    plan = engine._dyn_plugin_shard_plan
+    plan = deepspeed_ext.shard_plan_of(engine)
     owner = parameter_units(model)
     wanted = sorted(n for n, u in owner.items() if plan.choices()[u].kind in KEPT)
     before = param_states(engine.module)

@@ -399,18 +399,18 @@ class Cell:
         plugin = plugin_section(
             memory_mb=ACTIVATION_MB + plan.state_bytes / 2**20, layout=LAYOUTS.get(self.family, "packed")
         )
-        wrapped, optimizer, loader, plan = initialize(
+        wrapped, optimizer, loader, _ = initialize(
             model,
             {"dyn_plugin": plugin},
             self.data,
             self.lengths,
-            plan=plan,
+            shard_plan=plan,
             fsdp=host,
-            optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=LR),
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=LR),
             seed=3,
         )
         self.loader = loader
-        return (lambda step: train_step(wrapped, optimizer, step, plan)), wrapped
+        return (lambda step: train_step(wrapped, optimizer, step)), wrapped
 
     def _params_after(self, model, module) -> dict[str, torch.Tensor]:
         """The parameters this rank can vouch for after the step, under the unwrapped model's names."""

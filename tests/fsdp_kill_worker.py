@@ -43,31 +43,35 @@ def main() -> None:
     cfg = config("none", "packed", plan)
     cfg["dyn_plugin"]["microbatching"]["global_tokens"] = GLOBAL_TOKENS
     cfg["dyn_plugin"]["cluster"]["device"]["memory_mb"] = plan.state_bytes / 2**20 + ACTIVATIONS_MB
-    model, optimizer, loader, plan = fsdp.initialize(
-        model, cfg, data, lengths, plan=plan, fsdp=path, optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=1e-2), seed=3
-    )
     # the learning rate follows the scheduler's step count: a resume that lost it trains differently
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 0.7**n)
+    model, optimizer, loader, _ = fsdp.initialize(
+        model,
+        cfg,
+        data,
+        lengths,
+        shard_plan=plan,
+        fsdp=path,
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.7**n),
+        seed=3,
+    )
     switch.arm_model(model)
     ckpt = os.path.join(out, "ckpt")
     consumed: list = []
     resumed = None
     try:
-        resumed, client = fsdp.load_checkpoint(model, optimizer, loader, ckpt, scheduler=scheduler)
+        resumed, client = fsdp.load_checkpoint(model, optimizer, loader, ckpt)  # and the scheduler initialize built
         consumed = client["consumed"]
     except FileNotFoundError:
         pass  # the first launch
     switch.hit("startup")
     for step in loader:
-        fsdp.train_step(model, optimizer, step, plan)
-        scheduler.step()
+        fsdp.train_step(model, optimizer, step)  # steps the scheduler too
         every = [None] * world
         dist.all_gather_object(every, [i for mb in step.sample_ids for i in mb])
         consumed.append([loader.position - 1, sorted(i for ids in every for i in ids)])
         with switch.saving():
-            fsdp.save_checkpoint(
-                model, optimizer, loader, ckpt, scheduler=scheduler, client_state={"consumed": consumed}
-            )
+            fsdp.save_checkpoint(model, optimizer, loader, ckpt, client_state={"consumed": consumed})
     params = full_params(model, path)
     if dist.get_rank() == 0:
         torch.save({"params": params, "consumed": consumed, "resumed": resumed}, os.path.join(out, "final.pt"))

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from dyn_plugin.cost.bundled import DIR
 from dyn_plugin.cost.encoder_decoder import import_t5_tables
-from dyn_plugin.fsdp import initialize, load_checkpoint, save_checkpoint, train_step
+from dyn_plugin.fsdp import initialize, load_checkpoint, save_checkpoint, shard_plan_of, train_step
 from dyn_plugin.models.hf import PRESETS, build_seq2seq_lm
 from dyn_plugin.models.shard_units import shard_units
 from fsdp_worker import CollectiveCounts, full_params, hand_plan
@@ -72,9 +72,9 @@ def sharded(fsdp: str, variant: str, how: str, pairs, data, cost, world: int, in
             config(pairs),
             data,
             pairs,
-            plan=plan,  # None: searched
+            shard_plan=plan,  # None: searched
             fsdp=fsdp,
-            optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=lr),
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=lr),
             cost_model=cost,
             seed=3,
         ),
@@ -83,12 +83,13 @@ def sharded(fsdp: str, variant: str, how: str, pairs, data, cost, world: int, in
 
 def run_case(fsdp: str, variant: str, how: str, pairs, data, cost, world: int, resume_dir: str | None = None) -> dict:
     lr = VARIANTS[variant][1]
-    ref, model, optimizer, loader, plan = sharded(fsdp, variant, how, pairs, data, cost, world)
+    ref, model, optimizer, loader, _ = sharded(fsdp, variant, how, pairs, data, cost, world)
+    plan = shard_plan_of(model)
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     counter = CollectiveCounts(model, plan, world) if fsdp == "fsdp2" else None
     diffs, losses, sizes, recompute, trained, collectives = [], [], [], [], [], []
     for step in loader:
-        loss = train_step(model, optimizer, step, plan)
+        loss = train_step(model, optimizer, step)
         ids = global_samples(step, world)
         trained.append(ids)
         samples = [(data[i]["input_ids"], data[i]["labels"]) for i in ids]
@@ -112,7 +113,7 @@ def run_case(fsdp: str, variant: str, how: str, pairs, data, cost, world: int, r
         load_checkpoint(fresh, fresh_opt, again, resume_dir)
         rest = []
         for step in again:
-            train_step(fresh, fresh_opt, step, plan)
+            train_step(fresh, fresh_opt, step)
             rest.append(global_samples(step, world))
         ended, theirs = full_params(fresh, fsdp), full_params(model, fsdp)
         resumed = {"diff": max(float((p - theirs[n]).abs().max()) for n, p in ended.items()), "trained": rest}

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from dyn_plugin.cost.model import Precision
-from dyn_plugin.fsdp import initialize, train_step
+from dyn_plugin.fsdp import initialize, shard_plan_of, train_step
 from dyn_plugin.fsdp.memory import measure, predicted_peak_bytes
 from dyn_plugin.fsdp.targets import wrap_targets
 from dyn_plugin.models.hf import build_causal_lm
@@ -150,23 +150,22 @@ def run_case(fsdp, shard, recompute, layout, labels, data, lengths, world, measu
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     plan = hand_plan(model, world, shard, labels, fsdp) if labels else None  # None: initialize searches one
     with measure() as mem:
-        model, optimizer, loader, plan = initialize(
+        model, optimizer, loader, _ = initialize(
             model,
             config(recompute, layout, plan),
             data,
             lengths,
-            plan=plan,
+            shard_plan=plan,
             fsdp=fsdp,
             # AdamW where memory is measured: its two states per parameter are what the plan prices
-            optimizer_fn=lambda ps: (
-                torch.optim.SGD(ps, lr=LR) if not measure_memory else torch.optim.AdamW(ps, lr=1e-3)
-            ),
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=LR) if not measure_memory else torch.optim.AdamW(ps, lr=1e-3),
             seed=3,
         )
+        plan = shard_plan_of(model)  # searched where none was given
         counter = CollectiveCounts(model, plan, world) if fsdp == "fsdp2" else None
         steps, losses, sizes, collectives = [], [], [], []
         for step in loader:
-            losses.append(train_step(model, optimizer, step, plan))
+            losses.append(train_step(model, optimizer, step))
             step.micro_batches.clear()  # spent: what stays alive after the step is the model's states
             steps.append(step)
             sizes.append([len(s) for s in step.sample_ids])

@@ -67,7 +67,7 @@ def main() -> None:
 
     if kill == "startup":
         if loader._store is not None and loader.is_host:
-            loader._start_planners()
+            loader._source.start_planners(loader.position)
         die()
     at, phase = (int(kill.split(":")[0]), kill.split(":")[1]) if ":" in kill else (None, None)
     n = 0

@@ -160,7 +160,7 @@ def force_groupings(groupings: list[list[int]]) -> None:
     checked (check_plans(rendezvous=True))."""
     import functools
 
-    from dyn_plugin.plan import methods
+    from dyn_plugin.plan.methods import registry as methods
     from dyn_plugin.runtime.planning import PlanningContext
 
     plan, plan_step = PlanningContext.plan, methods.plan_step
@@ -181,7 +181,7 @@ def force_checkpointed(layers: int) -> None:
     choose its own."""
     from dataclasses import replace
 
-    from dyn_plugin.plan import replicas
+    from dyn_plugin.plan.steps import replicas
 
     def forced(mbs, schedule, sim, spec):
         return tuple(replace(m, recompute="full", checkpointed=(layers,) * spec.pp) for m in mbs), sim

@@ -14,7 +14,7 @@ from dyn_plugin.cli import main
 from dyn_plugin.cost.profile import save_profile
 from dyn_plugin.cost.shape import shape_from_config
 from dyn_plugin.models.hf import PRESETS, hf_config
-from dyn_plugin.profiling.profiler import run_profile
+from dyn_plugin.profiling.profiler import ProfileRun, run_profile
 from dyn_plugin.profiling.workload import ProfileGrid
 
 pytest.importorskip("transformers")
@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def profile_path(tmp_path_factory):
     grid = ProfileGrid(seq_lens=(16, 64), micro_batch_sizes=(1, 2), max_tokens=128, recomputes=("none",), repeats=1)
-    profile = run_profile(PRESETS["tiny-llama"], name="tiny-llama", grid=grid, validate=0, progress=False)
+    profile = run_profile(PRESETS["tiny-llama"], ProfileRun(name="tiny-llama", grid=grid, validate=0, progress=False))
     path = tmp_path_factory.mktemp("families") / "profile.json"
     save_profile(profile, path)
     return path

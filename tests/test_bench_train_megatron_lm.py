@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from shared_data import shared_path
+from shared_data import megatron_lm
 
 pytest.importorskip("megatron.core")
 
@@ -21,7 +21,7 @@ MODES = ["padded", "megatron-lm", "megatron-lm-sdpa", "dyn_plugin"]
 
 def bench(tmp_path, *modes: str) -> tuple[dict[str, dict], list[dict], object]:
     """(rows by mode, per-step records, output folder) of the benchmark over ``modes`` (all without)."""
-    mlm = os.environ.get("MEGATRON_LM") or str(shared_path("third_party", "megatron-lm"))
+    mlm = str(megatron_lm())  # skipped without a checkout (failed under CI)
     out = tmp_path / "train"
     # 1024-token rows, 2 per iteration: the shorter documents of the corpus leave padded rows part empty
     cmd = [sys.executable, "-m", "dyn_plugin", "bench", "train", "--host", "megatron-lm", "--megatron-lm", mlm]
@@ -67,8 +67,14 @@ def test_megatron_lm_comparison_trains_every_mode(tmp_path):
 
 
 def test_an_unknown_mode_is_refused_with_the_hosts_list(tmp_path):
+    """Refused before anything runs, so no Megatron-LM is needed: a stand-in checkout (never run) is named,
+    as without one the command would refuse the missing checkout first (or use ../shared's)."""
+    checkout = tmp_path / "stand-in"
+    checkout.mkdir()
+    (checkout / "pretrain_gpt.py").write_text("raise SystemExit('a stand-in, never run')\n")
     cmd = [sys.executable, "-m", "dyn_plugin", "bench", "train", "--host", "megatron-lm", "--modes", "padded,nope"]
-    done = subprocess.run(cmd + ["--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    cmd += ["--megatron-lm", str(checkout), "--out", str(tmp_path / "out")]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--modes: unknown nope" in done.stderr and "megatron-lm-sdpa" in done.stderr
 
 

@@ -217,7 +217,10 @@ def test_bench_train_runs_without_a_profile_on_the_analytic_model(tmp_path, caps
     (tmp_path / "p.json").write_text("{}")  # checked to exist when the command line is read
     profile = str(tmp_path / "p.json")
     assert main(["bench", "train", "--out", str(tmp_path), "--profile", profile]) == 0
-    assert launched[1][-2:] == ["--profile", profile] and f"cost model: profile {profile}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert launched[1][-2:] == ["--profile", profile] and f"cost model: profile {profile}" in out
+    # without --json the ranks' table is the output (make demo): no JSON records after it
+    assert not [line for line in out.splitlines() if line.startswith("{")], out
 
 
 def test_bench_train_host_megatron_launches_megatrons_comparison(tmp_path, capsys, monkeypatch):
@@ -242,6 +245,15 @@ def test_bench_train_host_megatron_launches_megatrons_comparison(tmp_path, capsy
     assert main(["bench", "train", "--host", "megatron", "--sp", "--out", str(tmp_path)]) == 2
     assert "--sp compares sequence-parallel plans with --host deepspeed only" in capsys.readouterr().err
     assert len(launched) == 1
+
+
+def test_plan_header_names_the_card_measured_and_the_card_planned_for(capsys):
+    """The bundled tables were measured on a 40 GB A100, the example plans for an 80 GB one: the header says
+    both, and the limit the peaks are read against."""
+    assert main(["plan", "--config", "examples/a100_gpt67b.json", "--lengths", "code", "--steps", "1"]) == 0
+    costs, layout = capsys.readouterr().out.splitlines()[:2]
+    assert costs.startswith("gpt-6.7b, costs measured on AWS p4d: NVIDIA A100 40GB; plans for A100-80GB: 72,000 MB")
+    assert "peaks up to 66.0 GiB" in costs and layout.startswith("pp=4 dp=2 ZeRO-1")
 
 
 def test_shard_command_prints_and_writes_the_plan(tmp_path, capsys):

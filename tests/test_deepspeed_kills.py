@@ -80,5 +80,7 @@ def test_random_kills_lose_and_repeat_nothing(tmp_path_factory, path):
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_hundred_random_kills_lose_and_repeat_nothing(tmp_path_factory, path):
     t0 = time.time()
-    killed = kills_on(tmp_path_factory, path, kills=int(os.environ.get("KILLS", 100)))  # KILLS: a shorter run
+    kills = int(os.environ.get("KILLS", 100))  # KILLS: a shorter run
+    killed = kills_on(tmp_path_factory, path, kills=kills)
     print(f"{path}: {killed} kills survived in {time.time() - t0:.0f} s")
+    assert killed == kills

@@ -177,7 +177,7 @@ def test_the_entry_refuses_what_sharded_training_cannot_run():
     model = build_causal_lm(TINY)
     with pytest.raises(ValueError, match="fsdp='fsdp3'"):
         initialize(model, {}, [], [], fsdp="fsdp3")
-    with pytest.raises(ValueError, match="microbatching.method 'token_budget'.*only 'dynapipe'"):
+    with pytest.raises(ValueError, match="microbatching.method 'token_budget' on FSDP2.*only 'dynapipe' plans"):
         initialize(model, {"dyn_plugin": {"microbatching": {"method": "token_budget"}}}, [], [])
     with pytest.raises(ValueError, match="data-parallel only"):
         initialize(model, {"dyn_plugin": {"pipeline": {"stages": 2}}}, [], [])

@@ -18,8 +18,10 @@ PKG = ROOT / "dyn_plugin"
 # package -> the dyn_plugin packages it may import (besides itself)
 ALLOWED = {
     # stdlib-only helpers at the bottom: bounds on counts and amounts, JSON files read with their name in errors,
-    # files written whole or not at all (atomic)
+    # files written whole or not at all (atomic), the command line's argument types (for the CLI and the
+    # benchmarks' own flags)
     "checks": set(),
+    "cli_args": {"checks"},
     "jsonfile": set(),
     "atomic": set(),
     "version": set(),
@@ -51,6 +53,7 @@ ALLOWED = {
         "layout",
         "device",
         "atomic",
+        "cli_args",
     },
     "fsdp": {
         "config",
@@ -80,12 +83,13 @@ ALLOWED = {
         "checks",
         "jsonfile",
         "atomic",
+        "cli_args",
     },
     "cli": {"commands"},
     "__main__": {"cli"},
     "__init__": {"cost", "version"},
 }
-PURE = ("checks", "jsonfile", "atomic", "version", "config", "lengths", "cost", "plan", "layout")
+PURE = ("checks", "cli_args", "jsonfile", "atomic", "version", "config", "lengths", "cost", "plan", "layout")
 # the modules that may import megatron_patches: the Megatron training benchmark, which runs only as the
 # ranks' main module, launched by name (``dynplugin bench train --host megatron``) in child processes, and
 # the rank script of ``bench train --host megatron-lm``, launched by path in place of pretrain_gpt.py

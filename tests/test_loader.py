@@ -280,7 +280,7 @@ def test_recompute_differing_between_replicas_refused_under_zero_3(monkeypatch):
     recomputes where another does not runs them in another order (gloo: a size mismatch; NCCL: a hang)."""
     from dataclasses import replace
 
-    from dyn_plugin.plan import methods
+    from dyn_plugin.plan.methods import registry as methods
 
     cfg, cm, lens, data = make()
     plan_step = methods.plan_step
@@ -353,7 +353,7 @@ def _kill_first_planner(loader):
     import os
     import signal
 
-    loader._start_planners()
+    loader._source.start_planners(loader.position)
     os.kill(loader._pool.procs[0].pid, signal.SIGKILL)
 
 
@@ -446,7 +446,7 @@ def test_plans_that_expired_in_the_store_are_planned_again_locally(redis_server,
         steps = iter(loader)
         got = [next(steps).sample_ids]
         time.sleep(1.5)  # a pause in training: every plan fetched ahead expires
-        with caplog.at_level(logging.WARNING, logger="dyn_plugin.runtime.loader"):
+        with caplog.at_level(logging.WARNING, logger="dyn_plugin.runtime.plan_source"):
             got += [s.sample_ids for s in steps]
     finally:
         loader.close()

@@ -1,8 +1,9 @@
 """Megatron-LM's own ``pretrain_gpt.py`` through the plugin's launcher, on gloo CPU ranks.
 
-The script is Megatron-LM's, unmodified (``shared/third_party/megatron-lm``, or a user's checkout
-named by ``$MEGATRON_LM``); ``tests/megatron_lm_worker.py`` runs it as ``__main__`` and records what
-the core attention computed, the documents each iteration trained and the parameters. A tiny
+The script is Megatron-LM's, unmodified (``shared_data.megatron_lm()``: a user's checkout named by
+``$MEGATRON_LM``, else ``../shared/third_party/megatron-lm``; skipped where neither is);
+``tests/megatron_lm_worker.py`` runs it as ``__main__`` and records what the core attention
+computed, the documents each iteration trained and the parameters. A tiny
 Llama-style GPT (4 layers, hidden 128, 4 heads in 2 query groups, SwiGLU, RMSNorm, RoPE) trains 4
 iterations of Megatron's mock data with the plugin's padded and packed micro-batches at TP 1-2 x
 PP 1-2, SGD with warm-up and linear decay. Each run must:
@@ -34,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from ranks import free_port
-from shared_data import shared_path
+from shared_data import megatron_lm
 
 pytest.importorskip("megatron.core")
 
@@ -76,15 +77,6 @@ CASES = {
 # over both columns and attending across them; two groups of 1: unsplit), where the planner would
 # choose its own; the group attends by Ulysses (heads split) or the ring (key/value blocks passed on)
 GROUPED = {"pp2-dp2-sp-packed": ([[2], [1, 1]], "ulysses"), "dp2-sp-padded": ([[1, 1], [2]], "ring")}
-
-
-def megatron_lm() -> Path:
-    """Megatron-LM's scripts: ``$MEGATRON_LM`` (a user's checkout) or the shared third-party copy."""
-    named = os.environ.get("MEGATRON_LM")
-    path = Path(named) if named else shared_path("third_party", "megatron-lm")
-    if not (path / "pretrain_gpt.py").is_file():
-        pytest.fail(f"{path} has no pretrain_gpt.py ($MEGATRON_LM must name a Megatron-LM checkout)")
-    return path
 
 
 def environment(out: Path, **extra: str) -> dict:

@@ -14,7 +14,7 @@ from dyn_plugin.cost.model import features
 from dyn_plugin.cost.native import core
 from dyn_plugin.cost.sequence_parallel import SequenceParallelCost
 from dyn_plugin.cost.table import evaluate_stage
-from dyn_plugin.plan import microbatch
+from dyn_plugin.plan.steps import microbatch
 from dyn_plugin.plan.steps.microbatch import InfeasibleError, StageMemory, partition
 
 SHAPE = ModelShape(
@@ -183,9 +183,9 @@ def planner_spec(pp, budget_gb, attention):
     from dyn_plugin.plan.steps.types import LinkSpec
 
     return PlannerSpec(
-        COST,
-        tuple(split_layers(8, pp)),
-        tuple(memory_for(pp, budget_gb)),
+        cost=COST,
+        stages=tuple(split_layers(8, pp)),
+        memory=tuple(memory_for(pp, budget_gb)),
         dp=4,
         link=LinkSpec(25.0),
         hidden_size=SHAPE.hidden_size,

@@ -14,18 +14,18 @@ from hypothesis import strategies as st
 from dyn_plugin.config import DynPluginConfig
 from dyn_plugin.cost.bundled import MEASURED_DIR
 from dyn_plugin.cost.encoder_decoder import PairStage, import_t5_tables
-from dyn_plugin.plan import microbatch
 from dyn_plugin.plan.methods.pair_baselines import PAIR_BASELINES, budget_pair_groups
+from dyn_plugin.plan.steps import microbatch
 from dyn_plugin.plan.steps.microbatch import InfeasibleError, StageMemory
 from dyn_plugin.plan.steps.pair_microbatch import (
     ORDERS,
     make_pair_micro_batch,
     order_pairs,
-    pair_usable,
     partition_pairs,
 )
 from dyn_plugin.plan.steps.pair_planner import plan_pairs
 from dyn_plugin.plan.steps.pair_spec import PairSpec, balanced_split_rank, pair_planner_spec, split_stages
+from dyn_plugin.plan.steps.pricing import usable
 from dyn_plugin.plan.steps.schedule import one_f_one_b
 from dyn_plugin.plan.steps.simulator import simulate, stage_peak_bytes
 from dyn_plugin.plan.steps.types import LinkSpec
@@ -37,7 +37,7 @@ GIB = 2**30
 def spec_for(pp: int, split: int, dp: int, budget_gib: float, tp: int = 4) -> PairSpec:
     stages = split_stages(COST, pp, split)
     memory = tuple(StageMemory(budget_gib * GIB, pp - s) for s in range(pp))
-    return PairSpec(COST, stages, memory, dp, LinkSpec(100.0), tp=tp)
+    return PairSpec(cost=COST, stages=stages, memory=memory, dp=dp, link=LinkSpec(100.0), tp=tp)
 
 
 def synthetic_pairs(n: int, seed: int) -> tuple[list[int], list[int]]:
@@ -55,7 +55,7 @@ def run_time(ids, ins, outs, spec):
     times = [
         mb.time_ms
         for rc in spec.recomputes
-        if pair_usable(mb := make_pair_micro_batch(ids, ins, outs, spec=spec, recompute=rc), spec)
+        if usable(mb := make_pair_micro_batch(ids, ins, outs, spec=spec, recompute=rc), spec)
     ]
     return min(times, default=None)
 
@@ -98,7 +98,7 @@ def test_dp_matches_brute_force_on_small_inputs(pairs, pp, dp, budget):
     assert sorted(got.order) == list(range(len(pairs)))
     assert (len(got.bounds) - 1) % dp == 0
     for ids, rc in zip(got.groups(), got.recompute):
-        assert pair_usable(make_pair_micro_batch(ids, ins, outs, spec=spec, recompute=rc), spec)
+        assert usable(make_pair_micro_batch(ids, ins, outs, spec=spec, recompute=rc), spec)
 
 
 def test_plan_respects_memory_and_covers_every_pair_once():
@@ -216,7 +216,7 @@ def test_baselines_cover_every_pair_and_are_slower_here():
         plan = fn(ins, outs, spec, max(ins), max(outs))
         assert plan.method == name
         assert sorted(i for mb in plan.micro_batches for i in mb.sample_ids) == list(range(len(ins)))
-        assert all(pair_usable(mb, spec) for mb in plan.micro_batches)
+        assert all(usable(mb, spec) for mb in plan.micro_batches)
         assert len({mb.recompute for mb in plan.micro_batches}) == 1  # one mode for the step, as configured
         assert plan.iteration_ms > plugin.iteration_ms, name
 

@@ -6,7 +6,7 @@ import torch
 
 from dyn_plugin.models.hf import PRESETS, build_causal_lm
 from dyn_plugin.profiling.memory import LiveMemory
-from dyn_plugin.profiling.profiler import run_profile
+from dyn_plugin.profiling.profiler import ProfileRun, run_profile
 from dyn_plugin.profiling.workload import ProfileGrid, make_inputs
 
 GRID = ProfileGrid(seq_lens=(16, 64, 256), micro_batch_sizes=(1, 4), max_tokens=512, recomputes=("none",), repeats=4)
@@ -18,7 +18,9 @@ def profile():
     torch.set_num_threads(1)
     try:
         # as one of 2 training ranks: a load process beside it, the all-reduce among 2
-        yield run_profile(PRESETS["tiny-llama"], name="tiny-llama", grid=GRID, validate=12, progress=False, ranks=2)
+        yield run_profile(
+            PRESETS["tiny-llama"], ProfileRun(name="tiny-llama", grid=GRID, validate=12, progress=False, ranks=2)
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -161,11 +163,9 @@ def test_bf16_on_cpu_is_measured_and_recorded_in_bf16(profile):
 
     half = run_profile(
         PRESETS["tiny-llama"],
-        name="tiny-llama",
-        grid=GRID,
-        validate=0,
-        progress=False,
-        target=Target(torch.device("cpu"), "bf16"),
+        ProfileRun(
+            name="tiny-llama", grid=GRID, validate=0, progress=False, target=Target(torch.device("cpu"), "bf16")
+        ),
     )
     assert (half.device.type, half.device.dtype, half.model.dtype) == ("cpu", "bf16", "bf16")
     assert (profile.device.dtype, profile.model.dtype) == ("fp32", "fp32")

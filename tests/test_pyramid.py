@@ -14,15 +14,15 @@ from dyn_plugin.cost.profile import cost_model_from_profile
 from dyn_plugin.lengths.io import load_lengths
 from dyn_plugin.models.hf import PRESETS, build_causal_lm
 from dyn_plugin.models.recompute import RecomputeSwitch, _attention, decoder_layers
-from dyn_plugin.plan import pyramid, replicas
 from dyn_plugin.plan.methods.planner import plan_step
+from dyn_plugin.plan.steps import pyramid, replicas
 from dyn_plugin.plan.steps.bounds import critical_path_ms
 from dyn_plugin.plan.steps.microbatch import StageMemory
 from dyn_plugin.plan.steps.pricing import make_micro_batch
 from dyn_plugin.plan.steps.schedule import choose_schedule
 from dyn_plugin.plan.steps.simulator import simulate, stage_peak_bytes
 from dyn_plugin.plan.steps.spec import planner_spec
-from dyn_plugin.profiling.profiler import run_profile
+from dyn_plugin.profiling.profiler import ProfileRun, run_profile
 from dyn_plugin.profiling.workload import ProfileGrid, make_inputs
 from dyn_plugin.runtime.sampler import global_batches
 
@@ -137,7 +137,7 @@ def test_measured_peak_falls_with_more_checkpointed_layers_as_predicted():
         repeats=1,
         warmup=0,
     )
-    check = run_profile(PRESETS["tiny-llama"], grid=grid, validate=0, progress=False).pyramid
+    check = run_profile(PRESETS["tiny-llama"], ProfileRun(grid=grid, validate=0, progress=False)).pyramid
     assert [c["checkpointed"] for c in check["cases"]] == [0, 2, 4] and check["num_layers"] == 4
     peaks = [c["measured_peak_bytes"] for c in check["cases"]]
     # every layer taken out of recompute keeps its activations: the peak grows with each one

@@ -156,7 +156,7 @@ def test_deepspeed_trains_t5_on_pairs_exactly_for_every_zero_stage(tmp_path):
 @pytest.mark.parametrize(
     "plugin, lengths, message",
     [
-        ({"sequence_parallel": {"enabled": True}}, [[2, 2]], "sequence parallelism over pairs are not built"),
+        ({"sequence_parallel": {"enabled": True}}, [[2, 2]], "sequence parallelism over pairs is not built"),
         ({"microbatching": {"layout": "packed"}}, [[2, 2]], "rows packed with several pairs are not built"),
         ({}, [2], "it trains on (input, target) pairs; give lengths as an [N, 2] array"),
         ("decoder-only", [[2, 2]], "pass cost_model=, an encoder-decoder cost model"),

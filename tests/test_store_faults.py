@@ -180,7 +180,7 @@ def test_a_store_down_without_a_process_group_fails_after_plan_timeout(fresh_red
     )
     loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, seed=SEED)
     try:
-        loader._start_planners()
+        loader._source.start_planners(loader.position)
         deadline = time.monotonic() + 60  # its start-up, however loaded the machine, is not what is timed here
         while loader._store.get(plan_key(0, 0, 0)) is None and time.monotonic() < deadline:
             time.sleep(0.05)

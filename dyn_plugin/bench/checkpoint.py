@@ -17,28 +17,34 @@ import tempfile
 import time
 
 from ..atomic import fsync_directory
+from ..cli_args import count, number
 from ..host.checkpoint_files import THREADS, listing, seal, verify
 from ..host.exchange import describe
 
+HELP = (
+    "the checkpoint protocol's cost: sha256 while sealing a save, and a resume's verify (hashes or "
+    "sizes), on a checkpoint written to this machine's disk"
+)
 
-def add_arguments(sub: argparse._SubParsersAction, *, size, count) -> argparse.ArgumentParser:
-    bench = sub.add_parser(
-        "checkpoint",
-        help="the checkpoint protocol's cost: sha256 while sealing a save, and a resume's verify (hashes or "
-        "sizes), on a checkpoint written to this machine's disk",
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--size-mb", type=number(0.0), default=1024, help="the checkpoint's size, MB (default %(default)s)"
     )
-    bench.add_argument("--size-mb", type=size, default=1024, help="the checkpoint's size, MB (default %(default)s)")
-    bench.add_argument("--files", type=count, default=8, help="files it is cut into (default %(default)s)")
-    bench.add_argument(
+    parser.add_argument("--files", type=count(1, 4096), default=8, help="files it is cut into (default %(default)s)")
+    parser.add_argument(
         "--dir", default=".", help="where to write it (a temporary folder inside, removed after; default: here)"
     )
-    bench.add_argument(
+    parser.add_argument(
         "--cold",
         action="store_true",
         help="drop the kernel's page cache before verifying, as a resume on a fresh node reads (needs root: "
         "writes /proc/sys/vm/drop_caches)",
     )
-    return bench
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    return [bench_checkpoint(args)]
 
 
 def bench_checkpoint(args: argparse.Namespace) -> dict:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..cli_args import SEED, STEPS, TOKENS, choices, count, input_file
 from ..models.hf import PRESETS
 
 TINY_LLAMA = {k: v for k, v in PRESETS["tiny-llama"].items() if k != "model_type"}
@@ -43,6 +44,34 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gpt2": dict(PRESETS["tiny-gpt2"]),
     "olmo2": {},
 }
+HELP = (
+    "the cost model held out on each family's tiny model (Llama, Mistral, Qwen2, Qwen2-MoE, Mixtral, Phi3, "
+    "Gemma2, Gemma3, GPT-NeoX, GPT-2, OLMo2): one packed micro-batch predicted from a profile of this "
+    "machine through the family's shape, against its measured step (dyn_plugin/bench/families.py)"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--profile",
+        type=input_file,
+        required=True,
+        help="a tiny-llama profile of this machine (dynplugin profile; CPU)",
+    )
+    parser.add_argument("--families", type=choices(tuple(FAMILIES)), help="comma-separated subset (default: all)")
+    parser.add_argument(
+        "--seq-len", type=TOKENS, default=512, help="the micro-batch's longest document (default %(default)s)"
+    )
+    parser.add_argument(
+        "--micro-batch-size",
+        type=count(1, 2**16),
+        default=2,
+        help="the micro-batch holds this many times --seq-len tokens, the rest cut into documents at random "
+        "(default %(default)s: 1024 tokens, the largest a default profile measures)",
+    )
+    parser.add_argument("--warmup", type=count(0), default=1)
+    parser.add_argument("--repeats", type=STEPS, default=10, help="timed rounds; the minimum is kept")
+    parser.add_argument("--seed", type=SEED, default=0)
 
 
 def family_config(family: str) -> dict[str, Any]:
@@ -54,7 +83,7 @@ def family_config(family: str) -> dict[str, Any]:
     return {k: v for k, v in merged.items() if v is not None}
 
 
-def bench_families(args: argparse.Namespace) -> list[dict]:
+def run(args: argparse.Namespace) -> list[dict]:
     """One record per family: predicted and measured step of the same packed micro-batch."""
     import numpy as np
     import torch

@@ -9,14 +9,51 @@ once ``step_ms`` exceeds planning time / planners.
 
 from __future__ import annotations
 
+import argparse
 import time
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
+from ..cli_args import STEPS, count, numbers, redis_url
 from ..layout import RankLayout
 
 MAX_LEN = 8192
+HELP = (
+    "loader steps/s, time each step waits for its plan (planning locally or "
+    "ahead through a store), store round-trip latency"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=STEPS, default=20)
+    parser.add_argument(
+        "--step-ms", type=numbers(-1.0), default="0,50,200", help="simulated training step times (ms), comma-separated"
+    )
+    parser.add_argument("--planners", type=count(1, 64), default=2)
+    parser.add_argument("--prefetch", type=count(1, 1024), default=4)
+    parser.add_argument(
+        "--samples",
+        type=STEPS,
+        help="instead, the loader's own cost on a dataset of this many samples: "
+        "start-up and per-step overhead, planning and collation left out",
+    )
+    parser.add_argument(
+        "--redis-url",
+        type=redis_url,
+        help="measure this Redis server (password in $DYN_PLUGIN_REDIS_PASSWORD) rather "
+        "than a throwaway local redis-server",
+    )
+
+
+def run(args: argparse.Namespace) -> Iterable[dict]:
+    """The loader with and without planning ahead, then the stores' round trips; with ``--samples``
+    instead, the loader's own cost at that dataset size."""
+    if args.samples is not None:
+        return [bench_loader_scale(args.samples, steps=args.steps)]
+    return bench_loader(
+        steps=args.steps, step_ms=args.step_ms, planners=args.planners, prefetch=args.prefetch, redis_url=args.redis_url
+    )
 
 
 class _Tokens:

@@ -12,29 +12,79 @@ layers or none, and its ``pyramid_speedup`` says how much faster the pyramid pla
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import replace
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
+from .. import cli_args  # as a module: the planner's loops have a ``count`` of their own
 from ..config import DynPluginConfig
 from ..cost.bundled import load_bundled
 from ..cost.profile import cost_model_from_profile
+from ..lengths.corpus import DISTRIBUTIONS
 from ..lengths.io import load_lengths
 from ..plan.methods.baselines import BASELINES, plan_baseline
 from ..plan.methods.planner import plan_step
 from ..plan.steps.bounds import critical_path_ms, ideal_ms
 from ..plan.steps.spec import planner_spec
 from ..runtime.sampler import global_batches
+from . import planner_pairs
+from .plan_records import plan_summary, timed_plans
 
 MAX_LEN = 8192
+HELP = (
+    "planning time and simulated step time against the baselines, "
+    "A100 GPT-6.7B costs, bundled length distributions (--model t5-11b: A100 T5 11B costs, the bundled "
+    "pair distribution 'tasks', the pair baselines)"
+)
+# the models and their default global tokens and pp x dp grids
+DEFAULTS = {
+    "gpt-6.7b": ("16384,65536,262144", "1x1,4x2,8x8"),
+    "t5-11b": (planner_pairs.GLOBAL_TOKENS, planner_pairs.PARALLEL),
+}
 
 
-def _ms(fn) -> tuple[object, float]:
-    t0 = time.perf_counter()
-    out = fn()
-    return out, (time.perf_counter() - t0) * 1e3
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        choices=DEFAULTS,
+        default="gpt-6.7b",
+        help="gpt-6.7b (dyn_plugin/bench/planner.py) or t5-11b: (input, target) pairs on encoder then decoder "
+        "stages (dyn_plugin/bench/planner_pairs.py; --distributions, --python-batches and --no-pyramid do not apply)",
+    )
+    parser.add_argument("--distributions", type=cli_args.choices(tuple(DISTRIBUTIONS)), default="code,prose,mixture")
+    parser.add_argument(
+        "--global-tokens",
+        type=cli_args.TOKEN_COUNTS,
+        help="default 16384,65536,262144 (gpt-6.7b), 65536 (t5-11b: input and target tokens)",
+    )
+    parser.add_argument(
+        "--parallel", type=cli_args.grids, help="pp x dp configurations; default 1x1,4x2,8x8 (gpt-6.7b), 4x2 (t5-11b)"
+    )
+    parser.add_argument("--batches", type=cli_args.STEPS, default=10, help="global batches per configuration")
+    parser.add_argument(
+        "--python-batches",
+        type=cli_args.count(0),
+        default=2,
+        help="of those, how many also go through the (slow) pure-Python planner",
+    )
+    parser.add_argument("--seed", type=cli_args.SEED, default=0)
+    parser.add_argument(
+        "--no-pyramid",
+        action="store_true",
+        help="plan without pyramid checkpointing (every micro-batch recomputes all of its layers or "
+        "none); by default the all-or-nothing plans are also run as dynapipe_all_or_nothing",
+    )
+
+
+def run(args: argparse.Namespace) -> Iterable[dict]:
+    """The model's records, its defaults filled in where the flags were left out."""
+    tokens, grid = DEFAULTS[args.model]
+    args.global_tokens = cli_args.TOKEN_COUNTS(tokens) if args.global_tokens is None else args.global_tokens
+    args.parallel = cli_args.grids(grid) if args.parallel is None else args.parallel
+    if args.model == "t5-11b":
+        return planner_pairs.bench_planner_pairs(args)
+    return bench_planner(args)
 
 
 def bench_planner(args: argparse.Namespace) -> Iterator[dict]:
@@ -78,24 +128,17 @@ def _bench_config(base: dict, batches: list[list[int]], spec, python_batches: in
             continue
         rec = {**base, "method": method, "impl": impl, "batches": count}
         try:
-            results = [_ms(lambda b=b: fn(b)) for b in batches[:count]]
+            plans, times = timed_plans(fn, batches[:count])
         except ValueError as exc:  # infeasible for this configuration (e.g. fewer sequences than replicas)
             yield {**rec, "error": str(exc)}
             continue
-        plans, times = zip(*results)
         iters = [p.iteration_ms for p in plans]
         rec.update(
-            plan_ms_p50=float(np.percentile(times, 50)),
-            plan_ms_p99=float(np.percentile(times, 99)),
-            sim_iter_ms=float(np.mean(iters)),
+            plan_summary(plans, times),
             ideal_ms=float(np.mean(ideal[:count])),
             vs_ideal=float(np.mean([i / d for i, d in zip(iters, ideal)])),
             lower_bound_ms=float(np.mean(bound[:count])),
             vs_lower_bound=float(np.mean([i / d for i, d in zip(iters, bound)])),
-            padding_fraction=float(np.mean([p.padding_fraction for p in plans])),
-            peak_mem_bytes=float(max(p.peak_bytes for p in plans)),
-            bubble=float(np.mean([p.bubble_fraction for p in plans])),
-            micro_batches=float(np.mean([len(p.micro_batches) for p in plans])),
             layout=plans[0].layout,
         )
         if (method, impl) == ("dynapipe", "cpp"):

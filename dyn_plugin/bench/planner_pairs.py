@@ -12,7 +12,6 @@ every split of the pipeline into encoder and decoder stages.
 from __future__ import annotations
 
 import argparse
-import time
 from collections import Counter
 from typing import Iterator
 
@@ -26,10 +25,13 @@ from ..plan.methods.pair_baselines import PAIR_BASELINES
 from ..plan.steps.pair_planner import plan_pairs
 from ..plan.steps.pair_spec import pair_planner_spec
 from ..runtime.sampler import global_batches
+from .plan_records import plan_summary, timed_plans
 
 MAX_LEN = 4096  # the longest input and target the tp 1 tables measured
 DISTRIBUTION = "tasks"
 TP = 1
+# ``bench planner --model t5-11b``'s defaults: global tokens (input and target) and pp x dp grid
+GLOBAL_TOKENS, PARALLEL = "65536", "4x2"
 
 
 def bench_planner_pairs(args: argparse.Namespace) -> Iterator[dict]:
@@ -74,24 +76,13 @@ def _bench_config(base: dict, batches: list[np.ndarray], spec, max_input: int, m
     for method, fn in runs:
         rec = {**base, "method": method, "impl": "python", "batches": len(batches)}
         try:
-            results = []
-            for b in batches:
-                t0 = time.perf_counter()
-                plan = fn(b)
-                results.append((plan, (time.perf_counter() - t0) * 1e3))
+            plans, times = timed_plans(fn, batches)
         except ValueError as exc:  # infeasible for this configuration
             yield {**rec, "error": str(exc)}
             continue
-        plans, times = zip(*results)
         iters = [p.iteration_ms for p in plans]
         rec.update(
-            plan_ms_p50=float(np.percentile(times, 50)),
-            plan_ms_p99=float(np.percentile(times, 99)),
-            sim_iter_ms=float(np.mean(iters)),
-            padding_fraction=float(np.mean([p.padding_fraction for p in plans])),
-            peak_mem_bytes=float(max(p.peak_bytes for p in plans)),
-            bubble=float(np.mean([p.bubble_fraction for p in plans])),
-            micro_batches=float(np.mean([len(p.micro_batches) for p in plans])),
+            plan_summary(plans, times),
             recompute=dict(Counter(mb.recompute for p in plans for mb in p.micro_batches)),
             pairs=float(np.mean([len(b) for b in batches])),
         )

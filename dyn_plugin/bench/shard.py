@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 from collections import Counter
-from typing import Sequence
+from typing import Iterable, Sequence
 
+from ..cli_args import RANK_COUNTS, SEED, STEPS, TOKENS, choices, count, input_file, number, numbers, output_dir
 from ..config import DynPluginConfig
 from ..cost.from_config import build_cost_model
 from ..cost.table import TableCostModel
@@ -29,6 +31,7 @@ from ..plan.sharding.search import BASELINES, choice_columns, search_sharding, u
 from ..plan.sharding.shard_plan import MB, Choice, ShardPlan, ShardUnit
 from ..plan.steps.spec import planner_spec
 from ..runtime.sampler import global_batches
+from .launch import launch_comparison
 from .memory import measured_tables, table_micro_batch
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,103 @@ SETUPS = {
 }
 # the measured tables each setup's layers can be priced by independently (the analytic model has none)
 A100 = {"name": "A100-40GB", "memory_mb": 40000, "memory_fraction": 1.0, "peak_tflops": 312, "achieved_fraction": 0.5}
+# GPT-2 XL's shape with Megatron's padded vocabulary and an untied head (the head can then be split)
+GPT_48L = dict(
+    model_type="gpt2",
+    n_embd=1600,
+    n_layer=48,
+    n_head=25,
+    n_inner=6400,
+    vocab_size=50304,
+    n_positions=8192,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+HELP = (
+    "the sharding search (osdp) against full_shard, shard_grad_op and no_shard: "
+    "search time, simulated step and peak memory on A100 costs"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--models",
+        type=choices(tuple(SETUPS)),
+        default="gpt-6.7b,gpt-48l",
+        help="gpt-6.7b (A100-measured layers), gpt-48l (GPT-2 XL's shape, analytic A100 costs)",
+    )
+    parser.add_argument("--gpus", type=RANK_COUNTS, default="8,16", help="ranks (8 per node)")
+    parser.add_argument("--budgets-mb", type=numbers(), default="24000,30000,36000", help="memory budgets per rank")
+    parser.add_argument("--tokens-per-gpu", type=TOKENS, default=16384, help="global batch = this x gpus tokens")
+    parser.add_argument("--max-len", type=TOKENS, help="sequences are capped at this (default 8192; 4096 with --train)")
+    parser.add_argument("--lengths", default="code")
+    parser.add_argument("--seed", type=SEED, default=0)
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="instead, train tiny Llama with FSDP2 on local CPU ranks (a GPU each where there are GPUs) "
+        "under --budget-mb, every method's plan side by side: measured effective tokens/s and peak "
+        "memory (dyn_plugin/bench/train_fsdp.py)",
+    )
+    parser.add_argument(
+        "--budget-mb",
+        type=number(),
+        help="with --train: memory per rank (model states + activations) "
+        "the plans are searched for and trained under (default: the "
+        "largest whole MB at which no_shard does not fit)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=input_file,
+        help="with --train: tiny-llama profile of this machine (dynplugin profile --ranks 2); "
+        "without it the analytic cost model prices the plans",
+    )
+    parser.add_argument("--out", type=output_dir, default="out/bench-shard-train", help="with --train: report folder")
+    parser.add_argument("--steps", type=STEPS, default=4, help="with --train: timed steps per method")
+    parser.add_argument("--ranks", type=count(1, 1024), default=2, help="with --train: local ranks")
+    parser.add_argument("--global-tokens", type=TOKENS, default=16384, help="with --train: tokens per global batch")
+    parser.add_argument("--overlap", type=number(), help="with --train: sharding.overlap (default: the config's)")
+
+
+def run(args: argparse.Namespace) -> Iterable[dict]:
+    """The simulated comparison of both models, or with ``--train`` the plans trained side by side
+    (bench/train_fsdp.py on local ranks)."""
+    if args.train:
+        return train_plans(args)
+    from ..models.shard_units import config_units
+
+    args.max_len = args.max_len or 8192
+    return bench_shard(
+        args, {"gpt-6.7b": config_units(example_config("gpt-6.7b.json"))[1], "gpt-48l": config_units(GPT_48L)[1]}
+    )
+
+
+def train_plans(args: argparse.Namespace) -> list[dict]:
+    """Launch the sharding plans side by side on local ranks (torchrun); their summary rows (launch.py)."""
+    extra = [
+        "--max-len",
+        str(args.max_len or 4096),
+        "--global-tokens",
+        str(args.global_tokens),
+        "--lengths",
+        args.lengths,
+        "--seed",
+        str(args.seed),
+    ]
+    for flag, value in (("--budget-mb", args.budget_mb), ("--overlap", args.overlap)):
+        extra += [flag, str(value)] if value is not None else []
+    return launch_comparison("dyn_plugin.bench.train_fsdp", "shard-train", args, extra)
+
+
+def example_config(name: str) -> str:
+    """A model config in the checkout's examples/, found from this file (not the working directory);
+    a refusal where the package was installed without them."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(repo, "examples", name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: bench shard needs a source checkout of dyn-plugin (its examples/)")
+    return path
 
 
 def plugin_config(setup: str, gpus: int, budget_mb: float, tokens_per_gpu: int, max_len: int) -> DynPluginConfig:

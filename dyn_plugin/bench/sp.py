@@ -20,10 +20,12 @@ from typing import Iterator
 
 import numpy as np
 
+from ..cli_args import RANK_COUNTS, SEED, STEPS, TOKEN_COUNTS, choices, powers_of_two
 from ..config import DynPluginConfig
 from ..cost.bundled import load_bundled
 from ..cost.profile import cost_model_from_profile
 from ..cost.table_memory import MeasuredLayerMemory
+from ..lengths.corpus import DISTRIBUTIONS
 from ..lengths.io import load_lengths
 from ..plan.methods.baselines import SP_BASELINES, plan_baseline
 from ..plan.methods.planner import plan_step
@@ -38,9 +40,33 @@ HEADS = 32  # GPT-6.7B: 32 heads of 128
 # An A100-80GB at the share of the card DynaPipe's 36000 MB left of a 40 GB one: at 36000 MB the
 # measured per-length activations leave no room for an 8192-token sequence on a pipeline stage
 MEMORY_MB = 72000
+HELP = (
+    "dynamic sequence parallelism vs fixed sizes, Megatron's hybrid CP and DCP's "
+    "buckets: simulated step on A100 GPT-6.7B costs with priced attention collectives"
+)
 
 
-def bench_sp(args: argparse.Namespace) -> Iterator[dict]:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--distributions", type=choices(tuple(DISTRIBUTIONS)), default="code,prose,mixture")
+    parser.add_argument("--global-tokens", type=TOKEN_COUNTS, default="65536,262144")
+    parser.add_argument("--gpus", type=RANK_COUNTS, default="8,32")
+    parser.add_argument(
+        "--pp", type=RANK_COUNTS, default="4,1", help="pipeline stages, comma-separated (columns = gpus / pp)"
+    )
+    parser.add_argument(
+        "--max-len", type=TOKEN_COUNTS, default="8192,32768", help="sequences are capped at each of these"
+    )
+    parser.add_argument(
+        "--sizes",
+        type=powers_of_two(),
+        default="1,2,4,8,16,32",
+        help="sequence-parallel group sizes allowed (those up to the column count apply)",
+    )
+    parser.add_argument("--batches", type=STEPS, default=4, help="global batches per configuration")
+    parser.add_argument("--seed", type=SEED, default=0)
+
+
+def run(args: argparse.Namespace) -> Iterator[dict]:
     cost = replace(
         cost_model_from_profile(load_bundled("a100-gpt-6.7b")),
         allow_extrapolation=True,

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import get_args
 
-from ..device import DTYPES
+from ..cli_args import count
+from ..config import Precision
 
 LLAMA_1B = dict(
     model_type="llama",
@@ -32,15 +34,23 @@ HOSTS = {
 }
 
 
-def add_arguments(sub: argparse._SubParsersAction, *, count) -> argparse.ArgumentParser:
-    bench = sub.add_parser(
-        "start-check",
-        help="the start-up check's cost per host (packed and padded rows, sequence shards, pipeline stages) on a "
-        "1.1B-parameter Llama on this CPU",
+HELP = (
+    "the start-up check's cost per host (packed and padded rows, sequence shards, pipeline stages) on a "
+    "1.1B-parameter Llama on this CPU"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dtype", choices=get_args(Precision), default="fp32", help="the model's precision (default fp32)"
     )
-    bench.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="the model's precision (default fp32)")
-    bench.add_argument("--repeats", type=count, default=3, help="timed rounds of each check; the fastest is kept")
-    return bench
+    parser.add_argument(
+        "--repeats", type=count(1, 100), default=3, help="timed rounds of each check; the fastest is kept"
+    )
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    return [bench_start_check(args)]
 
 
 def bench_start_check(args: argparse.Namespace) -> dict:
@@ -52,6 +62,8 @@ def bench_start_check(args: argparse.Namespace) -> dict:
     from ..models.hf import build_causal_lm
 
     torch.manual_seed(0)
+    from ..device import DTYPES
+
     model = build_causal_lm(LLAMA_1B).to(DTYPES[args.dtype])
     half = LLAMA_1B["num_hidden_layers"] // 2
     checks = {

@@ -33,8 +33,10 @@ from typing import Iterator
 
 import numpy as np
 
-from ..cost.calibrated import named_cost_model
+from ..cli_args import RANK_COUNTS, SEED, STEPS, TOKENS, choices, count, fraction, output_dir
+from ..cost.calibrated import MODELS, named_cost_model
 from ..cost.table_memory import MeasuredLayerMemory
+from ..lengths.corpus import DISTRIBUTIONS
 from ..lengths.io import load_lengths
 from ..plan.assignment.dispatch import dispatch, seed_dispatch
 from ..plan.methods.planner import plan_step
@@ -49,6 +51,38 @@ logger = logging.getLogger(__name__)
 # The cluster of the measured A100 tables (their planner's 36000 MB limit, 8 GPUs per node), for --model
 A100_CLUSTER = {"devices_per_node": 8, "device": {"name": "A100-40GB", "memory_mb": 36000, "memory_fraction": 1.0}}
 RETRIES = 3  # plans for the memory less 1, 2, 3 x --memory-margin before a method is reported not fitting
+HELP = (
+    "heterogeneous strategies (hydraulis) against the seed's stage 1, the best "
+    "homogeneous strategy and dynapipe: planning time per step and "
+    "simulated step on A100 costs"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--distributions", type=choices(tuple(DISTRIBUTIONS)), default="code,prose,mixture")
+    parser.add_argument(
+        "--models",
+        type=choices(tuple(MODELS)),
+        default="gpt-6.7b",
+        help="gpt-6.7b (measured A100 tables), llama-7b, llama-13b, llama-32b (calibrated on them)",
+    )
+    parser.add_argument("--gpus", type=RANK_COUNTS, default="64,1024")
+    parser.add_argument("--tokens-per-gpu", type=TOKENS, default=4096, help="global batch = this x gpus tokens")
+    parser.add_argument("--max-len", type=TOKENS, default=32768, help="sequences are capped at this")
+    parser.add_argument("--max-strategies", type=count(1, 64), default=3)
+    parser.add_argument("--batches", type=STEPS, default=8, help="global batches per configuration")
+    parser.add_argument(
+        "--plot-dir", type=output_dir, help="a plot per configuration: the strategies and one step's pipeline loads"
+    )
+    parser.add_argument("--seed", type=SEED, default=0)
+    parser.add_argument(
+        "--memory-margin",
+        type=fraction(0.5),
+        default=0.08,
+        help="a method whose plans exceed the device's memory by the measured tables is planned again for "
+        "this fraction less (default %(default)s: the most the tables measured above the cost model's "
+        "estimate on this benchmark, 6.5%%; 0: no second try)",
+    )
 
 
 def strategy_config(max_len: int, memory_mb: float | None = None):
@@ -68,7 +102,7 @@ def strategy_config(max_len: int, memory_mb: float | None = None):
     )
 
 
-def bench_strategy(args: argparse.Namespace) -> Iterator[dict]:
+def run(args: argparse.Namespace) -> Iterator[dict]:
     for model in args.models:
         cost = named_cost_model(model)
         for dist in args.distributions:

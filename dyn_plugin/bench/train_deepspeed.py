@@ -6,7 +6,7 @@ Ranks run on CPU (gloo, fp32) or, where CUDA is available, one GPU each (NCCL) i
 precision (bf16 or fp16 through DeepSpeed's mixed-precision section, a torch AdamW stepping the
 fp32 master weights, so that no DeepSpeed op is compiled).
 
-(``dynplugin bench train`` launches it and prints the summary as JSON; ``make demo`` runs it.)
+(``dynplugin bench train`` launches it, and with ``--json`` prints the summary as JSON; ``make demo`` runs it.)
 
 Modes: padded (every sequence padded to the maximum length, a fixed number per micro-batch:
 Megatron's default), token_budget (DeepSpeed's batch_by_seqlens), packing (fixed-length rows of

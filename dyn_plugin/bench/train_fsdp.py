@@ -165,18 +165,18 @@ def timed_runs(
     processes on shared cores) falls on all methods alike. A record per method and timed step."""
     runs = {}
     for method, plan in plans.items():
-        model, optimizer, loader, plan = initialize(
+        model, optimizer, loader, _ = initialize(
             fresh_model(args, device, dtype),
             {"dyn_plugin": section},
             [{"input_ids": d} for d in docs],
             lengths,
-            plan=plan,
+            shard_plan=plan,
             fsdp="fsdp2",
-            optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=LR),
+            optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
             cost_model=cost,
             seed=args.seed,
         )
-        runs[method] = (model, optimizer, loader, iter(loader), plan)
+        runs[method] = (model, optimizer, loader, iter(loader))
     records = []
     methods = list(runs)
     bar = tqdm(
@@ -186,7 +186,7 @@ def timed_runs(
     )
     for n in range(args.warmup + args.steps):
         for method in methods[n % len(methods) :] + methods[: n % len(methods)]:
-            model, optimizer, _, steps, plan = runs[method]
+            model, optimizer, _, steps = runs[method]
             step = next(steps)  # planned and collated outside the timed region
             # on the rank's device: NCCL reduces device tensors only
             counts = torch.tensor(
@@ -195,7 +195,7 @@ def timed_runs(
             synchronize(device)
             dist.barrier()
             t0 = time.perf_counter()
-            loss = train_step(model, optimizer, step, plan)
+            loss = train_step(model, optimizer, step)
             synchronize(device)  # once per step: the step's kernels have run, not just been queued
             dist.barrier()
             ms = (time.perf_counter() - t0) * 1e3
@@ -214,7 +214,7 @@ def timed_runs(
                     }
                 )
     bar.close()
-    for _, _, loader, _, _ in runs.values():
+    for _, _, loader, _ in runs.values():
         loader.close()
     del runs
     release(device)
@@ -234,20 +234,20 @@ def memory_run(
     """Peak memory per rank of wrapping and ``MEMORY_STEPS`` steps, measured and predicted (lists over ranks)."""
     model = fresh_model(args, device, dtype)  # built outside: its unsharded weights are not the plan's
     with measure(device) as mem:
-        model, optimizer, loader, plan = initialize(
+        model, optimizer, loader, _ = initialize(
             model,
             {"dyn_plugin": section},
             [{"input_ids": d} for d in docs],
             lengths,
-            plan=plan,
+            shard_plan=plan,
             fsdp="fsdp2",
-            optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=LR),
+            optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
             cost_model=cost,
             seed=args.seed,
         )
         steps = []
         for step in loader:
-            train_step(model, optimizer, step, plan)
+            train_step(model, optimizer, step)
             step.micro_batches.clear()  # spent: what stays alive after the step is the model's states
             steps.append(step)
             if len(steps) == MEMORY_STEPS:

@@ -4,7 +4,7 @@
         --profile out/profile.json --out out/train-megatron
 
 The Megatron counterpart of train_deepspeed.py (``dynplugin bench train --host megatron``
-launches it and prints the summary as JSON): the same corpus (the Python standard library's
+launches it, and with ``--json`` prints the summary as JSON): the same corpus (the Python standard library's
 source, tokenized with the plugin's offline BPE), the same cost model and the same rows, so the
 two hosts' figures compare. The model is examples/megatron_gpt/train.py's GPT (its model provider,
 forward step and loss function) in the tiny-llama shape that ``dynplugin profile --model

@@ -14,8 +14,8 @@ input + target, each side padded to its longest), packing (T5 packing per side: 
 pairs, each side's row ``--max-len`` wide, packing_full) and dyn_plugin (the pair planner,
 ``plan_pairs``).
 Each trains the same model from the same initial weights on the same global batches. Effective
-tokens count both sides' real tokens. (``dynplugin bench train --model t5`` launches it and
-prints the summary as JSON.)
+tokens count both sides' real tokens. (``dynplugin bench train --model t5`` launches it, and
+with ``--json`` prints the summary as JSON.)
 """
 
 from __future__ import annotations

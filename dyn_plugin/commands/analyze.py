@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .args import RANKS, SEED, TOKENS, count, output_file
+from ..cli_args import RANKS, SEED, TOKENS, count, output_file
 from .lengths import PAIR_NAMES
 
 HELP = "how much compute padding and packing waste on a length distribution or on (input, target) pairs"

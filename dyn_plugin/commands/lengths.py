@@ -8,7 +8,7 @@ import json
 import logging
 import time
 
-from .args import output_file
+from ..cli_args import output_file
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 
-from .args import RANKS, input_file
+from ..cli_args import RANKS, input_file
 
 HELP = (
     "run a Megatron training script with the plugin's patches applied (python -m megatron_patches.launch, "

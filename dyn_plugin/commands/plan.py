@@ -7,7 +7,7 @@ import json
 import logging
 from collections import Counter
 
-from .args import RANKS, SEED, STEPS, TOKENS, input_file, output_dir, output_file
+from ..cli_args import RANKS, SEED, STEPS, TOKENS, input_file, output_dir, output_file
 
 HELP = "plan global batches of a length distribution; per step: micro-batches, layout, recompute, time, bubble, memory, and the baselines"
 
@@ -109,8 +109,9 @@ def run(args: argparse.Namespace) -> int:
         for r in records:
             print(json.dumps(r))
     else:
+        print(_costs_and_device(cost.name, plugin))
         print(
-            f"{cost.name}: pp={pp} dp={dp} ZeRO-{cfg.zero_stage}, stages of {[s.num_layers for s in spec.stages]} layers, "
+            f"pp={pp} dp={dp} ZeRO-{cfg.zero_stage}, stages of {[s.num_layers for s in spec.stages]} layers, "
             f"{tokens:,} tokens per global batch of {args.lengths}"
         )
         _print_tables(records)
@@ -123,6 +124,22 @@ def run(args: argparse.Namespace) -> int:
         _plot(records, args.plot)
         print(f"plot -> {args.plot}")
     return 0
+
+
+def _costs_and_device(cost_name: str, plugin) -> str:
+    """Which card the costs were measured on and which the plans are for: they may differ (the bundled
+    A100 tables were measured on a 40 GB card, the example configs plan for an 80 GB one), and the
+    peaks in the tables are to be read against the second."""
+    device = plugin.cluster.device
+    if plugin.cost_model.kind == "profile":
+        model, _, card = cost_name.partition("@")  # a profile's cost model is named model@card (cost/profile.py)
+        costs = f"{model}, costs measured on {card}"
+    else:
+        costs = f"{cost_name}, costs from the model's shape and the device's nominal figures"
+    return (
+        f"{costs}; plans for {device.name}: {device.memory_mb:,.0f} MB x {device.memory_fraction} usable per device, "
+        f"peaks up to {device.plannable_mb / 1024:.1f} GiB (the allocator's margin left above them)"
+    )
 
 
 def _print_tables(records: list[dict]) -> None:

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
 
-from .args import TOKENS, count, counts, output_file
+from ..cli_args import TOKENS, count, counts, output_file
+
+if TYPE_CHECKING:  # imported where used: the CLI starts without torch
+    from ..profiling.device import Target
+    from ..profiling.profiler import ProfileRun
+    from ..profiling.workload import ProfileGrid
 
 HELP = (
     "measure a transformers model (tiny by default, no download) and write a fitted profile JSON; "
@@ -103,27 +109,31 @@ def run(args: argparse.Namespace) -> int:
     model_cfg = load_model_config(args.model)
     if hf_config(model_cfg).is_encoder_decoder:
         return run_pairs(args, model_cfg)
-    target = resolve_target(args.device, args.dtype)
     grid = _grid(args, ProfileGrid())
     if not grid.points():
         raise ValueError("the grid is empty: every (seq_len x micro_batch_size) exceeds --max-tokens")
-    progress = not args.no_progress
+    profile = run_profile(model_cfg, _run(args, model_cfg, grid, resolve_target(args.device, args.dtype)))
+    save_profile(profile, args.out)
+    print_summary(profile)
+    print(f"profile written to {args.out}")
+    return 0
+
+
+def _run(args: argparse.Namespace, model_cfg: dict, grid: ProfileGrid, target: Target | None) -> ProfileRun:
+    """How the flags ask the profile to be measured, for any model."""
+    from ..profiling.profiler import ProfileRun
+
     name = args.model if isinstance(args.model, str) and "/" not in args.model else model_cfg["model_type"]
-    profile = run_profile(
-        model_cfg,
+    return ProfileRun(
         name=name,
         grid=grid,
         validate=args.validate,
         threads=args.threads,
         fixed_allocator=not args.system_allocator,
-        progress=progress,
+        progress=not args.no_progress,
         ranks=args.ranks,
         target=target,
     )
-    save_profile(profile, args.out)
-    print_summary(profile)
-    print(f"profile written to {args.out}")
-    return 0
 
 
 def _grid(args: argparse.Namespace, default):
@@ -167,16 +177,7 @@ def run_pairs(args: argparse.Namespace, model_cfg: dict) -> int:
     grid = _grid(args, ProfileGrid(seq_lens=PAIR_SEQ_LENS, layouts=("padded",)))
     if not grid.pair_points():
         raise ValueError("the grid is empty: every (seq_len x micro_batch_size) exceeds --max-tokens")
-    name = args.model if isinstance(args.model, str) and "/" not in args.model else model_cfg["model_type"]
-    raw = run_pair_profile(
-        model_cfg,
-        name=name,
-        grid=grid,
-        validate=args.validate,
-        threads=args.threads,
-        progress=not args.no_progress,
-        ranks=args.ranks,
-    )
+    raw = run_pair_profile(model_cfg, _run(args, model_cfg, grid, None))
     write_json_atomic(args.out, raw)
     v = raw.get("validation")
     print(f"{len(grid.pair_points())} (input, target, pairs) points x {len(grid.recomputes)} recompute modes")

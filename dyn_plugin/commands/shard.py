@@ -8,7 +8,7 @@ import logging
 import os
 
 from ..atomic import atomic_path
-from .args import RANKS, SEED, input_file, output_file
+from ..cli_args import RANKS, SEED, input_file, output_file
 
 HELP = "search a sharding choice per module under the memory budget (OSDP); print it as a table and write the plan JSON"
 

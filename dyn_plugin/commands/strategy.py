@@ -6,7 +6,7 @@ import argparse
 import logging
 import time
 
-from .args import RANKS, TOKENS, count, input_file, output_dir, output_file
+from ..cli_args import RANKS, TOKENS, count, input_file, output_dir, output_file
 
 HELP = (
     "propose heterogeneous parallel strategies (Hydraulis) for a length distribution: pipelines of different "

@@ -37,21 +37,18 @@ from typing import Any, Literal, Sequence
 import numpy as np
 
 from ..jsonfile import read_json
-from .measured_tables import MB
+from .measured_tables import MB, head_sample
 from .model import (
-    MEGATRON_LOSS_BYTES,
     METRICS,
     MicroBatchCost,
-    ModelStateBytes,
     OutOfProfileRange,
     Precision,
     Recompute,
     round_up,
-    zero_sharded_states,
 )
 from .profile import Sample, fit_component
 from .table import LinearFit, fit_columns
-from .update import UpdateCost
+from .update import StagedStates, UpdateCost
 
 Side = Literal["encoder", "decoder"]
 DECODER_TERMS = ("1", "n*Sd", "n*Sd^2", "n*Se", "n*Se*Sd")
@@ -232,6 +229,11 @@ class PairStage:
     embedding: bool = False
     last: bool = False
 
+    @property
+    def num_layers(self) -> int:
+        """Its layers, of either side (a whole-stage recompute mode recomputes them all)."""
+        return self.encoder_layers + self.decoder_layers
+
     def __post_init__(self) -> None:
         if self.encoder_layers < 0 or self.decoder_layers < 0 or self.encoder_layers + self.decoder_layers == 0:
             raise ValueError(
@@ -240,7 +242,7 @@ class PairStage:
 
 
 @dataclass
-class EncoderDecoderCostModel:
+class EncoderDecoderCostModel(StagedStates):
     """Per (recompute, tp) tables of one encoder-decoder model; the model's shape beside them."""
 
     name: str
@@ -253,6 +255,7 @@ class EncoderDecoderCostModel:
     pad_multiple: int = 8
     act_bytes: int = 2  # fp16 activations between stages
     update: UpdateCost = field(default_factory=UpdateCost)
+    allow_extrapolation: bool = False  # pairs are priced within the measured range only (planners ask it)
 
     def to_dict(self) -> dict:
         """Plain JSON-able form (the fits, not the measurements), for planner processes; see from_dict."""
@@ -394,23 +397,6 @@ class EncoderDecoderCostModel:
                 return table.params
         raise OutOfProfileRange(f"cost model {self.name!r} has no table at tp={tp}")
 
-    def model_state_bytes(self, *, stage: PairStage, zero_stage: int = 0, dp: int = 1, tp: int = 1) -> ModelStateBytes:
-        return zero_sharded_states(self.stage_params(stage, tp), Precision.of(self.dtype), zero_stage, dp)
-
-    def update_ms(
-        self, stages: Sequence[PairStage], *, zero_stage: int, dp: int, tp: int, link_gb_per_s: float
-    ) -> float:
-        """The slowest stage's gradient all-reduce and optimizer step, as ``TableCostModel.update_ms``."""
-        grad = Precision.of(self.dtype).grad
-
-        def one(stage: PairStage) -> float:
-            n = self.stage_params(stage, tp)
-            return self.update.allreduce_ms(n * grad, dp, link_gb_per_s) + self.update.optimizer_ms(
-                n / dp if zero_stage >= 1 else n
-            )
-
-        return max(one(s) for s in stages)
-
 
 _SIDES = ("encoder", "decoder", "head")
 _FITS = {f.__name__: f for f in (LinearFit, TermFit, GridFit)}
@@ -521,18 +507,15 @@ def _head_samples(table: dict, vocab: int, recompute: str, tp: int) -> list[Samp
         peak = _points(table, "peak_activation_mb", "postprocess", decoder=False, pick=max)
     keys = fwd.keys() & bwd.keys() & (stored.keys() & peak.keys() if measured else fwd.keys())
     return [
-        Sample(
-            component="head",
-            layout="padded",
+        head_sample(
+            s,
+            b,
+            fwd[(s, z, b)],
+            bwd[(s, z, b)],
             recompute=recompute,
             tp=tp,
-            seq_lens=[s] * b,
-            forward_ms=fwd[(s, z, b)],
-            backward_ms=bwd[(s, z, b)],
-            stored_bytes=stored[(s, z, b)] * MB if measured else s * b * MEGATRON_LOSS_BYTES[0] * vocab / tp,
-            peak_bytes=max(peak[(s, z, b)], stored[(s, z, b)]) * MB
-            if measured
-            else s * b * MEGATRON_LOSS_BYTES[1] * vocab / tp,
+            vocab=vocab,
+            memory_mb=(stored[(s, z, b)], peak[(s, z, b)]) if measured else None,
         )
         for s, z, b in sorted(keys)
     ]

@@ -33,6 +33,38 @@ HEADS = {"gpt-6.7b": 32, "t5-11b": 128}
 VOCAB = {"gpt-6.7b": 50304, "t5-11b": 32128}
 
 
+def head_sample(
+    s: int,
+    rows: int,
+    forward_ms: float,
+    backward_ms: float,
+    *,
+    recompute: str,
+    tp: int,
+    vocab: int,
+    memory_mb: tuple[float, float] | None = None,
+) -> Sample:
+    """The head (output layer and loss) on ``rows`` padded rows of ``s`` tokens, from a measured
+    table's row: its memory as the table measured it (``memory_mb``: stored, peak), else as
+    Megatron's loss holds it (``MEGATRON_LOSS_BYTES`` per token and entry of the rank's share of
+    the vocabulary), which the A100 tables did not measure. The GPT and T5 imports share it."""
+    if memory_mb is None:
+        stored, peak = (s * rows * loss * vocab / tp for loss in MEGATRON_LOSS_BYTES)
+    else:
+        stored, peak = memory_mb[0] * MB, max(memory_mb) * MB
+    return Sample(
+        component="head",
+        layout="padded",
+        recompute=recompute,
+        tp=tp,
+        seq_lens=[s] * rows,
+        forward_ms=forward_ms,
+        backward_ms=backward_ms,
+        stored_bytes=stored,
+        peak_bytes=peak,
+    )
+
+
 def _rows(table: dict[str, Any], key: str, name: str) -> dict[tuple[int, int], float]:
     return {(int(s), int(b)): float(v) for s, b, v in table[key].get(name, [])}
 
@@ -84,20 +116,7 @@ def import_measured_tables(
             )
         hf, hb = _rows(t, "time_ms", "postprocess.forward"), _rows(t, "time_ms", "postprocess.backward")
         for key in sorted(hf.keys() & hb.keys()):
-            s, b = key
-            samples.append(
-                Sample(
-                    component="head",
-                    layout="padded",
-                    recompute=rc,
-                    tp=tp,
-                    seq_lens=[s] * b,
-                    forward_ms=hf[key],
-                    backward_ms=hb[key],
-                    stored_bytes=s * b * MEGATRON_LOSS_BYTES[0] * vocab / tp,
-                    peak_bytes=s * b * MEGATRON_LOSS_BYTES[1] * vocab / tp,
-                )
-            )
+            samples.append(head_sample(*key, hf[key], hb[key], recompute=rc, tp=tp, vocab=vocab))
         if tp == 1 and params is None:
             # fp16 parameters: 2 bytes each. The LM head shares the embedding's weights.
             emb = t["params_mb"]["embedding"] * MB / 2

@@ -20,17 +20,14 @@ from .model import (
     Features,
     Layout,
     MicroBatchCost,
-    ModelStateBytes,
     OutOfProfileRange,
-    Precision,
     Recompute,
     StageSpec,
     features,
-    zero_sharded_states,
 )
 from .native import core
 from .sequence_parallel import SequenceParallelCost
-from .update import UpdateCost
+from .update import StagedStates, UpdateCost
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +208,7 @@ def fit_banded(tokens: np.ndarray, attn: np.ndarray, y: np.ndarray) -> LinearFit
 
 
 @dataclass
-class TableCostModel:
+class TableCostModel(StagedStates):
     """A :class:`~dyn_plugin.cost.model.CostModel` over cost tables.
 
     ``allow_extrapolation``: queries beyond the measured micro-batch size are an
@@ -357,11 +354,6 @@ class TableCostModel:
             )
         return evaluate_stage(t, f, stage, extrapolated)
 
-    def model_state_bytes(
-        self, *, stage: StageSpec | None = None, zero_stage: int = 0, dp: int = 1, tp: int = 1
-    ) -> ModelStateBytes:
-        return zero_sharded_states(self.stage_params(stage, tp), Precision.of(self.dtype), zero_stage, dp)
-
     def stage_params(self, stage: StageSpec | None = None, tp: int = 1) -> float:
         stage = stage or StageSpec(self.num_layers)
         return (
@@ -369,21 +361,6 @@ class TableCostModel:
             + self.params["embedding"] * stage.first
             + self.params["head"] * stage.last
         )
-
-    def update_ms(
-        self, stages: Sequence[StageSpec], *, zero_stage: int, dp: int, tp: int, link_gb_per_s: float
-    ) -> float:
-        """After the last micro-batch: the gradient all-reduce over dp replicas and the optimizer
-        step (on 1/dp of the parameters from ZeRO-1 on), of the slowest stage."""
-        grad = Precision.of(self.dtype).grad
-
-        def one(stage: StageSpec) -> float:
-            n = self.stage_params(stage, tp)
-            return self.update.allreduce_ms(n * grad, dp, link_gb_per_s) + self.update.optimizer_ms(
-                n / dp if zero_stage >= 1 else n
-            )
-
-        return max(one(s) for s in stages)
 
     @property
     def kv_hidden_size(self) -> int | None:

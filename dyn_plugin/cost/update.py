@@ -14,9 +14,11 @@ left out, so the A100 import and the analytic model claim nothing they did not m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
+
+from .model import ModelStateBytes, Precision, zero_sharded_states
 
 Line = tuple[float, float]  # ms = c0 + c1 * x
 
@@ -99,3 +101,26 @@ def fit_line(points: Sequence[Sequence[float]] | None) -> Line | None:
     if intercept < 0:  # a line through the origin instead of a negative fixed cost
         return (0.0, float(x @ y / (x @ x)))
     return (float(intercept), float(slope))
+
+
+class StagedStates:
+    """What every cost model prices alike from each stage's parameters: the model states a rank
+    holds under ZeRO, and the update after a step's last micro-batch. A cost model mixing it in
+    (``TableCostModel``, ``EncoderDecoderCostModel``) has ``stage_params(stage, tp)``, ``dtype`` and
+    ``update`` (an ``UpdateCost``)."""
+
+    def model_state_bytes(self, *, stage: Any = None, zero_stage: int = 0, dp: int = 1, tp: int = 1) -> ModelStateBytes:
+        return zero_sharded_states(self.stage_params(stage, tp), Precision.of(self.dtype), zero_stage, dp)
+
+    def update_ms(self, stages: Sequence[Any], *, zero_stage: int, dp: int, tp: int, link_gb_per_s: float) -> float:
+        """After the last micro-batch: the gradient all-reduce over dp replicas and the optimizer
+        step (on 1/dp of the parameters from ZeRO-1 on), of the slowest stage."""
+        grad = Precision.of(self.dtype).grad
+
+        def one(stage: Any) -> float:
+            n = self.stage_params(stage, tp)
+            return self.update.allreduce_ms(n * grad, dp, link_gb_per_s) + self.update.optimizer_ms(
+                n / dp if zero_stage >= 1 else n
+            )
+
+        return max(one(s) for s in stages)

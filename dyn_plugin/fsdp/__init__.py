@@ -7,6 +7,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .engine import initialize
 from .fully_shard import apply_fully_shard, held_units, plan_mesh
 from .policy import hybrid_groups, policy
+from .state import shard_plan_of
 from .step import train_step
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "held_units",
     "initialize",
     "train_step",
+    "shard_plan_of",
     "save_checkpoint",
     "load_checkpoint",
 ]

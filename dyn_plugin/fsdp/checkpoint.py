@@ -1,11 +1,12 @@
 """FSDP's checkpoint under the plugin's protocol (``dyn_plugin.host.checkpoint``): whole or absent.
 
-    tag = fsdp.save_checkpoint(model, optimizer, loader, "ckpt", scheduler=scheduler)
-    path, client_state = fsdp.load_checkpoint(model, optimizer, loader, "ckpt", scheduler=scheduler)
+    tag = fsdp.save_checkpoint(model, optimizer, loader, "ckpt")
+    path, client_state = fsdp.load_checkpoint(model, optimizer, loader, "ckpt")
 
 ``torch.distributed.checkpoint`` (DCP) writes the model's and the optimizer's state sharded, each rank
 its own shards, as ``get_state_dict`` gives them for FSDP1 (``FullyShardedDataParallel``) and FSDP2
-(``fully_shard``) alike; the scheduler's state and ``client_state`` ride along. DCP's ``.metadata``
+(``fully_shard``) alike; the scheduler's state (the one ``initialize`` built, or ``scheduler=``) and
+``client_state`` ride along. DCP's ``.metadata``
 makes its directory loadable but says nothing of the data: the protocol's marker, written once every
 rank's files are, holds the loader's position, and the newest directory with a whole marker wins.
 DCP reads every rank's shards from one directory, so every rank must see the same file system.
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ..host import checkpoint
 from ..runtime.loader import DynLoader
+from .state import scheduler_of
 
 # client_state, and whether the optimizer had stepped, as one pickled leaf: DCP loads only the keys
 # the caller's state dict names, and a resuming rank cannot name the keys of a state it has not read
@@ -31,7 +33,8 @@ EXTRA = "dyn_plugin"
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, extra: bytes) -> dict[str, Any]:
-    """What DCP saves and loads in place: this rank's shards of the model and optimizer states.
+    """What DCP saves and loads in place: this rank's shards of the model and optimizer states, and
+    the scheduler's.
 
     ``get_state_dict`` gives an optimizer that never stepped a state by stepping it (zero gradients,
     learning rate 0), which starts Adam's step count at 1: where it had not stepped, the callers clear it."""
@@ -62,7 +65,7 @@ def save_checkpoint(
     with checkpoint.saving(save_dir, tag, record) as save:
         stepped = bool(optimizer.state)
         extra = pickle.dumps({"client_state": client_state or {}, "stepped": stepped})
-        state = _state(model, optimizer, scheduler, extra)
+        state = _state(model, optimizer, scheduler or scheduler_of(model), extra)
         if not stepped:
             optimizer.state.clear()  # a save before the first step leaves the training as it was
         dcp.save(state, checkpoint_id=save.directory)
@@ -87,6 +90,7 @@ def load_checkpoint(
     found = checkpoint.agreed_newest(load_dir, tag, verify_hashes=loader.config.checkpoint.verify == "hashes")
     if found is None:
         raise FileNotFoundError(f"no whole dyn-plugin checkpoint in {load_dir}")
+    scheduler = scheduler or scheduler_of(model)
     state = _state(model, optimizer, scheduler, b"")
     dcp.load(state, checkpoint_id=found.path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -1,9 +1,14 @@
 """``dyn_plugin.fsdp.initialize``: a sharding plan applied to plain PyTorch FSDP, the optimizer and
 the plugin's loader.
 
-    model, optimizer, loader, plan = fsdp.initialize(model, "config.json", dataset, lengths, plan="plan.json")
+    model, optimizer, loader, scheduler = fsdp.initialize(
+        model=model, config="config.json", dataset=dataset, lengths=lengths, shard_plan="plan.json")
     for step in loader:
-        loss = fsdp.train_step(model, optimizer, step, plan)
+        loss = fsdp.train_step(model, optimizer, step)
+
+The same shape as ``deepspeed_ext.initialize``: the same keywords (the optimizer and the scheduler
+as callables, built once the model is sharded), the same four results; the sharding plan that runs
+is ``fsdp.shard_plan_of(model)``.
 
 Every micro-batch's forward gathers sharded parameters, so every rank must run the same number of
 micro-batches: the loader plans equal counts (``zero_stage=3``).
@@ -29,6 +34,7 @@ from ..cost.encoder_decoder import EncoderDecoderCostModel
 from ..cost.from_config import live_cost_model, model_shape
 from ..cost.table import TableCostModel
 from ..device import dtype_name, rank_device
+from ..host import support
 from ..host.encoder_decoder import pair_inputs
 from ..host.exactness import checked
 from ..layout import RankLayout
@@ -40,6 +46,7 @@ from ..runtime.loader import DynLoader
 from ..runtime.sharding import shard_plan_for_run
 from .fully_shard import apply_fully_shard
 from .policy import policy
+from .state import ModelState, remember
 
 logger = logging.getLogger(__name__)
 
@@ -52,35 +59,29 @@ def initialize(
     dataset: Sequence[Any],
     lengths: Sequence[int] | Sequence[Sequence[int]],
     *,
-    plan: ShardPlan | str | os.PathLike | None = None,
-    fsdp: Host = "fsdp2",
-    optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = torch.optim.AdamW,
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = torch.optim.AdamW,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     cost_model: TableCostModel | EncoderDecoderCostModel | None = None,
     seed: int = 0,
-) -> tuple[nn.Module, torch.optim.Optimizer, DynLoader, ShardPlan]:
-    """Shard ``model`` as the plan says and build its optimizer and the plugin's loader.
+    shard_plan: ShardPlan | str | os.PathLike | None = None,
+    fsdp: Host = "fsdp2",
+) -> tuple[nn.Module, torch.optim.Optimizer, DynLoader, Any]:
+    """Shard ``model`` as the plan says and build its optimizer, its scheduler and the plugin's loader.
 
-    ``plan``: a ShardPlan, or the path of one (default: the config's ``dyn_plugin.sharding.plan``;
+    ``shard_plan``: a ShardPlan, or the path of one (default: the config's ``dyn_plugin.sharding.plan``;
     without either, the plan is searched for the run's lengths on rank 0 and shared with every rank).
-    The model trains in the precision of its parameters, which must be the plan's and the cost
-    model's. On CUDA the model is moved to ``cuda:$LOCAL_RANK`` first. Returns (model, optimizer,
-    loader, plan); with ``fsdp="fsdp1"`` the model is the root ``FullyShardedDataParallel``."""
+    ``optimizer``: built on the sharded model's parameters; ``lr_scheduler``: built on that optimizer,
+    and stepped by ``train_step`` after each optimizer step. The model trains in the precision of its
+    parameters, which must be the plan's and the cost model's. On CUDA the model is moved to
+    ``cuda:$LOCAL_RANK`` first. Returns (model, optimizer, loader, scheduler or None); with
+    ``fsdp="fsdp1"`` the model is the root ``FullyShardedDataParallel``."""
     cfg = config if isinstance(config, LoadedConfig) else load_config(config)
     if fsdp not in ("fsdp2", "fsdp1"):
         raise ValueError(f"fsdp={fsdp!r}: choose 'fsdp2' (fully_shard) or 'fsdp1' (FullyShardedDataParallel)")
+    # what this host runs of the plugin's features (dyn_plugin/host/support.py), all refused at once
+    support.check(fsdp.upper(), support.Run(cfg.plugin, encoder_decoder=is_encoder_decoder(model)))
     if is_encoder_decoder(model):  # before the layouts: theirs are a decoder-only model's
-        cost_model = _check_encoder_decoder(cfg, model, lengths, cost_model)
-    plugin = cfg.plugin
-    if plugin.pipeline.stages > 1 or plugin.sequence_parallel.enabled:
-        raise ValueError(
-            "the FSDP entry trains data-parallel only: set dyn_plugin.pipeline.stages to 1 and "
-            "sequence_parallel.enabled to false, or train through deepspeed_ext"
-        )
-    if plugin.microbatching.method != "dynapipe":
-        raise ValueError(
-            f"microbatching.method {plugin.microbatching.method!r}: sharded training needs the same number "
-            "of micro-batches on every rank (each forward gathers parameters), which only 'dynapipe' plans"
-        )
+        cost_model = _pair_cost_model(cfg, model, lengths, cost_model)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     # every rank alike: the plugin's kernel where plans need it, the layouts priced, the start-up check
@@ -104,7 +105,7 @@ def initialize(
         device=next(model.parameters()).device,
         model=type(model).__name__,
         seed=seed,
-        plan=plan,
+        plan=shard_plan,
     )
     if plan.host != fsdp:
         logger.warning(
@@ -122,7 +123,9 @@ def initialize(
         )  # CPU (gloo) must be named
     else:
         apply_fully_shard(model, plan)
-    optimizer = optimizer_fn(model.parameters())
+    built = optimizer(model.parameters())
+    scheduler = lr_scheduler(built) if lr_scheduler is not None else None
+    remember(model, ModelState(plan, scheduler))
     # micro-batches are cut for the memory the plan's model states leave
     loader = DynLoader(
         dataset,
@@ -135,31 +138,19 @@ def initialize(
         seed=seed,
         state_bytes=plan.planning_state_bytes,
     )
-    return model, optimizer, loader, plan
+    return model, built, loader, scheduler
 
 
-def _check_encoder_decoder(
+def _pair_cost_model(
     cfg: LoadedConfig, model: nn.Module, lengths: Sequence[Any], cost_model: Any
 ) -> EncoderDecoderCostModel:
     """What an encoder-decoder (T5) trains under here: (input, target) pairs planned by the pair
     planner, padded per side, with an encoder-decoder cost model (returned): the argument, else the
     config's tables in the precision of the model's parameters, which it trains in."""
-    name = type(model).__name__
     model_type = getattr(model.config, "model_type", None)
     if model_type != "t5":
         raise ValueError(
-            f"FSDP with an encoder-decoder of model_type {model_type!r} ({name}) is not built: its shard units are "
-            "built and tested for T5 only; train it through deepspeed_ext (data parallel, ZeRO 0-3)"
-        )
-    if cfg.plugin.microbatching.layout == "packed":
-        raise ValueError(
-            f"microbatching.layout 'packed' with an encoder-decoder model ({name}): rows packed with several "
-            "pairs are not built for encoder-decoder models under FSDP; set microbatching.layout to 'padded' or 'auto'"
-        )
-    if cfg.plugin.microbatching.method == "packing_full":
-        # its micro-batches need models.seq2seq.pair_forward around the wrapped model, which the FSDP step lacks
-        raise ValueError(
-            f"microbatching.method 'packing_full' with an encoder-decoder model ({name}): packed pairs train under "
-            "deepspeed_ext (data parallel) only; use another method under FSDP"
+            f"FSDP with an encoder-decoder of model_type {model_type!r} ({type(model).__name__}) is not built: its "
+            "shard units are built and tested for T5 only; train it through deepspeed_ext (data parallel, ZeRO 0-3)"
         )
     return pair_inputs(model, lengths, cost_model, cfg.plugin.cost_model, dtype_name(next(model.parameters()).dtype))

@@ -8,6 +8,8 @@ that of the global batch's token-mean loss whatever the micro-batches.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -18,15 +20,18 @@ from ..host.token_mean import HostHooks, token_mean_step
 from ..plan.sharding.shard_plan import ShardPlan
 from ..runtime.loader import Step
 from .fully_shard import held_units
+from .state import state_of
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step, plan: ShardPlan) -> float:
-    """Run this rank's micro-batches of one planned step and take the optimizer step.
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step) -> float:
+    """Run this rank's micro-batches of one planned step and take the optimizer step (and the
+    scheduler's, where ``initialize`` built one). ``model``: as ``initialize`` returned it.
 
     Returns the token-mean loss of the whole global batch (over every rank). Per micro-batch:
     the plan's recompute mode; keep and replicate units (FSDP2) stay gathered and accumulate
     unsharded gradients until the last micro-batch, whose backward reduces them once."""
-    held = _held_units(model, plan)
+    state = state_of(model)
+    held = _held_units(model, state.shard_plan)
 
     def boundary(last: bool) -> None:
         for unit in held:
@@ -36,6 +41,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step, p
     def optimizer_step() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if state.scheduler is not None:
+            state.scheduler.step()
 
     host = HostHooks(
         forward=model,
@@ -48,10 +55,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: Step, p
     return token_mean_step(step, host, dist.get_world_size())
 
 
+# per model, the plan its held units were found for and those units (kept off the model, keyed weakly)
+_HELD: "weakref.WeakKeyDictionary[nn.Module, tuple[ShardPlan, list[FSDPModule]]]" = weakref.WeakKeyDictionary()
+
+
 def _held_units(model: nn.Module, plan: ShardPlan) -> list[FSDPModule]:
     """FSDP2's keep and replicate units of ``model``, found once per plan; none under FSDP1, which
     reduces every unit's gradients per micro-batch."""
-    cached = getattr(model, "_dyn_plugin_held", None)
+    cached = _HELD.get(model)
     if cached is None or cached[0] is not plan:
-        cached = model._dyn_plugin_held = (plan, held_units(model, plan) if isinstance(model, FSDPModule) else [])
+        cached = _HELD[model] = (plan, held_units(model, plan) if isinstance(model, FSDPModule) else [])
     return cached[1]

@@ -41,7 +41,8 @@ from typing import Any, Callable
 
 from ..atomic import check_sha256, with_sha256, write_json_atomic
 from ..jsonfile import read_json
-from ..runtime.loader import DynLoader, plan_config_digest
+from ..runtime.loader import DynLoader
+from ..runtime.plan_agreement import plan_config_digest
 from ..version import __version__
 from .checkpoint_files import (
     MARKER,

@@ -24,7 +24,6 @@ each component's peak carries, as the GPT profile's does.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 from typing import Any
@@ -36,13 +35,9 @@ from ..cost.measured_tables import MB
 from ..cost.model import Precision, round_up
 from ..cost.table import nnls_relative
 from ..cost.update import UpdateCost
-from .allocator import stable_cpu_allocator
 from .collective import measure_collectives
-from .device import Target
-from .optimizer import measure_optimizer
-from .profiler import Job, memory_of, time_round_robin
-from .shadow import ShadowLoad
-from .workload import ProfileGrid, make_pair_inputs
+from .profiler import Job, ProfileRun, measure_jobs, memory_of, prepared
+from .workload import make_pair_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -68,29 +63,17 @@ def _depths(model_cfg: dict) -> tuple[int, int]:
     return enc, int(model_cfg.get("num_decoder_layers") or enc)
 
 
-def run_pair_profile(
-    model_cfg: dict,
-    *,
-    name: str = "encoder-decoder",
-    grid: ProfileGrid = ProfileGrid(),
-    validate: int = 16,
-    threads: int | None = None,
-    fixed_allocator: bool = True,
-    progress: bool = True,
-    ranks: int = 1,
-) -> dict[str, Any]:
+def run_pair_profile(model_cfg: dict, run: ProfileRun = ProfileRun(name="encoder-decoder")) -> dict[str, Any]:
     """Profile the encoder-decoder a HF config dict describes, on CPU in fp32; returns the tables
     file (the A100 T5 tables' format plus the model's shape, dtype, measured update and, with
     ``validate`` > 0, the held-out error: that many random micro-batches of pairs through the
     full-depth model with the first recompute mode, timed in the same rounds as the grid)."""
-    import torch
-    from tqdm import tqdm
-
-    target = Target(torch.device("cpu"), "fp32")
-    if fixed_allocator:
-        stable_cpu_allocator()
-    if threads:
-        torch.set_num_threads(threads)
+    if run.target is not None and (run.target.device.type, run.target.dtype) != ("cpu", "fp32"):
+        raise ValueError(
+            f"an encoder-decoder is profiled on CPU in fp32 only, not {run.target.device} in {run.target.dtype}"
+        )
+    grid = run.grid
+    target = prepared(None, run.fixed_allocator, run.threads)  # CPU, fp32
     rng = np.random.default_rng(grid.seed)
     l1, l2 = grid.depths
     shapes = ((l1, l1), (l2, l1), (l1, l2))
@@ -108,38 +91,36 @@ def run_pair_profile(
                 keys.append((se, sd, n, rc, e, d))
                 jobs.append(Job(models[(e, d, rc)], inputs))
     full_depth = _depths(model_cfg)
-    held = _held_out_cases(points, validate, rng) if validate else []
+    held = _held_out_cases(points, run.validate, rng) if run.validate else []
     if held:
         full = _build(model_cfg, *full_depth, grid.recomputes[0], grid.seed)
         held_jobs = [Job(full, make_pair_inputs(c["inputs"], c["targets"], vocab, PAD, rng)) for c in held]
     else:
         held_jobs = []
-    bar = tqdm(
-        total=grid.repeats,
-        desc=f"profiling {len(jobs) + len(held_jobs)} micro-batches of pairs",
-        unit="round",
-        disable=not progress,
+    times, optimizer = measure_jobs(
+        model_cfg,
+        grid,
+        jobs + held_jobs,
+        [models[(l1, l1, grid.recomputes[0])], models[(l2, l1, grid.recomputes[0])]],
+        what="micro-batches of pairs",
+        ranks=run.ranks,
+        threads=run.threads,
+        progress=run.progress,
+        target=target,
     )
-    load = ShadowLoad(model_cfg, grid, count=ranks - 1, threads=threads) if ranks > 1 else contextlib.nullcontext()
-    with load:
-        times = time_round_robin(jobs + held_jobs, warmup=grid.warmup, repeats=grid.repeats, seed=grid.seed, bar=bar)
-        bar.close()
-        optimizer = measure_optimizer(
-            [models[(l1, l1, grid.recomputes[0])], models[(l2, l1, grid.recomputes[0])]], grid.repeats, target=target
-        )
     params = _param_counts(ref)
     grad_bytes = Precision.of("fp32").grad * (
         params["embedding"] + full_depth[0] * params["encoder"] + full_depth[1] * params["decoder"]
     )
     allreduce = []
-    if ranks > 1:
+    if run.ranks > 1:
         allreduce = measure_collectives(
-            ranks, {"allreduce": [1 << 20, 4 << 20, int(grad_bytes)]}, repeats=grid.repeats, threads=threads
+            run.ranks, {"allreduce": [1 << 20, 4 << 20, int(grad_bytes)]}, repeats=grid.repeats, threads=run.threads
         )["allreduce"]
     measured = {k: (t, memory_of(job.model, job.inputs)) for k, job, t in zip(keys, jobs, times)}
     raw = {
-        "name": name,
-        "description": f"{name} measured by dynplugin profile: per-layer encoder and decoder, postprocess",
+        "name": run.name,
+        "description": f"{run.name} measured by dynplugin profile: per-layer encoder and decoder, postprocess",
         "measured_on": target.info().model_dump(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "source": "dyn_plugin.profiling.pairs (depth differences of the whole HF model, fp32)",
@@ -154,9 +135,9 @@ def run_pair_profile(
         },
         "dtype": "fp32",
         "pad_multiple": PAD,
-        "ranks": ranks,
+        "ranks": run.ranks,
         "grid": {"points": [list(p) for p in points], "depths": [l1, l2], "repeats": grid.repeats},
-        "update": UpdateCost.fit(optimizer, allreduce or None, ranks).to_dict(),
+        "update": UpdateCost.fit(optimizer, allreduce or None, run.ranks).to_dict(),
         "samples_format": "[input length, target length, pairs, recompute, encoder layers, decoder layers, "
         "forward ms, backward ms, stored bytes, peak bytes]",
         "samples": [[*k, *t, *m] for k, (t, m) in measured.items()],

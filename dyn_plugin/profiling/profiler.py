@@ -93,19 +93,67 @@ def time_round_robin(
     return best
 
 
-def run_profile(
+def prepared(target: Target | None, fixed_allocator: bool, threads: int | None) -> Target:
+    """The profiling process set up, for any model: the target (default: CPU, fp32), glibc's malloc
+    thresholds pinned where ``fixed_allocator`` (a GPU tensor does not go through it), the threads."""
+    import torch
+
+    target = target or Target(torch.device("cpu"), "fp32")
+    if fixed_allocator and target.device.type != "cuda":
+        stable_cpu_allocator()
+    if threads:
+        torch.set_num_threads(threads)
+    return target
+
+
+def measure_jobs(
     model_cfg: dict,
+    grid: ProfileGrid,
+    jobs: list[Job],
+    update_models: list,
     *,
-    name: str = "model",
-    grid: ProfileGrid = ProfileGrid(),
-    validate: int = 16,
-    threads: int | None = None,
-    fixed_allocator: bool = True,
-    progress: bool = True,
-    ranks: int = 1,
-    target: Target | None = None,
-) -> Profile:
-    """Profile the model described by a HF config dict on ``target`` (default: CPU, fp32).
+    what: str,
+    ranks: int,
+    threads: int | None,
+    progress: bool,
+    target: Target,
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """The one profiler loop, for any model: ``jobs`` timed round-robin (``time_round_robin``), on
+    CPU beside ``ranks`` - 1 shadow ranks training the same model (GPU ranks do not share their
+    device), then the optimizer step over ``update_models``' parameters; with a progress bar of
+    rounds. Returns each job's (forward, backward) ms and the optimizer's (parameters, ms) points."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=grid.repeats, desc=f"profiling {len(jobs)} {what}", unit="round", disable=not progress)
+    shadow = ranks > 1 and target.device.type != "cuda"
+    load = ShadowLoad(model_cfg, grid, count=ranks - 1, threads=threads) if shadow else contextlib.nullcontext()
+    with load:
+        times = time_round_robin(jobs, warmup=grid.warmup, repeats=grid.repeats, seed=grid.seed, bar=bar)
+        bar.close()
+        optimizer = measure_optimizer(update_models, grid.repeats, target=target)
+    return times, optimizer
+
+
+@dataclass(frozen=True)
+class ProfileRun:
+    """How a profile is measured, whatever the model (``run_profile``; an encoder-decoder's,
+    ``pairs.run_pair_profile``): the ``name`` it records, the ``grid`` of micro-batches, ``validate``
+    held-out micro-batches, torch's ``threads``, glibc's malloc thresholds pinned
+    (``fixed_allocator``, see allocator.py; off only to see what it buys), a ``progress`` bar, the
+    ``ranks`` it measures as one of, and the ``target`` device and dtype (default: CPU, fp32)."""
+
+    name: str = "model"
+    grid: ProfileGrid = ProfileGrid()
+    validate: int = 16
+    threads: int | None = None
+    fixed_allocator: bool = True
+    progress: bool = True
+    ranks: int = 1
+    target: Target | None = None
+
+
+def run_profile(model_cfg: dict, run: ProfileRun = ProfileRun()) -> Profile:
+    """Profile the model described by a HF config dict as ``run`` says.
 
     On CUDA the models and inputs live on the GPU in the target's dtype; a half-precision
     target's optimizer step is timed over fp32 master weights, as mixed-precision training keeps.
@@ -113,8 +161,7 @@ def run_profile(
     ``validate`` > 0 also times that many held-out micro-batches (random lengths, padded and
     packed, through the full-depth model with the first recompute mode) in the same rounds as
     the profile, so that drift of a shared machine cannot pass for model error, and records
-    how far the fit's predictions are from them. ``fixed_allocator`` pins glibc's malloc
-    thresholds (see allocator.py); turn it off only to see what it buys.
+    how far the fit's predictions are from them.
 
     ``ranks`` > 1 measures as one of that many training ranks on this host: on CPU, ranks-1
     processes train the same model beside it while it times (shadow.py); the gradient all-reduce
@@ -124,16 +171,12 @@ def run_profile(
     cluster's link); the optimizer step is measured in every case (update.py).
     """
     import torch
-    from tqdm import tqdm
 
     from ..models.hf import build_causal_lm, hf_config
 
-    target = target or Target(torch.device("cpu"), "fp32")
+    grid = run.grid
+    target = prepared(run.target, run.fixed_allocator, run.threads)
     cuda = target.device.type == "cuda"
-    if fixed_allocator and not cuda:  # glibc's malloc holds no GPU tensor
-        stable_cpu_allocator()
-    if threads:
-        torch.set_num_threads(threads)
     rng = np.random.default_rng(grid.seed)
     l1, l2 = grid.depths
     pad = 8
@@ -156,7 +199,7 @@ def run_profile(
                 for depth in (l1, l2):
                     keys.append((layout, lens, rc, depth))
                     jobs.append(Job(models[(depth, rc)], inputs))
-    held_out = _held_out_cases(keys, validate, grid, rng, pad) if validate else []
+    held_out = _held_out_cases(keys, run.validate, grid, rng, pad) if run.validate else []
     if held_out:
         torch.manual_seed(grid.seed)
         full = _on(build_causal_lm(model_cfg).train(), target)
@@ -166,24 +209,17 @@ def run_profile(
         ]
     else:
         held_jobs = []
-    bar = tqdm(
-        total=grid.repeats,
-        desc=f"profiling {len(jobs) + len(held_jobs)} micro-batches",
-        unit="round",
-        disable=not progress,
+    times, optimizer = measure_jobs(
+        model_cfg,
+        grid,
+        jobs + held_jobs,
+        [models[(l1, grid.recomputes[0])], models[(l2, grid.recomputes[0])]],
+        what="micro-batches",
+        ranks=run.ranks,
+        threads=run.threads,
+        progress=run.progress,
+        target=target,
     )
-    # GPU ranks do not share their device, so only CPU ranks are measured beside a load.
-    load = (
-        ShadowLoad(model_cfg, grid, count=ranks - 1, threads=threads)
-        if ranks > 1 and not cuda
-        else contextlib.nullcontext()
-    )
-    with load:
-        times = time_round_robin(jobs + held_jobs, warmup=grid.warmup, repeats=grid.repeats, seed=grid.seed, bar=bar)
-        bar.close()
-        optimizer = measure_optimizer(
-            [models[(l1, grid.recomputes[0])], models[(l2, grid.recomputes[0])]], grid.repeats, target=target
-        )
     params = _param_counts(ref, l1)
     # the full-depth model's gradients, whether or not a full-depth model was built
     grad_bytes = Precision.of(target.dtype).grad * (
@@ -191,21 +227,21 @@ def run_profile(
     )
     backend = "nccl" if cuda else "gloo"
     measured = {}
-    if ranks > 1 and cuda and torch.cuda.device_count() < ranks:
+    if run.ranks > 1 and cuda and torch.cuda.device_count() < run.ranks:
         logger.warning(
             "collectives not measured: they need %d GPUs on this host (one per rank), %d found; the "
             "cost model prices them from the cluster's link bandwidth",
-            ranks,
+            run.ranks,
             torch.cuda.device_count(),
         )
-    elif ranks > 1:
+    elif run.ranks > 1:
         # attention collectives move a few activations' worth per layer: tens of KB to MBs per rank
         attention = [1 << 16, 1 << 20, 4 << 20]
         # sharded data parallelism gathers and reduces one module's parameters at a time: up to a few layers' worth
         layer_bytes = int(Precision.of(target.dtype).grad * params["layer"])
         sharded = [1 << 20, 4 << 20, max(layer_bytes, 8 << 20)]
         measured = measure_collectives(
-            ranks,
+            run.ranks,
             {
                 "allreduce": [1 << 20, 4 << 20, int(grad_bytes)],
                 "allgather": sharded,
@@ -214,7 +250,7 @@ def run_profile(
                 "p2p": attention,
             },
             repeats=grid.repeats,
-            threads=threads,
+            threads=run.threads,
             backend=backend,
         )
     samples: list[Sample] = []
@@ -252,7 +288,7 @@ def run_profile(
         version=VERSION,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         model=ModelInfo(
-            name=name,
+            name=run.name,
             num_layers=_full_depth(model_cfg),
             hidden_size=ref.config.hidden_size,
             num_heads=ref.config.num_attention_heads,
@@ -267,7 +303,7 @@ def run_profile(
         grid={k: list(v) if isinstance(v, tuple) else v for k, v in asdict(grid).items()},
         samples=samples,
         tables=fit_tables(samples, pad),
-        ranks=ranks,
+        ranks=run.ranks,
         update=UpdateSamples(
             backend=backend,
             optimizer=optimizer,

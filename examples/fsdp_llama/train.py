@@ -56,14 +56,15 @@ def main() -> None:
         }
     }
     # the plugin: the model wrapped as the plan says, and a loader whose every step is a planned global batch
-    model, optimizer, loader, plan = fsdp.initialize(
-        model, config, dataset, lengths, fsdp=args.fsdp, optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=1e-3)
+    model, optimizer, loader, _ = fsdp.initialize(
+        model, config, dataset, lengths, fsdp=args.fsdp, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)
     )
+    plan = fsdp.shard_plan_of(model)
     if dist.get_rank() == 0:
         kinds = sorted({u.choice.label for u in plan.units})
         print(f"plan: {', '.join(kinds)}; predicted peak {plan.peak_bytes / 2**20:.0f} of {args.budget_mb:.0f} MB")
     for n, step in enumerate(loader):
-        loss = fsdp.train_step(model, optimizer, step, plan)  # token-mean loss of the whole global batch
+        loss = fsdp.train_step(model, optimizer, step)  # token-mean loss of the whole global batch
         if dist.get_rank() == 0:
             print(f"step {n}: {len(step.micro_batches)} micro-batches on rank 0, loss {loss:.3f}", flush=True)
         if n + 1 == args.steps:

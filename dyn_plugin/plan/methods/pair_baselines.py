@@ -30,9 +30,10 @@ from ...cost.model import round_up
 from ...lengths.packing import pack_pair_rows
 from ..steps.assign import split_for_replicas
 from ..steps.microbatch import InfeasibleError
-from ..steps.pair_microbatch import check_pairs, pair_usable, price_pair_groups
-from ..steps.pair_planner import schedule_pair_replicas
+from ..steps.pair_microbatch import check_pairs, price_pair_groups
 from ..steps.pair_spec import PairSpec
+from ..steps.pricing import usable
+from ..steps.replicas import schedule_replicas
 from ..steps.types import PairMicroBatch, StepPlan
 
 
@@ -48,7 +49,7 @@ def _uniform(
     """The groups priced in the cheapest recompute mode in which all of them fit; None if none."""
     for rc in spec.recomputes:
         mbs = price_pair_groups(groups, inputs, targets, [rc] * len(groups), spec=spec, padded_to=padded_to, rows=rows)
-        if all(pair_usable(mb, spec) for mb in mbs):
+        if all(usable(mb, spec) for mb in mbs):
             return mbs
     return None
 
@@ -69,7 +70,7 @@ def _tuned(
         # fitting is not quite monotone in the size (groups split for the replicas differ): skip a size that does not
         mbs = sizes_that_fit(k)
         if mbs is not None:
-            plans.append(schedule_pair_replicas(mbs, spec=spec, method=method, adaptive=False))
+            plans.append(schedule_replicas(mbs, spec=spec, method=method, balance=False, adaptive=False))
     return min(plans, key=lambda p: p.iteration_ms)
 
 

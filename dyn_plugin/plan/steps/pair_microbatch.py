@@ -245,8 +245,3 @@ def price_pair_groups(
         )
         for k, g in enumerate(groups)
     ]
-
-
-def pair_usable(mb: PairMicroBatch, spec: PairSpec) -> bool:
-    """In the measured range, and within every stage's budget with 1F1B's in-flight count."""
-    return not mb.extrapolated and all(m.fits(st, pk) for m, st, pk in zip(spec.memory, mb.stored_bytes, mb.peak_bytes))

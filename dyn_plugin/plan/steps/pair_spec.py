@@ -20,30 +20,16 @@ from ...checks import MAX_RANKS, check_count
 from ...config import DynPluginConfig
 from ...cost.encoder_decoder import EncoderDecoderCostModel, PairStage
 from ...cost.model import RECOMPUTES, Recompute, split_layers
-from .microbatch import StageMemory
-from .spec import MB, device_budget
-from .types import LinkSpec
+from .spec import StepSpec, step_costs
 
 
-@dataclass(frozen=True)
-class PairSpec:
-    """Everything the pair planner knows about the model and the cluster, for one step."""
+@dataclass(frozen=True, kw_only=True)
+class PairSpec(StepSpec):
+    """Everything the planner of an encoder-decoder's (input, target) pairs knows, for one step: its
+    stages hold encoder layers, then decoder layers."""
 
     cost: EncoderDecoderCostModel
     stages: tuple[PairStage, ...]
-    memory: tuple[StageMemory, ...]
-    dp: int
-    link: LinkSpec
-    recomputes: tuple[Recompute, ...] = RECOMPUTES
-    tp: int = 1
-    seed: int = 0
-    schedule: str = "auto"  # pipeline.schedule: a name in schedule.SCHEDULES
-    update_ms: float = 0.0
-    same_recompute: bool = False  # every rank recomputes alike at each micro-batch of its run order (ZeRO-3)
-
-    @property
-    def pp(self) -> int:
-        return len(self.stages)
 
     @property
     def split_rank(self) -> int:
@@ -119,7 +105,7 @@ def pair_planner_spec(
     the device's memory) minus them, and ZeRO-3's rules (the same recompute per micro-batch index)."""
     check_count("dp", dp, high=MAX_RANKS)
     check_count("tp", tp, high=MAX_RANKS)
-    pipe, cluster, mb = config.pipeline, config.cluster, config.microbatching
+    pipe, mb = config.pipeline, config.microbatching
     if pipe.layers_per_stage:
         raise ValueError(
             "pipeline.layers_per_stage is for decoder-only models; an encoder-decoder pipeline is split by "
@@ -142,29 +128,20 @@ def pair_planner_spec(
     if split_rank is None:
         split_rank = balanced_split_rank(cost, pipe.stages, reference=reference, tp=tp)
     stages = split_stages(cost, pipe.stages, split_rank)
-    device_bytes = device_budget(config, len(stages), state_bytes)
-    memory = []
-    for i, s in enumerate(stages):
-        if state_bytes is not None:
-            memory.append(StageMemory(budget=device_bytes - state_bytes, in_flight=1, states=state_bytes))
-            continue
-        held = cost.model_state_bytes(stage=s, zero_stage=zero_stage, dp=dp, tp=tp)
-        if held.update_peak > device_bytes:
-            raise ValueError(
-                f"pipeline stage {i} ({s.encoder_layers} encoder, {s.decoder_layers} decoder layers) needs {held.update_peak / MB:.0f} MB for model "
-                f"states and the optimizer step's fp32 gradients (ZeRO-{zero_stage}, dp={dp}, tp={tp}) but plans may "
-                f"use {device_bytes / MB:.0f} MB of a device; add pipeline stages, raise tp, the ZeRO stage or the memory"
-            )
-        memory.append(StageMemory(budget=device_bytes - held.total, in_flight=len(stages) - i, states=held.total))
-    same_node = len(stages) * tp <= cluster.devices_per_node
-    link = LinkSpec(cluster.intra_node_gb_per_s if same_node else cluster.inter_node_gb_per_s, cluster.latency_us)
-    dp_same_node = dp * len(stages) * tp <= cluster.devices_per_node
-    update = cost.update_ms(
-        stages,
-        zero_stage=zero_stage,
-        dp=dp,
-        tp=tp,
-        link_gb_per_s=cluster.intra_node_gb_per_s if dp_same_node else cluster.inter_node_gb_per_s,
+    memory, link, update = step_costs(
+        cost, config, stages, zero_stage=zero_stage, dp=dp, tp=tp, state_bytes=state_bytes
     )
     sharded = zero_stage >= 3 or state_bytes is not None  # modules gathered in step on every rank
-    return PairSpec(cost, stages, tuple(memory), dp, link, recomputes, tp, seed, pipe.schedule, update, sharded)
+    return PairSpec(
+        cost=cost,
+        stages=stages,
+        memory=memory,
+        dp=dp,
+        link=link,
+        recomputes=recomputes,
+        tp=tp,
+        seed=seed,
+        schedule=pipe.schedule,
+        update_ms=update,
+        same_recompute=sharded,
+    )

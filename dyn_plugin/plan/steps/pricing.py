@@ -9,16 +9,18 @@ modes on a fixed schedule (less where memory is spare; alike on every replica fo
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 from ...cost.model import RECOMPUTES, Features, Layout, Recompute, features, tensor_shape
 from ...cost.table import evaluate_checkpointed, evaluate_stage
 from .simulator import simulate, stage_peak_bytes
-from .spec import ACT_BYTES, PlannerSpec
+from .spec import ACT_BYTES, PlannerSpec, StepSpec
 from .types import MicroBatch, Schedule, SimResult, StepPlan
 
-if TYPE_CHECKING:  # the pair planner's spec; pair_spec does not import this module
-    from .pair_spec import PairSpec
+# a micro-batch priced in another recompute mode; None where that is out of the measured range
+Reprice = Callable[[MicroBatch, Recompute], "MicroBatch | None"]
+# a micro-batch priced in another recompute mode with these checkpointed layers per stage (None: all)
+Remake = Callable[[MicroBatch, Recompute, "list[int] | None"], MicroBatch]
 
 
 def make_micro_batch(
@@ -96,8 +98,8 @@ def relax_recompute(
     schedule: Schedule,
     sim: SimResult,
     *,
-    spec: PlannerSpec | PairSpec,
-    reprice: Callable[[MicroBatch, Recompute], MicroBatch | None] | None = None,
+    spec: StepSpec,
+    reprice: Reprice | None = None,
 ) -> tuple[tuple[MicroBatch, ...], SimResult]:
     """Recompute less where the schedule leaves memory to spare.
 
@@ -184,13 +186,13 @@ def recompute_to_fit(mbs: tuple[MicroBatch, ...], schedule: Schedule, *, spec: P
     return tuple(current)
 
 
-def in_range(mb: MicroBatch, spec: PlannerSpec) -> bool:
+def in_range(mb: MicroBatch, spec: StepSpec) -> bool:
     """Inside what the cost model measured for the micro-batch's layout and recompute mode, or
     beyond it where the cost model allows extrapolation (the micro-batch then says so)."""
     return spec.cost.allow_extrapolation or not mb.extrapolated
 
 
-def usable(mb: MicroBatch, spec: PlannerSpec) -> bool:
+def usable(mb: MicroBatch, spec: StepSpec) -> bool:
     """In range, and within every stage's activation budget with the 1F1B in-flight count."""
     return in_range(mb, spec) and all(m.fits(st, pk) for m, st, pk in zip(spec.memory, mb.stored_bytes, mb.peak_bytes))
 
@@ -199,24 +201,34 @@ def _lengths_of(mb: MicroBatch) -> dict[int, int]:
     return dict(zip(mb.sample_ids, mb.seq_lens))
 
 
-def checkpointed_layers(mb: MicroBatch, spec: PlannerSpec) -> tuple[int, ...]:
+def checkpointed_layers(mb: MicroBatch, spec: StepSpec) -> tuple[int, ...]:
     """Checkpointed layers per stage (a whole-stage mode: all of them, none under no recompute)."""
     return tuple(mb.checkpointed) if mb.checkpointed else _whole_stage_counts(mb.recompute, spec)
 
 
-def _whole_stage_counts(recompute: Recompute, spec: PlannerSpec) -> tuple[int, ...]:
+def _whole_stage_counts(recompute: Recompute, spec: StepSpec) -> tuple[int, ...]:
     return tuple(s.num_layers if recompute != "none" else 0 for s in spec.stages)
 
 
-def same_recompute(plan: StepPlan, *, spec: PlannerSpec) -> StepPlan:
+def same_recompute(plan: StepPlan, *, spec: StepSpec, remake: Remake | None = None) -> StepPlan:
     """With ``spec.same_recompute`` (ZeRO-3), every replica's i-th micro-batch (in run order)
     recomputes alike: ZeRO-3 gathers each module's parameters over every rank in the order the
     modules run, and recompute re-runs modules in backward, so ranks that recompute differently
     desynchronise the gathers (a hang under NCCL). Where they differ, each takes the most
     recompute among them (the strongest mode; its most checkpointed layers, or all of them where
-    modes differ): memory only falls, the schedules stay, the replicas are simulated again."""
+    modes differ): memory only falls, the schedules stay, the replicas are simulated again.
+    ``remake(mb, mode, checkpointed)``: the micro-batch priced so (default ``make_micro_batch`` on
+    its lengths; the pair planner passes its own)."""
     if not spec.same_recompute or len(plan.replicas) < 2:
         return plan
+    if remake is None:
+
+        def remake(mb: MicroBatch, mode: Recompute, counts: list[int] | None) -> MicroBatch:
+            lengths = _lengths_of(mb)
+            return make_micro_batch(
+                mb.sample_ids, lengths, spec=spec, layout=mb.layout, recompute=mode, sp=mb.sp, checkpointed=counts
+            )
+
     orders = [r.schedule.order for r in plan.replicas]
     if len({len(o) for o in orders}) > 1:
         raise ValueError("the same recompute per micro-batch needs equal micro-batch counts on every replica")
@@ -230,15 +242,7 @@ def same_recompute(plan: StepPlan, *, spec: PlannerSpec) -> StepPlan:
         if all(mb.recompute == mode for mb in mbs):
             counts = [max(c) for c in zip(*(checkpointed_layers(mb, spec) for mb in mbs))]
         for r, (mb, o) in enumerate(zip(mbs, orders)):
-            new[r][o[pos]] = make_micro_batch(
-                mb.sample_ids,
-                _lengths_of(mb),
-                spec=spec,
-                layout=mb.layout,
-                recompute=mode,
-                sp=mb.sp,
-                checkpointed=counts,
-            )
+            new[r][o[pos]] = remake(mb, mode, counts)
     replicas = tuple(
         replace(r, micro_batches=tuple(m), sim=simulate(m, r.schedule, spec.link)) for r, m in zip(plan.replicas, new)
     )

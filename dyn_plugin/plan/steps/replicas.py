@@ -1,16 +1,18 @@
 """Scheduling replicas: micro-batches spread over the data-parallel replicas, and each replica's
-pipeline schedule searched by simulation within memory, recompute then relaxed where it can be."""
+pipeline schedule searched by simulation within memory, recompute then relaxed where it can be.
+One path for a decoder-only model's sequences and an encoder-decoder's (input, target) pairs: the
+pairs' planner passes how it prices a pair micro-batch in another recompute mode."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 from .assign import assign_to_replicas
-from .pricing import recompute_to_fit, relax_recompute
+from .pricing import Reprice, recompute_to_fit, relax_recompute
 from .pyramid import fewest_checkpointed
 from .schedule import choose_schedule, one_f_one_b
 from .simulator import simulate
-from .spec import PlannerSpec
+from .spec import StepSpec
 from .types import MicroBatch, ReplicaPlan, StepPlan
 
 
@@ -29,26 +31,37 @@ def replica_groups(micro_batches: Sequence[MicroBatch], dp: int, balance: bool, 
 def schedule_replicas(
     micro_batches: Sequence[MicroBatch],
     *,
-    spec: PlannerSpec,
+    spec: StepSpec,
     method: str,
     balance: bool = True,
     adaptive: bool = True,
+    reprice: Reprice | None = None,
+    relax: bool = True,
 ) -> StepPlan:
     """Spread micro-batches over replicas (balanced, or round-robin as host frameworks do) and
-    schedule each replica's pipeline (searched, or plain 1F1B in the given order)."""
+    schedule each replica's pipeline (searched, or plain 1F1B in the given order); ``reprice`` and
+    ``relax`` as ``schedule_replica`` takes them."""
     replicas = [
-        schedule_replica(mbs, spec=spec, first=r, adaptive=adaptive)
+        schedule_replica(mbs, spec=spec, first=r, adaptive=adaptive, reprice=reprice, relax=relax)
         for r, mbs in enumerate(replica_groups(micro_batches, spec.dp, balance, method))
     ]
     return StepPlan(method, micro_batches[0].layout, tuple(replicas), spec.update_ms)
 
 
 def schedule_replica(
-    mbs: Sequence[MicroBatch], *, spec: PlannerSpec, first: int, size: int = 1, adaptive: bool = True
+    mbs: Sequence[MicroBatch],
+    *,
+    spec: StepSpec,
+    first: int,
+    size: int = 1,
+    adaptive: bool = True,
+    reprice: Reprice | None = None,
+    relax: bool = True,
 ) -> ReplicaPlan:
     """One replica's pipeline: the schedule searched by simulation within the memory budget,
-    then recompute relaxed where it leaves memory spare, by whole micro-batches and then (pyramid
-    checkpointing) by layers; or plain 1F1B in the given order."""
+    then (``relax``) recompute relaxed where it leaves memory spare, by whole micro-batches
+    (``reprice``: a micro-batch priced in another mode, default ``pricing.relax_recompute``'s)
+    and then (pyramid checkpointing) by layers; or plain 1F1B in the given order."""
     mbs = tuple(mbs)
     if adaptive:
         if not spec.cap_in_flight:  # the host keeps its 1F1B's warm-ups: fit the given order by recomputing
@@ -62,7 +75,8 @@ def schedule_replica(
             policy=spec.schedule,
             capped=spec.cap_in_flight,
         )
-        mbs, sim = relax_recompute(mbs, schedule, sim, spec=spec)
+        if relax:
+            mbs, sim = relax_recompute(mbs, schedule, sim, spec=spec, reprice=reprice)
         if spec.pyramid:
             mbs, sim = fewest_checkpointed(mbs, schedule, sim, spec)
     else:

@@ -8,6 +8,7 @@ states, the links, and the layouts, recompute modes and sequence-parallel sizes 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -23,35 +24,45 @@ MB = 1 << 20
 ACT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
-@dataclass(frozen=True)
-class PlannerSpec:
-    """Everything the planner knows about the model and the cluster, for one step."""
+@dataclass(frozen=True, kw_only=True)
+class StepSpec:
+    """What every planner of a step knows of the cluster, whatever it plans (sequences or pairs):
+    the pipeline's stages and each one's memory, the data-parallel and tensor-parallel degrees, the
+    link between stages, the recompute modes the cost model prices, the schedule policy and the
+    update after the last micro-batch."""
 
-    cost: TableCostModel
-    stages: tuple[StageSpec, ...]
+    stages: tuple
     memory: tuple[StageMemory, ...]
     dp: int
     link: LinkSpec
-    hidden_size: int
-    layouts: tuple[Layout, ...] = LAYOUTS
     recomputes: tuple[Recompute, ...] = RECOMPUTES
     tp: int = 1
     seed: int = 0
-    row_len: int | None = None  # fixed-length packing rows (the max sequence length) tried as a candidate
     schedule: str = "auto"  # pipeline.schedule: a name in schedule.SCHEDULES (auto, adaptive, 1f1b)
     update_ms: float = 0.0  # gradient all-reduce + optimizer step after the last micro-batch
-    sp_sizes: tuple[int, ...] = (1,)  # sequence-parallel group sizes allowed ((1,) = DynaPipe alone)
-    sp_attention: str = "auto"  # ulysses | ring | auto
-    pyramid: bool = False  # checkpoint per micro-batch only as many layers as memory needs
-    equal_counts: bool = False  # every rank runs the same number of micro-batches (ZeRO-2/3, or balance = intra)
     same_recompute: bool = False  # every rank recomputes alike at each micro-batch of its run order (ZeRO-3)
-    sp_link: tuple[LinkSpec, LinkSpec] = (LinkSpec(100.0), LinkSpec(12.5))  # inside a node, across nodes
-    devices_per_node: int = 1
     cap_in_flight: bool = True  # pipeline.cap_in_flight: the host runs a stage with fewer micro-batches in flight
+    pyramid: bool = False  # checkpoint per micro-batch only as many layers as memory needs
 
     @property
     def pp(self) -> int:
         return len(self.stages)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerSpec(StepSpec):
+    """Everything the planner of a decoder-only model's sequences knows, for one step."""
+
+    cost: TableCostModel
+    stages: tuple[StageSpec, ...]
+    hidden_size: int
+    layouts: tuple[Layout, ...] = LAYOUTS
+    row_len: int | None = None  # fixed-length packing rows (the max sequence length) tried as a candidate
+    sp_sizes: tuple[int, ...] = (1,)  # sequence-parallel group sizes allowed ((1,) = DynaPipe alone)
+    sp_attention: str = "auto"  # ulysses | ring | auto
+    equal_counts: bool = False  # every rank runs the same number of micro-batches (ZeRO-2/3, or balance = intra)
+    sp_link: tuple[LinkSpec, LinkSpec] = (LinkSpec(100.0), LinkSpec(12.5))  # inside a node, across nodes
+    devices_per_node: int = 1
 
     def layer_comm(self, sp: int, recompute: Recompute) -> LayerComm:
         """Per layer, the attention collectives and buffers of a micro-batch split over ``sp`` ranks."""
@@ -114,26 +125,9 @@ def planner_spec(
         stages = tuple(StageSpec(n, i == 0, i == pipe.stages - 1) for i, n in enumerate(pipe.layers_per_stage))
     else:
         stages = balanced_split(cost, pipe.stages, tp=tp)
-    device_bytes = device_budget(config, len(stages), state_bytes)
-    memory = []
-    for i, s in enumerate(stages):
-        held = None if state_bytes is not None else cost.model_state_bytes(stage=s, zero_stage=zero_stage, dp=dp, tp=tp)
-        states = state_bytes if held is None else held.total
-        if states >= device_bytes:
-            raise ValueError(
-                f"pipeline stage {i} needs {states / MB:.0f} MB for model states (ZeRO-{zero_stage}, dp={dp}) but "
-                f"plans may use {device_bytes / MB:.0f} MB of a device (memory_mb x memory_fraction, less the "
-                f"allocator's margin); add pipeline stages, raise the ZeRO stage or the memory"
-            )
-        if held is not None and held.update_peak > device_bytes:
-            raise ValueError(
-                f"pipeline stage {i}'s optimizer step needs {held.update_peak / MB:.0f} MB (model states and "
-                f"the step's fp32 gradients, ZeRO-{zero_stage}, dp={dp}) but plans may use {device_bytes / MB:.0f} MB "
-                "of a device; add pipeline stages, raise the ZeRO stage or the memory"
-            )
-        memory.append(StageMemory(budget=device_bytes - states, in_flight=len(stages) - i, states=states))
-    same_node = len(stages) * tp <= cluster.devices_per_node
-    link = LinkSpec(cluster.intra_node_gb_per_s if same_node else cluster.inter_node_gb_per_s, cluster.latency_us)
+    memory, link, update = step_costs(
+        cost, config, stages, zero_stage=zero_stage, dp=dp, tp=tp, state_bytes=state_bytes
+    )
     hidden = hidden_size or cost.hidden_size
     if not hidden:
         raise ValueError("the planner needs the model's hidden size (cost_model.model.hidden_size)")
@@ -154,14 +148,6 @@ def planner_spec(
             f"cost model {cost.name!r} cannot price microbatching.layout={mb.layout!r}, "
             f"recompute={mb.recompute!r} at tp={tp} (it has {have}); profile those or change the config"
         )
-    dp_same_node = dp * len(stages) * tp <= cluster.devices_per_node
-    update = cost.update_ms(
-        stages,
-        zero_stage=zero_stage,
-        dp=dp,
-        tp=tp,
-        link_gb_per_s=cluster.intra_node_gb_per_s if dp_same_node else cluster.inter_node_gb_per_s,
-    )
     sp = config.sequence_parallel
     sizes = group_sizes(dp, sp.sizes) if sp.enabled else (1,)
     for k in sizes:
@@ -173,28 +159,69 @@ def planner_spec(
         LinkSpec(cluster.inter_node_gb_per_s, cluster.latency_us),
     )
     return PlannerSpec(
-        cost,
-        stages,
-        tuple(memory),
-        dp,
-        link,
-        hidden,
-        layouts,
-        recomputes,
-        tp,
-        seed,
-        mb.max_seq_len,
-        pipe.schedule,
-        update,
-        sizes,
-        sp.attention,
-        sp.pyramid and "none" in recomputes,
-        equal,
-        sharded,
-        sp_link,
-        cluster.devices_per_node,
-        pipe.cap_in_flight,
+        cost=cost,
+        stages=stages,
+        memory=memory,
+        dp=dp,
+        link=link,
+        hidden_size=hidden,
+        layouts=layouts,
+        recomputes=recomputes,
+        tp=tp,
+        seed=seed,
+        row_len=mb.max_seq_len,
+        schedule=pipe.schedule,
+        update_ms=update,
+        sp_sizes=sizes,
+        sp_attention=sp.attention,
+        pyramid=sp.pyramid and "none" in recomputes,
+        equal_counts=equal,
+        same_recompute=sharded,
+        sp_link=sp_link,
+        devices_per_node=cluster.devices_per_node,
+        cap_in_flight=pipe.cap_in_flight,
     )
+
+
+def step_costs(
+    cost: Any, config: DynPluginConfig, stages: tuple, *, zero_stage: int, dp: int, tp: int, state_bytes: float | None
+) -> tuple[tuple[StageMemory, ...], LinkSpec, float]:
+    """What every spec prices the same way, sequences or pairs (``cost``: a ``TableCostModel`` or an
+    ``EncoderDecoderCostModel``, both pricing a stage's model states and the update): each stage's
+    memory (the activation budget its model states leave, 1F1B's in-flight count), the link
+    between stages (a node's while the stages and their tensor-parallel ranks fit one) and the
+    update after the last micro-batch (the gradient all-reduce over the data-parallel ranks, and
+    the optimizer step). ``state_bytes``: a sharding plan's model states in place of ZeRO's."""
+    cluster = config.cluster
+    device_bytes = device_budget(config, len(stages), state_bytes)
+    memory = []
+    for i, s in enumerate(stages):
+        held = None if state_bytes is not None else cost.model_state_bytes(stage=s, zero_stage=zero_stage, dp=dp, tp=tp)
+        states = state_bytes if held is None else held.total
+        if states >= device_bytes:
+            raise ValueError(
+                f"pipeline stage {i} needs {states / MB:.0f} MB for model states (ZeRO-{zero_stage}, dp={dp}) but "
+                f"plans may use {device_bytes / MB:.0f} MB of a device (memory_mb x memory_fraction, less the "
+                f"allocator's margin); add pipeline stages, raise the ZeRO stage or the memory"
+            )
+        if held is not None and held.update_peak > device_bytes:
+            raise ValueError(
+                f"pipeline stage {i}'s optimizer step needs {held.update_peak / MB:.0f} MB (model states and "
+                f"the step's fp32 gradients, ZeRO-{zero_stage}, dp={dp}, tp={tp}) but plans may use "
+                f"{device_bytes / MB:.0f} MB of a device; add pipeline stages, raise tp, the ZeRO stage or the memory"
+            )
+        memory.append(StageMemory(budget=device_bytes - states, in_flight=len(stages) - i, states=states))
+    same_node = len(stages) * tp <= cluster.devices_per_node
+    link = LinkSpec(cluster.intra_node_gb_per_s if same_node else cluster.inter_node_gb_per_s, cluster.latency_us)
+    dp_same_node = dp * len(stages) * tp <= cluster.devices_per_node
+    update = cost.update_ms(
+        stages,
+        zero_stage=zero_stage,
+        dp=dp,
+        tp=tp,
+        link_gb_per_s=cluster.intra_node_gb_per_s if dp_same_node else cluster.inter_node_gb_per_s,
+    )
+    return tuple(memory), link, update
 
 
 def device_budget(config: DynPluginConfig, stages: int, state_bytes: float | None) -> float:

@@ -1,7 +1,9 @@
-"""Argument types shared by every subcommand: each flag is checked while the command line is
+"""Argument types of every ``dynplugin`` flag: each flag is checked while the command line is
 parsed, so a bad value is refused (exit 2, one line naming the flag) before any work starts.
 
-Bounds come from :mod:`dyn_plugin.checks`, the same check the public API runs."""
+At the bottom (standard library only) so both the commands and the benchmarks below them, which
+define their own sub-commands' flags, take them from here. Bounds come from
+:mod:`dyn_plugin.checks`, the same check the public API runs."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import argparse
 import os
 from typing import Callable
 
-from ..checks import MAX_COUNT, MAX_RANKS, MAX_SEED, MAX_TOKENS, check_count, check_number
+from .checks import MAX_COUNT, MAX_RANKS, MAX_SEED, MAX_TOKENS, check_count, check_number
 
 
 def count(low: int = 1, high: int = MAX_COUNT) -> Callable[[str], int]:
@@ -139,3 +141,5 @@ RANKS = count(1, MAX_RANKS)
 TOKENS = count(1, MAX_TOKENS)
 STEPS = count()
 SEED = count(0, MAX_SEED)
+RANK_COUNTS = counts(1, MAX_RANKS)  # comma-separated: GPUs, pipeline stages
+TOKEN_COUNTS = counts(1, MAX_TOKENS)  # comma-separated: global tokens, sequence caps
