@@ -15,7 +15,7 @@ import contextlib
 import os
 from typing import Any, Iterator
 
-from dyn_plugin.atomic import fsync_directory, write_atomic
+from dyn_plugin.atomic import write_atomic
 from dyn_plugin.host import checkpoint
 from dyn_plugin.runtime.loader import DynLoader
 
@@ -54,28 +54,6 @@ def _writes_kept(engine) -> Iterator[_KeptErrors]:
         engine.checkpoint_engine = kept._inner
 
 
-def _move_latest_off(save_dir: str, tag: str) -> None:
-    """Before ``tag`` is rewritten: a ``latest`` naming it names the newest other whole checkpoint,
-    or is removed."""
-    latest = os.path.join(save_dir, LATEST)
-    try:
-        with open(latest) as f:
-            named = f.read().strip()
-    except FileNotFoundError:
-        return
-    if named != tag:
-        return
-    directory = os.path.join(save_dir, *tag.split("/"))
-    others = [
-        c for c in checkpoint.complete(save_dir, warn=False) if os.path.abspath(c.path) != os.path.abspath(directory)
-    ]
-    if others:
-        write_atomic(latest, _tag_of(others[-1].path, save_dir), strict=True)
-    else:
-        os.unlink(latest)
-        fsync_directory(save_dir, strict=True)
-
-
 def _tag_of(path: str, save_dir: str | os.PathLike) -> str:
     return os.path.relpath(path, save_dir).replace(os.sep, "/")
 
@@ -93,7 +71,12 @@ def save_checkpoint(
         save_dir,
         tag,
         checkpoint.Record.of(loader),
-        before=lambda: _move_latest_off(save_dir, tag),
+        before=lambda: checkpoint.move_pointer_off(
+            os.path.join(save_dir, LATEST),
+            save_dir,
+            os.path.join(save_dir, *tag.split("/")),
+            lambda path: _tag_of(path, save_dir),
+        ),
         after=lambda: write_atomic(os.path.join(save_dir, LATEST), tag, strict=True),
     ):
         with _writes_kept(engine) as kept:

@@ -135,9 +135,9 @@ def initialize(
     # the plugin's kernel where plans need it, the layouts priced, the start-up check (alike on every rank)
     cfg = checked(model, cfg)
     rank = dist.get_rank()
-    layout = RankLayout(world=dist.get_world_size(), stages=pp)  # refuses stages that do not divide the world
+    layout = RankLayout.from_config(dist.get_world_size(), cfg.plugin)  # refuses stages that do not divide the world
     dp = layout.columns
-    stage, column = layout.coords(rank)  # stage-major, as DeepSpeed's PipeDataParallelTopology lays ranks out
+    stage, column, _ = layout.coords(rank)  # stage-major, as DeepSpeed's PipeDataParallelTopology lays ranks out
     ds_config = _deepspeed_config(cfg.deepspeed, dp)
     cost = cost_model or _cost_model(cfg, model)
     state_bytes = None

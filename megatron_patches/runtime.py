@@ -234,11 +234,10 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
         lengths=run.documents.lengths,
         config=LoadedConfig(plugin, run.config.deepspeed),
         cost_model=cost,
-        layout=RankLayout.of(dp, pp),
+        layout=RankLayout.of(dp, pp, tp),
         stage=ps.get_pipeline_model_parallel_rank(),
         column=ps.get_data_parallel_rank(),
         seed=run.seed,
-        tp=tp,
         replica=ps.get_tensor_model_parallel_rank(),
     )
     block = getattr(getattr(chunk, "decoder", None), "layers", None)

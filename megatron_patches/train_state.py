@@ -46,31 +46,10 @@ def _finetuning() -> bool:
         return False
 
 
-def _move_tracker_off(root: str, tag: str) -> None:
-    """Before iteration folder ``tag`` is rewritten: a Megatron-LM tracker naming it names the latest
-    other whole iteration under ``root``, or is removed (a failed re-save must not leave it naming a
-    folder that is not whole). Loops without a tracker (megatron-core's) are left as they are."""
-    from dyn_plugin.atomic import fsync_directory, write_atomic
-    from dyn_plugin.host import checkpoint
-
-    tracker = os.path.join(root, TRACKER)
-    try:
-        with open(tracker) as f:
-            named = f.read().strip()
-    except FileNotFoundError:
-        return
-    if not (tag.startswith("iter_") and named.isdigit() and int(named) == int(tag[len("iter_") :])):
-        return
-    others = [
-        c
-        for c in checkpoint.complete(root, warn=False)
-        if os.path.basename(c.path).startswith("iter_") and os.path.basename(c.path) != tag
-    ]
-    if others:
-        write_atomic(tracker, str(int(os.path.basename(others[-1].path)[len("iter_") :])), strict=True)
-    else:
-        os.unlink(tracker)
-        fsync_directory(root, strict=True)
+def _iteration_of(path: str) -> str | None:
+    """What Megatron-LM's tracker holds for an iteration folder (its number); None for any other."""
+    name = os.path.basename(path)
+    return str(int(name[len("iter_") :])) if name.startswith("iter_") and name[len("iter_") :].isdigit() else None
 
 
 def _save(original: Callable) -> Callable:
@@ -93,7 +72,15 @@ def _save(original: Callable) -> Callable:
         root, tag = os.path.split(os.path.abspath(os.fspath(checkpoint_dir)))
         # a loop may have written its own files into the folder already (megatron-core's example does):
         # only what the old checkpoint there wrote goes
-        save = checkpoint.prepare(root, tag, record, keep_recent=True, before=lambda: _move_tracker_off(root, tag))
+        save = checkpoint.prepare(
+            root,
+            tag,
+            record,
+            keep_recent=True,
+            before=lambda: checkpoint.move_pointer_off(
+                os.path.join(root, TRACKER), root, os.path.join(root, tag), _iteration_of
+            ),
+        )
         try:
             request = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         except Exception as exc:

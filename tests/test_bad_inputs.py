@@ -367,6 +367,12 @@ CLI: list[Cli] = [
 ]
 
 
+def _layout(world: int = 2, tp: int = 1):
+    from dyn_plugin.layout import RankLayout
+
+    return RankLayout(world, tp=tp)
+
+
 def _loader(t: Path, **kw: object):
     from dyn_plugin.config import load_config
     from dyn_plugin.cost.from_config import build_cost_model
@@ -481,7 +487,8 @@ API: list[Api] = [
     Api("planner_spec zero 5", lambda t: _spec(t, zero_stage=5), V, "zero_stage"),
     Api("DynLoader stage -1", lambda t: _loader(t, stage=-1), V, "stage"),
     Api("DynLoader column 3", lambda t: _loader(t, column=3), V, "column"),
-    Api("DynLoader tp 0", lambda t: _loader(t, tp=0), V, "tp"),
+    Api("RankLayout tp 0", lambda t: _layout(tp=0), V, "tensor-parallel size of 0"),
+    Api("RankLayout tp 3 of 4 ranks", lambda t: _layout(world=4, tp=3), V, "launch a multiple of 3 ranks"),
     Api("DynLoader replica -1", lambda t: _loader(t, replica=-1), V, "replica"),
     Api("DynLoader seed -1", lambda t: _loader(t, seed=-1), V, "seed"),
     Api("DynLoader zero_stage 9", lambda t: _loader(t, zero_stage=9), V, "zero_stage"),

@@ -15,17 +15,46 @@ from dyn_plugin.plan.steps.schedule import one_f_one_b
 from dyn_plugin.plan.steps.types import MicroBatch
 
 
-@pytest.mark.parametrize("world,stages", [(1, 1), (4, 1), (4, 2), (6, 3), (8, 4), (3, 3)])
-def test_layout_numbers_ranks_stage_major_and_round_trips(world, stages):
-    layout = RankLayout(world, stages)
-    assert layout.columns * layout.stages == world
+@pytest.mark.parametrize(
+    "world,stages,tp", [(1, 1, 1), (4, 1, 1), (4, 2, 1), (6, 3, 1), (8, 4, 1), (3, 3, 1), (8, 2, 2), (12, 3, 2)]
+)
+def test_layout_numbers_ranks_stage_major_and_round_trips(world, stages, tp):
+    layout = RankLayout(world, stages, tp)
+    assert layout.columns * layout.stages * layout.tp == world
     for rank in range(world):
-        stage, column = layout.coords(rank)
-        assert layout.rank_of(stage, column) == rank == stage * layout.columns + column
-    assert sorted(r for s in range(stages) for r in layout.stage_ranks(s)) == list(range(world))
-    assert sorted(r for c in range(layout.columns) for r in layout.column_ranks(c)) == list(range(world))
+        stage, column, replica = layout.coords(rank)
+        assert layout.rank_of(stage, column, replica) == rank == (stage * layout.columns + column) * tp + replica
+    every = [(s, c, r) for s in range(stages) for c in range(layout.columns) for r in range(tp)]
+    assert sorted(r for s, _, t in {(s, 0, t) for s, _, t in every} for r in layout.stage_ranks(s, replica=t)) == list(
+        range(world)
+    )
+    assert sorted(r for c, t in {(c, t) for _, c, t in every} for r in layout.column_ranks(c, replica=t)) == list(
+        range(world)
+    )
     for c in range(layout.columns):
-        assert [layout.coords(r) for r in layout.column_ranks(c)] == [(s, c) for s in range(stages)]
+        assert [layout.coords(r) for r in layout.column_ranks(c)] == [(s, c, 0) for s in range(stages)]
+
+
+def test_tensor_parallel_ranks_are_innermost_as_megatron_numbers_them():
+    """Megatron's default order (tp, then dp, then pp): a cell's tensor-parallel ranks are neighbours."""
+    layout = RankLayout.of(columns=2, stages=2, tp=2)
+    assert layout.world == 8
+    assert [layout.coords(r) for r in range(4)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert layout.stage_ranks(1, replica=1) == [5, 7]  # stage 1's data-parallel ranks of tensor-parallel rank 1
+    assert layout.column_ranks(1) == [2, 6]
+    with pytest.raises(ValueError, match=r"replica 2 is not in \[0, tp=2\)"):
+        layout.rank_of(0, 0, 2)
+    with pytest.raises(ValueError, match=r"pipeline\.stages = 3 does not divide the 4 cells \(8 ranks, tp 2\)"):
+        RankLayout(8, 3, tp=2)
+
+
+def test_the_layout_from_the_config_takes_its_stages_and_the_hosts_tp():
+    from dyn_plugin.config import load_config
+
+    plugin = load_config({"dyn_plugin": {"pipeline": {"stages": 2}}}).plugin
+    assert RankLayout.from_config(8, plugin, tp=2) == RankLayout(8, stages=2, tp=2)
+    with pytest.raises(ValueError, match=r"pipeline\.stages = 2 does not divide the 3"):
+        RankLayout.from_config(3, plugin)
 
 
 def test_layout_groups_and_rejections():

@@ -23,7 +23,7 @@ from dyn_plugin.plan.methods.pair_baselines import pair_packing
 from dyn_plugin.plan.steps.instructions import ExecutionPlan, LoadMicroBatch, PlannedMicroBatch
 from dyn_plugin.plan.steps.pair_spec import pair_planner_spec
 from dyn_plugin.runtime.collate import IGNORE, scored_tokens
-from dyn_plugin.runtime.collate_pairs import PACKED_PAIR_KEYS, collate_packed_pairs
+from dyn_plugin.runtime.collate_pairs import PACKED_PAIR_KEYS, collate_pairs
 from dyn_plugin.runtime.loader import Step, load_micro_batch
 from ranks import run
 from token_mean import reference
@@ -75,7 +75,7 @@ def test_collate_packs_each_side_with_its_pairs_segments():
     data = _pairs(LENS)
     shape = packed_pair_shape(*zip(*LENS), (24, 24))
     assert shape == (3, 24, 24)
-    mb = collate_packed_pairs(range(len(LENS)), LENS, shape, data.__getitem__, pad_id=0)
+    mb = collate_pairs(range(len(LENS)), LENS, "packed", shape, data.__getitem__, pad_id=0)
     assert tuple(mb) == PACKED_PAIR_KEYS and "input_ids" not in mb  # a model handed it fails, not trains wrong
     rows = packed_pair_rows(*zip(*LENS), (24, 24))
     for r, row in enumerate(rows):
@@ -96,11 +96,11 @@ def test_collate_packs_each_side_with_its_pairs_segments():
     again = load_micro_batch(desc, data.__getitem__, column=0)
     assert all(torch.equal(again[k], mb[k]) for k in mb)
     with pytest.raises(ValueError, match="packed_pair_shape"):
-        collate_packed_pairs(range(len(LENS)), LENS, (2, 24, 24), data.__getitem__)  # the plan's rows differ
+        collate_pairs(range(len(LENS)), LENS, "packed", (2, 24, 24), data.__getitem__)  # the plan's rows differ
     with pytest.raises(ValueError, match="wider than the rows"):
-        collate_packed_pairs(range(len(LENS)), LENS, (3, 16, 24), data.__getitem__)
+        collate_pairs(range(len(LENS)), LENS, "packed", (3, 16, 24), data.__getitem__)
     with pytest.raises(ValueError, match="\\(rows, input width, target width\\)"):
-        collate_packed_pairs(range(len(LENS)), LENS, (1, 72), data.__getitem__)
+        collate_pairs(range(len(LENS)), LENS, "packed", (1, 72), data.__getitem__)
 
 
 def test_each_target_is_shifted_right_on_its_own():
@@ -113,7 +113,7 @@ def test_each_target_is_shifted_right_on_its_own():
 
 def _run(model, lens, data):
     shape = packed_pair_shape(*zip(*lens), (24, 24))
-    mb = collate_packed_pairs(range(len(lens)), lens, shape, data.__getitem__)
+    mb = collate_pairs(range(len(lens)), lens, "packed", shape, data.__getitem__)
     return pair_forward(model, model)(**mb, use_cache=False)
 
 
@@ -146,7 +146,7 @@ def test_packed_forward_is_each_pair_alone_loss_and_gradients(variant, attn):
 
 def test_a_packed_batch_handed_to_the_model_itself_fails():
     data = _pairs(LENS)
-    mb = collate_packed_pairs(range(len(LENS)), LENS, (3, 24, 24), data.__getitem__)
+    mb = collate_pairs(range(len(LENS)), LENS, "packed", (3, 24, 24), data.__getitem__)
     with pytest.raises(ValueError, match="input_ids"):
         build_seq2seq_lm(T5)(**mb)
 

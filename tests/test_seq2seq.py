@@ -47,7 +47,7 @@ def shape(lens):
 def test_collate_pairs_pads_inputs_under_the_mask_and_targets_with_ignored_labels():
     lens = [(5, 2), (1, 7), (3, 3)]
     data = _pairs(lens)
-    mb = collate_pairs([0, 1, 2], lens, shape(lens), data.__getitem__, pad_id=0)
+    mb = collate_pairs([0, 1, 2], lens, "padded", shape(lens), data.__getitem__, pad_id=0)
     assert mb["input_ids"].shape == mb["attention_mask"].shape == (3, 8)
     assert mb["labels"].shape == (3, 8)
     for r, ((a, b), d) in enumerate(zip(lens, data)):
@@ -57,7 +57,7 @@ def test_collate_pairs_pads_inputs_under_the_mask_and_targets_with_ignored_label
     assert int(mb["labels"].ne(IGNORE).sum()) == scored_tokens(lens)  # the labels scored are the plan's count
     # an (input, target) tuple is an item too, and longer sides are cut to the planned lengths
     tuples = [(d["input_ids"], np.concatenate([d["labels"], [5, 5]])) for d in data]
-    again = collate_pairs([0, 1, 2], lens, shape(lens), tuples.__getitem__)
+    again = collate_pairs([0, 1, 2], lens, "padded", shape(lens), tuples.__getitem__)
     assert all(torch.equal(again[k], mb[k]) for k in mb)
 
 
@@ -65,15 +65,15 @@ def test_collate_pairs_refuses_what_does_not_fit_its_plan():
     lens = [(5, 2), (1, 7)]
     data = _pairs(lens)
     with pytest.raises(ValueError, match="encoder_decoder.pair_shape"):
-        collate_pairs([0, 1], lens, (2, 4, 8), data.__getitem__)  # inputs wider than the plan's width
+        collate_pairs([0, 1], lens, "padded", (2, 4, 8), data.__getitem__)  # inputs wider than the plan's width
     with pytest.raises(ValueError, match="encoder_decoder.pair_shape"):
-        collate_pairs([0, 1], lens, (2, 8), data.__getitem__)  # a causal (rows, width) shape
+        collate_pairs([0, 1], lens, "padded", (2, 8), data.__getitem__)  # a causal (rows, width) shape
     with pytest.raises(ValueError, match="token counts of the dataset"):
-        collate_pairs([0, 1], [(6, 2), (1, 7)], (2, 8, 8), data.__getitem__)
+        collate_pairs([0, 1], [(6, 2), (1, 7)], "padded", (2, 8, 8), data.__getitem__)
     with pytest.raises(ValueError, match="\\(input, target\\) pairs"):
-        collate_pairs([0], [(1, 2, 3)], (1, 8, 8), data.__getitem__)
+        collate_pairs([0], [(1, 2, 3)], "padded", (1, 8, 8), data.__getitem__)
     with pytest.raises(ValueError, match="'labels'"):
-        collate_pairs([0], [(1, 1)], (1, 8, 8), [{"input_ids": [3]}].__getitem__)
+        collate_pairs([0], [(1, 1)], "padded", (1, 8, 8), [{"input_ids": [3]}].__getitem__)
     split = PlannedMicroBatch((0, 1), tuple(lens), "padded", "none", (2, 8, 8), (), 2, 0)
     with pytest.raises(ValueError, match="plan them with sp 1"):
         load_micro_batch(split, data.__getitem__, column=0)

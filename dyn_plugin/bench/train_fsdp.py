@@ -150,6 +150,24 @@ def find_plan(
     return plan, (time.perf_counter() - t0) * 1e3, timings, ""
 
 
+def sharded(
+    model, plan: ShardPlan, cost: TableCostModel, section: dict, args: argparse.Namespace, docs, lengths
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """``fsdp.initialize`` as every method here trains: FSDP2 under ``plan``, AdamW, the plugin's loader."""
+    model, optimizer, loader, _ = initialize(
+        model,
+        {"dyn_plugin": section},
+        [{"input_ids": d} for d in docs],
+        lengths,
+        shard_plan=plan,
+        fsdp="fsdp2",
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
+        cost_model=cost,
+        seed=args.seed,
+    )
+    return model, optimizer, loader
+
+
 def timed_runs(
     plans: dict[str, ShardPlan],
     cost: TableCostModel,
@@ -165,17 +183,7 @@ def timed_runs(
     processes on shared cores) falls on all methods alike. A record per method and timed step."""
     runs = {}
     for method, plan in plans.items():
-        model, optimizer, loader, _ = initialize(
-            fresh_model(args, device, dtype),
-            {"dyn_plugin": section},
-            [{"input_ids": d} for d in docs],
-            lengths,
-            shard_plan=plan,
-            fsdp="fsdp2",
-            optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
-            cost_model=cost,
-            seed=args.seed,
-        )
+        model, optimizer, loader = sharded(fresh_model(args, device, dtype), plan, cost, section, args, docs, lengths)
         runs[method] = (model, optimizer, loader, iter(loader))
     records = []
     methods = list(runs)
@@ -234,17 +242,7 @@ def memory_run(
     """Peak memory per rank of wrapping and ``MEMORY_STEPS`` steps, measured and predicted (lists over ranks)."""
     model = fresh_model(args, device, dtype)  # built outside: its unsharded weights are not the plan's
     with measure(device) as mem:
-        model, optimizer, loader, _ = initialize(
-            model,
-            {"dyn_plugin": section},
-            [{"input_ids": d} for d in docs],
-            lengths,
-            shard_plan=plan,
-            fsdp="fsdp2",
-            optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
-            cost_model=cost,
-            seed=args.seed,
-        )
+        model, optimizer, loader = sharded(model, plan, cost, section, args, docs, lengths)
         steps = []
         for step in loader:
             train_step(model, optimizer, step)

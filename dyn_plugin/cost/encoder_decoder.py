@@ -230,6 +230,11 @@ class PairStage:
     last: bool = False
 
     @property
+    def held(self) -> str:
+        """Its layers in words, as errors name a stage."""
+        return f"{self.encoder_layers} encoder, {self.decoder_layers} decoder layers"
+
+    @property
     def num_layers(self) -> int:
         """Its layers, of either side (a whole-stage recompute mode recomputes them all)."""
         return self.encoder_layers + self.decoder_layers

@@ -90,6 +90,11 @@ class StageSpec:
     first: bool = True
     last: bool = True
 
+    @property
+    def held(self) -> str:
+        """Its layers in words, as errors name a stage."""
+        return f"{self.num_layers} layers"
+
 
 def split_layers(num_layers: int, stages: int) -> list[StageSpec]:
     """Layers spread as evenly as possible over ``stages`` (earlier stages take the remainder)."""

@@ -39,7 +39,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..atomic import check_sha256, with_sha256, write_json_atomic
+from ..atomic import check_sha256, fsync_directory, with_sha256, write_atomic, write_json_atomic
 from ..jsonfile import read_json
 from ..runtime.loader import DynLoader
 from ..runtime.plan_agreement import plan_config_digest
@@ -122,7 +122,7 @@ def run_identity(loader: DynLoader) -> dict:
         "world_size": world,
         "stages": loader.layout.stages,
         "columns": loader.layout.columns,
-        "tp": loader.tp,
+        "tp": loader.layout.tp,
         "dyn_plugin": __version__,
     }
 
@@ -470,6 +470,31 @@ def complete(root: str | os.PathLike, *, warn: bool = True) -> list[Checkpoint]:
         except (OSError, ValueError) as exc:
             say("%s skipped: %s", here, describe(exc) if isinstance(exc, OSError) else exc)
     return sorted(found, key=lambda c: (c.sequence, c.position, c.path))
+
+
+def move_pointer_off(pointer: str, root: str, rewritten: str, name: Callable[[str], str | None]) -> None:
+    """Before checkpoint directory ``rewritten`` is saved again: a host's pointer file (DeepSpeed's
+    ``latest``, Megatron-LM's tracker) that names it names the newest other whole checkpoint under
+    ``root`` instead, or is removed, so a failed re-save leaves it naming no directory that is not
+    whole. ``name(path)``: what the pointer holds for the checkpoint at ``path`` (None: one it
+    cannot name). A loop without a pointer file is left as it is."""
+    try:
+        with open(pointer) as f:
+            named = f.read().strip()
+    except FileNotFoundError:
+        return
+    if named != name(rewritten):
+        return
+    others = [
+        held
+        for c in complete(root, warn=False)
+        if os.path.abspath(c.path) != os.path.abspath(rewritten) and (held := name(c.path)) is not None
+    ]
+    if others:
+        write_atomic(pointer, others[-1], strict=True)
+    else:
+        os.unlink(pointer)
+        fsync_directory(root, strict=True)
 
 
 def _check_everywhere(directory: str, mine: list[int], hashes: bool) -> tuple[Checkpoint | None, list[str]]:

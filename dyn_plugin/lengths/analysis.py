@@ -45,7 +45,7 @@ import heapq
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -212,8 +212,21 @@ def evaluate(name: str, description: str, units: Units, *, token_budget: int, dp
     )
 
 
+class MethodReport:
+    """What an analysis of sequences (``Analysis``) and of pairs (``pair_analysis.PairAnalysis``)
+    share: its ``methods``, found by name, and a JSON-ready dict."""
+
+    methods: list
+
+    def method(self, name: str) -> Any:  # MethodResult, or PairMethod
+        return next(m for m in self.methods if m.name == name)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 @dataclass(frozen=True)
-class Analysis:
+class Analysis(MethodReport):
     summary: dict
     batch_size: int
     token_budget: int
@@ -225,12 +238,6 @@ class Analysis:
     truncated: int  # samples longer than max_len
     truncated_token_fraction: float
     methods: list[MethodResult] = field(default_factory=list)
-
-    def method(self, name: str) -> MethodResult:
-        return next(m for m in self.methods if m.name == name)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def analyze(

@@ -117,12 +117,14 @@ def validate_lengths(
 
 def load_lengths(source: str | os.PathLike) -> np.ndarray:
     """A bundled distribution by name, or a ``.npy`` / ``.json`` file, validated, as int64."""
-    if isinstance(source, str) and source in PAIR_DISTRIBUTIONS:
-        raise ValueError(
-            f"{source!r} is a bundled distribution of (input, target) pairs, which encoder-decoders train on; "
-            f"one length per sequence is needed here: {', '.join(DISTRIBUTIONS)}, or a .npy/.json file"
-        )
-    return load_checked(source, DISTRIBUTIONS, validate_lengths, what="lengths", items="ints")
+    return load_checked(
+        source,
+        DISTRIBUTIONS,
+        validate_lengths,
+        what="lengths",
+        items="ints",
+        other=(PAIR_DISTRIBUTIONS, "(input, target) pairs, which encoder-decoders train on"),
+    )
 
 
 def load_checked(
@@ -132,13 +134,20 @@ def load_checked(
     *,
     what: str,
     items: str,
+    other: tuple[Iterable[str], str],
 ) -> np.ndarray:
     """``validate`` of a bundled array by name (one of ``bundled``), or of a ``.npy`` file, or of a
     ``.json`` file holding a list of ``items`` or an object with a ``what`` list; every error names
-    the file. Lengths and (input, target) pairs (``pairs.load_pairs``) are read the same way."""
+    the file. Lengths and (input, target) pairs (``pairs.load_pairs``) are read the same way;
+    ``other``: the other kind's bundled names and what they hold, refused by name."""
     bundled = tuple(bundled)
     if not isinstance(source, (str, os.PathLike)):
         raise ValueError(f"{what} source {source!r}: expected a bundled name or a path")
+    if isinstance(source, str) and source in other[0]:
+        raise ValueError(
+            f"{source!r} is a bundled distribution of {other[1]}; {what} are needed here: "
+            f"{', '.join(bundled)}, or a .npy/.json file"
+        )
     if isinstance(source, str) and source in bundled:
         path = BUNDLED_DIR / f"{source}.npy"
         if not path.exists():

@@ -20,12 +20,12 @@ above that side's p99) for every method, and what was cut is reported.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .analysis import DEFAULT_BATCH_SIZE, DEFAULT_SEED, default_max_len, pad_batches, truncate
+from .analysis import DEFAULT_BATCH_SIZE, DEFAULT_SEED, MethodReport, default_max_len, pad_batches, truncate
 from .packing import pack_pair_rows
 from .pairs import SIDES, format_pair_summary, summarize_pairs, validate_pairs
 
@@ -58,19 +58,13 @@ class PairMethod:
 
 
 @dataclass(frozen=True)
-class PairAnalysis:
+class PairAnalysis(MethodReport):
     summary: dict  # pairs.summarize_pairs, before truncation
     batch_size: int
     seed: int
     input: SideLimit
     target: SideLimit
     methods: list[PairMethod] = field(default_factory=list)
-
-    def method(self, name: str) -> PairMethod:
-        return next(m for m in self.methods if m.name == name)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _side(slots: int, tokens: int) -> SideWaste:

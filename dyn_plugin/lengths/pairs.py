@@ -61,12 +61,14 @@ def validate_pairs(values: ArrayLike) -> np.ndarray:
 
 def load_pairs(source: str | os.PathLike) -> np.ndarray:
     """A bundled pair distribution by name, or a ``.npy`` / ``.json`` file, validated, int64 ``[N, 2]``."""
-    if isinstance(source, str) and source in DISTRIBUTIONS:
-        raise ValueError(
-            f"{source!r} is a bundled distribution of single sequence lengths, which decoder-only models train on; "
-            f"an encoder-decoder needs (input, target) pairs: {', '.join(PAIR_DISTRIBUTIONS)}, or an [N, 2] .npy/.json"
-        )
-    return load_checked(source, PAIR_DISTRIBUTIONS, validate_pairs, what="pairs", items="[input, target] pairs")
+    return load_checked(
+        source,
+        PAIR_DISTRIBUTIONS,
+        validate_pairs,
+        what="pairs",
+        items="[input, target] pairs",
+        other=(DISTRIBUTIONS, "single sequence lengths, which decoder-only models train on"),
+    )
 
 
 def save_pairs(pairs: ArrayLike, path: str | os.PathLike) -> Path:

@@ -1,6 +1,6 @@
 """T5 on packed (input, target) pairs: several whole pairs per row, trained exactly as each pair alone.
 
-A packed micro-batch (``runtime.collate_pairs.collate_packed_pairs``) holds, per row, the inputs
+A packed micro-batch (``runtime.collate_pairs.collate_pairs``, layout "packed") holds, per row, the inputs
 of its pairs back to back in one encoder row and their targets, in the same order, in one decoder
 row; ``input_segments`` / ``target_segments`` name each token's pair (its place in the row, -1 on
 padding). What makes a row compute what its pairs compute alone:

@@ -99,14 +99,11 @@ def run_pair_profile(model_cfg: dict, run: ProfileRun = ProfileRun(name="encoder
         held_jobs = []
     times, optimizer = measure_jobs(
         model_cfg,
-        grid,
+        run,
+        target,
         jobs + held_jobs,
         [models[(l1, l1, grid.recomputes[0])], models[(l2, l1, grid.recomputes[0])]],
         what="micro-batches of pairs",
-        ranks=run.ranks,
-        threads=run.threads,
-        progress=run.progress,
-        target=target,
     )
     params = _param_counts(ref)
     grad_bytes = Precision.of("fp32").grad * (

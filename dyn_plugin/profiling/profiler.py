@@ -107,26 +107,19 @@ def prepared(target: Target | None, fixed_allocator: bool, threads: int | None) 
 
 
 def measure_jobs(
-    model_cfg: dict,
-    grid: ProfileGrid,
-    jobs: list[Job],
-    update_models: list,
-    *,
-    what: str,
-    ranks: int,
-    threads: int | None,
-    progress: bool,
-    target: Target,
+    model_cfg: dict, run: ProfileRun, target: Target, jobs: list[Job], update_models: list, *, what: str
 ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    """The one profiler loop, for any model: ``jobs`` timed round-robin (``time_round_robin``), on
-    CPU beside ``ranks`` - 1 shadow ranks training the same model (GPU ranks do not share their
-    device), then the optimizer step over ``update_models``' parameters; with a progress bar of
-    rounds. Returns each job's (forward, backward) ms and the optimizer's (parameters, ms) points."""
+    """The one profiler loop, for any model: ``jobs`` timed round-robin (``time_round_robin``) as
+    ``run`` says, on CPU beside ``run.ranks`` - 1 shadow ranks training the same model (GPU ranks do
+    not share their device), then the optimizer step over ``update_models``' parameters; with a
+    progress bar of rounds. Returns each job's (forward, backward) ms and the optimizer's
+    (parameters, ms) points."""
     from tqdm import tqdm
 
-    bar = tqdm(total=grid.repeats, desc=f"profiling {len(jobs)} {what}", unit="round", disable=not progress)
-    shadow = ranks > 1 and target.device.type != "cuda"
-    load = ShadowLoad(model_cfg, grid, count=ranks - 1, threads=threads) if shadow else contextlib.nullcontext()
+    grid = run.grid
+    bar = tqdm(total=grid.repeats, desc=f"profiling {len(jobs)} {what}", unit="round", disable=not run.progress)
+    shadow = run.ranks > 1 and target.device.type != "cuda"
+    load = ShadowLoad(model_cfg, grid, count=run.ranks - 1, threads=run.threads) if shadow else contextlib.nullcontext()
     with load:
         times = time_round_robin(jobs, warmup=grid.warmup, repeats=grid.repeats, seed=grid.seed, bar=bar)
         bar.close()
@@ -211,14 +204,11 @@ def run_profile(model_cfg: dict, run: ProfileRun = ProfileRun()) -> Profile:
         held_jobs = []
     times, optimizer = measure_jobs(
         model_cfg,
-        grid,
+        run,
+        target,
         jobs + held_jobs,
         [models[(l1, grid.recomputes[0])], models[(l2, grid.recomputes[0])]],
         what="micro-batches",
-        ranks=run.ranks,
-        threads=run.threads,
-        progress=run.progress,
-        target=target,
     )
     params = _param_counts(ref, l1)
     # the full-depth model's gradients, whether or not a full-depth model was built

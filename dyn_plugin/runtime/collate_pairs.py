@@ -9,7 +9,7 @@
   -100 read as the pad id): the decoder is causal and its padding lies after every real token, so
   no real target token attends to padding, and the loss skips it. Every target token is scored.
 
-Packed (layout "packed", ``collate_packed_pairs``; T5 packing per side): each row holds whole pairs,
+Packed (layout "packed"; T5 packing per side): each row holds whole pairs,
 their inputs back to back in one encoder row and their targets in one decoder row, with each token's
 pair named in ``input_segments`` / ``target_segments``; ``models.seq2seq.packed_pair_forward`` runs it
 exactly (per-pair masks, each target shifted right on its own).
@@ -29,10 +29,12 @@ import torch
 from ..cost.encoder_decoder import packed_pair_rows, pair_shape
 from .collate import IGNORE, sample_tokens
 
-# A packed micro-batch (``collate_packed_pairs``): the parameters of ``models.seq2seq.packed_pair_forward``.
+# A packed micro-batch (layout "packed"): the parameters of ``models.seq2seq.packed_pair_forward``.
 # Its input ids are not under transformers' name (``input_ids``), so a host that hands it to the model
 # itself fails instead of training each row as one pair.
 PACKED_PAIR_KEYS = ("packed_input_ids", "input_segments", "labels", "target_segments")
+
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # each sample's (input, target) ids
 
 
 def pair_tokens(item: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,16 +54,35 @@ def pair_tokens(item: Any) -> tuple[torch.Tensor, torch.Tensor]:
 def collate_pairs(
     sample_ids: Sequence[int],
     pair_lens: Sequence[Sequence[int]],
+    layout: str,
     shape: Sequence[int],
     fetch: Callable[[int], Any],
     *,
     pad_id: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """Build the micro-batch; ``fetch(i)`` returns dataset item i, its two sides checked against
-    the planned (input, target) lengths (longer sides are cut to them, as truncation plans)."""
+    """Build the micro-batch in the plan's layout, as ``collate.collate`` builds one of sequences;
+    ``fetch(i)`` returns dataset item i, its two sides checked against the planned (input, target)
+    lengths (longer sides are cut to them, as truncation plans)."""
     pairs = _fetched(sample_ids, pair_lens, fetch)
+    if len(shape) != 3:
+        raise ValueError(
+            f"micro-batch of samples {list(sample_ids)}: a micro-batch of pairs has the shape (rows, input width, "
+            f"target width), got {tuple(shape)}; plans of pairs must take their shapes from "
+            "dyn_plugin.cost.encoder_decoder.pair_shape or packed_pair_shape"
+        )
+    if layout == "padded":
+        return _padded(pairs, sample_ids, pair_lens, shape, pad_id)
+    if layout == "packed":
+        return _packed(pairs, sample_ids, pair_lens, shape, pad_id)
+    raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
+
+
+def _padded(
+    pairs: Pairs, sample_ids: Sequence[int], pair_lens: Sequence[Sequence[int]], shape: Sequence[int], pad_id: int
+) -> dict[str, torch.Tensor]:
+    """A row per pair, each side right-padded to the plan's width."""
     longest = pair_shape(*zip(*pair_lens), pad_multiple=1)
-    if len(shape) != 3 or shape[0] != longest[0] or shape[1] < longest[1] or shape[2] < longest[2]:
+    if shape[0] != longest[0] or shape[1] < longest[1] or shape[2] < longest[2]:
         raise ValueError(
             f"micro-batch of samples {list(sample_ids)} (pair lengths {[tuple(p) for p in pair_lens]}) does not fit "
             f"the plan's shape {tuple(shape)}; plans of pairs must take their shapes from "
@@ -78,23 +99,15 @@ def collate_pairs(
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def collate_packed_pairs(
-    sample_ids: Sequence[int],
-    pair_lens: Sequence[Sequence[int]],
-    shape: Sequence[int],
-    fetch: Callable[[int], Any],
-    *,
-    pad_id: int = 0,
+def _packed(
+    pairs: Pairs, sample_ids: Sequence[int], pair_lens: Sequence[Sequence[int]], shape: Sequence[int], pad_id: int
 ) -> dict[str, torch.Tensor]:
-    """Build a packed micro-batch (T5 packing per side): the plan's pairs row by row as
-    ``packed_pair_rows`` reads them from its order and widths, each row's inputs back to back in
-    ``packed_input_ids`` [rows, Se] and its targets in ``labels`` [rows, Sd] (-100 on padding), with
-    each token's pair (its place in the row; -1 on padding) in ``input_segments`` and
-    ``target_segments``. ``models.seq2seq.packed_pair_forward`` turns the segments into per-pair
-    masks and shifts each target right on its own."""
-    pairs = _fetched(sample_ids, pair_lens, fetch)
-    if len(shape) != 3:
-        raise ValueError(f"a packed micro-batch's shape is (rows, input width, target width), got {tuple(shape)}")
+    """T5 packing per side: the plan's pairs row by row as ``packed_pair_rows`` reads them from its
+    order and widths, each row's inputs back to back in ``packed_input_ids`` [rows, Se] and its
+    targets in ``labels`` [rows, Sd] (-100 on padding), with each token's pair (its place in the
+    row; -1 on padding) in ``input_segments`` and ``target_segments``.
+    ``models.seq2seq.packed_pair_forward`` turns the segments into per-pair masks and shifts each
+    target right on its own."""
     rows, in_width, out_width = (int(x) for x in shape)
     placed = packed_pair_rows(*zip(*pair_lens), (in_width, out_width))
     if len(placed) != rows:
@@ -119,9 +132,7 @@ def collate_packed_pairs(
     return dict(zip(PACKED_PAIR_KEYS, (input_ids, input_segments, labels, target_segments)))
 
 
-def _fetched(
-    sample_ids: Sequence[int], pair_lens: Sequence[Sequence[int]], fetch: Callable[[int], Any]
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _fetched(sample_ids: Sequence[int], pair_lens: Sequence[Sequence[int]], fetch: Callable[[int], Any]) -> Pairs:
     """Each sample's (input, target) ids cut to its planned lengths, checked against them."""
     if not pair_lens or any(len(p) != 2 for p in pair_lens):
         raise ValueError(f"pair lengths must be (input, target) pairs, got {list(pair_lens)}")

@@ -9,7 +9,7 @@
 
 Samples are token sequences (``lengths``: one count each) or, for an encoder-decoder, (input,
 target) pairs (``lengths`` of shape [N, 2], planned by the encoder-decoder planner with its cost
-model, each micro-batch padded per side, ``collate_pairs``, or packed per side, ``collate_packed_pairs``).
+model, each micro-batch padded or packed per side, ``collate_pairs``).
 
 Exactly once: an epoch's global batches partition the samples and every sample of a global
 batch goes to exactly one replica's micro-batches (pipeline stages of one replica share them).
@@ -48,7 +48,7 @@ from ..lengths.io import cap_lengths, validate_lengths
 from ..lengths.pairs import validate_pairs
 from ..plan.steps.instructions import ExecutionPlan, PlannedMicroBatch
 from .collate import collate, shard
-from .collate_pairs import collate_packed_pairs, collate_pairs
+from .collate_pairs import collate_pairs
 from .plan_agreement import GIVE_UP_LAG, PlanAgreement
 from .plan_source import PlanSource
 from .planning import PlanningContext, RankPlan
@@ -96,20 +96,19 @@ class DynLoader:
         column: int = 0,
         seed: int = 0,
         zero_stage: int | None = None,
-        tp: int = 1,
         replica: int = 0,
         pad_id: int = 0,
         device: torch.device | str | None = None,
         state_bytes: float | None = None,
     ) -> None:
-        """``layout``: the run's stages x data-parallel columns (default: one column of
-        ``pipeline.stages`` stages); ``stage`` and ``column``: this rank's place in it. ``device``:
+        """``layout``: the run's stages x data-parallel columns x tensor-parallel ranks (default: one
+        column of ``pipeline.stages`` stages); ``stage``, ``column`` and ``replica`` (its
+        tensor-parallel rank): this rank's place in it; the ``layout.tp`` ranks of a cell share its plan. ``device``:
         where the loader's collectives run (run-id broadcast, plan check); by default where the
         default process group's backend takes tensors (``dyn_plugin.device.collective_device``). ``state_bytes``: a sharding
         plan's model states per rank (``ShardPlan.planning_state_bytes``), planned with in place of
         ZeRO's (with ``zero_stage=3``: equal micro-batch counts, the same recompute per micro-batch
-        index). ``tp``: the ranks that share each cell's plan (tensor parallelism); ``replica``: this
-        rank's index among them (its tensor-parallel rank)."""
+        index)."""
         if not isinstance(config, (DynPluginConfig, LoadedConfig)):
             config = load_config(config)
         if isinstance(config, LoadedConfig):
@@ -122,10 +121,8 @@ class DynLoader:
                 f"the layout has {layout.stages} stages but dyn_plugin.pipeline.stages = "
                 f"{config.pipeline.stages}; they must match"
             )
-        layout.rank_of(stage, column)  # refuses a place outside the layout
-        if not 0 <= replica < tp:
-            raise ValueError(f"replica {replica} is not in [0, tp={tp}): give this rank's tensor-parallel rank")
-        self.tp, self.replica = tp, replica
+        layout.rank_of(stage, column, replica)  # refuses a place outside the layout
+        self.replica = replica
         check_count("seed", seed, low=0, high=MAX_SEED)
         if state_bytes is not None:
             check_number("state_bytes", state_bytes, low=-1e-9)  # 0 is a plan keeping nothing; below is not
@@ -134,7 +131,7 @@ class DynLoader:
         self.seed, self.pad_id = seed, pad_id
         self.lengths = self._checked_lengths(lengths)
         self.context = PlanningContext(
-            config, cost_model, self.lengths, layout.columns, layout.stages, zero_stage or 0, tp, seed, state_bytes
+            config, cost_model, self.lengths, layout.columns, layout.stages, zero_stage or 0, layout.tp, seed, state_bytes
         )
         self.epoch, self.step = 0, 0
         self.plan_wait_s: list[float] = []  # per step, how long this rank waited for its plan
@@ -142,7 +139,7 @@ class DynLoader:
         lengths_hash = hashlib.sha256(self.lengths.tobytes())
         self._state_fingerprint = self._fingerprint(lengths_hash.copy())
         self.device = torch.device(device) if device is not None else collective_device()
-        sizes = (seed, layout.columns, layout.stages, zero_stage or 0, tp, state_bytes)
+        sizes = (seed, layout.columns, layout.stages, zero_stage or 0, layout.tp, state_bytes)
         self._agreement = PlanAgreement(lengths_hash.digest(), cost_model, config, sizes, self.device)
         self._source = PlanSource(
             config,
@@ -150,7 +147,6 @@ class DynLoader:
             layout,
             stage=stage,
             column=column,
-            tp=tp,
             replica=replica,
             device=self.device,
             data_fingerprint=self._state_fingerprint,
@@ -293,7 +289,7 @@ def load_micro_batch(
 ) -> dict[str, Any]:
     """The tensors of one planned micro-batch on the rank at data-parallel ``column``; ``fetch(i)``
     returns dataset item i. A plan of (input, target) pairs (``seq_lens`` of pairs) is padded per
-    side (``collate_pairs``) or packed per side (``collate_packed_pairs``); sequences are built in
+    side or packed per side (``collate_pairs``); sequences are built in
     the plan's layout and, under sequence parallelism, cut to this rank's shard."""
     if desc.seq_lens and not isinstance(desc.seq_lens[0], numbers.Integral):
         if desc.sp > 1:
@@ -301,7 +297,6 @@ def load_micro_batch(
                 f"a micro-batch of (input, target) pairs planned with sp {desc.sp}: pairs are built without sequence "
                 "parallelism; plan them with sp 1"
             )
-        build = collate_packed_pairs if desc.layout == "packed" else collate_pairs
-        return build(desc.sample_ids, desc.seq_lens, desc.shape, fetch, pad_id=pad_id)
+        return collate_pairs(desc.sample_ids, desc.seq_lens, desc.layout, desc.shape, fetch, pad_id=pad_id)
     batch = collate(desc.sample_ids, desc.seq_lens, desc.layout, desc.shape, fetch, pad_id=pad_id, sp=desc.sp)
     return shard(batch, desc.sp, column - desc.group) if desc.sp > 1 else batch

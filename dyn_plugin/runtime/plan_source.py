@@ -67,16 +67,15 @@ class PlanSource:
         *,
         stage: int,
         column: int,
-        tp: int,
         replica: int,
         device: torch.device,
         data_fingerprint: str,
     ) -> None:
-        """``stage``, ``column``, ``replica``: this rank's place (``tp`` ranks share each cell's plan);
+        """``stage``, ``column``, ``replica``: this rank's place (the layout's ``tp`` ranks share each cell's plan);
         ``device``: where the run-id gather runs; ``data_fingerprint``: names the store namespace
         when ``store.namespace`` is unset."""
         self.config, self.context, self.layout = config, context, layout
-        self.stage, self.column, self.tp, self.replica = stage, column, tp, replica
+        self.stage, self.column, self.replica = stage, column, replica
         self.device = device
         self.store = self.pool = None
         self.health = _StoreHealth()
@@ -107,8 +106,8 @@ class PlanSource:
                 "process group to agree on a run id: call torch.distributed.init_process_group before creating the "
                 "DynLoader, or set dyn_plugin.store.namespace to an id unique to this run"
             )
-        rank = self.layout.rank_of(self.stage, self.column) * self.tp + self.replica
-        self.store = open_store(cfg, rank=rank, world_size=self.layout.world * self.tp)
+        rank = self.layout.rank_of(self.stage, self.column, self.replica)
+        self.store = open_store(cfg, rank=rank, world_size=self.layout.world)
         # planner processes connect to the very port the host bound (it may have picked a free one)
         self._store_cfg = cfg.model_copy(update={"port": self.store.port}) if cfg.backend == "tcp" else cfg
         self._finalizer = weakref.finalize(self, _close, self.store)
@@ -146,7 +145,7 @@ class PlanSource:
             num_planners=plan_cfg.planners,
             prefetch=plan_cfg.prefetch,
             start=position,
-            world_size=self.layout.world * self.tp,
+            world_size=self.layout.world,
             on_failure=lambda why: store.put(ERROR_KEY, _within(why, limit)),
         )
         self._finalizer.detach()

@@ -20,7 +20,7 @@ from ...checks import MAX_RANKS, check_count
 from ...config import DynPluginConfig
 from ...cost.encoder_decoder import EncoderDecoderCostModel, PairStage
 from ...cost.model import RECOMPUTES, Recompute, split_layers
-from .spec import StepSpec, step_costs
+from .spec import StepSpec, step_fields
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,20 +128,5 @@ def pair_planner_spec(
     if split_rank is None:
         split_rank = balanced_split_rank(cost, pipe.stages, reference=reference, tp=tp)
     stages = split_stages(cost, pipe.stages, split_rank)
-    memory, link, update = step_costs(
-        cost, config, stages, zero_stage=zero_stage, dp=dp, tp=tp, state_bytes=state_bytes
-    )
-    sharded = zero_stage >= 3 or state_bytes is not None  # modules gathered in step on every rank
-    return PairSpec(
-        cost=cost,
-        stages=stages,
-        memory=memory,
-        dp=dp,
-        link=link,
-        recomputes=recomputes,
-        tp=tp,
-        seed=seed,
-        schedule=pipe.schedule,
-        update_ms=update,
-        same_recompute=sharded,
-    )
+    shared = step_fields(cost, config, stages, zero_stage=zero_stage, dp=dp, tp=tp, seed=seed, state_bytes=state_bytes)
+    return PairSpec(**shared, recomputes=recomputes)

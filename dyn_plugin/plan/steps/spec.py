@@ -125,9 +125,7 @@ def planner_spec(
         stages = tuple(StageSpec(n, i == 0, i == pipe.stages - 1) for i, n in enumerate(pipe.layers_per_stage))
     else:
         stages = balanced_split(cost, pipe.stages, tp=tp)
-    memory, link, update = step_costs(
-        cost, config, stages, zero_stage=zero_stage, dp=dp, tp=tp, state_bytes=state_bytes
-    )
+    shared = step_fields(cost, config, stages, zero_stage=zero_stage, dp=dp, tp=tp, seed=seed, state_bytes=state_bytes)
     hidden = hidden_size or cost.hidden_size
     if not hidden:
         raise ValueError("the planner needs the model's hidden size (cost_model.model.hidden_size)")
@@ -152,46 +150,45 @@ def planner_spec(
     sizes = group_sizes(dp, sp.sizes) if sp.enabled else (1,)
     for k in sizes:
         attention_kind(k, sp.attention, cost.num_heads, cost.num_kv_heads)  # a size Ulysses cannot split: say so now
-    sharded = zero_stage >= 3 or state_bytes is not None  # modules gathered in step on every rank
-    equal = zero_stage >= 2 or sharded or (sp.enabled and sp.balance == "intra")
+    equal = zero_stage >= 2 or shared["same_recompute"] or (sp.enabled and sp.balance == "intra")
     sp_link = (
         LinkSpec(cluster.intra_node_gb_per_s, cluster.latency_us),
         LinkSpec(cluster.inter_node_gb_per_s, cluster.latency_us),
     )
     return PlannerSpec(
-        cost=cost,
-        stages=stages,
-        memory=memory,
-        dp=dp,
-        link=link,
+        **shared,
         hidden_size=hidden,
         layouts=layouts,
         recomputes=recomputes,
-        tp=tp,
-        seed=seed,
         row_len=mb.max_seq_len,
-        schedule=pipe.schedule,
-        update_ms=update,
         sp_sizes=sizes,
         sp_attention=sp.attention,
         pyramid=sp.pyramid and "none" in recomputes,
         equal_counts=equal,
-        same_recompute=sharded,
         sp_link=sp_link,
         devices_per_node=cluster.devices_per_node,
-        cap_in_flight=pipe.cap_in_flight,
     )
 
 
-def step_costs(
-    cost: Any, config: DynPluginConfig, stages: tuple, *, zero_stage: int, dp: int, tp: int, state_bytes: float | None
-) -> tuple[tuple[StageMemory, ...], LinkSpec, float]:
-    """What every spec prices the same way, sequences or pairs (``cost``: a ``TableCostModel`` or an
-    ``EncoderDecoderCostModel``, both pricing a stage's model states and the update): each stage's
-    memory (the activation budget its model states leave, 1F1B's in-flight count), the link
-    between stages (a node's while the stages and their tensor-parallel ranks fit one) and the
-    update after the last micro-batch (the gradient all-reduce over the data-parallel ranks, and
-    the optimizer step). ``state_bytes``: a sharding plan's model states in place of ZeRO's."""
+def step_fields(
+    cost: Any,
+    config: DynPluginConfig,
+    stages: tuple,
+    *,
+    zero_stage: int,
+    dp: int,
+    tp: int,
+    seed: int,
+    state_bytes: float | None,
+) -> dict[str, Any]:
+    """The ``StepSpec`` fields every spec sets the same way, sequences or pairs (``cost``: a
+    ``TableCostModel`` or an ``EncoderDecoderCostModel``, both pricing a stage's model states and
+    the update): each stage's memory (the activation budget its model states leave, 1F1B's
+    in-flight count), the link between stages (a node's while the stages and their tensor-parallel
+    ranks fit one), the update after the last micro-batch (the gradient all-reduce over the
+    data-parallel ranks, and the optimizer step), the pipeline's schedule policy, and ZeRO-3's rule
+    of the same recompute per micro-batch index. ``state_bytes``: a sharding plan's model states in
+    place of ZeRO's (its modules, too, gather in step on every rank)."""
     cluster = config.cluster
     device_bytes = device_budget(config, len(stages), state_bytes)
     memory = []
@@ -200,14 +197,14 @@ def step_costs(
         states = state_bytes if held is None else held.total
         if states >= device_bytes:
             raise ValueError(
-                f"pipeline stage {i} needs {states / MB:.0f} MB for model states (ZeRO-{zero_stage}, dp={dp}) but "
+                f"pipeline stage {i} ({s.held}) needs {states / MB:.0f} MB for model states (ZeRO-{zero_stage}, dp={dp}) but "
                 f"plans may use {device_bytes / MB:.0f} MB of a device (memory_mb x memory_fraction, less the "
                 f"allocator's margin); add pipeline stages, raise the ZeRO stage or the memory"
             )
         if held is not None and held.update_peak > device_bytes:
             raise ValueError(
-                f"pipeline stage {i}'s optimizer step needs {held.update_peak / MB:.0f} MB (model states and "
-                f"the step's fp32 gradients, ZeRO-{zero_stage}, dp={dp}, tp={tp}) but plans may use "
+                f"pipeline stage {i} ({s.held}) needs {held.update_peak / MB:.0f} MB for model states and "
+                f"the optimizer step's fp32 gradients (ZeRO-{zero_stage}, dp={dp}, tp={tp}) but plans may use "
                 f"{device_bytes / MB:.0f} MB of a device; add pipeline stages, raise tp, the ZeRO stage or the memory"
             )
         memory.append(StageMemory(budget=device_bytes - states, in_flight=len(stages) - i, states=states))
@@ -221,7 +218,19 @@ def step_costs(
         tp=tp,
         link_gb_per_s=cluster.intra_node_gb_per_s if dp_same_node else cluster.inter_node_gb_per_s,
     )
-    return tuple(memory), link, update
+    return {
+        "cost": cost,
+        "stages": stages,
+        "memory": tuple(memory),
+        "dp": dp,
+        "link": link,
+        "tp": tp,
+        "seed": seed,
+        "schedule": config.pipeline.schedule,
+        "cap_in_flight": config.pipeline.cap_in_flight,
+        "update_ms": update,
+        "same_recompute": zero_stage >= 3 or state_bytes is not None,
+    }
 
 
 def device_budget(config: DynPluginConfig, stages: int, state_bytes: float | None) -> float:
