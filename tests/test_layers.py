@@ -28,7 +28,7 @@ ALLOWED = {
     "config": {"checks", "jsonfile"},
     "child": set(),
     "lengths": {"checks", "jsonfile", "atomic"},
-    "layout": set(),
+    "layout": {"config"},  # RankLayout.from_config
     "device": set(),
     "cost": {"config", "checks", "jsonfile", "atomic", "version"},
     "plan": {"config", "lengths", "cost", "layout", "checks", "jsonfile", "atomic"},
@@ -366,3 +366,70 @@ def test_names_are_imported_from_the_module_that_defines_them():
                 if ".".join(base + tuple((node.module or "").split("."))) == "dyn_plugin.plan.methods.planner":
                     wrong += [f"{path.relative_to(ROOT)}: {a.name}" for a in node.names if a.name not in own]
     assert not wrong, f"imported from plan/methods/planner.py, which does not define them: {wrong}"
+
+
+# the packages the picture draws: dyn_plugin's (a top-level module counts as its own package) and the hosts' adapters
+HOST_PACKAGES = ("deepspeed_ext", "megatron_patches")
+PICTURE_BEGIN, PICTURE_END = "<!-- layers:begin -->", "<!-- layers:end -->"
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Each package -> the packages it imports (every import, also inside functions); the entry
+    points (``cli``, ``__main__``, ``__init__``) left out."""
+    graph: dict[str, set[str]] = {}
+    for folder in ("dyn_plugin", *HOST_PACKAGES):
+        for path in (ROOT / folder).rglob("*.py"):
+            source = _layer(path) if folder == "dyn_plugin" else folder
+            if source in ("cli", "__main__", "__init__"):
+                continue
+            found = graph.setdefault(source, set())
+            for name in _imports(path):
+                parts = name.split(".")
+                if parts[0] == "dyn_plugin":  # alone: ``from dyn_plugin import _core``, the native extension
+                    target = parts[1] if len(parts) > 1 else "_core"
+                    if target not in (source, "_core", "__init__"):
+                        found.add(target)
+                elif parts[0] in HOST_PACKAGES and parts[0] != source:
+                    found.add(parts[0])
+    return graph
+
+
+def layer_picture() -> str:
+    """The layers as the imports make them, top first: a package's level is one above the highest
+    it imports; beside each, the packages it imports directly, less those it reaches through another
+    of them. docs/architecture.md holds it (regenerate: ``.venv/bin/python tests/test_layers.py``)."""
+    graph = package_graph()
+    level: dict[str, int] = {}
+
+    def rank(p: str) -> int:
+        if p not in level:
+            level[p] = 1 + max((rank(q) for q in graph.get(p, ())), default=-1)
+        return level[p]
+
+    def reached(p: str) -> set[str]:
+        return set().union(*({q} | reached(q) for q in graph.get(p, ())))
+
+    for p in graph:
+        rank(p)
+    width = max(map(len, level)) + 1
+    lines = []
+    for n in sorted(set(level.values()), reverse=True):
+        for i, p in enumerate(sorted(q for q in level if level[q] == n)):
+            direct = graph.get(p, set())
+            shown = sorted(q for q in direct if not any(q in reached(o) for o in direct - {q}))
+            arrow = f"─> {', '.join(shown)}" if shown else "(no package of the plugin)"
+            lines.append(f"{str(n) if i == 0 else '':>2}  {p:<{width}}{arrow}")
+    return "\n".join(lines)
+
+
+def test_the_architecture_picture_is_the_import_graph():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert PICTURE_BEGIN in text and PICTURE_END in text, f"docs/architecture.md lost its {PICTURE_BEGIN} block"
+    block = (
+        text.split(PICTURE_BEGIN, 1)[1].split(PICTURE_END, 1)[0].strip("\n").removeprefix("```\n").removesuffix("\n```")
+    )
+    assert block == layer_picture(), "regenerate it: .venv/bin/python tests/test_layers.py"
+
+
+if __name__ == "__main__":
+    print(layer_picture())
