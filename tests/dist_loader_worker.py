@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,10 @@ from test_loader import make  # noqa: E402
 
 
 def main() -> None:
+    # the loader's collectives (the run-id gather, the plan check) call nothing deprecated: torch
+    # attributes its warnings to its own wrappers, so every one fails this rank
+    warnings.simplefilter("error", FutureWarning)
+    warnings.simplefilter("error", DeprecationWarning)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out, mode = sys.argv[1], sys.argv[2]  # mode: full | stop-after:K | resume | skew:lengths | skew:config
     store = json.loads(os.environ.get("TEST_STORE", '{"backend": "none"}'))

@@ -115,23 +115,19 @@ def validate_lengths(
     return arr.astype(np.int64)
 
 
+# a bundled pair distribution given where lengths are read: refused, naming what it holds
+_PAIRS_INSTEAD = (PAIR_DISTRIBUTIONS, "(input, target) pairs, which encoder-decoders train on")
+
+
 def load_lengths(source: str | os.PathLike) -> np.ndarray:
     """A bundled distribution by name, or a ``.npy`` / ``.json`` file, validated, as int64."""
-    return load_checked(
-        source,
-        DISTRIBUTIONS,
-        validate_lengths,
-        what="lengths",
-        items="ints",
-        other=(PAIR_DISTRIBUTIONS, "(input, target) pairs, which encoder-decoders train on"),
-    )
+    return load_checked(source, DISTRIBUTIONS, validate_lengths, "lengths", "ints", _PAIRS_INSTEAD)
 
 
 def load_checked(
     source: str | os.PathLike,
     bundled: Iterable[str],
     validate: Callable[[object], np.ndarray],
-    *,
     what: str,
     items: str,
     other: tuple[Iterable[str], str],

@@ -59,16 +59,13 @@ def validate_pairs(values: ArrayLike) -> np.ndarray:
     return np.stack(columns, axis=1)
 
 
+# a bundled distribution of sequence lengths given where pairs are read: refused, naming what it holds
+_LENGTHS_INSTEAD = (DISTRIBUTIONS, "single sequence lengths, which decoder-only models train on")
+
+
 def load_pairs(source: str | os.PathLike) -> np.ndarray:
     """A bundled pair distribution by name, or a ``.npy`` / ``.json`` file, validated, int64 ``[N, 2]``."""
-    return load_checked(
-        source,
-        PAIR_DISTRIBUTIONS,
-        validate_pairs,
-        what="pairs",
-        items="[input, target] pairs",
-        other=(DISTRIBUTIONS, "single sequence lengths, which decoder-only models train on"),
-    )
+    return load_checked(source, PAIR_DISTRIBUTIONS, validate_pairs, "pairs", "[input, target] pairs", _LENGTHS_INSTEAD)
 
 
 def save_pairs(pairs: ArrayLike, path: str | os.PathLike) -> Path:

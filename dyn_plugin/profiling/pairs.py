@@ -92,19 +92,12 @@ def run_pair_profile(model_cfg: dict, run: ProfileRun = ProfileRun(name="encoder
                 jobs.append(Job(models[(e, d, rc)], inputs))
     full_depth = _depths(model_cfg)
     held = _held_out_cases(points, run.validate, rng) if run.validate else []
+    held_jobs = []
     if held:
         full = _build(model_cfg, *full_depth, grid.recomputes[0], grid.seed)
         held_jobs = [Job(full, make_pair_inputs(c["inputs"], c["targets"], vocab, PAD, rng)) for c in held]
-    else:
-        held_jobs = []
-    times, optimizer = measure_jobs(
-        model_cfg,
-        run,
-        target,
-        jobs + held_jobs,
-        [models[(l1, l1, grid.recomputes[0])], models[(l2, l1, grid.recomputes[0])]],
-        what="micro-batches of pairs",
-    )
+    updated = [models[(l1, l1, grid.recomputes[0])], models[(l2, l1, grid.recomputes[0])]]
+    times, optimizer = measure_jobs(model_cfg, run, target, jobs + held_jobs, updated, what="micro-batches of pairs")
     params = _param_counts(ref)
     grad_bytes = Precision.of("fp32").grad * (
         params["embedding"] + full_depth[0] * params["encoder"] + full_depth[1] * params["decoder"]

@@ -193,6 +193,7 @@ def run_profile(model_cfg: dict, run: ProfileRun = ProfileRun()) -> Profile:
                     keys.append((layout, lens, rc, depth))
                     jobs.append(Job(models[(depth, rc)], inputs))
     held_out = _held_out_cases(keys, run.validate, grid, rng, pad) if run.validate else []
+    held_jobs = []
     if held_out:
         torch.manual_seed(grid.seed)
         full = _on(build_causal_lm(model_cfg).train(), target)
@@ -200,16 +201,8 @@ def run_profile(model_cfg: dict, run: ProfileRun = ProfileRun()) -> Profile:
         held_jobs = [
             Job(full, make_inputs(c["seq_lens"], c["layout"], vocab, pad, rng).to(target.device)) for c in held_out
         ]
-    else:
-        held_jobs = []
-    times, optimizer = measure_jobs(
-        model_cfg,
-        run,
-        target,
-        jobs + held_jobs,
-        [models[(l1, grid.recomputes[0])], models[(l2, grid.recomputes[0])]],
-        what="micro-batches",
-    )
+    updated = [models[(l1, grid.recomputes[0])], models[(l2, grid.recomputes[0])]]
+    times, optimizer = measure_jobs(model_cfg, run, target, jobs + held_jobs, updated, what="micro-batches")
     params = _param_counts(ref, l1)
     # the full-depth model's gradients, whether or not a full-depth model was built
     grad_bytes = Precision.of(target.dtype).grad * (
