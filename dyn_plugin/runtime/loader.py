@@ -131,7 +131,15 @@ class DynLoader:
         self.seed, self.pad_id = seed, pad_id
         self.lengths = self._checked_lengths(lengths)
         self.context = PlanningContext(
-            config, cost_model, self.lengths, layout.columns, layout.stages, zero_stage or 0, layout.tp, seed, state_bytes
+            config,
+            cost_model,
+            self.lengths,
+            layout.columns,
+            layout.stages,
+            zero_stage or 0,
+            layout.tp,
+            seed,
+            state_bytes,
         )
         self.epoch, self.step = 0, 0
         self.plan_wait_s: list[float] = []  # per step, how long this rank waited for its plan
