@@ -146,7 +146,9 @@ def test_sharding_needs_zero3_and_a_plan_for_this_model(model):
     ):
         deepspeed_ext.initialize(model=None, config=cfg, dataset=[], lengths=[])
     cfg = {"zero_optimization": {"stage": 3}, "dyn_plugin": {"sharding": {"enabled": True, "host": "fsdp2"}}}
-    with pytest.raises(ValueError, match="sharding.host = 'fsdp2' under DeepSpeed"):
+    with pytest.raises(
+        ValueError, match="sharding.host 'fsdp2' on DeepSpeed: plans under DeepSpeed run as ZeRO-3 settings"
+    ):
         deepspeed_ext.initialize(model=None, config=cfg, dataset=[], lengths=[])
     plan = hand_plan(model, {}, world=2)
     with pytest.raises(ValueError, match="sharding.enabled is false; set it to true"):

@@ -35,6 +35,7 @@ class Run:
 class Refused:
     why: str
     fix: str
+    shown: Callable[[Run], str] | None = None  # the setting that failed, with the run's value
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ FEATURES: tuple[Feature, ...] = (
                         Refused(
                             "DeepSpeed expresses a per-module sharding plan only under ZeRO-3",
                             "set zero_optimization.stage to 3, or train with the FSDP entry dyn_plugin.fsdp",
+                            lambda r: f"sharding.enabled with zero_optimization.stage {r.zero_stage}",
                         ),
                     ),
                     (
@@ -125,6 +127,7 @@ FEATURES: tuple[Feature, ...] = (
                         Refused(
                             "plans under DeepSpeed run as ZeRO-3 settings",
                             "set sharding.host to 'zero3' or 'auto', or train with the FSDP entry dyn_plugin.fsdp",
+                            lambda r: f"sharding.host {r.plugin.sharding.host!r}",
                         ),
                     ),
                 )
@@ -300,7 +303,8 @@ def _failed(feature: Feature, host: str, run: Run) -> Refused | None:
 
 
 def _words(feature: Feature, host: str, refused: Refused, run: Run | None, asked_by: str | None = None) -> str:
-    setting = asked_by or (feature.shown(run) if feature.shown and run is not None else feature.setting)
+    shown = refused.shown or feature.shown
+    setting = asked_by or (shown(run) if shown and run is not None else feature.setting)
     return f"{setting} on {host}: {refused.why}; {refused.fix}"
 
 
