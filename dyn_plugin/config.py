@@ -225,8 +225,10 @@ class MicrobatchingConfig(_Section):
 class PipelineConfig(_Section):
     stages: int = Field(default=1, gt=0, description="pipeline-parallel stages")
     # the names of plan/steps/schedule.py's SCHEDULES (tests/test_config.py checks)
-    schedule: Literal["1f1b", "adaptive", "auto"] = Field(
-        default="auto", description="'auto' picks the schedule with the shortest simulated step"
+    schedule: Literal["1f1b", "adaptive", "auto", "zero_bubble"] = Field(
+        default="auto",
+        description="'auto' picks the schedule with the shortest simulated step; 'zero_bubble' also tries each "
+        "with its backwards split into input and weight gradients (planned and simulated; no host runs it yet)",
     )
     cap_in_flight: bool = Field(
         default=True,

@@ -61,12 +61,13 @@ def check_runs_as_planned(step, stages: int) -> None:
     """Refuse a step whose order on this stage is not the one Megatron's schedule will run: a plan
     is priced (time, and memory: the micro-batches in flight) as it is ordered, so running it in
     another order would break the plan's promises silently."""
-    from dyn_plugin.plan.steps.instructions import BackwardPass, ForwardPass
+    from dyn_plugin.plan.steps.instructions import BACKWARDS, BackwardPass, ForwardPass
 
+    # a split backward's I is named as such, so that a split plan is refused as another schedule
     planned = [
-        ("F" if isinstance(i, ForwardPass) else "B", i.mb)
+        ("F" if isinstance(i, ForwardPass) else "B" if isinstance(i, BackwardPass) else "I", i.mb)
         for i in step.plan.instructions
-        if isinstance(i, (ForwardPass, BackwardPass))
+        if isinstance(i, (ForwardPass, *BACKWARDS))
     ]
     stage = step.plan.stage
     runs = megatron_1f1b(run_order(step), stages, stage)

@@ -127,6 +127,7 @@ def test_bench_planner_prints_json(capsys):
     assert {m for m, _ in methods} == {
         "dynapipe",
         "dynapipe_all_or_nothing",
+        "dynapipe_zero_bubble",
         "fixed_padding",
         "token_budget",
         "packing_full",

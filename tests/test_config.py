@@ -57,7 +57,7 @@ def test_wrong_type_names_field_and_value():
 
 def test_bad_choice_lists_allowed_values():
     msg = errors_of({"pipeline": {"schedule": "gpipe"}})
-    assert "dyn_plugin.pipeline.schedule = 'gpipe'" in msg and "'1f1b', 'adaptive' or 'auto'" in msg
+    assert "dyn_plugin.pipeline.schedule = 'gpipe'" in msg and "'1f1b', 'adaptive', 'auto' or 'zero_bubble'" in msg
 
 
 def test_fraction_bounds():

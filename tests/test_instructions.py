@@ -121,7 +121,7 @@ def test_instructions_are_frozen_and_typed():
 def test_json_is_plain_and_versioned():
     plan = two_stage_plans()[1]
     doc = json.loads(plan_to_json(plan))
-    assert (doc["schema"], doc["version"]) == ("dyn_plugin.execution_plan", 5)
+    assert (doc["schema"], doc["version"]) == ("dyn_plugin.execution_plan", 6)
     assert doc["instructions"][0] == {
         "op": "RecvActivation",
         "stage": 1,
@@ -138,14 +138,20 @@ def test_json_is_plain_and_versioned():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"version": 3}, "expected schema 'dyn_plugin.execution_plan' version 5"),
-        ({"schema": "other"}, "version 5"),
+        ({"version": 4}, "expected schema 'dyn_plugin.execution_plan' version 5 or 6"),
+        ({"schema": "other"}, "version 5 or 6"),
     ],
 )
 def test_json_rejects_other_versions(change, message):
     doc = {**json.loads(plan_to_json(two_stage_plans()[0])), **change}
     with pytest.raises(ValueError, match=message):
         plan_from_json(json.dumps(doc))
+
+
+def test_a_version_5_plan_reads_as_one_without_split_backwards():
+    plan = two_stage_plans()[0]
+    doc = {**json.loads(plan_to_json(plan)), "version": 5}
+    assert plan_from_json(json.dumps(doc)) == plan
 
 
 def test_json_rejects_unknown_ops():

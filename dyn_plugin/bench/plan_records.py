@@ -19,10 +19,18 @@ def timed_plans(plan: Callable[[Any], Any], batches: Sequence[Any]) -> tuple[lis
     return plans, times
 
 
-def plan_summary(plans: Sequence[Any], times: Sequence[float]) -> dict[str, float]:
+def schedule_counts(plans: Sequence[Any]) -> dict[str, int]:
+    """How many of the plans' pipelines ran each schedule ("1f1b", "adaptive", "zero_bubble")."""
+    names = [r.schedule.name for p in plans for r in p.replicas]
+    return {name: names.count(name) for name in sorted(set(names))}
+
+
+def plan_summary(plans: Sequence[Any], times: Sequence[float]) -> dict[str, Any]:
     """The record's fields every planner benchmark shares: planning time (p50, p99), and the plans'
-    mean simulated step, padding, bubble and micro-batch count, and their largest peak memory."""
+    mean simulated step, padding, bubble and micro-batch count, their largest peak memory and the
+    schedules their pipelines ran."""
     return {
+        "schedules": schedule_counts(plans),
         "plan_ms_p50": float(np.percentile(times, 50)),
         "plan_ms_p99": float(np.percentile(times, 99)),
         "sim_iter_ms": float(np.mean([p.iteration_ms for p in plans])),

@@ -6,7 +6,9 @@ fits no stage of 4 even with full recompute), global batches drawn from the bund
 Sequences longer than the tables measured (8192) are truncated to it, as a trainer with
 max_seq_len 8192 would. The plugin plans with pyramid checkpointing (the config's default);
 ``dynapipe_all_or_nothing`` is the same planner with every micro-batch recomputing all of its
-layers or none, and its ``pyramid_speedup`` says how much faster the pyramid plans are.
+layers or none, and its ``pyramid_speedup`` says how much faster the pyramid plans are;
+``dynapipe_zero_bubble`` the same planner with backwards split where that fills the pipeline
+(``pipeline.schedule: zero_bubble``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ..lengths.corpus import DISTRIBUTIONS
 from ..lengths.io import load_lengths
 from ..plan.methods.baselines import BASELINES, plan_baseline
 from ..plan.methods.planner import plan_step
-from ..plan.steps.bounds import critical_path_ms, ideal_ms
+from ..plan.steps.bounds import critical_path_ms, gap_terms, ideal_ms
 from ..plan.steps.spec import planner_spec
 from ..runtime.sampler import global_batches
 from . import planner_pairs
@@ -121,6 +123,9 @@ def _bench_config(base: dict, batches: list[list[int]], spec, python_batches: in
     if spec.pyramid:
         whole = replace(spec, pyramid=False)
         runs.append(("dynapipe_all_or_nothing", "cpp", lambda b: plan_step(b, whole, native=True), len(batches)))
+    if spec.pp > 1:  # backwards split where that fills the pipeline (simulated: no host runs it yet)
+        split = replace(spec, schedule="zero_bubble")
+        runs.append(("dynapipe_zero_bubble", "cpp", lambda b: plan_step(b, split, native=True), len(batches)))
     runs += [(name, "python", lambda b, n=name: plan_baseline(n, b, spec, MAX_LEN), len(batches)) for name in BASELINES]
     planned = None  # the plugin's step times (C++ DP), which the all-or-nothing row compares with
     for method, impl, fn, count in runs:
@@ -141,6 +146,9 @@ def _bench_config(base: dict, batches: list[list[int]], spec, python_batches: in
             vs_lower_bound=float(np.mean([i / d for i, d in zip(iters, bound)])),
             layout=plans[0].layout,
         )
+        if impl == "cpp":  # ms of the step beyond ideal_ms, term by term (plan/steps/bounds.py gap_terms)
+            gaps = [gap_terms(p, b, spec) for p, b in zip(plans, batches)]
+            rec["gap_ms"] = {k: float(np.mean([g[k] for g in gaps])) for k in gaps[0]}
         if (method, impl) == ("dynapipe", "cpp"):
             planned = iters
         elif method == "dynapipe_all_or_nothing" and planned is not None:

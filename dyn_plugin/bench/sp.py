@@ -33,6 +33,7 @@ from ..plan.steps.bounds import critical_path_ms, gap_terms, ideal_ms
 from ..plan.steps.spec import planner_spec
 from ..runtime.sampler import global_batches
 from .memory import measured_tables, memory_record
+from .plan_records import schedule_counts
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,12 @@ def _bench_config(
         return
     methods = {
         "dynamic_sp": lambda b: plan_step(b, sp_spec),
+        # the same with backwards split where that fills the pipeline (simulated: no host runs it yet)
+        **(
+            {"dynamic_sp_zero_bubble": lambda b, s=replace(sp_spec, schedule="zero_bubble"): plan_step(b, s)}
+            if pp > 1
+            else {}
+        ),
         "dynamic_sp_whole_stage": lambda b, s=_spec(cost, dp, pp, args, max_len, sp=True, pyramid=False): plan_step(
             b, s
         ),
@@ -155,6 +162,7 @@ def _bench_config(
             "micro_batches": float(np.mean([len(p.micro_batches) for p in plans])),
             "extrapolated": int(sum(p.extrapolated for p in plans)),
             "bubble": float(np.mean([p.bubble_fraction for p in plans])),
+            "schedules": schedule_counts(plans),
             # ms of the step beyond ideal_ms, term by term (plan/steps/bounds.py gap_terms)
             "gap_ms": {k: float(np.mean([g[k] for g in gaps])) for k in gaps[0]},
             **memory,

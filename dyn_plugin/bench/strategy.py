@@ -76,6 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=SEED, default=0)
     parser.add_argument(
+        "--schedule",
+        choices=("auto", "zero_bubble"),
+        default="auto",
+        help="pipeline.schedule every method's pipelines are planned with (zero_bubble: backwards split where "
+        "that fills the pipeline; simulated only)",
+    )
+    parser.add_argument(
         "--memory-margin",
         type=fraction(0.5),
         default=0.08,
@@ -85,9 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def strategy_config(max_len: int, memory_mb: float | None = None):
+def strategy_config(max_len: int, memory_mb: float | None = None, schedule: str = "auto"):
     """The plugin config strategies of a named model are priced under (A100 cluster, ZeRO-1, packed);
-    ``memory_mb``: plan for this much of the device (default: the cluster's limit)."""
+    ``memory_mb``: plan for this much of the device (default: the cluster's limit); ``schedule``:
+    the pipelines' ``pipeline.schedule``."""
     from ..config import DynPluginConfig
 
     cluster = A100_CLUSTER
@@ -97,6 +105,7 @@ def strategy_config(max_len: int, memory_mb: float | None = None):
         {
             "microbatching": {"max_seq_len": max_len, "layout": "packed"},
             "sequence_parallel": {"enabled": True, "sizes": [1, 2, 4, 8]},
+            "pipeline": {"schedule": schedule},
             "cluster": cluster,
         }
     )
@@ -124,6 +133,7 @@ def _bench_one(model: str, cost, dist: str, lengths: np.ndarray, gpus: int, args
         "gpus": gpus,
         "tokens": tokens,
         "max_len": args.max_len,
+        "schedule": args.schedule,
     }
     limit_mb = float(A100_CLUSTER["device"]["memory_mb"])
     steps = RETRIES if args.memory_margin > 0 else 0
@@ -209,7 +219,7 @@ def _methods(
     homogeneous_best and dynapipe per scheme (``want[method]``: the schemes, None for all); each
     result carries its memory (``memory_record`` against ``limit_mb``) and its record's extra fields."""
     tokens = args.tokens_per_gpu * gpus
-    cfg = strategy_config(args.max_len, budget_mb)
+    cfg = strategy_config(args.max_len, budget_mb, args.schedule)
     kinds = scheme_costs(cost, cfg, gpus=gpus)
     by_scheme = {k.scheme: k for k in kinds}
     specs = {(k.scheme.tp, k.scheme.pp, k.scheme.sp): k.spec for k in kinds}

@@ -389,6 +389,23 @@ def evaluate_stage(t: CostTable, f: Features, stage: StageSpec, extrapolated: bo
     return MicroBatchCost(fwd, bwd, stored, stored + max(transient, 0.0), extrapolated)
 
 
+def weight_grad_ms(t: CostTable, f: Features, stage: StageSpec) -> float:
+    """Of a stage's backward, the part that computes weight gradients (W, when the backward is split).
+
+    Priced from the forward, which the fits separate: a linear layer's weight gradient is one
+    matrix multiply the size of its forward one, and a layer's forward is a per-token term (its
+    matrix multiplies, with the element-wise work beside them) plus a per-pair term (attention,
+    which has no weights). W is each layer's per-token forward term and the head's whole forward;
+    the embedding's gradient (a scatter) stays with the input's. An estimate from the fits, not a
+    measurement: the profiler times whole backwards."""
+    layer = t.fits["layer"]["forward_ms"]
+    _, per_token, _ = layer.coef_at(f.attn / f.slots) if layer.bands else layer.coef
+    w = stage.num_layers * max(0.0, per_token * f.slots)
+    if stage.last and "head" in t.fits:
+        w += t.fits["head"]["forward_ms"](f)
+    return w
+
+
 def evaluate_checkpointed(
     t: CostTable, plain: CostTable, f: Features, stage: StageSpec, checkpointed: int, extrapolated: bool = False
 ) -> MicroBatchCost:

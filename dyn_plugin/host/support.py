@@ -79,6 +79,21 @@ FEATURES: tuple[Feature, ...] = (
         {"DeepSpeed": NOT_APPLICABLE, **{h: _FSDP_DATA_PARALLEL for h in FSDP}},
     ),
     Feature(
+        "zero-bubble schedules (split backward)",
+        "pipeline.schedule 'zero_bubble'",
+        lambda r: r.plugin.pipeline.stages > 1 and r.plugin.pipeline.schedule == "zero_bubble",
+        {
+            **{h: NOT_APPLICABLE for h in ("DeepSpeed", *FSDP)},
+            **{
+                h: Refused(
+                    "split backwards are planned and simulated only (dynplugin plan, bench planner); no executor runs them yet",
+                    "set pipeline.schedule to 'auto'",
+                )
+                for h in ("DeepSpeed pipeline", *MEGATRON)
+            },
+        },
+    ),
+    Feature(
         "a sequence-parallel size per micro-batch (DCP)",
         "sequence_parallel.enabled",
         lambda r: r.plugin.sequence_parallel.enabled,

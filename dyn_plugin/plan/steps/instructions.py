@@ -17,6 +17,13 @@ unbuffered sends and names the first instruction that would wait forever; it cou
 forward and backward of a sequence-parallel micro-batch as collectives of its group's ranks at
 that stage (attention spans them), so the group's collectives and the pipeline's transfers are
 proven not to wait on each other either.
+
+A split backward (zero-bubble schedules) is ``BackwardInput`` (the gradient of the stage's input,
+sent upstream as a whole backward's is) and, later, ``BackwardWeight`` (its weight gradients,
+which no peer waits for). A ``BackwardWeight`` runs while the exchanges posted before it are in
+flight: the engine waits on them at the first later instruction that is not a ``BackwardWeight``.
+So the W's the schedule places in a stage's wait for a transfer come right after that transfer's
+exchange is posted, and a send stays batched with the receive after it.
 """
 
 from __future__ import annotations
@@ -31,8 +38,10 @@ from .types import MicroBatch, Op, Schedule
 
 SCHEMA = "dyn_plugin.execution_plan"
 # 2: batch_next (version 1 plans relied on buffered sends); 3: sp, group, checkpointed; 4: replica -> column;
-# 5: split_rank (encoder-decoder pipelines)
-VERSION = 5
+# 5: split_rank (encoder-decoder pipelines); 6: BackwardInput, BackwardWeight (a version 5 plan reads as one
+# without split backwards)
+VERSION = 6
+READS = (5, 6)
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,15 @@ class ForwardPass(Instruction):
 
 class BackwardPass(Instruction):
     pass
+
+
+class BackwardInput(Instruction):
+    """The gradient of the stage's input (sent upstream next); what the weight gradients need is
+    kept for the ``BackwardWeight`` of the same micro-batch."""
+
+
+class BackwardWeight(Instruction):
+    """The weight gradients of a micro-batch whose ``BackwardInput`` ran earlier on this stage."""
 
 
 class SendActivation(Instruction):
@@ -89,6 +107,8 @@ INSTRUCTIONS: dict[str, type[Instruction]] = {
         LoadMicroBatch,
         ForwardPass,
         BackwardPass,
+        BackwardInput,
+        BackwardWeight,
         SendActivation,
         RecvActivation,
         SendGrad,
@@ -97,6 +117,7 @@ INSTRUCTIONS: dict[str, type[Instruction]] = {
         OptimizerStep,
     )
 }
+BACKWARDS = (BackwardPass, BackwardInput)  # what sends a stage's input gradient upstream
 
 
 @dataclass(frozen=True)
@@ -259,16 +280,21 @@ def _stage_plan(
     slots: dict[int, int] = {}  # micro-batch -> buffer it occupies from its forward to its backward
     num_buffers = 0
     out: list[Instruction] = []
+    weights: list[Instruction] = []  # W's placed before the next op: they follow its receive's posting
     for op in ops:
         mb = op.mb
         received = link_shapes(micro_batches[mb], stage - 1, hidden_size, split_rank) if prev is not None else ()
         sent = link_shapes(micro_batches[mb], stage, hidden_size, split_rank) if nxt is not None else ()
-        if op.kind == "F":
+        if op.kind == "W":
+            weights.append(BackwardWeight(stage, mb))
+        elif op.kind == "F":
             buf = min(set(range(len(slots) + 1)) - set(slots.values()))
             slots[mb] = buf
             num_buffers = max(num_buffers, len(slots))
             if prev is not None:  # before the load: it may pair with the previous backward's SendGrad
                 _exchange(out, RecvActivation(stage, mb, buf, received, prev))
+            out += weights
+            weights = []
             if stage in plan.loading_stages:
                 out.append(LoadMicroBatch(stage, mb, buf, (_loaded_shape(micro_batches[mb], stage, split_rank),)))
             out.append(
@@ -280,10 +306,13 @@ def _stage_plan(
             buf = slots.pop(mb)
             if nxt is not None:
                 _exchange(out, RecvGrad(stage, mb, buf, sent, nxt))
-            out.append(BackwardPass(stage, mb, buf, received))  # stage 0's input needs no gradient
+            out += weights
+            weights = []
+            backward = BackwardInput if op.kind == "I" else BackwardPass
+            out.append(backward(stage, mb, buf, received))  # stage 0's input needs no gradient
             if prev is not None:
                 out.append(SendGrad(stage, mb, buf, received, prev))
-    out += [ReduceGrads(stage), OptimizerStep(stage)]
+    out += [*weights, ReduceGrads(stage), OptimizerStep(stage)]
     return replace(plan, num_buffers=num_buffers, instructions=tuple(out))
 
 
@@ -314,10 +343,10 @@ def plan_to_json(plan: ExecutionPlan) -> str:
 
 def plan_from_json(text: str) -> ExecutionPlan:
     doc = json.loads(text)
-    if doc.get("schema") != SCHEMA or doc.get("version") != VERSION:
+    if doc.get("schema") != SCHEMA or doc.get("version") not in READS:
         raise ValueError(
             f"not a plan this code reads: schema {doc.get('schema')!r} version {doc.get('version')!r}; "
-            f"expected schema {SCHEMA!r} version {VERSION}"
+            f"expected schema {SCHEMA!r} version {' or '.join(map(str, READS))}"
         )
     instructions = []
     for entry in doc["instructions"]:
@@ -417,7 +446,7 @@ def _waits(
         elif isinstance(ins, ReduceGrads):
             waits.append([_Post(n, ("reduce", plan.rank), tuple(("reduce", r) for r in stage_ranks[plan.stage]))])
             continue
-        elif isinstance(ins, (ForwardPass, BackwardPass)) and plan.micro_batches[ins.mb].sp > 1:
+        elif isinstance(ins, (ForwardPass, *BACKWARDS)) and plan.micro_batches[ins.mb].sp > 1:
             desc = plan.micro_batches[ins.mb]
             key = (plan.stage, desc.group, ins.mb, type(ins).__name__)
             columns = range(desc.group, desc.group + desc.sp)
@@ -491,14 +520,27 @@ def _check_one(plan: ExecutionPlan) -> None:
     expected = Counter(range(len(plan.micro_batches)))
     loads_expected = plan.stage in plan.loading_stages
     forwarded: set[int] = set()
-    counts: dict[type, Counter] = {cls: Counter() for cls in (LoadMicroBatch, ForwardPass, BackwardPass)}
+    split: set[int] = set()  # micro-batches whose BackwardInput ran, their BackwardWeight not yet
+    counts: dict[type, Counter] = {cls: Counter() for cls in (LoadMicroBatch, ForwardPass)}
+    backwards: Counter = Counter()  # a BackwardPass, or a BackwardInput and its BackwardWeight, counted once
     for i in plan.instructions:
         if type(i) in counts:
             counts[type(i)][i.mb] += 1
         if isinstance(i, ForwardPass):
             forwarded.add(i.mb)
-        elif isinstance(i, BackwardPass) and i.mb not in forwarded:
-            raise ValueError(f"{where}: BackwardPass of micro-batch {i.mb} before its ForwardPass")
+        elif isinstance(i, BACKWARDS):
+            if i.mb not in forwarded:
+                raise ValueError(f"{where}: {type(i).__name__} of micro-batch {i.mb} before its ForwardPass")
+            backwards[i.mb] += 1
+            if isinstance(i, BackwardInput):
+                split.add(i.mb)
+        elif isinstance(i, BackwardWeight):
+            if i.mb not in split:
+                raise ValueError(f"{where}: BackwardWeight of micro-batch {i.mb} without a BackwardInput before it")
+            split.discard(i.mb)
+    if split:
+        raise ValueError(f"{where}: BackwardInput of micro-batches {sorted(split)} without their BackwardWeight")
+    counts[BackwardPass] = backwards
     for cls, seen in counts.items():
         want = expected if cls is not LoadMicroBatch or loads_expected else Counter()
         if seen != want:

@@ -12,11 +12,13 @@ from dataclasses import replace
 from typing import Callable, Sequence
 
 from ...cost.model import RECOMPUTES, Features, Layout, Recompute, features, tensor_shape
-from ...cost.table import evaluate_checkpointed, evaluate_stage
+from ...cost.table import evaluate_checkpointed, evaluate_stage, weight_grad_ms
 from .simulator import simulate, stage_peak_bytes
 from .spec import ACT_BYTES, PlannerSpec, StepSpec
 from .types import MicroBatch, Schedule, SimResult, StepPlan
 
+# values a token held per layer between a split backward's I and W, per weight over the hidden size
+LINEAR_HELD = 4 / 3
 # a micro-batch priced in another recompute mode; None where that is out of the measured range
 Reprice = Callable[[MicroBatch, Recompute], "MicroBatch | None"]
 # a micro-batch priced in another recompute mode with these checkpointed layers per stage (None: all)
@@ -61,6 +63,7 @@ def make_micro_batch(
             peak[i] += kept + transient
     shape = tensor_shape(lens, layout, spec.cost.pad_multiple, sp)
     act = shape[0] * shape[1] // sp * spec.hidden_size * ACT_BYTES.get(spec.cost.dtype, 2) / spec.tp
+    weight, deferred = split_backward_costs(spec, layout, f, bwd) if spec.split_backward else ((), ())
     return MicroBatch(
         sample_ids=tuple(int(i) for i in sample_ids),
         seq_lens=lens,
@@ -75,7 +78,30 @@ def make_micro_batch(
         sp=sp,
         checkpointed=() if whole else counts,
         extrapolated=extrapolated,
+        weight_ms=weight,
+        deferred_bytes=deferred,
     )
+
+
+def split_backward_costs(
+    spec: PlannerSpec, layout: Layout, f: Features, backward_ms: Sequence[float]
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per stage, a split backward's W time and the bytes held from I's end until W's end; ((), ())
+    where the cost model has no table without recompute for the layout to price W from.
+
+    W: ``weight_grad_ms`` (at most the backward). Held: I frees the stage's saved tensors but each
+    linear layer's input and output gradient, which its weight gradient multiplies (a linear whose
+    backward stashes them, as ``torch.autograd.Function`` can; torch's own split would keep every
+    saved tensor). A GPT layer (12h^2 weights) has 7h distinct linear inputs and 9h outputs a
+    token, a Llama layer with its 8h/3-wide gated MLP as many: 16h = 4/3 of its weights over h."""
+    plain = spec.cost.tables.get((layout, "none", spec.tp))
+    if plain is None:
+        return (), ()
+    per_layer = ACT_BYTES.get(spec.cost.dtype, 2) * f.slots * LINEAR_HELD * spec.cost.params.get("layer", 0.0)
+    per_layer /= spec.hidden_size * spec.tp
+    weight = tuple(min(b, weight_grad_ms(plain, f, s)) for s, b in zip(spec.stages, backward_ms))
+    deferred = tuple(s.num_layers * per_layer for s in spec.stages)
+    return tuple(weight), tuple(deferred)
 
 
 def sp_buffer_bytes(

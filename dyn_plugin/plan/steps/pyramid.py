@@ -82,9 +82,10 @@ def _search(mbs: tuple[MicroBatch, ...], schedule: Schedule, spec: PlannerSpec, 
     that stage's slack allows where it is alive; ``strict``: only where every op gets shorter."""
     budget = [m.budget * (1 - MARGIN) for m in spec.memory]
     stages = range(spec.pp)
-    # Per stage: bytes while each op runs, and each micro-batch's forward and backward positions.
+    # Per stage: bytes while each op runs, and each micro-batch's forward and backward positions (a
+    # split backward's I ends what checkpointing changes: W holds the linear layers' tensors alone).
     during = [np.array([d for d, _ in memory_steps(mbs, ops, s)]) for s, ops in enumerate(schedule.stages)]
-    at = [{(op.kind, op.mb): k for k, op in enumerate(ops)} for ops in schedule.stages]
+    at = [{(op.kind.replace("I", "B"), op.mb): k for k, op in enumerate(ops)} for ops in schedule.stages]
     current = list(mbs)
     for _, i, bare, lowered in sorted(_candidates(current, spec, strict), key=lambda c: (-c[0], c[1])):
         mb = current[i]

@@ -13,7 +13,8 @@ from .pyramid import fewest_checkpointed
 from .schedule import choose_schedule, one_f_one_b
 from .simulator import simulate
 from .spec import StepSpec
-from .types import MicroBatch, ReplicaPlan, StepPlan
+from .types import MicroBatch, ReplicaPlan, Schedule, SimResult, StepPlan
+from .zero_bubble import split_backward
 
 
 def replica_groups(micro_batches: Sequence[MicroBatch], dp: int, balance: bool, method: str) -> list[tuple]:
@@ -48,6 +49,23 @@ def schedule_replicas(
     return StepPlan(method, micro_batches[0].layout, tuple(replicas), spec.update_ms)
 
 
+def _relaxed(
+    mbs: tuple[MicroBatch, ...],
+    schedule: Schedule,
+    sim: SimResult,
+    spec: StepSpec,
+    reprice: Reprice | None,
+    relax: bool,
+) -> tuple[tuple[MicroBatch, ...], SimResult]:
+    """``mbs`` on ``schedule`` with recompute relaxed where memory is spare (``relax``: by whole
+    micro-batches, then with pyramid checkpointing by layers), and the simulation of the result."""
+    if relax:
+        mbs, sim = relax_recompute(mbs, schedule, sim, spec=spec, reprice=reprice)
+    if spec.pyramid:
+        mbs, sim = fewest_checkpointed(mbs, schedule, sim, spec)
+    return mbs, sim
+
+
 def schedule_replica(
     mbs: Sequence[MicroBatch],
     *,
@@ -61,7 +79,8 @@ def schedule_replica(
     """One replica's pipeline: the schedule searched by simulation within the memory budget,
     then (``relax``) recompute relaxed where it leaves memory spare, by whole micro-batches
     (``reprice``: a micro-batch priced in another mode, default ``pricing.relax_recompute``'s)
-    and then (pyramid checkpointing) by layers; or plain 1F1B in the given order."""
+    and then (pyramid checkpointing) by layers, then (``pipeline.schedule: zero_bubble``) the
+    backwards split where that is faster; or plain 1F1B in the given order."""
     mbs = tuple(mbs)
     if adaptive:
         if not spec.cap_in_flight:  # the host keeps its 1F1B's warm-ups: fit the given order by recomputing
@@ -75,10 +94,21 @@ def schedule_replica(
             policy=spec.schedule,
             capped=spec.cap_in_flight,
         )
-        if relax:
-            mbs, sim = relax_recompute(mbs, schedule, sim, spec=spec, reprice=reprice)
-        if spec.pyramid:
-            mbs, sim = fewest_checkpointed(mbs, schedule, sim, spec)
+        chosen = mbs
+        mbs, sim = _relaxed(chosen, schedule, sim, spec, reprice, relax)
+        if spec.split_backward and spec.pp > 1:
+            # split after recompute is relaxed (less recompute takes the spare memory first) and
+            # before (the W's take it first): which pays depends on the step, so both are simulated
+            budgets = [m.budget for m in spec.memory]
+            tried = []
+            if after := split_backward(mbs, schedule, spec.link, budgets):
+                tried.append((mbs, *after))
+            if before := split_backward(chosen, schedule, spec.link, budgets):
+                relaxed, result = _relaxed(chosen, *before, spec, reprice, relax)
+                tried.append((relaxed, before[0], result))
+            for relaxed, split, result in tried:
+                if result.makespan_ms < sim.makespan_ms * (1 - 1e-12):
+                    mbs, schedule, sim = relaxed, split, result
     else:
         schedule = one_f_one_b(len(mbs), spec.pp)
         sim = simulate(mbs, schedule, spec.link)

@@ -4,6 +4,7 @@ With equal micro-batches the order does not matter; with variable ones a long mi
 stalls every stage behind it, so the order (and how many micro-batches each stage keeps in
 flight) decides the bubble. ``choose_schedule`` simulates a few orders and keeps the fastest
 that fits memory. Everything here is deterministic so that every rank derives the same plan.
+Under ``zero_bubble`` the chosen schedule is then tried with its backwards split (zero_bubble.py).
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ SCHEDULES: dict[str, Callable[[Sequence[float], int, int], list[tuple[int, ...]]
     "1f1b": _given_order,
     "adaptive": _candidate_orders,
     "auto": _candidate_orders,
+    "zero_bubble": _candidate_orders,  # and then split (replicas.schedule_replica, zero_bubble.py)
 }
 
 

@@ -37,16 +37,18 @@ def simulate(
     busy = [0.0] * num_stages
     pos = [0] * num_stages
     events: list[tuple[int, str, str, float, float]] = []
-    ops = [[(op.kind == "F", op.mb) for op in stage] for stage in schedule.stages]
+    ops = [[(op.kind, op.mb) for op in stage] for stage in schedule.stages]
     # transfer[s][i]: micro-batch i's activation over link s -> s+1 (its gradient back the same size)
     transfer = [
         [link.transfer_ms(mb.link_bytes[s] if mb.link_bytes else mb.activation_bytes) for mb in micro_batches]
         for s in range(last)
     ]
 
-    # Per-stage columns, so the loop below does no attribute look-ups.
+    # Per-stage columns, so the loop below does no attribute look-ups. A split backward's I is the
+    # backward less its W.
     fwd_ms = [[mb.forward_ms[s] for mb in micro_batches] for s in range(num_stages)]
     bwd_ms = [[mb.backward_ms[s] for mb in micro_batches] for s in range(num_stages)]
+    w_ms = [[mb.weight_ms[s] if mb.weight_ms else 0.0 for mb in micro_batches] for s in range(num_stages)]
 
     pending = list(range(num_stages - 1, -1, -1))
     queued = [True] * num_stages
@@ -56,35 +58,38 @@ def simulate(
         stage_ops = ops[s]
         sent_fwd = sent_bwd = False
         while pos[s] < len(stage_ops):
-            forward, i = stage_ops[pos[s]]
-            if forward:
+            kind, i = stage_ops[pos[s]]
+            if kind == "F":
                 ready = act_ready[s][i]
                 if ready is None:
                     break
                 start = max(clock[s], ready)
                 end = start + fwd_ms[s][i]
                 fwd_done[s][i] = True
+            elif kind == "W":  # its I ran earlier on this stage (_check_complete): nothing to wait for
+                start = clock[s]
+                end = start + w_ms[s][i]
             else:
                 if not fwd_done[s][i]:
-                    raise ValueError(f"stage {s}: op B{i} comes before F{i}")
+                    raise ValueError(f"stage {s}: op {kind}{i} comes before F{i}")
                 # The last stage's backward follows its own forward, already behind clock[s].
                 ready = clock[s] if s == last else grad_ready[s][i]
                 if ready is None:
                     break
                 start = max(clock[s], ready)
-                end = start + bwd_ms[s][i]
+                end = start + bwd_ms[s][i] - (w_ms[s][i] if kind == "I" else 0.0)
             busy[s] += end - start
             clock[s] = end
             pos[s] += 1
             if record:
-                events.append((s, "compute", f"{'F' if forward else 'B'}{i}", start, end))
-            if forward and s < last:
+                events.append((s, "compute", f"{kind}{i}", start, end))
+            if kind == "F" and s < last:
                 begin = max(end, fwd_link_free[s])
                 fwd_link_free[s] = act_ready[s + 1][i] = begin + transfer[s][i]
                 sent_fwd = True
                 if record:
                     events.append((s, "send-fwd", f"act {i} -> {s + 1}", begin, fwd_link_free[s]))
-            elif not forward and s > 0:
+            elif kind in "BI" and s > 0:
                 begin = max(end, bwd_link_free[s])
                 bwd_link_free[s] = grad_ready[s - 1][i] = begin + transfer[s - 1][i]
                 sent_bwd = True
@@ -98,7 +103,7 @@ def simulate(
 
     blocked = [s for s in range(num_stages) if pos[s] < len(ops[s])]
     if blocked:
-        waits = ", ".join(f"stage {s} at {'F' if ops[s][pos[s]][0] else 'B'}{ops[s][pos[s]][1]}" for s in blocked)
+        waits = ", ".join(f"stage {s} at {ops[s][pos[s]][0]}{ops[s][pos[s]][1]}" for s in blocked)
         raise ValueError(f"schedule deadlocks: stages wait on each other in a cycle ({waits})")
 
     makespan = max(clock)
@@ -130,19 +135,27 @@ def memory_steps(micro_batches: Sequence[MicroBatch], ops: Sequence[Op], stage: 
     """Per op: bytes while it runs and after it ends.
 
     F(mb) allocates mb's stored bytes at its start, kept until B(mb) on this stage ends; an op's
-    transient (peak - stored) lives while it runs.
+    transient (peak - stored) lives while it runs. A split backward holds, from I's end until W's,
+    the deferred bytes in place of the stored ones (W's own gradients are model states).
     """
     alive = 0.0
     steps = []
     for op in ops:
         mb = micro_batches[op.mb]
         stored = mb.stored_bytes[stage]
+        if op.kind == "W":
+            during = alive
+            alive -= mb.deferred_bytes[stage]
+            steps.append((during, alive))
+            continue
         if op.kind == "F":
             alive += stored
         # Grouped so that a lone micro-batch costs exactly its peak: budgets equal to it must fit.
         during = (alive - stored) + mb.peak_bytes[stage]
         if op.kind == "B":
             alive -= stored
+        elif op.kind == "I":
+            alive += mb.deferred_bytes[stage] - stored
         steps.append((during, alive))
     return steps
 
@@ -158,16 +171,25 @@ def _check_complete(micro_batches: Sequence[MicroBatch], schedule: Schedule) -> 
             raise ValueError(
                 f"micro-batch {i} sends over {len(mb.link_bytes)} links, {num_stages} stages have {num_stages - 1}"
             )
-    expected = {(kind, i) for kind in "FB" for i in range(len(micro_batches))}
     for s, stage in enumerate(schedule.stages):
-        seen: set[tuple[str, int]] = set()
+        seen: dict[int, str] = {}  # micro-batch -> its kinds so far on this stage, in order
         for op in stage:
-            key = (op.kind, op.mb)
-            if key not in expected:
+            if op.kind not in ("F", "B", "I", "W") or not 0 <= op.mb < len(micro_batches):
                 raise ValueError(f"stage {s}: unknown op {op.kind}{op.mb}")
-            if key in seen:
+            had = seen.get(op.mb, "")
+            if op.kind in had:
                 raise ValueError(f"stage {s}: op {op.kind}{op.mb} appears twice")
-            seen.add(key)
-        if len(seen) != len(expected):
-            missing = sorted(expected - seen, key=lambda k: (k[1], k[0]))
-            raise ValueError(f"stage {s}: op {missing[0][0]}{missing[0][1]} is missing")
+            if op.kind == "W" and "I" not in had:
+                raise ValueError(f"stage {s}: op W{op.mb} comes before I{op.mb}")
+            if op.kind in "BI" and ("B" in had or "I" in had):
+                raise ValueError(f"stage {s}: micro-batch {op.mb} runs both B and I (a backward is whole or split)")
+            if op.kind == "I" and not micro_batches[op.mb].weight_ms:
+                raise ValueError(f"stage {s}: micro-batch {op.mb}'s split backward is not priced (no weight_ms)")
+            seen[op.mb] = had + op.kind
+        for i in range(len(micro_batches)):
+            had = seen.get(i, "")
+            missing = next((k for k in "FB" if k not in had and not (k == "B" and "I" in had)), None)
+            if missing is None and "I" in had and "W" not in had:
+                missing = "W"
+            if missing:
+                raise ValueError(f"stage {s}: op {missing}{i} is missing")

@@ -38,7 +38,7 @@ class StepSpec:
     recomputes: tuple[Recompute, ...] = RECOMPUTES
     tp: int = 1
     seed: int = 0
-    schedule: str = "auto"  # pipeline.schedule: a name in schedule.SCHEDULES (auto, adaptive, 1f1b)
+    schedule: str = "auto"  # pipeline.schedule: a name in schedule.SCHEDULES (auto, adaptive, 1f1b, zero_bubble)
     update_ms: float = 0.0  # gradient all-reduce + optimizer step after the last micro-batch
     same_recompute: bool = False  # every rank recomputes alike at each micro-batch of its run order (ZeRO-3)
     cap_in_flight: bool = True  # pipeline.cap_in_flight: the host runs a stage with fewer micro-batches in flight
@@ -47,6 +47,12 @@ class StepSpec:
     @property
     def pp(self) -> int:
         return len(self.stages)
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether schedules may split backwards into I and W (``pipeline.schedule: zero_bubble``):
+        only then are micro-batches priced for it."""
+        return self.schedule == "zero_bubble"
 
 
 @dataclass(frozen=True, kw_only=True)

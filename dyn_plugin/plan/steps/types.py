@@ -36,6 +36,12 @@ class MicroBatch:
     # Per link s -> s+1, the bytes sent (and the gradient returned) where stages send different
     # tensors (encoder-decoder pipelines); () = ``activation_bytes`` on every link.
     link_bytes: tuple[float, ...] = ()
+    # Split backward, per stage (() = not priced: the backward stays whole): the part of
+    # ``backward_ms`` that computes weight gradients (W; the rest, I, computes the stage input's
+    # gradient and sends it upstream), and the bytes held from I's end until W ends in place of
+    # ``stored_bytes`` (every saved tensor and one gradient per linear layer's output).
+    weight_ms: tuple[float, ...] = ()
+    deferred_bytes: tuple[float, ...] = ()
 
     @property
     def local_shape(self) -> tuple[int, int]:
@@ -78,9 +84,11 @@ class PairMicroBatch(MicroBatch):
 
 @dataclass(frozen=True)
 class Op:
-    """One compute step of a schedule: forward ("F") or backward ("B") of micro-batch ``mb``."""
+    """One compute step of a schedule: forward ("F") or backward ("B") of micro-batch ``mb``, or
+    the backward split in two (zero-bubble schedules): "I", the gradient of the stage's input (sent
+    upstream at once), and "W", the gradient of its weights, which may run later."""
 
-    kind: str  # "F" | "B"
+    kind: str  # "F" | "B" | "I" | "W"
     mb: int
 
 
@@ -88,13 +96,18 @@ class Op:
 class Schedule:
     """Per pipeline stage, the order in which it runs forwards and backwards of its micro-batches.
 
-    ``name`` says which policy produced it (e.g. "1f1b", "adaptive"); ``order`` is the
-    micro-batch order it was built from.
+    ``name`` says which policy produced it (e.g. "1f1b", "adaptive", "zero_bubble"); ``order`` is
+    the micro-batch order it was built from.
     """
 
     name: str
     order: tuple[int, ...]
     stages: tuple[tuple[Op, ...], ...]
+
+    @property
+    def split(self) -> bool:
+        """Whether some backward runs split into I and W."""
+        return any(op.kind == "W" for stage in self.stages for op in stage)
 
 
 @dataclass(frozen=True)
