@@ -108,7 +108,7 @@ def initialize(
     # what this host runs of the plugin's features (dyn_plugin/host/support.py), all refused at once
     support.check(
         "DeepSpeed pipeline" if pp > 1 else "DeepSpeed",
-        support.Run(cfg.plugin, cfg.zero_stage, is_encoder_decoder(model)),
+        support.Run(cfg.plugin, cfg.zero_stage, is_encoder_decoder(model), training_dtype(cfg.deepspeed)),
     )
     if is_encoder_decoder(model):  # before the layouts: theirs are a decoder-only model's
         cost_model = pair_inputs(model, lengths, cost_model, cfg.plugin.cost_model, training_dtype(cfg.deepspeed))

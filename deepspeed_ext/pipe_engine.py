@@ -48,13 +48,16 @@ from deepspeed_ext.pipe_module import summed_token_loss
 from deepspeed_ext.sequence_parallel import sequence_runtime
 from dyn_plugin.host.feed import DeviceFeed, copy_to
 from dyn_plugin.host.recompute import recompute_switch
+from dyn_plugin.host.split_backward import split_backward
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.models import varlen_attention
 from dyn_plugin.models.recompute import planned_layers
 from dyn_plugin.models.sequence_parallel import SequenceShard
 from dyn_plugin.plan.steps.instructions import (
     EXCHANGES,
+    BackwardInput,
     BackwardPass,
+    BackwardWeight,
     ExecutionPlan,
     ForwardPass,
     Instruction,
@@ -79,6 +82,8 @@ class PlanPipelineEngine(PipelineEngine):
         self._losses: dict[int, torch.Tensor] = {}  # buffer -> scaled loss awaiting its backward
         self._tokens: dict[int, tuple[torch.Tensor, ...]] = {}  # buffer -> a pair stage's loaded ids and mask
         self._sending: tuple[list, list[Callable[[], None]]] | None = None  # posted sends, waited at the next exchange
+        self._receiving = False  # the posted batch holds a receive: waited before the next instruction but a W
+        self._split: set[int] = set()  # this step's micro-batches whose backward is split here
 
     def _check_topology(self) -> None:
         """Plans, their peers and the sequence-parallel groups number ranks stage-major, global rank
@@ -162,12 +167,19 @@ class PlanPipelineEngine(PipelineEngine):
         self._loss_scale = self.dp_world_size / step.scored_tokens
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._reserve_pipe_buffers(plan.num_buffers)
+        # the micro-batches whose backward this stage splits (zero-bubble plans): their forwards and
+        # I's defer the linear layers' weight gradients to their W's
+        self._split = {i.mb for i in instructions if isinstance(i, BackwardInput)}
+        if self._split:
+            split_backward(self.module).clear()
         batch: list[tuple[dist.P2POp, Callable[[], None]]] = []
         for ins in instructions:
             handler = self._INSTRUCTION_MAP.get(type(ins))
             if handler is None:
                 raise RuntimeError(f"{type(self).__name__} has no handler for {type(ins).__name__}")
             if not isinstance(ins, EXCHANGES):
+                if self._receiving and not isinstance(ins, BackwardWeight):
+                    self._finish_sends()  # a W runs while the transfers before it complete; nothing else
                 with self._around_pass(ins):
                     MethodType(handler, self)(ins)
                 continue
@@ -196,10 +208,12 @@ class PlanPipelineEngine(PipelineEngine):
         replays all ranks with unbuffered sends and these forwards and backwards as collectives.
         Everything is issued in instruction order on the engine's device (the shard's positions
         included), with no host synchronisation per micro-batch."""
-        if not isinstance(ins, (ForwardPass, BackwardPass)):
+        if not isinstance(ins, (ForwardPass, BackwardPass, BackwardInput)):
             yield
             return
         with contextlib.ExitStack() as around:
+            if ins.mb in self._split and not isinstance(ins, BackwardPass):  # its forward and its I defer W
+                around.enter_context(split_backward(self.module).deferring(ins.mb))
             if self._sequence is not None:
                 around.enter_context(self._sequence.running(self._step, ins.mb, self.stage_id, self._shard(ins.mb)))
             if not self._pairs and self._step.plan.micro_batches[ins.mb].sp == 1:
@@ -232,12 +246,13 @@ class PlanPipelineEngine(PipelineEngine):
         self._finish_sends()
         works = dist.batch_isend_irecv([op for op, _ in batch])
         self._sending = (works, [done for _, done in batch])
-        if any(op.op is not dist.isend for op, _ in batch):
-            self._finish_sends()
+        # a batch with a receive is waited for before the next instruction that is not a W (_run)
+        self._receiving = any(op.op is not dist.isend for op, _ in batch)
 
     def _finish_sends(self) -> None:
         works, dones = self._sending or ((), ())
         self._sending = None
+        self._receiving = False
         for work in works:
             work.wait()
         for done in dones:
@@ -416,6 +431,9 @@ class PlanPipelineEngine(PipelineEngine):
         if self.is_first_stage():
             self.pipe_buffers["inputs"][ins.buffer] = None
 
+    def _exec_backward_weight(self, ins: BackwardWeight) -> None:
+        split_backward(self.module).weights(ins.mb)
+
     def _exec_send_grad(self, ins: SendGrad) -> list[tuple[dist.P2POp, Callable[[], None]]]:
         inputs = self.pipe_buffers["inputs"][ins.buffer]
         grads = [t.grad for t in (inputs if self._pairs else inputs[:1])]  # of every received tensor
@@ -450,6 +468,8 @@ class PlanPipelineEngine(PipelineEngine):
         SendActivation: _exec_send_activation,
         RecvGrad: _exec_recv_grad,
         BackwardPass: _exec_backward,
+        BackwardInput: _exec_backward,  # within its deferring (_around_pass)
+        BackwardWeight: _exec_backward_weight,
         SendGrad: _exec_send_grad,
         ReduceGrads: _exec_reduce,
         OptimizerStep: _exec_step,

@@ -228,7 +228,7 @@ class PipelineConfig(_Section):
     schedule: Literal["1f1b", "adaptive", "auto", "zero_bubble"] = Field(
         default="auto",
         description="'auto' picks the schedule with the shortest simulated step; 'zero_bubble' also tries each "
-        "with its backwards split into input and weight gradients (planned and simulated; no host runs it yet)",
+        "with its backwards split into input and weight gradients (DeepSpeed's pipeline in fp32; refused elsewhere)",
     )
     cap_in_flight: bool = Field(
         default=True,

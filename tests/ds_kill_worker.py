@@ -34,7 +34,8 @@ PATHS = {
     "zero1": {"zero": 1, "plugin": {"store": {"backend": "tcp"}, "loader": {"planners": 1, "prefetch": 2}}},
     "zero2": {"zero": 2},
     "zero3": {"zero": 3},
-    "pipe": {"zero": 1, "plugin": {"pipeline": {"stages": 2}}},
+    # a split-backward pipeline (zero-bubble plans): a kill may fall between an I and its W
+    "pipe": {"zero": 1, "plugin": {"pipeline": {"stages": 2, "schedule": "zero_bubble"}}},
     "sp": {"zero": 1, "plugin": {"sequence_parallel": {"enabled": True, "sizes": [1, 2], "attention": "auto"}}},
 }
 

@@ -1,5 +1,7 @@
 """One rank of the pipeline exactness test: the plugin's PipelineEngine runs two planned steps
-(pp=2, with dp = world / 2), compared with a single-process reference (run as a script)."""
+(pp=2, with dp = world / 2), compared with a single-process reference (run as a script:
+``ds_pipe_worker.py OUT [SCHEDULE]``, the config's pipeline.schedule, default auto; zero_bubble
+splits backwards where the plan says)."""
 
 import copy
 import dataclasses
@@ -50,8 +52,42 @@ def record_pyramid(engine) -> list[tuple[int | None, int, int]]:
     return applied
 
 
+def count_split(engine, drop_weights: bool) -> list[int]:
+    """Every BackwardInput and BackwardWeight the engine runs, as [I's, W's, W's with another
+    micro-batch's pass between their I and them]; ``drop_weights``: the W's do nothing."""
+    counts, handlers = [0, 0, 0], dict(engine._INSTRUCTION_MAP)
+    for n, name in enumerate(("BackwardInput", "BackwardWeight")):
+        cls = next(c for c in handlers if c.__name__ == name)
+
+        def counted(self, ins, run=handlers[cls], n=n):
+            counts[n] += 1
+            if n == 1:
+                counts[2] += deferred(self._step.plan.instructions, ins)
+                if drop_weights:
+                    return None
+            return run(self, ins)
+
+        handlers[cls] = counted
+    engine._INSTRUCTION_MAP = handlers
+    return counts
+
+
+def deferred(instructions, weight) -> bool:
+    """Whether another micro-batch's forward or backward runs between ``weight``'s I and it."""
+    at = instructions.index(weight)
+    start = next(
+        n
+        for n in range(at, -1, -1)
+        if type(instructions[n]).__name__ == "BackwardInput" and instructions[n].mb == weight.mb
+    )
+    passes = ("ForwardPass", "BackwardPass", "BackwardInput")
+    return any(type(i).__name__ in passes and i.mb != weight.mb for i in instructions[start:at])
+
+
 def main():
     out = sys.argv[1]
+    schedule = sys.argv[2] if len(sys.argv) > 2 else "auto"
+    drop_weights = "--drop-weights" in sys.argv  # the test that a split without its W's is caught
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
     lengths, data = random_dataset(1)
@@ -71,7 +107,7 @@ def main():
             "zero_allow_untested_optimizer": True,
             "dyn_plugin": {
                 "microbatching": {"layout": layout, "global_tokens": 1500, "max_seq_len": 256, "recompute": recompute},
-                "pipeline": {"stages": 2},
+                "pipeline": {"stages": 2, "schedule": schedule},
                 # a small device: the plan must cut the global batch into several micro-batches
                 "cluster": {"device": {"memory_mb": {"none": 4, "full": 1.1}[recompute], "memory_fraction": 1.0}},
                 "cost_model": {"kind": "analytic", "dtype": "fp32"},
@@ -86,6 +122,7 @@ def main():
             seed=3,
         )
         applied = record_pyramid(engine)
+        split = count_split(engine, drop_weights)
         ids, shapes, batch_sizes = [], [], []
         for step in itertools.islice(loader, 2):  # through one engine: counts and shapes change between steps
             if recompute != "none":
@@ -121,7 +158,7 @@ def main():
         everywhere = [None] * world
         dist.all_gather_object(everywhere, applied)
         applied = [a for rank in everywhere for a in rank]
-        stats = torch.tensor([max(diffs), len(diffs)], dtype=torch.float64)
+        stats = torch.tensor([max(diffs), len(diffs), *split], dtype=torch.float64)
         both = [torch.zeros_like(stats) for _ in range(world)]
         dist.all_gather(both, stats)
         results.append(
@@ -146,6 +183,7 @@ def main():
                 "resume_step": loader.step,
                 "recompute": recompute,
                 "recompute_ran": recompute_switch(engine.module).mode,
+                "split": [int(sum(s[2 + n] for s in both)) for n in range(3)],  # I's, W's, deferred W's: every rank
             }
         )
     finish(results, out)

@@ -97,6 +97,22 @@ def test_bench_train_runs_the_comparison(profile, tmp_path, capsys):
     assert {e["tid"] for e in spans} == {0, 1} and {e["pid"] for e in spans} == {0, 1}  # measured, predicted; 2 ranks
 
 
+def test_bench_train_on_pipeline_stages_runs_the_plugins_schedules_beside_1f1b(profile, tmp_path, capsys):
+    """--stages 2: the two ranks are one pipeline; dyn_plugin plans its schedules (zero-bubble splits
+    included) and dyn_plugin_1f1b runs the same micro-batches under 1F1B: the same training, exactly."""
+    from dyn_plugin.cli import main
+
+    args = ["bench", "train", "--profile", str(profile), "--out", str(tmp_path / "pipe"), "--steps", "1"]
+    args += ["--max-len", "1024", "--global-tokens", "4096", "--stages", "2", "--json"]
+    assert main(args + ["--modes", "dyn_plugin,dyn_plugin_1f1b"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["mode"] for r in rows] == ["dyn_plugin", "dyn_plugin_1f1b"]
+    assert rows[0]["final_loss"] == pytest.approx(rows[1]["final_loss"], abs=1e-6)
+    assert all(r["effective_tokens_per_s"] > 0 for r in rows)
+    assert main(["bench", "train", "--host", "megatron", "--stages", "2"]) == 2
+    assert "--stages runs DeepSpeed's pipeline engine" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # within the suite's time: the module's --local_rank handling; torchrun launches it above
 def test_bench_train_runs_under_deepspeeds_launcher(profile, tmp_path):
     # the same module under DeepSpeed's own launcher (which adds --local_rank)
@@ -175,7 +191,7 @@ def test_a_finished_mode_lets_its_engine_go(profile, tmp_path, monkeypatch):
         docs = [rng.integers(0, 1000, size=n) for n in lengths]
         args = argparse.Namespace(
             profile=str(profile), model="tiny-llama", global_tokens=2048, max_len=512, memory_mb=None, seed=0,
-            warmup=0, steps=1, out=str(tmp_path),
+            warmup=0, steps=1, out=str(tmp_path), stages=1,
         )  # fmt: skip
         records = train_deepspeed.run_mode("dyn_plugin", args, docs, lengths, torch.device("cpu"), "fp32")
         assert len(records) == 1

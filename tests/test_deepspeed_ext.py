@@ -35,10 +35,17 @@ def test_exact_token_mean_step_for_every_zero_stage(tmp_path):
     ], mixed
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=["pp2", "pp2xdp2"])
-def test_pipeline_engine_runs_the_plan_exactly(tmp_path, world):
+@pytest.mark.parametrize(
+    "world, schedule",
+    [(2, "auto"), (4, "auto"), (2, "zero_bubble"), (4, "zero_bubble")],
+    ids=["pp2", "pp2xdp2", "pp2-split", "pp2xdp2-split"],
+)
+def test_pipeline_engine_runs_the_plan_exactly(tmp_path, world, schedule):
+    """The plan as planned, exactly; under zero_bubble with its backwards split into I and a later
+    W wherever the plan splits them (the linear layers' weight gradients deferred, then accumulated
+    through autograd so DeepSpeed's gradient hooks see them)."""
     out = tmp_path / "result.json"
-    codes, logs = run("ds_pipe_worker.py", out, world=world)
+    codes, logs = run("ds_pipe_worker.py", out, schedule, world=world)
     assert codes == [0] * world, logs[0][-3000:]
     results = json.loads(out.read_text())
     assert {(r["zero"], r["layout"], r["tied"]) for r in results} == {
@@ -64,7 +71,21 @@ def test_pipeline_engine_runs_the_plan_exactly(tmp_path, world):
         else:
             assert all(ran == planned and planned is not None for planned, ran, _ in r["pyramid"]), r
             assert any(0 < planned < layers for planned, _, layers in r["pyramid"]), r  # partial counts ran
+        inputs, weights, _ = r["split"]
+        assert inputs == weights and (inputs > 0) == (schedule == "zero_bubble"), r
     assert any(len(set(r["sizes"])) > 1 for r in results)  # of uneven sizes
+    # W's placed after other micro-batches' passes (where a plan of two micro-batches has none to wait for)
+    assert any(r["split"][2] for r in results) == (schedule == "zero_bubble")
+
+
+def test_a_split_backward_without_its_weight_gradients_is_caught(tmp_path):
+    """The same split plans with every W doing nothing: the linear layers' weight gradients are
+    missing, and the comparison with the reference says so."""
+    out = tmp_path / "result.json"
+    codes, logs = run("ds_pipe_worker.py", out, "zero_bubble", "--drop-weights", world=2)
+    assert codes == [0, 0], logs[0][-3000:]
+    for r in json.loads(out.read_text()):
+        assert r["split"][1] > 0 and r["max_abs_diff"] > 1e-3, r
 
 
 def test_pipeline_with_zero_2_is_refused_before_training():

@@ -1,7 +1,8 @@
 """Zero-bubble schedules for variable micro-batches (plan/steps/zero_bubble.py): backwards split
 into I (the input's gradient, sent upstream) and W (the weights' gradient, placed in the waits),
-as the simulator runs them, the planner prices and picks them, and the hosts refuse them until an
-executor runs them."""
+as the simulator runs them, the planner prices and picks them, the plans compile, and which hosts
+run them (DeepSpeed's pipeline, exactly: tests/test_deepspeed_ext.py; the split itself:
+dyn_plugin/host/split_backward.py, below)."""
 
 from dataclasses import replace
 
@@ -189,11 +190,14 @@ def test_removing_the_deferred_ws_loses_the_gain(a100):
     assert {e["name"][0] for e in trace["traceEvents"] if e.get("cat") == "compute"} == {"F", "I", "W"}
 
 
-def test_every_pipeline_host_refuses_a_split_until_it_runs_one():
-    run = support.Run(DynPluginConfig.model_validate({"pipeline": {"stages": 2, "schedule": "zero_bubble"}}))
-    for host in ("DeepSpeed pipeline", "megatron-core", "Megatron-LM"):
+def test_deepspeeds_pipeline_runs_a_split_in_fp32_and_the_others_refuse_it():
+    plugin = DynPluginConfig.model_validate({"pipeline": {"stages": 2, "schedule": "zero_bubble"}})
+    support.check("DeepSpeed pipeline", support.Run(plugin, precision="fp32"))
+    with pytest.raises(ConfigError, match="pipeline.schedule 'zero_bubble' in bf16 on DeepSpeed pipeline: .*fp32"):
+        support.check("DeepSpeed pipeline", support.Run(plugin, precision="bf16"))
+    for host in ("megatron-core", "Megatron-LM"):
         with pytest.raises(ConfigError, match="pipeline.schedule 'zero_bubble' on .*set pipeline.schedule to 'auto'"):
-            support.check(host, run)
+            support.check(host, support.Run(plugin))
 
 
 def test_split_plans_compile_to_instructions_that_run_under_nccl_and_read_back(a100):
@@ -232,3 +236,54 @@ def test_a_split_plan_without_its_weight_gradients_is_refused(a100):
     )
     with pytest.raises(ValueError, match="without their BackwardWeight"):
         check_plans([dropped, *every[1:]])
+
+
+def test_a_split_linear_layer_gives_the_whole_backwards_gradients_with_recompute():
+    """The host side: I returns the input's gradient and no weight gradient (no accumulation hook
+    fires), W the weights' through autograd (each hook once), equal to one whole backward, with
+    the layers recomputed in backward too."""
+    import torch
+    import torch.utils.checkpoint as cp
+    from torch import nn
+
+    from dyn_plugin.host.split_backward import split_backward as split_of
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down, self.norm = nn.Linear(8, 16), nn.Linear(16, 8, bias=False), nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.norm(x + self.down(torch.tanh(self.up(x))))
+
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        net, ref = nn.ModuleList([Block(), Block()]), nn.ModuleList([Block(), Block()])
+        ref.load_state_dict(net.state_dict())
+
+        def run(model, x):
+            for block in model:
+                x = cp.checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+            return x
+
+        x, grad = torch.randn(2, 5, 8, requires_grad=True), torch.randn(2, 5, 8)
+        run(ref, x.detach().clone().requires_grad_()).backward(grad)
+        fired = []
+        for p in net.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+        split = split_of(net)
+        with split.deferring("mb"):
+            run(net, x).backward(grad)
+        linear = {id(p) for m in split.linears for p in m.parameters()}
+        assert x.grad is not None and all(p.grad is None for p in net.parameters() if id(p) in linear)
+        assert {id(p) for p in fired} == {id(p) for p in net.parameters()} - linear
+        split.weights("mb")
+        assert len(fired) == len(list(net.parameters())) and not split.pending
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(net.parameters(), ref.parameters()))
+
+    class Scaled(nn.Linear):  # a linear layer with a forward of its own (as LoRA's) keeps it
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    own = nn.Sequential(Scaled(4, 4), nn.Linear(4, 4))
+    assert split_of(own).linears == [own[1]] and "forward" not in vars(own[0])

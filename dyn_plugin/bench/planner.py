@@ -123,7 +123,7 @@ def _bench_config(base: dict, batches: list[list[int]], spec, python_batches: in
     if spec.pyramid:
         whole = replace(spec, pyramid=False)
         runs.append(("dynapipe_all_or_nothing", "cpp", lambda b: plan_step(b, whole, native=True), len(batches)))
-    if spec.pp > 1:  # backwards split where that fills the pipeline (simulated: no host runs it yet)
+    if spec.pp > 1:  # backwards split where that fills the pipeline
         split = replace(spec, schedule="zero_bubble")
         runs.append(("dynapipe_zero_bubble", "cpp", lambda b: plan_step(b, split, native=True), len(batches)))
     runs += [(name, "python", lambda b, n=name: plan_baseline(n, b, spec, MAX_LEN), len(batches)) for name in BASELINES]

@@ -118,7 +118,7 @@ def _bench_config(
         return
     methods = {
         "dynamic_sp": lambda b: plan_step(b, sp_spec),
-        # the same with backwards split where that fills the pipeline (simulated: no host runs it yet)
+        # the same with backwards split where that fills the pipeline
         **(
             {"dynamic_sp_zero_bubble": lambda b, s=replace(sp_spec, schedule="zero_bubble"): plan_step(b, s)}
             if pp > 1

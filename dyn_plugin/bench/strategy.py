@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "zero_bubble"),
         default="auto",
         help="pipeline.schedule every method's pipelines are planned with (zero_bubble: backwards split where "
-        "that fills the pipeline; simulated only)",
+        "that fills the pipeline)",
     )
     parser.add_argument(
         "--memory-margin",

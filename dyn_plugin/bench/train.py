@@ -80,6 +80,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--global-tokens", type=TOKENS, help="tokens per global batch (default 16384; --model t5: 8192, both sides)"
     )
     parser.add_argument(
+        "--stages",
+        type=count(1, 64),
+        default=1,
+        help="pipeline stages, DeepSpeed's pipeline engine (the ranks split into them): dyn_plugin plans its own "
+        "schedules, zero-bubble splits of the backward included, and dyn_plugin_1f1b runs the same micro-batches "
+        "under 1F1B",
+    )
+    parser.add_argument(
         "--sp",
         action="store_true",
         help="instead, dynamic sequence parallelism against a fixed size "
@@ -96,6 +104,8 @@ def run(args: argparse.Namespace) -> Iterable[dict]:
     args.global_tokens = args.global_tokens or 16384
     if args.host == "megatron-lm":
         return _megatron_lm(args)
+    if args.stages > 1 and (args.host != "deepspeed" or args.sp):
+        raise ValueError("--stages runs DeepSpeed's pipeline engine: drop --host and --sp, or --stages")
     if args.host == "megatron":
         if args.sp:
             raise ValueError(SP_ONLY_DEEPSPEED)
@@ -113,7 +123,7 @@ def run(args: argparse.Namespace) -> Iterable[dict]:
         "dyn_plugin.bench.train_deepspeed",
         "train",
         args,
-        ["--max-len", str(max_len), "--global-tokens", str(args.global_tokens)] + extra,
+        ["--max-len", str(max_len), "--global-tokens", str(args.global_tokens), "--stages", str(args.stages)] + extra,
     )
 
 

@@ -56,13 +56,23 @@ MODES = {
     "packing": {"microbatching": {"method": "packing_full"}},
     "packing_varlen": {"microbatching": {"method": "packing_varlen"}},
     "dyn_plugin": {"microbatching": {"method": "dynapipe"}},
+    # --stages > 1: the plugin's micro-batches under plain 1F1B, beside dyn_plugin's chosen (zero-bubble) schedules
+    "dyn_plugin_1f1b": {"microbatching": {"method": "dynapipe"}, "pipeline": {"schedule": "1f1b"}},
     # --sp: sequences split over the 2 ranks where it pays (dynamic), always (fixed), never (full recompute instead)
     "sp_dynamic": {"sequence_parallel": {"enabled": True, "sizes": [1, 2]}},
     "sp_fixed": {"sequence_parallel": {"enabled": True, "sizes": [2]}},
     "sp1_full": {"microbatching": {"recompute": "full"}},
 }
 SP_MODES = ("sp_dynamic", "sp_fixed", "sp1_full")
-BASELINES = ("padded", "packing", "packing_varlen", "sp_fixed", "sp1_full")  # the ratios the report shows
+PIPELINE_MODES = ("dyn_plugin_1f1b",)
+BASELINES = (
+    "padded",
+    "packing",
+    "packing_varlen",
+    "sp_fixed",
+    "sp1_full",
+    "dyn_plugin_1f1b",
+)  # the ratios the report shows
 
 
 def precision_section(dtype: str) -> dict:
@@ -99,6 +109,8 @@ def run_mode(mode: str, args, docs, lengths, device: torch.device, dtype: str) -
             "device": {"memory_mb": args.memory_mb or device_memory_mb(device)},
         },
     }
+    if args.stages > 1:  # the plugin's plans choose their schedules, split backwards included
+        section["pipeline"] = {"stages": args.stages, "schedule": "zero_bubble"}
     for key, values in MODES[mode].items():
         section[key] = {**section.get(key, {}), **values}
     config = {
@@ -114,23 +126,27 @@ def run_mode(mode: str, args, docs, lengths, device: torch.device, dtype: str) -
         config=config,
         dataset=[{"input_ids": d} for d in docs],
         lengths=lengths,
-        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),  # a pipeline stage holds a part of them
         seed=args.seed,
     )
     records = []
     total = args.warmup + args.steps
     shape, tflops = shape_from_config(model.config), peak_tflops(device, dtype)
     bar = tqdm(total=total, desc=f"{mode:>12}", disable=dist.get_rank() != 0)
+    # a pipeline's micro-batches overlap: no per-micro-batch timings, and its stages count its samples once
+    pipelined = args.stages > 1
+    counting = not pipelined or engine.is_first_stage()
     for n, step in enumerate(loader):
         # every rank of a sequence-parallel group lists the group's samples: count them on its first shard only
         mine = [len(docs[i]) for mb, (_, _, index) in zip(step.sample_ids, step.shards) if index == 0 for i in mb]
-        slots = sum(int(m["input_ids"].numel()) for m in step.micro_batches)
-        timings: list = []
+        mine = mine if counting else []
+        slots = sum(int(m["input_ids"].numel()) for m in step.micro_batches) if counting else 0
+        timings: list | None = None if pipelined else []
         start_peak(device)
         counts = (sum(mine), slots, model_flops(shape, mine))
         ms, loss, (real, slots, flops) = timed_step(engine, step, device, counts, timings)
         bar.update()
-        if n == args.warmup and mode == "dyn_plugin":
+        if n == args.warmup and mode == "dyn_plugin" and not pipelined:
             write_step_trace(step, timings, loader.context.cost, args.out, device)
         if n >= args.warmup:
             gpu = {
@@ -233,10 +249,19 @@ def main() -> None:
         "without it the analytic cost model prices the plans",
     )
     add_model_argument(p)
-    p.add_argument("--modes", default=",".join(m for m in MODES if m not in SP_MODES))
+    p.add_argument("--modes", help="default: every batching but --sp's (with --stages > 1: and dyn_plugin_1f1b)")
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=1,
+        help="pipeline stages (the ranks are split into them): dyn_plugin plans its schedules, zero-bubble "
+        "splits included, and dyn_plugin_1f1b runs the same micro-batches under 1F1B",
+    )
     p.add_argument("--memory-mb", type=float, help="device memory the plans may fill (default: the GPU's, 8000 on CPU)")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # from the deepspeed launcher
     args = p.parse_args()
+    if args.modes is None:
+        args.modes = ",".join(m for m in MODES if m not in SP_MODES and (args.stages > 1 or m not in PIPELINE_MODES))
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
@@ -267,7 +292,7 @@ def main() -> None:
             BASELINES,
             args.out,
             preamble(args),
-            f", one executed step measured vs predicted: {args.out}/step-trace.json",
+            "" if args.stages > 1 else f", one executed step measured vs predicted: {args.out}/step-trace.json",
         )
     dist.barrier()
     dist.destroy_process_group()

@@ -29,6 +29,7 @@ class Run:
     plugin: DynPluginConfig
     zero_stage: int = 0  # DeepSpeed's zero_optimization.stage (0 where there is none)
     encoder_decoder: bool = False  # the model trains on (input, target) pairs
+    precision: str | None = None  # what the host trains in (fp32, bf16, fp16), where the table needs it
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,26 @@ FEATURES: tuple[Feature, ...] = (
         lambda r: r.plugin.pipeline.stages > 1 and r.plugin.pipeline.schedule == "zero_bubble",
         {
             **{h: NOT_APPLICABLE for h in ("DeepSpeed", *FSDP)},
+            "DeepSpeed pipeline": Only(
+                (
+                    (
+                        lambda r: r.precision == "fp32",
+                        "in fp32",
+                        Refused(
+                            "DeepSpeed's bf16 and fp16 optimizers take each backward's gradients as it ends, before "
+                            "a split backward's weight gradients exist",
+                            "train in fp32, or set pipeline.schedule to 'auto'",
+                            shown=lambda r: f"pipeline.schedule 'zero_bubble' in {r.precision}",
+                        ),
+                    ),
+                )
+            ),
             **{
                 h: Refused(
-                    "split backwards are planned and simulated only (dynplugin plan, bench planner); no executor runs them yet",
+                    "Megatron runs its own schedule's whole backwards; no split-backward executor is registered there yet",
                     "set pipeline.schedule to 'auto'",
                 )
-                for h in ("DeepSpeed pipeline", *MEGATRON)
+                for h in MEGATRON
             },
         },
     ),
