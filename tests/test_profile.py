@@ -100,7 +100,7 @@ def test_round_trip_and_samples_only_profile(tmp_path):
     path = tmp_path / "p.json"
     save_profile(p, path)
     raw = json.loads(path.read_text())
-    assert raw["schema"] == SCHEMA and raw["version"] == 4
+    assert raw["schema"] == SCHEMA and raw["version"] == 5
     assert load_profile(path) == p
     raw["tables"] = None  # as a profile produced elsewhere may come: measurements only
     again = load_profile(raw)

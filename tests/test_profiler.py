@@ -37,6 +37,28 @@ def test_profile_contents(profile):
         assert layer["stored_bytes"].coef[1] > 0, "a layer must keep activations per token"
 
 
+def test_a_split_backwards_weight_gradients_are_timed_apart_and_priced(profile):
+    """W (the linear layers' weight gradients, as the pipeline engine's split runs them) is timed
+    apart at both depths on a few micro-batches of each layout, fitted per layer and head, and the
+    cost model prices a split backward by it: a part of the backward, growing with the tokens."""
+    from dyn_plugin.cost.model import StageSpec, features
+    from dyn_plugin.cost.profile import cost_model_from_profile
+    from dyn_plugin.cost.table import evaluate_stage, weight_grad_ms
+
+    timed = [s for s in profile.samples if s.weight_ms is not None]
+    assert {s.num_layers for s in timed} == set(GRID.depths) and {s.layout for s in timed} == {"padded", "packed"}
+    assert all(0 < s.weight_ms < s.backward_ms for s in timed)
+    cost = cost_model_from_profile(profile)
+    for layout in ("padded", "packed"):
+        table = cost.table(layout, "none", 1)
+        assert "weight_ms" in table.fits["layer"] and "weight_ms" in table.fits["head"]
+        small, large = (features([n], layout, cost.pad_multiple) for n in (32, 256))
+        stage = StageSpec(2, first=False, last=True)
+        for f in (small, large):
+            assert 0 < weight_grad_ms(table, f, stage) < evaluate_stage(table, f, stage).backward_ms
+        assert weight_grad_ms(table, large, stage) > weight_grad_ms(table, small, stage)
+
+
 def test_update_measured_with_the_load_gone(profile):
     import subprocess
 

@@ -25,13 +25,14 @@ from .table import CostTable, LinearFit, TableCostModel, fit_banded, fit_error, 
 from .update import UpdateCost
 
 SCHEMA = "dyn_plugin.profile"
-VERSION = 4
+VERSION = 5
 # Version 2 added device.dtype; a version 1 file measured in its model's dtype. Version 3 added
 # model.num_heads / num_kv_heads and the sequence-parallel collectives; without them the heads
 # come from the model's config where it has them and the collectives from the cluster's links.
 # Version 4 added model.shape, the shape measured; an older file cannot be checked against the
-# model a run trains (from_config.py).
-READS = (1, 2, 3, 4)
+# model a run trains (from_config.py). Version 5 added weight_ms, the linear layers' weight gradients
+# timed apart (a split backward's W); without it W is estimated from the forward (table.weight_grad_ms).
+READS = (1, 2, 3, 4, 5)
 MEMORY_METRICS = ("stored_bytes", "peak_bytes")
 
 
@@ -55,6 +56,9 @@ class Sample(_Record):
     backward_ms: float = Field(gt=0)
     stored_bytes: float = Field(ge=0)
     peak_bytes: float = Field(ge=0)
+    weight_ms: float | None = Field(
+        default=None, ge=0, description="the linear layers' weight gradients alone (a split backward's W), where timed"
+    )
 
 
 class Fit(_Record):
@@ -78,7 +82,7 @@ class Table(_Record):
     max_len: float
     fits: dict[
         Literal["embedding", "layer", "head"],
-        dict[Literal["forward_ms", "backward_ms", "stored_bytes", "peak_bytes"], Fit],
+        dict[Literal["forward_ms", "backward_ms", "stored_bytes", "peak_bytes", "weight_ms"], Fit],
     ]
 
 
@@ -213,6 +217,14 @@ def _fit_from_models(models: list[Sample], embedding: dict[str, LinearFit], layo
         mape, max_ape = fit_error(X @ coef + emb, y)
         fits["head"][metric] = LinearFit(tuple(coef[:3]), mape, max_ape, len(y))
         fits["layer"][metric] = LinearFit(tuple(coef[3:]), mape, max_ape, len(y))
+    weighed = [s for s in models if s.weight_ms is not None]
+    if len({s.num_layers for s in weighed}) >= 2:  # W timed at two depths at least: separate the layers'
+        rows = [i for i, s in enumerate(models) if s.weight_ms is not None]
+        w = np.array([s.weight_ms for s in weighed], dtype=float)  # the embedding has none (a scatter, in I)
+        coef = nnls_relative(X[rows], np.maximum(w, 1e-9))
+        mape, max_ape = fit_error(X[rows] @ coef, w)
+        fits["head"]["weight_ms"] = LinearFit(tuple(coef[:3]), mape, max_ape, len(w))
+        fits["layer"]["weight_ms"] = LinearFit(tuple(coef[3:]), mape, max_ape, len(w))
     # The transient above the stored bytes is a whole-model figure; every component carries it.
     transient = fit_linear(tok, att, np.array([max(s.peak_bytes - s.stored_bytes, 1.0) for s in models]))
     for comp in ("layer", "head"):

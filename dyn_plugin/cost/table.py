@@ -392,12 +392,15 @@ def evaluate_stage(t: CostTable, f: Features, stage: StageSpec, extrapolated: bo
 def weight_grad_ms(t: CostTable, f: Features, stage: StageSpec) -> float:
     """Of a stage's backward, the part that computes weight gradients (W, when the backward is split).
 
-    Priced from the forward, which the fits separate: a linear layer's weight gradient is one
-    matrix multiply the size of its forward one, and a layer's forward is a per-token term (its
-    matrix multiplies, with the element-wise work beside them) plus a per-pair term (attention,
-    which has no weights). W is each layer's per-token forward term and the head's whole forward;
-    the embedding's gradient (a scatter) stays with the input's. An estimate from the fits, not a
-    measurement: the profiler times whole backwards."""
+    Measured where the profile timed it (``weight_ms``: the profiler runs W apart). Else priced
+    from the forward, which the fits separate: a linear layer's weight gradient is one matrix
+    multiply the size of its forward one, and a layer's forward is a per-token term (its matrix
+    multiplies, with the element-wise work beside them) plus a per-pair term (attention, which has
+    no weights), so W is at most each layer's per-token forward term and the head's forward (on a
+    CPU that bound was 1.8x the measured W). The embedding's gradient (a scatter) stays with I."""
+    if "weight_ms" in t.fits["layer"]:
+        w = stage.num_layers * t.fits["layer"]["weight_ms"](f)
+        return w + (t.fits["head"]["weight_ms"](f) if stage.last else 0.0)
     layer = t.fits["layer"]["forward_ms"]
     _, per_token, _ = layer.coef_at(f.attn / f.slots) if layer.bands else layer.coef
     w = stage.num_layers * max(0.0, per_token * f.slots)

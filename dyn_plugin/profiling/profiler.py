@@ -70,6 +70,24 @@ class Job:
         return timed_step(self.model, self.inputs)
 
 
+@dataclass
+class WeightJob(Job):
+    """The same with its backward split (host/split_backward.py, as the pipeline engine runs it):
+    (forward and I, W) ms, W the linear layers' weight gradients alone."""
+
+    def run(self) -> tuple[float, float]:
+        from ..host.split_backward import split_backward
+
+        split = split_backward(self.model)
+        clock, _ = measures(self.inputs.ids.device.type)
+
+        def forward_and_input():
+            with split.deferring("profile"):
+                backward(loss_closure(self.model, self.inputs)())
+
+        return clock(forward_and_input, lambda _: split.weights("profile"))
+
+
 def time_round_robin(
     jobs: list[Job], *, warmup: int, repeats: int, seed: int = 0, bar=None
 ) -> list[tuple[float, float]]:
@@ -192,6 +210,17 @@ def run_profile(model_cfg: dict, run: ProfileRun = ProfileRun()) -> Profile:
                 for depth in (l1, l2):
                     keys.append((layout, lens, rc, depth))
                     jobs.append(Job(models[(depth, rc)], inputs))
+    # W timed apart on a few micro-batches of each layout spanning the grid's sizes, at both depths:
+    # it has no attention term, and a recompute mode changes I, not W
+    plain = "none" if "none" in grid.recomputes else grid.recomputes[0]
+    weight_keys, weight_jobs = [], []
+    for layout in grid.layouts:
+        points = sorted({(lay, tuple(lens)) for lay, lens, _, _ in keys if lay == layout}, key=lambda k: sum(k[1]))
+        for _, lens in [points[i] for i in sorted({0, len(points) // 3, 2 * len(points) // 3, len(points) - 1})]:
+            job = jobs[keys.index((layout, list(lens), plain, l1))]
+            for depth in (l1, l2):
+                weight_keys.append((layout, lens, depth))
+                weight_jobs.append(WeightJob(models[(depth, plain)], job.inputs))
     held_out = _held_out_cases(keys, run.validate, grid, rng, pad) if run.validate else []
     held_jobs = []
     if held_out:
@@ -202,7 +231,11 @@ def run_profile(model_cfg: dict, run: ProfileRun = ProfileRun()) -> Profile:
             Job(full, make_inputs(c["seq_lens"], c["layout"], vocab, pad, rng).to(target.device)) for c in held_out
         ]
     updated = [models[(l1, grid.recomputes[0])], models[(l2, grid.recomputes[0])]]
-    times, optimizer = measure_jobs(model_cfg, run, target, jobs + held_jobs, updated, what="micro-batches")
+    timed, optimizer = measure_jobs(
+        model_cfg, run, target, jobs + held_jobs + weight_jobs, updated, what="micro-batches"
+    )
+    times = timed[: len(jobs) + len(held_jobs)]
+    weights = {key: w for key, (_, w) in zip(weight_keys, timed[len(times) :])}
     params = _param_counts(ref, l1)
     # the full-depth model's gradients, whether or not a full-depth model was built
     grad_bytes = Precision.of(target.dtype).grad * (
@@ -250,6 +283,7 @@ def run_profile(model_cfg: dict, run: ProfileRun = ProfileRun()) -> Profile:
                 backward_ms=bwd,
                 stored_bytes=stored,
                 peak_bytes=peak,
+                weight_ms=weights.get((layout, tuple(lens), depth)),
             )
         )
         if depth == l1:
