@@ -48,11 +48,11 @@ from deepspeed_ext.pipe_module import summed_token_loss
 from deepspeed_ext.sequence_parallel import sequence_runtime
 from dyn_plugin.host.feed import DeviceFeed, copy_to
 from dyn_plugin.host.recompute import recompute_switch
-from dyn_plugin.host.split_backward import split_backward
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.models import varlen_attention
 from dyn_plugin.models.recompute import planned_layers
 from dyn_plugin.models.sequence_parallel import SequenceShard
+from dyn_plugin.models.split_backward import split_backward
 from dyn_plugin.plan.steps.instructions import (
     EXCHANGES,
     BackwardInput,

@@ -31,7 +31,7 @@ def profile_path(tmp_path_factory):
 
 def test_the_profile_records_the_shape_it_measured(profile_path):
     raw = json.loads(profile_path.read_text())
-    assert raw["version"] == 4
+    assert raw["version"] == 5
     assert raw["model"]["shape"] == shape_from_config(hf_config(PRESETS["tiny-llama"])).model_dump()
 
 

@@ -2,7 +2,7 @@
 into I (the input's gradient, sent upstream) and W (the weights' gradient, placed in the waits),
 as the simulator runs them, the planner prices and picks them, the plans compile, and which hosts
 run them (DeepSpeed's pipeline, exactly: tests/test_deepspeed_ext.py; the split itself:
-dyn_plugin/host/split_backward.py, below)."""
+dyn_plugin/models/split_backward.py, below)."""
 
 from dataclasses import replace
 
@@ -246,7 +246,7 @@ def test_a_split_linear_layer_gives_the_whole_backwards_gradients_with_recompute
     import torch.utils.checkpoint as cp
     from torch import nn
 
-    from dyn_plugin.host.split_backward import split_backward as split_of
+    from dyn_plugin.models.split_backward import split_backward as split_of
 
     class Block(nn.Module):
         def __init__(self):

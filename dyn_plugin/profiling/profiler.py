@@ -72,11 +72,11 @@ class Job:
 
 @dataclass
 class WeightJob(Job):
-    """The same with its backward split (host/split_backward.py, as the pipeline engine runs it):
+    """The same with its backward split (models/split_backward.py, as the pipeline engine runs it):
     (forward and I, W) ms, W the linear layers' weight gradients alone."""
 
     def run(self) -> tuple[float, float]:
-        from ..host.split_backward import split_backward
+        from ..models.split_backward import split_backward
 
         split = split_backward(self.model)
         clock, _ = measures(self.inputs.ids.device.type)

@@ -11,7 +11,8 @@ that: each linear layer's input and output gradient, as the planner prices it
 (``pricing.split_backward_costs``). Embeddings, norms and other modules' parameters keep their
 gradients in I, as do linear layers with a forward of their own (LoRA, quantized layers). A layer
 recomputed in backward (checkpointing) re-runs this forward inside I, still deferring. The state
-lives in a map keyed weakly by the module (``host/recompute.py``'s rule), not on it.
+lives in a map keyed weakly by the module (``host/recompute.py``'s rule), not on it; the pipeline
+engine and the profiler (which times W apart) share it.
 """
 
 from __future__ import annotations
