@@ -508,28 +508,9 @@ def deepspeed_scenarios(h: Harness, out: str, only: set[str]) -> None:
 
 def fsdp_scenarios(h: Harness, out: str, only: set[str]) -> None:
     from dyn_plugin import fsdp
-    from dyn_plugin.models.hf import build_causal_lm
-    from fsdp_kill_worker import GLOBAL_TOKENS, PLANS
-    from fsdp_worker import config, hand_plan
-    from token_mean import MODEL, random_dataset
+    from fsdp_kill_worker import planned_run
 
-    lengths, data = random_dataset(0)
-    torch.manual_seed(0)
-    model = build_causal_lm(MODEL)
-    plan = hand_plan(model, WORLD, WORLD, PLANS["fsdp2"], "fsdp2")
-    cfg = config("none", "packed", plan)
-    cfg["dyn_plugin"]["microbatching"]["global_tokens"] = GLOBAL_TOKENS
-    cfg["dyn_plugin"]["cluster"]["device"]["memory_mb"] = plan.state_bytes / 2**20 + 1.2
-    model, optimizer, loader, _ = fsdp.initialize(
-        model,
-        cfg,
-        data,
-        lengths,
-        shard_plan=plan,
-        fsdp="fsdp2",
-        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-        seed=3,
-    )
+    model, optimizer, loader, _ = planned_run("fsdp2", WORLD)
     steps = steps_of(loader)
 
     def train() -> None:

@@ -30,12 +30,10 @@ GLOBAL_TOKENS = 700  # the 40 samples' ~4,000 tokens: six steps
 ACTIVATIONS_MB = 1.2  # beside the plan's model states: each step cut into two or three micro-batches per rank
 
 
-def main() -> None:
-    out, path = sys.argv[1], sys.argv[2]
-    switch = KillSwitch(int(os.environ["RANK"]))
-    switch.arm_saves()
-    dist.init_process_group("gloo")
-    world = dist.get_world_size()
+def planned_run(path: str, world: int, **initialize) -> tuple:
+    """(model, optimizer, loader, scheduler) of the run the kill and checkpoint-fault tests train: the
+    tiny Llama under the hand-made plan of ``path`` (FSDP1 or FSDP2), steps of ``GLOBAL_TOKENS``;
+    ``initialize``: more of ``fsdp.initialize``'s keywords."""
     lengths, data = random_dataset(0)
     torch.manual_seed(0)
     model = build_causal_lm(MODEL)
@@ -43,8 +41,7 @@ def main() -> None:
     cfg = config("none", "packed", plan)
     cfg["dyn_plugin"]["microbatching"]["global_tokens"] = GLOBAL_TOKENS
     cfg["dyn_plugin"]["cluster"]["device"]["memory_mb"] = plan.state_bytes / 2**20 + ACTIVATIONS_MB
-    # the learning rate follows the scheduler's step count: a resume that lost it trains differently
-    model, optimizer, loader, _ = fsdp.initialize(
+    return fsdp.initialize(
         model,
         cfg,
         data,
@@ -52,8 +49,22 @@ def main() -> None:
         shard_plan=plan,
         fsdp=path,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.7**n),
         seed=3,
+        **initialize,
+    )
+
+
+def main() -> None:
+    out, path = sys.argv[1], sys.argv[2]
+    switch = KillSwitch(int(os.environ["RANK"]))
+    switch.arm_saves()
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    # the learning rate follows the scheduler's step count: a resume that lost it trains differently
+    model, optimizer, loader, _ = planned_run(
+        path,
+        world,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.7**n),
     )
     switch.arm_model(model)
     ckpt = os.path.join(out, "ckpt")
