@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
+from dyn_plugin.atomic import write_atomic  # noqa: E402
 from dyn_plugin.layout import RankLayout  # noqa: E402
 from dyn_plugin.runtime.loader import DynLoader  # noqa: E402
 from kill_worker import SEED, initial_params, local_gradient, update  # noqa: E402
@@ -43,13 +44,11 @@ def main() -> None:
             params = update(params, grad, step)
             consumed.append([i for mb in step.sample_ids for i in mb])
             n += 1
-            if rank == 0:
-                with open(os.path.join(out, "steps"), "w") as f:
-                    f.write(str(n))
+            if rank == 0:  # whole or absent: the test polls it (a truncated file read as '' failed it once)
+                write_atomic(os.path.join(out, "steps"), str(n))
             if n == at and fault in ("sigstop", "sigkill") and loader.is_host:
                 pid = loader._pool.procs[0].pid
-                with open(os.path.join(out, "planner.pid"), "w") as f:
-                    f.write(str(pid))
+                write_atomic(os.path.join(out, "planner.pid"), str(pid))
                 os.kill(pid, signal.SIGSTOP if fault == "sigstop" else signal.SIGKILL)
             time.sleep(pause)
     with open(os.path.join(out, f"final{rank}.json"), "w") as f:
