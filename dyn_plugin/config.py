@@ -228,13 +228,14 @@ class PipelineConfig(_Section):
     schedule: Literal["1f1b", "adaptive", "auto", "zero_bubble"] = Field(
         default="auto",
         description="'auto' picks the schedule with the shortest simulated step; 'zero_bubble' also tries each "
-        "with its backwards split into input and weight gradients (DeepSpeed's pipeline in fp32; refused elsewhere)",
+        "with its backwards split into input and weight gradients (DeepSpeed's pipeline in fp32; Megatron on the "
+        "plugin's executor)",
     )
     cap_in_flight: bool = Field(
         default=True,
         description="fit memory by holding fewer micro-batches in flight on a stage; false: every stage warms up "
         "its natural stages - s - 1 forwards, as Megatron's schedule does, and memory is fit by recompute "
-        "(set for you under Megatron)",
+        "(set for you under Megatron, unless pipeline.schedule is 'zero_bubble')",
     )
     layers_per_stage: list[int] | None = Field(default=None, description="layers on each stage; default an even split")
 

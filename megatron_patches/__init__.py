@@ -16,7 +16,9 @@ Each patch replaces one megatron-core (or Megatron-LM) object, in one module nam
 - ``sequence_parallel``: RoPE at a shard's positions, and a split micro-batch's group around its
   backward (the plugin's sequence-parallel size per micro-batch);
 - ``schedule``: every training call of the forward-backward schedules runs the next planned step
-  (its micro-batches, shapes, order and recompute), with the exact token-mean loss;
+  (its micro-batches, shapes, order and recompute), with the exact token-mean loss; zero-bubble
+  plans run on the plugin's executor (``plan_executor``, with ``split_linear``: not patches, the
+  schedule's call goes there) in their own order, backwards split;
 - ``train_state``: the loader's position is saved and restored beside Megatron's checkpoint.
 
 Every patch is registered with the megatron-core versions it was written against; applying is

@@ -166,6 +166,8 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
 
     from dyn_plugin.cost.from_config import live_cost_model
 
+    from .plan_executor import check_model, runs_plans
+
     chunk = unwrap(model)
     model_type = getattr(getattr(chunk, "model_type", None), "name", None)  # Megatron-LM's get_model sets it
     if model_type == "encoder_and_decoder" or type(chunk).__name__ == "T5Model":
@@ -176,6 +178,8 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
             "(BlendedMegatronDatasetBuilder(...).build()); build the training datasets with it, or call "
             "megatron_patches.runtime.RUN.set_documents(Documents(items, lengths)) before training"
         )
+    if runs_plans(run):
+        check_model(chunk)
     if ps.get_virtual_pipeline_model_parallel_world_size() not in (None, 1):
         raise ConfigError(
             "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage) are not planned by the "
@@ -196,9 +200,10 @@ def build_loader(run: PluginRun, model: Any) -> DynLoader:
             f"dyn_plugin.pipeline.stages = {plugin.pipeline.stages} but Megatron runs "
             f"{pp} pipeline stages (pipeline_model_parallel_size); set pipeline.stages to {pp}"
         )
-    if pp > 1:
+    if pp > 1 and plugin.pipeline.schedule != "zero_bubble":
         # plan (and price) what Megatron's schedule runs: the plan's micro-batch order, with every
-        # stage's natural warm-up (cap_in_flight is refused by the support table); memory is fit by recompute
+        # stage's natural warm-up (cap_in_flight is refused by the support table); memory is fit by
+        # recompute. Zero-bubble plans run on the plugin's executor, in their own order.
         plugin = plugin.model_copy(update={"pipeline": plugin.pipeline.model_copy(update={"cap_in_flight": False})})
     positions = getattr(chunk, "max_sequence_length", None)
     if positions is not None and plugin.microbatching.max_seq_len > positions:

@@ -9,7 +9,10 @@ forward passes: Megatron's 1F1B runs micro-batches in order on every stage), the
 vary per micro-batch; with pipelines Megatron's own point-to-point communicator exchanges them
 (``variable_seq_lengths``, turned on by the config patch). Evaluation calls and runs without
 planned documents pass through untouched. A micro-batch split over a sequence-parallel group runs
-its forward and its backward inside the group (``sequence_parallel.GroupedMicroBatches``).
+its forward and its backward inside the group (``sequence_parallel.GroupedMicroBatches``). Under
+``pipeline.schedule 'zero_bubble'`` the plan's own order, split backwards included, runs on the
+plugin's executor instead of Megatron's 1F1B (``plan_executor``), with the same micro-batches,
+forward step and loss.
 
 Loss: the plan's micro-batches differ in tokens, so Megatron's default (each micro-batch's mean,
 averaged over micro-batches and ranks) would weight tokens unequally. With
@@ -31,6 +34,7 @@ from dyn_plugin.host.feed import DeviceFeed
 from dyn_plugin.plan.steps.instructions import PlannedMicroBatch
 
 from .batches import HOST_KEYS, PlannedBatches, device, megatron_batch
+from .plan_executor import run_plan, runs_plans
 from .registry import Patch
 from .runtime import unwrap
 from .sequence_parallel import GroupedMicroBatches, grouped
@@ -170,7 +174,9 @@ def planned(schedule: Callable) -> Callable:
         if isinstance(model, (list, tuple)) and len(model) > 1:
             raise ValueError("virtual pipeline stages (several model chunks) are not planned by the plugin")
         step = run.next_step(model)
-        check_runs_as_planned(step, run.loader.layout.stages)
+        executed = runs_plans(run)
+        if not executed:
+            check_runs_as_planned(step, run.loader.layout.stages)
         items = step_batches(step)
         if not items:
             raise ValueError(f"step {step.index} gave this rank no micro-batch; every replica needs at least one")
@@ -185,13 +191,23 @@ def planned(schedule: Callable) -> Callable:
                 output, loss_func = forward_step_func(iterator, chunk, *args)
             return output, _checked_loss(loss_func)
 
+        # on the device ahead of use; the longest length stays a host int (packed_seq_params)
+        feed = PlannedBatches(DeviceFeed((b for _, _, b in items), device(), host_keys=HOST_KEYS))
+        if executed:
+            return run_plan(
+                step,
+                forward_step_func=forward_step,
+                data_iterator=feed,
+                model=model,
+                chunk=unwrap(model),
+                force_all_reduce=kwargs.get("force_all_reduce", False),
+            )
         # seq_length / micro_batch_size are read only for fixed shapes (variable_seq_lengths is on)
         widths = [d.shape for _, d, _ in items]
         with grouped(groups):
             return schedule(
                 forward_step_func=forward_step,
-                # on the device ahead of use; the longest length stays a host int (packed_seq_params)
-                data_iterator=PlannedBatches(DeviceFeed((b for _, _, b in items), device(), host_keys=HOST_KEYS)),
+                data_iterator=feed,
                 model=model,
                 num_microbatches=len(items),
                 seq_length=max(int(w[1]) for w in widths),

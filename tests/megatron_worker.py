@@ -46,7 +46,7 @@ def plugin_config(pp: int, method: str, recompute: str) -> dict:
         "dyn_plugin": {
             "cost_model": {"kind": "analytic"},
             "microbatching": mb,
-            "pipeline": {"stages": pp},
+            "pipeline": {"stages": pp, "schedule": os.environ.get("MEGATRON_TEST_SCHEDULE", "auto")},
             "cluster": {"devices_per_node": 4, "device": {"memory_mb": memory}},
         }
     }
@@ -121,6 +121,7 @@ def train(out: str, pp: int, method: str, recompute: str, steps: int) -> None:
                 "layouts": sorted({d.layout for d in step.plan.micro_batches}),
                 "recompute": sorted({d.recompute for d in step.plan.micro_batches}),
                 "shapes": [list(d.shape) for d in step.plan.micro_batches],
+                "split": sum(type(i).__name__ == "BackwardInput" for i in step.plan.instructions),
             }
         )
     if first_column:

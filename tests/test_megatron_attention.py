@@ -6,7 +6,6 @@ losses and (summed) gradients. Otherwise packing would change training, not just
 
 from __future__ import annotations
 
-import copy
 from typing import Iterator
 
 import pytest
@@ -14,88 +13,20 @@ import pytest
 pytest.importorskip("megatron.core")
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from device_only import CALLS, DeviceOnly, plain, stand_in_flash
+from megatron_in_process import VOCAB, config, gpt, in_process
 from megatron_patches.attention import PackedDotProductAttention, attention_patches
-from megatron_patches.cpu import cpu_patches
 from megatron_patches.registry import Registry
-from ranks import free_port
 
 LENGTHS = [5, 9, 3]
-VOCAB = 100
 
 
 @pytest.fixture(scope="module")
 def megatron() -> Iterator[None]:
-    # imported before the patch so that the patch rebinds, and its revert restores, their from-imported
-    # DotProductAttention (a module first imported while the patch is on keeps the subclass after the revert)
-    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-    import megatron.core.models.gpt.gpt_model  # noqa: F401
-
-    registry = Registry()
-    for patch in cpu_patches() + attention_patches():
-        registry.register(patch)
-    registry.apply()
-    initialized_here = not dist.is_initialized()
-    if initialized_here:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(0)
-    try:
+    with in_process(attention_patches()):
         yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        if initialized_here:
-            dist.destroy_process_group()
-        registry.revert()
-
-
-def _config(**overrides):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    kwargs = dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=128,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-        pipeline_dtype=torch.float32,
-        variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
-
-
-def _gpt(core_attention: type | None = None):
-    """The tiny GPT (RMSNorm, GQA 4 heads / 2 groups, SwiGLU, RoPE); its spec is built after the patch."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    if core_attention is not None:
-        spec = copy.deepcopy(spec)
-        spec.submodules.self_attention.submodules.core_attention = core_attention
-    torch.manual_seed(0)
-    return GPTModel(
-        config=_config(),
-        transformer_layer_spec=spec,
-        vocab_size=VOCAB,
-        max_sequence_length=64,
-        position_embedding_type="rope",
-    )
 
 
 def _packed(lengths: list[int], max_seqlen: int | None = None):
@@ -138,13 +69,13 @@ def _run_alone(model, docs):
 
 
 def test_the_patch_reaches_the_local_layer_spec(megatron: None) -> None:
-    model = _gpt()
+    model = gpt()
     kinds = {type(layer.self_attention.core_attention) for layer in model.decoder.layers}
     assert kinds == {PackedDotProductAttention}
 
 
 def test_packed_row_equals_each_document_alone(megatron: None) -> None:
-    model = _gpt().eval()
+    model = gpt().eval()
     docs = _documents(LENGTHS)
     with torch.no_grad():
         packed_logits, packed_loss = _run_packed(model, docs, LENGTHS)
@@ -155,7 +86,7 @@ def test_packed_row_equals_each_document_alone(megatron: None) -> None:
 
 
 def test_packed_gradients_equal_the_sum_over_documents(megatron: None) -> None:
-    model = _gpt()
+    model = gpt()
     docs = _documents(LENGTHS)
     tokens = torch.cat([t for t, _ in docs])[None]
     labels = torch.cat([y for _, y in docs])[None]
@@ -172,7 +103,7 @@ def test_unpacked_input_equals_the_original_class(megatron: None) -> None:
     """SDPA in place of the local class's unfused softmax: the same attention up to rounding; with a
     mask the local class is used itself (bit for bit)."""
     original = PackedDotProductAttention.__mro__[1]
-    patched, plain = _gpt(), _gpt(core_attention=original)
+    patched, plain = gpt(), gpt(core_attention=original)
     assert type(plain.decoder.layers[0].self_attention.core_attention) is original
     plain.load_state_dict(patched.state_dict())
     tokens = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(2))
@@ -189,7 +120,7 @@ def test_core_attention_matches_sdpa_per_document(megatron: None) -> None:
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    cfg = _config(num_layers=4, apply_query_key_layer_scaling=True)
+    cfg = config(num_layers=4, apply_query_key_layer_scaling=True)
     attn = PackedDotProductAttention(
         cfg, layer_number=3, attn_mask_type=AttnMaskType.causal, attention_type="self", softmax_scale=0.2
     )
@@ -235,7 +166,7 @@ def _attention_and_inputs(lengths):
     from megatron.core.transformer.enums import AttnMaskType
 
     attn = PackedDotProductAttention(
-        _config(), layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self", softmax_scale=0.25
+        config(), layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self", softmax_scale=0.25
     )
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(sum(lengths), heads, 16, generator=g) for heads in (4, 2, 2))

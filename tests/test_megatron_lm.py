@@ -71,7 +71,13 @@ CASES = {
     "tp2-pp2-packed": (4, 2, 2, "packed", "tcp"),
     "pp2-dp2-sp-packed": (4, 1, 2, "packed", "none"),
     "dp2-sp-padded": (2, 1, 1, "padded", "none"),
+    "pp2-packed-zero-bubble": (2, 1, 2, "packed", "none"),
+    "tp2-pp2-packed-zero-bubble": (4, 2, 2, "packed", "none"),
 }
+# cases planned with pipeline.schedule 'zero_bubble': the plugin's executor runs each step's plan in
+# its own order, backwards split into I and W where the plan says (tests/test_megatron_executor.py
+# checks the executor itself)
+ZERO_BUBBLE = {"pp2-packed-zero-bubble", "tp2-pp2-packed-zero-bubble"}
 # cases whose plans split micro-batches over sequence-parallel groups: (groupings, attention): global
 # batch s groups the two data-parallel columns as groupings[s % len] (one group of 2: every row split
 # over both columns and attending across them; two groups of 1: unsplit), where the planner would
@@ -106,13 +112,14 @@ def run_pretrain_gpt(
     timeout: int = 300,
     env: dict | None = None,
     grouped: tuple[list[list[int]], str] | None = None,
+    schedule: str = "auto",
 ) -> tuple[int, str, list[dict]]:
     """(return code, output, per-rank attention stats) of pretrain_gpt.py through the launcher."""
     cfg = out / "cfg.json"
     plugin = {
         "cost_model": {"kind": "analytic"},
         "microbatching": {"layout": layout, "max_seq_len": seq, "truncate": True},
-        "pipeline": {"stages": pp},
+        "pipeline": {"stages": pp, "schedule": schedule},
         "store": {"backend": store},
         "cluster": {"devices_per_node": ranks, "device": {"memory_mb": 8000}},
     }
@@ -219,7 +226,14 @@ def case_run(name: str, tmp_path_factory) -> dict:
         ranks, tp, pp, layout, store = CASES[name]
         out, ref = tmp_path_factory.mktemp(name), tmp_path_factory.mktemp(f"{name}-reference")
         code, output, stats = run_pretrain_gpt(
-            out, layout, ranks=ranks, tp=tp, pp=pp, store=store, grouped=GROUPED.get(name)
+            out,
+            layout,
+            ranks=ranks,
+            tp=tp,
+            pp=pp,
+            store=store,
+            grouped=GROUPED.get(name),
+            schedule="zero_bubble" if name in ZERO_BUBBLE else "auto",
         )
         assert code == 0, output[-8000:]
         ref_code, ref_output = run_reference(out, ref, tp)
@@ -263,6 +277,11 @@ def test_pretrain_gpt_trains_on_planned_micro_batches(trained):
         assert all((LAYERS // pp + 1) * s["recomputed"] == s["calls"] for s in stats), stats
     else:
         assert all(s["grouped"] == 0 for s in stats), stats
+    split = [int(x) for x in re.findall(r"(\d+) of \d+ backwards split \(W deferred\)", output)]
+    if name in ZERO_BUBBLE:
+        assert sum(split) > 0, output[-4000:]  # the plans split backwards, and the executor ran them
+    else:
+        assert not split, split
     if layout == "packed":
         assert all(s["packed"] + s["grouped"] == s["calls"] for s in stats), stats
         assert max(s["most_documents"] for s in stats) > 1, stats  # rows really held several documents

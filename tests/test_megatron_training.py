@@ -1,7 +1,8 @@
 """megatron-core under the plugin's patches, on gloo: every plan's update is the token mean.
 
 Each case trains the example's GPT (RMSNorm, grouped-query attention, SwiGLU, RoPE) for two steps
-with SGD through Megatron's own schedules, then a single process replays the same global batches
+with SGD through Megatron's own schedules (or, under ``pipeline.schedule 'zero_bubble'``, the
+plugin's executor), then a single process replays the same global batches
 document by document (tests/megatron_worker.py). fp32; the reduction order differs from the
 reference, so the bound is 1e-6 (the weights move by ~1e-3 per step).
 """
@@ -29,6 +30,8 @@ CASES = {
     "dp2-packed-selective-recompute": (2, 1, "dynapipe", "selective", {}),
     "pp2-variable-shapes": (2, 2, "dynapipe", "auto", {}),
     "pp2-dp2": (4, 2, "dynapipe", "auto", {}),
+    # the plugin's executor runs each plan's own order, backwards split into I and W
+    "pp2-zero-bubble": (2, 2, "dynapipe", "auto", {"MEGATRON_TEST_SCHEDULE": "zero_bubble"}),
 }
 
 
@@ -59,6 +62,8 @@ def test_the_update_is_the_token_mean_of_the_global_batch(trained):
 
 def test_each_case_runs_what_it_claims(trained):
     name, steps, _ = trained
+    split = sum(st["split"] for st in steps)  # the first stage's backwards run as I and W
+    assert (split > 0) == (name == "pp2-zero-bubble"), split
     first = steps[0]
     if name == "dp2-unequal-counts":
         assert len(set(first["counts"])) > 1, first["counts"]  # ranks ran different numbers of micro-batches

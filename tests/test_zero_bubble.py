@@ -190,14 +190,20 @@ def test_removing_the_deferred_ws_loses_the_gain(a100):
     assert {e["name"][0] for e in trace["traceEvents"] if e.get("cat") == "compute"} == {"F", "I", "W"}
 
 
-def test_deepspeeds_pipeline_runs_a_split_in_fp32_and_the_others_refuse_it():
+def test_deepspeeds_pipeline_runs_a_split_in_fp32_and_megatron_without_sequence_groups():
     plugin = DynPluginConfig.model_validate({"pipeline": {"stages": 2, "schedule": "zero_bubble"}})
     support.check("DeepSpeed pipeline", support.Run(plugin, precision="fp32"))
     with pytest.raises(ConfigError, match="pipeline.schedule 'zero_bubble' in bf16 on DeepSpeed pipeline: .*fp32"):
         support.check("DeepSpeed pipeline", support.Run(plugin, precision="bf16"))
+    grouped = DynPluginConfig.model_validate(
+        {"pipeline": {"stages": 2, "schedule": "zero_bubble"}, "sequence_parallel": {"enabled": True}}
+    )
     for host in ("megatron-core", "Megatron-LM"):
-        with pytest.raises(ConfigError, match="pipeline.schedule 'zero_bubble' on .*set pipeline.schedule to 'auto'"):
-            support.check(host, support.Run(plugin))
+        support.check(host, support.Run(plugin, precision="bf16"))  # the plugin's executor, any precision
+        with pytest.raises(
+            ConfigError, match="pipeline.schedule 'zero_bubble' on .*sequence_parallel.enabled to false"
+        ):
+            support.check(host, support.Run(grouped))
 
 
 def test_split_plans_compile_to_instructions_that_run_under_nccl_and_read_back(a100):

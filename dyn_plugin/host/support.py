@@ -100,9 +100,18 @@ FEATURES: tuple[Feature, ...] = (
                 )
             ),
             **{
-                h: Refused(
-                    "Megatron runs its own schedule's whole backwards; no split-backward executor is registered there yet",
-                    "set pipeline.schedule to 'auto'",
+                h: Only(
+                    (
+                        (
+                            lambda r: not r.plugin.sequence_parallel.enabled,
+                            "on the plugin's executor (the plan's own order), without a sequence-parallel size per "
+                            "micro-batch",
+                            Refused(
+                                "the plugin's Megatron executor does not enter a micro-batch's sequence-parallel group",
+                                "set sequence_parallel.enabled to false, or pipeline.schedule to 'auto'",
+                            ),
+                        ),
+                    )
                 )
                 for h in MEGATRON
             },
@@ -219,10 +228,19 @@ FEATURES: tuple[Feature, ...] = (
             "DeepSpeed": NOT_APPLICABLE,
             **{h: NOT_APPLICABLE for h in FSDP},
             **{
-                h: Refused(
-                    "Megatron's 1F1B warms every stage up with stages - stage - 1 forwards and cannot hold fewer "
-                    "micro-batches in flight",
-                    "leave pipeline.cap_in_flight out (the plans fit memory by recompute instead)",
+                h: Only(
+                    (
+                        (
+                            lambda r: r.plugin.pipeline.schedule == "zero_bubble",
+                            "with pipeline.schedule 'zero_bubble' (the plugin's executor runs the plan's order)",
+                            Refused(
+                                "Megatron's 1F1B warms every stage up with stages - stage - 1 forwards and cannot "
+                                "hold fewer micro-batches in flight",
+                                "leave pipeline.cap_in_flight out (the plans fit memory by recompute instead), or set "
+                                "pipeline.schedule to 'zero_bubble' (the plugin's executor runs the plan's order)",
+                            ),
+                        ),
+                    )
                 )
                 for h in MEGATRON
             },

@@ -12,7 +12,9 @@ that: each linear layer's input and output gradient, as the planner prices it
 gradients in I, as do linear layers with a forward of their own (LoRA, quantized layers). A layer
 recomputed in backward (checkpointing) re-runs this forward inside I, still deferring. The state
 lives in a map keyed weakly by the module (``host/recompute.py``'s rule), not on it; the pipeline
-engine and the profiler (which times W apart) share it.
+engine and the profiler (which times W apart) share it. A host whose linear layers are not
+``nn.Linear`` (megatron-core's tensor-parallel ones) defers through ``stash``, and its W's run here
+too.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class SplitBackward:
             if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and m.weight.requires_grad
         ]
         self.active: Hashable | None = None
-        self.pending: dict[Hashable, list[tuple[nn.Linear, list]]] = {}
+        # per micro-batch: (weight, bias or None, the (input, output gradient) pairs of its backwards)
+        self.pending: dict[Hashable, list[tuple[nn.Parameter, nn.Parameter | None, list]]] = {}
         for layer in self.linears:
             layer.forward = self._forward_of(layer)
 
@@ -68,11 +71,16 @@ class SplitBackward:
             # an input without a gradient to carry (a frozen embedding's output): nothing to split
             if me is None or me.active is None or not x.requires_grad:
                 return F.linear(x, layer.weight, layer.bias)
-            stash: list = []
-            me.pending.setdefault(me.active, []).append((layer, stash))
-            return _DeferredLinear.apply(x, layer, stash)
+            return _DeferredLinear.apply(x, layer, me.stash(layer.weight, layer.bias))
 
         return forward
+
+    def stash(self, weight: nn.Parameter, bias: nn.Parameter | None) -> list:
+        """Where a layer's I leaves its (input, output gradient) for the W of the micro-batch being
+        deferred (call only within ``deferring``)."""
+        stash: list = []
+        self.pending.setdefault(self.active, []).append((weight, bias, stash))
+        return stash
 
     @contextlib.contextmanager
     def deferring(self, key: Hashable) -> Iterator[None]:
@@ -88,13 +96,13 @@ class SplitBackward:
         """W of ``key``: every weight (and bias) gradient its I deferred, accumulated into the
         parameters through autograd, so their accumulation hooks fire."""
         tensors, grads = [], []
-        for layer, stash in self.pending.pop(key, []):
+        for weight, bias, stash in self.pending.pop(key, []):
             for x, grad in stash:  # once per backward through the layer (a recompute adds none)
                 flat_grad = grad.reshape(-1, grad.shape[-1])
-                tensors.append(layer.weight)
+                tensors.append(weight)
                 grads.append(flat_grad.t().matmul(x.reshape(-1, x.shape[-1])))
-                if layer.bias is not None and layer.bias.requires_grad:
-                    tensors.append(layer.bias)
+                if bias is not None and bias.requires_grad:
+                    tensors.append(bias)
                     grads.append(flat_grad.sum(0))
         if tensors:
             torch.autograd.backward(tensors, grads)
