@@ -25,9 +25,11 @@ from dyn_plugin.runtime import planning  # noqa: E402
 from ranks import finish  # noqa: E402
 
 GROUPINGS = ((2,), (1, 1), (2,))  # step s of the epoch groups the 2 columns as GROUPINGS[s]
-CASES = (  # layout, recompute (full: backward re-runs attention in its group), attention, device MB
-    ("padded", "none", "ulysses", 4),
-    ("packed", "full", "ring", 4),  # the ring prices its score chunks of 256 queries (cost/sequence_parallel.py)
+CASES = (  # layout, recompute (full: backward re-runs attention in its group), attention, device MB, schedule
+    ("padded", "none", "ulysses", 4, "auto"),
+    ("packed", "full", "ring", 4, "auto"),  # the ring prices its score chunks of 256 queries (cost/sequence_parallel.py)
+    # backwards split into I and W: a split micro-batch's I (its recompute included) runs in its group
+    ("packed", "full", "ring", 4, "zero_bubble"),
 )
 
 
@@ -69,7 +71,7 @@ def main():
     world = dist.get_world_size()
     lengths, data = random_dataset(1)
     results = []
-    for layout, recompute, attention, memory_mb in CASES:
+    for layout, recompute, attention, memory_mb, schedule in CASES:
         torch.manual_seed(0)
         model = build_causal_lm({**MODEL, "num_hidden_layers": 3})
         ref = copy.deepcopy(model)
@@ -78,7 +80,7 @@ def main():
             "zero_allow_untested_optimizer": True,
             "dyn_plugin": {
                 "microbatching": {"layout": layout, "global_tokens": 1500, "max_seq_len": 256, "recompute": recompute},
-                "pipeline": {"stages": 2},
+                "pipeline": {"stages": 2, "schedule": schedule},
                 "sequence_parallel": {"enabled": True, "sizes": [1, 2], "attention": attention},
                 # a small device: the plan cuts the global batch into several micro-batches
                 "cluster": {"device": {"memory_mb": memory_mb, "memory_fraction": 1.0}},
@@ -127,6 +129,7 @@ def main():
                     "loss_diff": abs(loss - want),
                     "eval_diff": eval_diff,
                     "padding_documents": sum(d.layout == "packed" and d.shape[1] > sum(d.seq_lens) for d in descs),
+                    "split": sum(type(i).__name__ == "BackwardInput" for i in step.plan.instructions),
                 }
             )
         local = {id(p) for p in engine.module.parameters()}
@@ -143,6 +146,7 @@ def main():
                 "layout": layout,
                 "recompute": recompute,
                 "attention": attention,
+                "schedule": schedule,
                 "stage_major": stage_major,
                 "max_abs_diff": max(float(s[0]) for s in every),
                 "params_compared": sum(int(s[1]) for s in every),

@@ -1,7 +1,8 @@
 """Sequence-parallel groups inside DeepSpeed pipelines (the plugin's PlanPipelineEngine) on gloo:
 4 ranks as pp=2 x 2 columns, ZeRO-1, consecutive steps grouping the columns [2], [1, 1], [2],
-padded (Ulysses) and packed (ring, full recompute): parameters and losses equal the single-process
-token-mean reference (tests/ds_pipe_sp_worker.py)."""
+padded (Ulysses) and packed (ring, full recompute; again with backwards split for a
+zero-bubble schedule): parameters and losses equal the single-process token-mean reference
+(tests/ds_pipe_sp_worker.py)."""
 
 import json
 
@@ -15,7 +16,11 @@ def test_pipeline_runs_sequence_parallel_groups_exactly(tmp_path):
     codes, logs = run("ds_pipe_sp_worker.py", out, world=4)
     assert codes == [0] * 4, logs[0][-3000:]
     results = json.loads(out.read_text())
-    assert {(r["layout"], r["attention"]) for r in results} == {("padded", "ulysses"), ("packed", "ring")}
+    assert {(r["layout"], r["attention"], r["schedule"]) for r in results} == {
+        ("padded", "ulysses", "auto"),
+        ("packed", "ring", "auto"),
+        ("packed", "ring", "zero_bubble"),
+    }
     for r in results:
         assert r["stage_major"] and r["dp"] == 2, r
         assert r["max_abs_diff"] <= EXACT, r
@@ -26,6 +31,8 @@ def test_pipeline_runs_sequence_parallel_groups_exactly(tmp_path):
         # the global token-mean loss on every rank, from train_batch and from eval_batch's forwards
         assert all(s["loss_diff"] <= EXACT and s["eval_diff"] <= EXACT for s in r["steps"]), r
         assert r["steps"][0]["micro_batches"] > 1, r  # a group runs several micro-batches through the pipeline
+        split = sum(s["split"] for s in r["steps"])  # rank 0's backwards run as I and W (zero-bubble plans only)
+        assert (split > 0) == (r["schedule"] == "zero_bubble"), r
     packed = next(r for r in results if r["layout"] == "packed")
     assert sum(s["padding_documents"] for s in packed["steps"]) > 0, packed  # a width rounded up to the group
 
