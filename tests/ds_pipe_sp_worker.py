@@ -27,7 +27,13 @@ from ranks import finish  # noqa: E402
 GROUPINGS = ((2,), (1, 1), (2,))  # step s of the epoch groups the 2 columns as GROUPINGS[s]
 CASES = (  # layout, recompute (full: backward re-runs attention in its group), attention, device MB, schedule
     ("padded", "none", "ulysses", 4, "auto"),
-    ("packed", "full", "ring", 4, "auto"),  # the ring prices its score chunks of 256 queries (cost/sequence_parallel.py)
+    (
+        "packed",
+        "full",
+        "ring",
+        4,
+        "auto",
+    ),  # the ring prices its score chunks of 256 queries (cost/sequence_parallel.py)
     # backwards split into I and W: a split micro-batch's I (its recompute included) runs in its group
     ("packed", "full", "ring", 4, "zero_bubble"),
 )

@@ -1,6 +1,7 @@
 """One rank of the encoder-decoder pipeline exactness test: a tiny random T5 trained on
 (input, target) pairs by ``deepspeed_ext.initialize`` with ``pipeline.stages`` 2 (an encoder stage,
-then a decoder stage; dp = world / 2), an epoch of planned steps, every step's parameters compared
+then a decoder stage; dp = world / 2; ``$T5_PIPE_SCHEDULE`` its pipeline.schedule, default auto), an
+epoch of planned steps, every step's parameters compared
 with the unmodified model trained in one process on the whole global batch (run as a script).
 
 The pair planner prices the pipeline with the A100 T5 tables cut to the tiny model's shape (its
@@ -23,7 +24,7 @@ from dyn_plugin.cost.bundled import DIR  # noqa: E402
 from dyn_plugin.cost.encoder_decoder import import_t5_tables  # noqa: E402
 from dyn_plugin.host.recompute import recompute_switch  # noqa: E402
 from dyn_plugin.models.hf import build_seq2seq_lm  # noqa: E402
-from dyn_plugin.plan.steps.instructions import EXCHANGES  # noqa: E402
+from dyn_plugin.plan.steps.instructions import EXCHANGES, BackwardInput  # noqa: E402
 from ranks import finish  # noqa: E402
 from token_mean import LR, reference  # noqa: E402
 
@@ -55,7 +56,7 @@ def run(zero: int, recompute: str, pairs, data, world: int, stages: int, ckpt: s
                 "max_seq_len": 512,
                 "recompute": recompute,
             },
-            "pipeline": {"stages": stages},
+            "pipeline": {"stages": stages, "schedule": os.environ.get("T5_PIPE_SCHEDULE", "auto")},
             "cluster": {"device": {"memory_mb": 400000}},  # T5 11B-sized layers' states fit a stage
         },
     }
@@ -70,7 +71,7 @@ def run(zero: int, recompute: str, pairs, data, world: int, stages: int, ckpt: s
     )
     local = {id(p) for p in engine.module.parameters()}
     initial = [p.detach().clone() for p in engine.module.parameters()]
-    diffs, trained, counts, links, losses = [], [], [], set(), []
+    diffs, trained, counts, links, losses, split = [], [], [], set(), [], 0
     for step in loader:
         if not losses:  # forward-only first: the same loss, no update
             eval_loss = engine.eval_batch(step)
@@ -95,6 +96,7 @@ def run(zero: int, recompute: str, pairs, data, world: int, stages: int, ckpt: s
         diffs.append(diff)
         trained.append(ids)
         counts.append(len(step.plan.micro_batches))
+        split += sum(isinstance(i, BackwardInput) for i in step.plan.instructions)
         losses.append((loss, want))
         links |= {(type(i).__name__, len(i.shapes)) for i in step.plan.instructions if isinstance(i, EXCHANGES)}
     # DeepSpeed's pipeline checkpoint (per layer, tied layers included) and the loader position round-trip
@@ -131,6 +133,7 @@ def run(zero: int, recompute: str, pairs, data, world: int, stages: int, ckpt: s
         "links": transfers,  # per rank, its transfers: (instruction, tensors it moves)
         "dp": engine.dp_world_size,
         "stages": engine.num_stages,
+        "split": split,  # this rank's backwards run as I and W over the epoch
     }
 
 

@@ -114,19 +114,23 @@ TWO_A_SIDE = [  # split 2: the decoder stages carry their hidden states and the 
 
 
 @pytest.mark.parametrize(
-    "world, stages, links, tied",
+    "world, stages, links, tied, schedule",
     [
         # the embedding on both stages (pp4 covers its links and ties, within the suite's time)
-        pytest.param(2, 2, ENCODER_THEN_DECODER, 1, marks=pytest.mark.slow),
+        pytest.param(2, 2, ENCODER_THEN_DECODER, 1, "auto", marks=pytest.mark.slow),
         # the embedding on three stages, each side's position bias table on its two
-        (4, 4, TWO_A_SIDE, 4),
-        pytest.param(4, 2, ENCODER_THEN_DECODER, 1, marks=pytest.mark.slow),
+        (4, 4, TWO_A_SIDE, 4, "auto"),
+        pytest.param(4, 2, ENCODER_THEN_DECODER, 1, "auto", marks=pytest.mark.slow),
+        # backwards split into I and W (the cross-attention's keys and values deferred on the decoder stage)
+        (2, 2, ENCODER_THEN_DECODER, 1, "zero_bubble"),
     ],
-    ids=["pp2", "pp4", "pp2xdp2"],
+    ids=["pp2", "pp4", "pp2xdp2", "pp2-zero-bubble"],
 )
-def test_deepspeed_trains_t5_in_an_encoder_then_decoder_pipeline_exactly(tmp_path, world, stages, links, tied):
+def test_deepspeed_trains_t5_in_an_encoder_then_decoder_pipeline_exactly(
+    tmp_path, world, stages, links, tied, schedule
+):
     out = tmp_path / "result.json"
-    codes, logs = run("ds_t5_pipe_worker.py", out, stages, world=world)
+    codes, logs = run("ds_t5_pipe_worker.py", out, stages, world=world, env={"T5_PIPE_SCHEDULE": schedule})
     assert codes == [0] * world, logs[0][-3000:] + logs[-1][-3000:]
     report = json.loads(out.read_text())
     assert [(c["zero"], c["recompute"]) for c in report["cases"]] == [(0, "none"), (1, "full")]
@@ -144,3 +148,4 @@ def test_deepspeed_trains_t5_in_an_encoder_then_decoder_pipeline_exactly(tmp_pat
         assert c["recompute_ran"] == c["recompute"], c
         assert c["restored_diff"] == 0.0, c  # DeepSpeed's pipeline checkpoint of the stages round-trips
         assert c["links"] == [stage for stage in links for _ in range(c["dp"])], c  # ranks stage-major
+        assert (c["split"] > 0) == (schedule == "zero_bubble"), c  # the first stage's backwards ran as I and W

@@ -6,13 +6,15 @@ T5 11B (24 encoder and 24 decoder layers) on the same cluster as the GPT records
 tables' longest (4096 each side at tp 1), as a trainer with those maxima would. Padding and
 packing use the maxima of the truncated distribution per side (the sequence lengths a user sets).
 Every method is priced by the same cost model and simulated the same way (plan/pair_*.py), at
-every split of the pipeline into encoder and decoder stages.
+every split of the pipeline into encoder and decoder stages. ``dynapipe_zero_bubble``: the same
+planner with backwards split where that fills the pipeline (``pipeline.schedule: zero_bubble``).
 """
 
 from __future__ import annotations
 
 import argparse
 from collections import Counter
+from dataclasses import replace
 from typing import Iterator
 
 import numpy as np
@@ -68,6 +70,9 @@ def bench_planner_pairs(args: argparse.Namespace) -> Iterator[dict]:
 
 def _bench_config(base: dict, batches: list[np.ndarray], spec, max_input: int, max_target: int) -> Iterator[dict]:
     runs = [("dynapipe", lambda b: plan_pairs(b[:, 0], b[:, 1], spec))]
+    if spec.pp > 1:  # backwards split where that fills the pipeline
+        split = replace(spec, schedule="zero_bubble")
+        runs.append(("dynapipe_zero_bubble", lambda b: plan_pairs(b[:, 0], b[:, 1], split)))
     runs += [
         (name, lambda b, fn=fn: fn(b[:, 0].tolist(), b[:, 1].tolist(), spec, max_input, max_target))
         for name, fn in PAIR_BASELINES.items()
@@ -88,6 +93,8 @@ def _bench_config(base: dict, batches: list[np.ndarray], spec, max_input: int, m
         )
         if method == "dynapipe":
             planned = iters
+        elif method == "dynapipe_zero_bubble" and planned is not None:
+            rec["speedup_vs_dynapipe"] = float(np.mean([p / i for i, p in zip(iters, planned)]))
         elif planned is not None:
             rec["slowdown_vs_dynapipe"] = float(np.mean([i / p for i, p in zip(iters, planned)]))
         yield rec

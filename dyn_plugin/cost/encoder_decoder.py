@@ -47,7 +47,7 @@ from .model import (
     round_up,
 )
 from .profile import Sample, fit_component
-from .table import LinearFit, fit_columns
+from .table import LINEAR_HELD, LinearFit, fit_columns
 from .update import StagedStates, UpdateCost
 
 Side = Literal["encoder", "decoder"]
@@ -355,6 +355,43 @@ class EncoderDecoderCostModel(StagedStates):
             st,
             t.decoder["peak_bytes"](n, se, sd) - st,
         )
+
+    def split_backward_costs(
+        self, stage: PairStage, n, se, sd, backward_ms, *, tp: int = 1
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per micro-batch of ``n`` pairs padded to (``se``, ``sd``) on ``stage``: a split backward's W
+        time (at most ``backward_ms``) and the bytes held from I's end until W's end; None where no
+        table without recompute prices W. As the decoder-only tables' estimate (``table.weight_grad_ms``):
+        a linear layer's weight gradient is one matrix multiply the size of its forward, so W is each
+        layer's per-token forward terms (an encoder layer's ``n*Se``; a decoder layer's ``n*Sd``, its
+        own tokens, and ``n*Se``, the cross-attention's keys and values projected from the encoder
+        output; attention's pair terms have no weights) and, on the last stage, the head's forward.
+        Held: each linear layer's input and output gradient, ``LINEAR_HELD`` x its parameters over
+        the hidden size per token; a decoder layer's counted at ``n * max(Se, Sd)`` tokens (its
+        cross-attention keys and values run over the input side: an upper bound)."""
+        t = self.tables.get(("none", tp))
+        if t is None:
+            return None
+        n, se, sd = (np.asarray(a, dtype=float) for a in (n, se, sd))
+        w = np.zeros_like(n * se * sd)
+        held = np.zeros_like(w)
+        if stage.encoder_layers:
+            enc = t.encoder["forward_ms"]
+            if enc.bands:
+                upper, _, c1, _ = _band_arrays(enc)
+                per_token = c1[np.searchsorted(upper, se, side="left")]
+            else:
+                per_token = enc.coef[1]
+            w += stage.encoder_layers * np.maximum(per_token, 0.0) * n * se
+            held += stage.encoder_layers * t.params["encoder"] * n * se
+        if stage.decoder_layers:
+            _, c1, _, c3, _ = t.decoder["forward_ms"].coef
+            w += stage.decoder_layers * n * (max(c1, 0.0) * sd + max(c3, 0.0) * se)
+            held += stage.decoder_layers * t.params["decoder"] * n * np.maximum(se, sd)
+        if stage.last:
+            w += linear_fit_at(t.head["forward_ms"], n * sd, n * sd * sd)
+        held *= LINEAR_HELD * self.act_bytes / self.hidden_size
+        return np.minimum(w, np.asarray(backward_ms, dtype=float)), held
 
     def micro_batch_cost(
         self,

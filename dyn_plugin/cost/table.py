@@ -389,6 +389,11 @@ def evaluate_stage(t: CostTable, f: Features, stage: StageSpec, extrapolated: bo
     return MicroBatchCost(fwd, bwd, stored, stored + max(transient, 0.0), extrapolated)
 
 
+# values a token holds per layer between a split backward's I and W, per weight over the hidden
+# size: each linear layer's input and output gradient (pricing.split_backward_costs says why 4/3)
+LINEAR_HELD = 4 / 3
+
+
 def weight_grad_ms(t: CostTable, f: Features, stage: StageSpec) -> float:
     """Of a stage's backward, the part that computes weight gradients (W, when the backward is split).
 

@@ -226,6 +226,12 @@ def price_pair_groups(
         [cost.link_bytes(stage, int(n[g]), int(se[g]), int(sd[g]), spec.tp) for stage in spec.stages[:-1]]
         for g in range(len(n))
     ]
+    # a split backward's W and what it holds, per stage (zero-bubble schedules only)
+    split = [
+        cost.split_backward_costs(stage, n, se, sd, out[1][:, s], tp=spec.tp) if spec.split_backward else None
+        for s, stage in enumerate(spec.stages)
+    ]
+    priced = all(x is not None for x in split)
     return [
         PairMicroBatch(
             sample_ids=tuple(int(i) for i in g),
@@ -242,6 +248,8 @@ def price_pair_groups(
             link_bytes=tuple(links[k]),
             target_lens=tgs[k],
             target_shape=(int(n[k]), int(sd[k])),
+            weight_ms=tuple(float(w[k]) for w, _ in split) if priced else (),
+            deferred_bytes=tuple(float(h[k]) for _, h in split) if priced else (),
         )
         for k, g in enumerate(groups)
     ]

@@ -12,13 +12,11 @@ from dataclasses import replace
 from typing import Callable, Sequence
 
 from ...cost.model import RECOMPUTES, Features, Layout, Recompute, features, tensor_shape
-from ...cost.table import evaluate_checkpointed, evaluate_stage, weight_grad_ms
+from ...cost.table import LINEAR_HELD, evaluate_checkpointed, evaluate_stage, weight_grad_ms
 from .simulator import simulate, stage_peak_bytes
 from .spec import ACT_BYTES, PlannerSpec, StepSpec
 from .types import MicroBatch, Schedule, SimResult, StepPlan
 
-# values a token held per layer between a split backward's I and W, per weight over the hidden size
-LINEAR_HELD = 4 / 3
 # a micro-batch priced in another recompute mode; None where that is out of the measured range
 Reprice = Callable[[MicroBatch, Recompute], "MicroBatch | None"]
 # a micro-batch priced in another recompute mode with these checkpointed layers per stage (None: all)
