@@ -137,6 +137,8 @@ def test_bench_planner_prints_json(capsys):
     assert plan["sim_iter_ms"] >= plan["lower_bound_ms"] * (1 - 1e-9) and plan["plan_ms_p50"] > 0
     whole = next(r for r in records if r["method"] == "dynapipe_all_or_nothing")
     assert whole["pyramid_speedup"] >= 1.0  # pyramid checkpointing never slows a plan
+    split = next(r for r in records if r["method"] == "dynapipe_zero_bubble")
+    assert split["token_slices_what_if"]["speedup"] >= 1.0  # slices kept only where they pay
 
 
 def test_bench_shard_prints_json(capsys):

@@ -8,12 +8,15 @@ max_seq_len 8192 would. The plugin plans with pyramid checkpointing (the config'
 ``dynapipe_all_or_nothing`` is the same planner with every micro-batch recomputing all of its
 layers or none, and its ``pyramid_speedup`` says how much faster the pyramid plans are;
 ``dynapipe_zero_bubble`` the same planner with backwards split where that fills the pipeline
-(``pipeline.schedule: zero_bubble``).
+(``pipeline.schedule: zero_bubble``); its ``token_slices_what_if`` simulates those plans with each
+replica's longest sequence cut into token slices (``plan/steps/token_slices.py``: no host runs
+them yet).
 """
 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from dataclasses import replace
 from typing import Iterable, Iterator
 
@@ -29,6 +32,7 @@ from ..plan.methods.baselines import BASELINES, plan_baseline
 from ..plan.methods.planner import plan_step
 from ..plan.steps.bounds import critical_path_ms, gap_terms, ideal_ms
 from ..plan.steps.spec import planner_spec
+from ..plan.steps.token_slices import sliced_step_ms
 from ..runtime.sampler import global_batches
 from . import planner_pairs
 from .plan_records import plan_summary, timed_plans
@@ -123,8 +127,8 @@ def _bench_config(base: dict, batches: list[list[int]], spec, python_batches: in
     if spec.pyramid:
         whole = replace(spec, pyramid=False)
         runs.append(("dynapipe_all_or_nothing", "cpp", lambda b: plan_step(b, whole, native=True), len(batches)))
+    split = replace(spec, schedule="zero_bubble")
     if spec.pp > 1:  # backwards split where that fills the pipeline
-        split = replace(spec, schedule="zero_bubble")
         runs.append(("dynapipe_zero_bubble", "cpp", lambda b: plan_step(b, split, native=True), len(batches)))
     runs += [(name, "python", lambda b, n=name: plan_baseline(n, b, spec, MAX_LEN), len(batches)) for name in BASELINES]
     planned = None  # the plugin's step times (C++ DP), which the all-or-nothing row compares with
@@ -149,6 +153,14 @@ def _bench_config(base: dict, batches: list[list[int]], spec, python_batches: in
         if impl == "cpp":  # ms of the step beyond ideal_ms, term by term (plan/steps/bounds.py gap_terms)
             gaps = [gap_terms(p, b, spec) for p, b in zip(plans, batches)]
             rec["gap_ms"] = {k: float(np.mean([g[k] for g in gaps])) for k in gaps[0]}
+        if method == "dynapipe_zero_bubble":  # what-if: each replica's longest sequence cut into token slices
+            sliced = [sliced_step_ms(p, split) for p in plans]
+            rec["token_slices_what_if"] = {
+                "sim_iter_ms": float(np.mean([ms for ms, _ in sliced])),
+                "vs_ideal": float(np.mean([ms / d for (ms, _), d in zip(sliced, ideal)])),
+                "speedup": float(np.mean([i / ms for (ms, _), i in zip(sliced, iters)])),
+                "slices": dict(Counter(k for _, ks in sliced for k in ks)),
+            }
         if (method, impl) == ("dynapipe", "cpp"):
             planned = iters
         elif method == "dynapipe_all_or_nothing" and planned is not None:
