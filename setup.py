@@ -78,6 +78,7 @@ setup(
         "matplotlib>=3.8",
         "tokenizers>=0.20",
         "transformers>=5.24,<6",  # the attention interface and model classes the plugin registers with
+        "accelerate>=1.12,<2",  # the Trainer's engine set-up (deepspeed_ext/hf_trainer.py)
         "deepspeed>=0.19.8,<0.20",  # PipelineEngine private members used by deepspeed_ext/pipe_engine.py
         "redis>=5",
         "pybind11>=2.12",

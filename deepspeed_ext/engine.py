@@ -51,7 +51,7 @@ def _dtype_mismatch(what: str, dtype: str, ds_dtype: str, fix: str) -> ValueErro
     )
 
 
-def _cost_model(cfg: LoadedConfig, model: torch.nn.Module) -> TableCostModel:
+def cost_model_for(cfg: LoadedConfig, model: torch.nn.Module) -> TableCostModel:
     """The config's cost model, in the precision DeepSpeed trains in."""
     cm = cfg.plugin.cost_model
     ds_dtype = training_dtype(cfg.deepspeed)
@@ -139,7 +139,7 @@ def initialize(
     dp = layout.columns
     stage, column, _ = layout.coords(rank)  # stage-major, as DeepSpeed's PipeDataParallelTopology lays ranks out
     ds_config = _deepspeed_config(cfg.deepspeed, dp)
-    cost = cost_model or _cost_model(cfg, model)
+    cost = cost_model or cost_model_for(cfg, model)
     state_bytes = None
     if cfg.plugin.sharding.enabled:
         shard_plan, mapping = _apply_sharding(cfg, model, shard_plan, cost, lengths, seed, rank)

@@ -1,0 +1,158 @@
+"""The Hugging Face ``Trainer`` driving the plugin's plans under DeepSpeed
+(``from deepspeed_ext.hf_trainer import DynPluginTrainer``).
+
+People who fine-tune with the ``Trainer`` pass ``TrainingArguments(deepspeed="ds_config.json")``;
+with a ``dyn_plugin`` section in that config, ``DynPluginTrainer`` (or any ``Trainer`` subclass with
+``DynPluginTrainerMixin`` first among its bases) trains each global batch as the plugin planned it:
+
+- **Data.** ``get_train_dataloader`` is the plugin's loader (``DynLoader``) over the training
+  dataset's token sequences (``input_ids``; their lengths read once, or given as ``lengths``).
+  One loader item is one global batch: this rank's planned micro-batches, their own number,
+  sizes, layouts and recompute. The ``Trainer`` runs one optimizer step per item
+  (``gradient_accumulation_steps`` 1: the plan sets the micro-batches), so epochs, ``max_steps``
+  and the learning-rate schedule count global batches, as they do in the stock ``Trainer``.
+- **Step.** ``training_step`` runs the host core's token-mean step (``host/token_mean.py``) on
+  DeepSpeed's engine (``deepspeed_ext.step.deepspeed_host``: the plan sets the accumulation
+  boundary per micro-batch; each micro-batch's summed token loss scaled by dp over the global
+  batch's scored tokens; ``engine.step()`` after the last), so the update is that of the whole
+  global batch's token-mean loss. The ``Trainer``'s own ``optimizer.step()``, scheduler step and
+  clipping then do nothing more under DeepSpeed (Accelerate's wrappers leave them to the engine,
+  which clips by ``gradient_clipping``, from ``max_grad_norm``); the logged loss is the global
+  batch's token mean.
+- **Start.** The ``Trainer``'s DeepSpeed config, once it has filled its ``"auto"`` values from
+  the arguments (precision included), is the plugin's config: the support table
+  (``host/support.py``, as the DeepSpeed host) and the start-up exactness check run on it.
+
+What is not built here yet is refused by name at start: training without DeepSpeed (plain DDP or
+FSDP through Accelerate), pipeline stages, gradient accumulation, and resuming from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator, Sequence
+
+import torch
+from transformers import Trainer
+
+from deepspeed_ext.engine import cost_model_for
+from deepspeed_ext.step import deepspeed_host
+from dyn_plugin.config import ConfigError, LoadedConfig, load_config
+from dyn_plugin.device import training_dtype
+from dyn_plugin.host import support
+from dyn_plugin.host.exactness import checked
+from dyn_plugin.host.token_mean import token_mean_step
+from dyn_plugin.layout import RankLayout
+from dyn_plugin.runtime.loader import DynLoader, Step
+
+logger = logging.getLogger(__name__)
+
+
+class DynPluginTrainerMixin:
+    """What makes a ``Trainer`` (or a subclass: TRL's ``SFTTrainer``) train on the plugin's plans.
+    Put it first among the bases; ``lengths``: the training sequences' lengths, if known (else read
+    from the dataset's ``input_ids``)."""
+
+    def __init__(self, *args: Any, lengths: Sequence[int] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._dyn_lengths = lengths
+        self._dyn_loader: DynLoader | None = None
+        self._dyn_config = self._plugin_config()
+
+    # -- start ---------------------------------------------------------------------------------
+    def _plugin_config(self) -> LoadedConfig:
+        args = self.args
+        ds = getattr(args, "hf_deepspeed_config", None)
+        if ds is None:
+            raise ConfigError(
+                "DynPluginTrainer trains through DeepSpeed's engine: pass TrainingArguments(deepspeed=...) naming "
+                "a DeepSpeed config with a 'dyn_plugin' section (training without DeepSpeed, or with FSDP through "
+                "Accelerate, is not built for the Trainer yet)"
+            )
+        if args.gradient_accumulation_steps != 1:
+            raise ConfigError(
+                f"TrainingArguments.gradient_accumulation_steps = {args.gradient_accumulation_steps}: the plugin's "
+                "plan sets each global batch's micro-batches (dyn_plugin.microbatching.global_tokens); set it to 1"
+            )
+        config = dict(ds.config)  # the Trainer's "auto" values filled in
+        if "dyn_plugin" not in config:
+            raise ConfigError(
+                "the DeepSpeed config passed to TrainingArguments(deepspeed=...) has no 'dyn_plugin' section; add one "
+                "(or train with the stock Trainer)"
+            )
+        cfg = load_config(config)
+        if cfg.plugin.pipeline.stages > 1:
+            raise ConfigError(
+                f"dyn_plugin.pipeline.stages = {cfg.plugin.pipeline.stages} under the Trainer: its DeepSpeed engine "
+                "trains data-parallel; train pipelines with deepspeed_ext.initialize, or set pipeline.stages to 1"
+            )
+        deepspeed = {k: v for k, v in cfg.deepspeed.items() if k != "dyn_plugin"}
+        cfg = LoadedConfig(cfg.plugin, deepspeed)
+        support.check("DeepSpeed", support.Run(cfg.plugin, cfg.zero_stage, False, training_dtype(deepspeed)))
+        return cfg
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if resume_from_checkpoint:
+            raise ConfigError(
+                "resume_from_checkpoint under DynPluginTrainer: the loader's position is not yet saved beside the "
+                "Trainer's checkpoints; train from the start (or resume with deepspeed_ext's checkpoints)"
+            )
+        return super().train(None, *args, **kwargs)
+
+    # -- data ----------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> DynLoader:
+        """The plugin's loader over the training dataset, built once (its position carries over epochs)."""
+        if self._dyn_loader is None:
+            self._dyn_loader = self._build_loader()
+        return self._dyn_loader
+
+    def _build_loader(self) -> DynLoader:
+        import torch.distributed as dist
+
+        dataset = self.train_dataset
+        if dataset is None:
+            raise ValueError("DynPluginTrainer needs a train_dataset of token sequences (items with 'input_ids')")
+        lengths = self._dyn_lengths
+        if lengths is None:
+            lengths = [len(item["input_ids"]) for item in dataset]
+        model = self.accelerator.unwrap_model(self.model)
+        cfg = checked(model, self._dyn_config)
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        layout = RankLayout.from_config(world, cfg.plugin)
+        _, column, _ = layout.coords(rank)
+        return DynLoader(
+            dataset,
+            lengths=lengths,
+            config=cfg,
+            cost_model=cost_model_for(cfg, model),
+            layout=layout,
+            stage=0,
+            column=column,
+            seed=self.args.seed,
+        )
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, None]:
+        """One global batch per optimizer step; its token count is the plan's (``Step.scored_tokens``)."""
+        return [step for _, step in zip(range(num_batches), epoch_iterator)], None
+
+    # -- step ----------------------------------------------------------------------------------
+    def training_step(self, model: torch.nn.Module, inputs: Step, num_items_in_batch: Any = None) -> torch.Tensor:
+        """This rank's micro-batches of one planned global batch, and DeepSpeed's optimizer step;
+        returns the global batch's token-mean loss (the same on every rank)."""
+        import torch.distributed as dist
+
+        engine = self.model_wrapped
+        engine.train()
+        dp = dist.get_world_size() if dist.is_initialized() else 1
+        loss = token_mean_step(inputs, deepspeed_host(engine, inputs), dp)
+        return torch.tensor(loss, device=self.args.device)
+
+    def floating_point_ops(self, inputs: Step) -> int:
+        """Model FLOPs of this rank's real tokens (6 per parameter and token, as the stock ``Trainer``
+        counts them)."""
+        tokens = sum(sum(desc.seq_lens) for desc in inputs.loaded)
+        return 6 * tokens * sum(p.numel() for p in self.model.parameters())
+
+
+class DynPluginTrainer(DynPluginTrainerMixin, Trainer):
+    """``transformers.Trainer`` on the plugin's plans (``DynPluginTrainerMixin``)."""

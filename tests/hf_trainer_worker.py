@@ -1,0 +1,116 @@
+"""One rank of the ``Trainer`` exactness test: ``DynPluginTrainer`` (DeepSpeed ZeRO ``argv[2]``, fp32,
+SGD, a constant learning rate, no clipping) trains a tiny Llama on planned global batches; after
+every optimizer step its parameters are compared with the single-process token-mean reference
+trained on the same global batch (run as a script: ``hf_trainer_worker.py OUT ZERO STEPS``)."""
+
+import copy
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import deepspeed_ext
+
+deepspeed_ext.skip_cpu_shm_build()
+
+import deepspeed  # noqa: E402
+from transformers import TrainingArguments  # noqa: E402
+
+from deepspeed_ext.hf_trainer import DynPluginTrainer  # noqa: E402
+from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
+from ranks import finish  # noqa: E402
+from token_mean import LR, MODEL, global_samples, random_dataset, reference  # noqa: E402
+
+
+class Observed(DynPluginTrainer):
+    """The plugin's Trainer, each step compared with the reference as it ends."""
+
+    def __init__(self, *args, ref, data, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ref, self.data, self.records = ref, data, []
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        ids = global_samples(inputs, dist.get_world_size())
+        samples = [self.data[i]["input_ids"] for i in ids]
+        with torch.no_grad():
+            want = _token_mean(self.ref, samples)
+        reference(self.ref, samples, LR)
+        mine = list(self.accelerator.unwrap_model(self.model).parameters())
+        with deepspeed.zero.GatheredParameters(mine):  # ZeRO-3 holds a shard of each parameter
+            diff = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(mine, self.ref.parameters()))
+        self.records.append(
+            {
+                "ids": ids,
+                "micro_batches": len(inputs.micro_batches),
+                "layouts": sorted({d.layout for d in inputs.loaded}),
+                "loss": float(loss),
+                "want": want,
+                "max_abs_diff": diff,
+                "partitioned": any(hasattr(p, "ds_id") for p in mine),  # ZeRO-3's parameters
+            }
+        )
+        return loss
+
+
+def _token_mean(model, samples) -> float:
+    total, loss = 0, 0.0
+    for s in samples:
+        ids = torch.as_tensor(s).unsqueeze(0)
+        labels = ids.clone()
+        labels[0, 0] = -100
+        loss += float(model(input_ids=ids, labels=labels, use_cache=False).loss) * (len(s) - 1)
+        total += len(s) - 1
+    return loss / total
+
+
+def main():
+    out, zero, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    lengths, data = random_dataset(0)
+    torch.manual_seed(0)
+    model = build_causal_lm(MODEL)
+    ref = copy.deepcopy(model)
+    config = {
+        "zero_optimization": {"stage": zero},
+        "zero_allow_untested_optimizer": True,
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "dyn_plugin": {
+            "microbatching": {"global_tokens": 1500, "max_seq_len": 256, "recompute": "none"},
+            # a small device: the plan cuts each global batch into several micro-batches
+            "cluster": {"device": {"memory_mb": 2, "memory_fraction": 1.0}},
+            "cost_model": {"kind": "analytic"},
+        },
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(
+            output_dir=tmp,
+            deepspeed=config,
+            use_cpu=True,
+            max_steps=steps,
+            learning_rate=LR,
+            optim="sgd",  # under DeepSpeed the Trainer builds its own optimizer (a passed one is dropped)
+            lr_scheduler_type="constant",
+            max_grad_norm=0.0,
+            per_device_train_batch_size=1,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            seed=0,
+        )
+        trainer = Observed(
+            model=model,
+            args=args,
+            train_dataset=data,
+            ref=ref,
+            data=data,
+        )
+        result = trainer.train()
+        logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    finish({"steps": trainer.records, "global_step": result.global_step, "logged": logged}, out)
+
+
+if __name__ == "__main__":
+    main()
