@@ -23,29 +23,40 @@ with a ``dyn_plugin`` section in that config, ``DynPluginTrainer`` (or any ``Tra
   the arguments (precision included), is the plugin's config: the support table
   (``host/support.py``, as the DeepSpeed host) and the start-up exactness check run on it.
 
+- **Checkpoints.** Each of the Trainer's checkpoint folders gets the loader's position
+  (``dyn_plugin_loader.json``), written whole by one rank after everything else; ``resume_from_checkpoint``
+  restores it, so the run continues with the global batch after the saved one (the Trainer's own
+  skipping of batches is turned off: ``ignore_data_skip``). A folder without it is refused.
+
 What is not built here yet is refused by name at start: training without DeepSpeed (plain DDP or
-FSDP through Accelerate), pipeline stages, gradient accumulation, and resuming from a checkpoint.
+FSDP through Accelerate), pipeline stages and gradient accumulation.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from deepspeed_ext.engine import cost_model_for
 from deepspeed_ext.step import deepspeed_host
+from dyn_plugin.atomic import write_json_atomic
 from dyn_plugin.config import ConfigError, LoadedConfig, load_config
 from dyn_plugin.device import training_dtype
 from dyn_plugin.host import support
 from dyn_plugin.host.exactness import checked
 from dyn_plugin.host.token_mean import token_mean_step
+from dyn_plugin.jsonfile import read_json
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.runtime.loader import DynLoader, Step
 
 logger = logging.getLogger(__name__)
+
+LOADER_FILE = "dyn_plugin_loader.json"  # the loader's position, in each of the Trainer's checkpoint folders
 
 
 class DynPluginTrainerMixin:
@@ -93,11 +104,36 @@ class DynPluginTrainerMixin:
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint:
-            raise ConfigError(
-                "resume_from_checkpoint under DynPluginTrainer: the loader's position is not yet saved beside the "
-                "Trainer's checkpoints; train from the start (or resume with deepspeed_ext's checkpoints)"
+            # the loader resumes at its saved position (_load_optimizer_and_scheduler): the Trainer must
+            # not skip batches of it as it skips a sampler's
+            self.args.ignore_data_skip = True
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The Trainer's checkpoint, then the loader's position beside it, written whole by one rank
+        last: a checkpoint folder without it was interrupted while saving, and resuming from it is refused."""
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             )
-        return super().train(None, *args, **kwargs)
+            write_json_atomic(os.path.join(folder, LOADER_FILE), self.get_train_dataloader().state_dict())
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The Trainer's restore (every backend runs it before the first step), then the loader's position."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, LOADER_FILE)
+        if not os.path.exists(path):
+            raise ConfigError(
+                f"{checkpoint} has no {LOADER_FILE}: the save was interrupted before the loader's position was "
+                "written (or the Trainer that saved it was not DynPluginTrainer); resume from an earlier checkpoint"
+            )
+        loader = self.get_train_dataloader()
+        loader.load_state_dict(read_json(path, "the loader's position"))
+        logger.info("dyn_plugin resumes the loader at epoch %d, step %d", loader.epoch, loader.step)
 
     # -- data ----------------------------------------------------------------------------------
     def get_train_dataloader(self) -> DynLoader:
@@ -132,8 +168,13 @@ class DynPluginTrainerMixin:
         )
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, None]:
-        """One global batch per optimizer step; its token count is the plan's (``Step.scored_tokens``)."""
-        return [step for _, step in zip(range(num_batches), epoch_iterator)], None
+        """One global batch per optimizer step; its token count is the plan's (``Step.scored_tokens``).
+        After an epoch's last, its iterator is run to its end: the loader's end-of-epoch checks run
+        then, and its next iteration starts the next epoch (a generator left before its end would not)."""
+        steps = [step for _, step in zip(range(num_batches), epoch_iterator)]
+        if len(self.get_train_dataloader()) == 0:
+            next(epoch_iterator, None)
+        return steps, None
 
     # -- step ----------------------------------------------------------------------------------
     def training_step(self, model: torch.nn.Module, inputs: Step, num_items_in_batch: Any = None) -> torch.Tensor:

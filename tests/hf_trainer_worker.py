@@ -1,7 +1,9 @@
 """One rank of the ``Trainer`` exactness test: ``DynPluginTrainer`` (DeepSpeed ZeRO ``argv[2]``, fp32,
 SGD, a constant learning rate, no clipping) trains a tiny Llama on planned global batches; after
 every optimizer step its parameters are compared with the single-process token-mean reference
-trained on the same global batch (run as a script: ``hf_trainer_worker.py OUT ZERO STEPS``)."""
+trained on the same global batch (run as a script: ``hf_trainer_worker.py OUT ZERO STEPS [SAVE_DIR
+[RESUME]]``: with SAVE_DIR it saves a checkpoint every 2 steps there, with RESUME it resumes from that
+checkpoint of SAVE_DIR; rank 0 writes the final parameters beside OUT)."""
 
 import copy
 import sys
@@ -67,6 +69,8 @@ def _token_mean(model, samples) -> float:
 
 def main():
     out, zero, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    save_dir = sys.argv[4] if len(sys.argv) > 4 else None
+    resume = sys.argv[5] if len(sys.argv) > 5 else None
     lengths, data = random_dataset(0)
     torch.manual_seed(0)
     model = build_causal_lm(MODEL)
@@ -86,7 +90,7 @@ def main():
     }
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(
-            output_dir=tmp,
+            output_dir=save_dir or tmp,
             deepspeed=config,
             use_cpu=True,
             max_steps=steps,
@@ -96,7 +100,8 @@ def main():
             max_grad_norm=0.0,
             per_device_train_batch_size=1,
             logging_steps=1,
-            save_strategy="no",
+            save_strategy="steps" if save_dir else "no",
+            save_steps=2,
             report_to=[],
             seed=0,
         )
@@ -107,8 +112,10 @@ def main():
             ref=ref,
             data=data,
         )
-        result = trainer.train()
+        result = trainer.train(resume_from_checkpoint=resume and f"{save_dir}/{resume}")
         logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        if dist.get_rank() == 0:
+            torch.save([p.detach() for p in trainer.accelerator.unwrap_model(trainer.model).parameters()], f"{out}.pt")
     finish({"steps": trainer.records, "global_step": result.global_step, "logged": logged}, out)
 
 

@@ -9,16 +9,17 @@ and the ``Trainer`` logs that global batch's token-mean loss. What is not built 
 import json
 
 import pytest
+import torch
 from transformers import TrainingArguments
 
-from deepspeed_ext.hf_trainer import DynPluginTrainer
+from deepspeed_ext.hf_trainer import LOADER_FILE, DynPluginTrainer, DynPluginTrainerMixin
 from dyn_plugin.config import ConfigError
 from dyn_plugin.models.hf import build_causal_lm
 from ranks import run
 from token_mean import MODEL, random_dataset
 
 EXACT = 1e-6
-STEPS = 3
+STEPS = 4  # an epoch of this data is 3 global batches: the run crosses into the next epoch
 
 
 @pytest.mark.parametrize("zero", [1, 3])
@@ -35,8 +36,39 @@ def test_the_trainers_updates_are_the_token_mean_of_each_planned_global_batch(tm
         assert s["partitioned"] == (zero == 3), s  # ZeRO-3 really sharded the parameters
     assert report["logged"] == pytest.approx([s["loss"] for s in steps], rel=1e-6)  # the Trainer's logged loss
     assert max(s["micro_batches"] for s in steps) > 1  # the plan cut global batches into several micro-batches
-    ids = [i for s in steps for i in s["ids"]]
-    assert len(ids) == len(set(ids))  # each sample once
+    epoch = [i for s in steps[:3] for i in s["ids"]]
+    assert sorted(epoch) == list(range(40))  # the first epoch: every sample once
+
+
+def test_a_resume_from_a_trainer_checkpoint_is_the_uninterrupted_run(tmp_path):
+    """Checkpoints every 2 steps; a second run resumed from checkpoint-2 trains the global batches the
+    uninterrupted run trained after it (the loader's position restored, crossing the epoch's end
+    alike) and ends with its parameters and its logged losses, bit for bit."""
+    ckpt = tmp_path / "ckpt"
+    codes, logs = run("hf_trainer_worker.py", tmp_path / "whole.json", 1, STEPS, ckpt, world=2, timeout=400)
+    assert codes == [0, 0], logs[0][-4000:]
+    assert (ckpt / "checkpoint-2" / LOADER_FILE).exists()
+    codes, logs = run("hf_trainer_worker.py", tmp_path / "resumed.json", 1, STEPS, ckpt, "checkpoint-2", world=2)
+    assert codes == [0, 0], logs[0][-4000:]
+    whole, resumed = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("whole", "resumed"))
+    assert [s["ids"] for s in resumed["steps"]] == [s["ids"] for s in whole["steps"]][2:]
+    assert resumed["global_step"] == whole["global_step"] == STEPS
+    assert resumed["logged"] == whole["logged"]
+    final = [torch.load(tmp_path / f"{n}.json.pt") for n in ("whole", "resumed")]
+    assert all(torch.equal(a, b) for a, b in zip(*final))
+
+
+def test_a_checkpoint_without_the_loaders_position_is_refused(tmp_path):
+    class Restoring:
+        def _load_optimizer_and_scheduler(self, checkpoint):
+            pass
+
+    class Trainer(DynPluginTrainerMixin, Restoring):
+        pass
+
+    trainer = Trainer.__new__(Trainer)
+    with pytest.raises(ConfigError, match=f"has no {LOADER_FILE}: the save was interrupted"):
+        trainer._load_optimizer_and_scheduler(str(tmp_path))
 
 
 def _args(tmp_path, **kwargs) -> TrainingArguments:
@@ -54,8 +86,6 @@ def test_a_trainer_without_the_plugins_section_or_with_accumulation_is_refused()
     """The checks read the Trainer's processed DeepSpeed config; they run before any engine is built."""
     from types import SimpleNamespace
 
-    from deepspeed_ext.hf_trainer import DynPluginTrainerMixin
-
     def mixin(config: dict, accumulation: int = 1):
         trainer = DynPluginTrainerMixin.__new__(DynPluginTrainerMixin)
         trainer.args = SimpleNamespace(
@@ -71,5 +101,3 @@ def test_a_trainer_without_the_plugins_section_or_with_accumulation_is_refused()
         mixin({"dyn_plugin": {"pipeline": {"stages": 2}}})._plugin_config()
     cfg = mixin({"zero_optimization": {"stage": 1}, "dyn_plugin": {}})._plugin_config()
     assert cfg.zero_stage == 1 and "dyn_plugin" not in cfg.deepspeed  # DeepSpeed's own keys, handed on
-    with pytest.raises(ConfigError, match="resume_from_checkpoint under DynPluginTrainer"):
-        DynPluginTrainerMixin.train(mixin({"dyn_plugin": {}}), resume_from_checkpoint="checkpoint-2")
