@@ -94,7 +94,9 @@ setup(
             "megatron-core>=0.16,<0.17",
             "ruff>=0.17,<0.18",
             "six>=1.16",
-        ],  # six: Megatron-LM's tokenizers import it (tests/test_megatron_lm.py runs pretrain_gpt)
+            "trl>=1.16,<2",
+        ],  # six: Megatron-LM's tokenizers import it (tests/test_megatron_lm.py runs pretrain_gpt); trl: the
+        # Trainer mixin is tested on its SFTTrainer
         "megatron": ["megatron-core>=0.16,<0.17"],
     },
     entry_points={"console_scripts": ["dynplugin=dyn_plugin.cli:main"]},

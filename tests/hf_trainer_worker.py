@@ -3,9 +3,11 @@ SGD, a constant learning rate, no clipping) trains a tiny Llama on planned globa
 every optimizer step its parameters are compared with the single-process token-mean reference
 trained on the same global batch (run as a script: ``hf_trainer_worker.py OUT ZERO STEPS [SAVE_DIR
 [RESUME]]``: with SAVE_DIR it saves a checkpoint every 2 steps there, with RESUME it resumes from that
-checkpoint of SAVE_DIR; rank 0 writes the final parameters beside OUT)."""
+checkpoint of SAVE_DIR; rank 0 writes the final parameters beside OUT). ``$HF_TRAINER`` = sft: TRL's
+``SFTTrainer`` with the plugin's mixin instead."""
 
 import copy
+import os
 import sys
 import tempfile
 
@@ -25,8 +27,9 @@ from ranks import finish  # noqa: E402
 from token_mean import LR, MODEL, global_samples, random_dataset, reference  # noqa: E402
 
 
-class Observed(DynPluginTrainer):
-    """The plugin's Trainer, each step compared with the reference as it ends."""
+class Observing:
+    """Around the plugin's Trainer (or a subclass with its mixin): each step compared with the
+    reference as it ends."""
 
     def __init__(self, *args, ref, data, **kwargs):
         super().__init__(*args, **kwargs)
@@ -54,6 +57,33 @@ class Observed(DynPluginTrainer):
             }
         )
         return loss
+
+
+class Observed(Observing, DynPluginTrainer):
+    """The plugin's Trainer."""
+
+
+def sft_trainer(**kwargs):
+    """TRL's SFTTrainer with the plugin's mixin, on the already tokenized dataset (TRL keeps its
+    ``input_ids``), with a word-level tokenizer of the tiny model's vocabulary."""
+    from datasets import Dataset
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    from deepspeed_ext.hf_trainer import DynPluginTrainerMixin
+
+    class ObservedSFT(Observing, DynPluginTrainerMixin, SFTTrainer):
+        pass
+
+    vocab = {str(i): i for i in range(MODEL["vocab_size"])}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="0")), pad_token="0", eos_token="1"
+    )
+    args = SFTConfig(**kwargs.pop("args").to_dict() | {"max_length": None, "dataset_text_field": "text"})
+    train = Dataset.from_list([{"input_ids": [int(t) for t in item["input_ids"]]} for item in kwargs["data"]])
+    return ObservedSFT(args=args, train_dataset=train, processing_class=tokenizer, **kwargs)
 
 
 def _token_mean(model, samples) -> float:
@@ -105,13 +135,10 @@ def main():
             report_to=[],
             seed=0,
         )
-        trainer = Observed(
-            model=model,
-            args=args,
-            train_dataset=data,
-            ref=ref,
-            data=data,
-        )
+        if os.environ.get("HF_TRAINER") == "sft":
+            trainer = sft_trainer(model=model, args=args, ref=ref, data=data)
+        else:
+            trainer = Observed(model=model, args=args, train_dataset=data, ref=ref, data=data)
         result = trainer.train(resume_from_checkpoint=resume and f"{save_dir}/{resume}")
         logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         if dist.get_rank() == 0:

@@ -1,6 +1,7 @@
 """The Hugging Face ``Trainer`` on the plugin's plans (``deepspeed_ext/hf_trainer.py``).
 
-On 2 gloo ranks the plugin's ``Trainer`` (DeepSpeed ZeRO 1 and 3, fp32, SGD) trains a tiny Llama
+On 2 gloo ranks the plugin's ``Trainer`` (DeepSpeed ZeRO 1 and 3, fp32, SGD; and TRL's ``SFTTrainer``
+with the plugin's mixin) trains a tiny Llama
 on planned global batches of several micro-batches each; after every optimizer step its parameters
 equal the single-process token-mean reference on the same global batch (tests/hf_trainer_worker.py),
 and the ``Trainer`` logs that global batch's token-mean loss. What is not built is refused by name.
@@ -22,10 +23,11 @@ EXACT = 1e-6
 STEPS = 4  # an epoch of this data is 3 global batches: the run crosses into the next epoch
 
 
-@pytest.mark.parametrize("zero", [1, 3])
-def test_the_trainers_updates_are_the_token_mean_of_each_planned_global_batch(tmp_path, zero):
+@pytest.mark.parametrize("zero, trainer", [(1, "trainer"), (3, "trainer"), (1, "sft")])
+def test_the_trainers_updates_are_the_token_mean_of_each_planned_global_batch(tmp_path, zero, trainer):
+    """``trainer``: DynPluginTrainer, or TRL's SFTTrainer with DynPluginTrainerMixin first among its bases."""
     out = tmp_path / "result.json"
-    codes, logs = run("hf_trainer_worker.py", out, zero, STEPS, world=2, timeout=400)
+    codes, logs = run("hf_trainer_worker.py", out, zero, STEPS, world=2, timeout=400, env={"HF_TRAINER": trainer})
     assert codes == [0, 0], logs[0][-4000:]
     report = json.loads(out.read_text())
     steps = report["steps"]
