@@ -1,5 +1,6 @@
 """``dynplugin bench train``: the batchings trained side by side; ``--host`` and ``--model`` pick the
-module that trains them (train_deepspeed.py, train_megatron.py, train_megatron_lm.py, train_pairs.py).
+module that trains them (train_deepspeed.py, train_megatron.py, train_megatron_lm.py, train_hf.py,
+train_pairs.py).
 
 This module holds the sub-command's flags and the choice of module. Each module runs in child
 processes (its ranks launched by module name, launch.py; Megatron-LM's pretrain_gpt.py by
@@ -43,12 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--host",
-        choices=("deepspeed", "megatron", "megatron-lm"),
+        choices=("deepspeed", "megatron", "megatron-lm", "hf-trainer"),
         default="deepspeed",
         help="training framework: deepspeed (dyn_plugin/bench/train_deepspeed.py), megatron "
-        "(dyn_plugin/bench/train_megatron.py, Megatron's schedules under the plugin's patches) or megatron-lm "
+        "(dyn_plugin/bench/train_megatron.py, Megatron's schedules under the plugin's patches), megatron-lm "
         "(dyn_plugin/bench/train_megatron_lm.py, Megatron-LM's own pretrain_gpt.py: padded, Megatron-LM's "
-        "packing alone, the plugin)",
+        "packing alone, the plugin) or hf-trainer (dyn_plugin/bench/train_hf.py, the Hugging Face Trainer under "
+        "DeepSpeed: the stock Trainer padded, TRL's packing, the plugin through the Trainer and in its own loop)",
     )
     parser.add_argument(
         "--megatron-lm",
@@ -106,6 +108,18 @@ def run(args: argparse.Namespace) -> Iterable[dict]:
         return _megatron_lm(args)
     if args.stages > 1 and (args.host != "deepspeed" or args.sp):
         raise ValueError("--stages runs DeepSpeed's pipeline engine: drop --host and --sp, or --stages")
+    if args.host == "hf-trainer":
+        if args.sp:
+            raise ValueError(SP_ONLY_DEEPSPEED)
+        from .train_hf import MODES as HF_MODES
+
+        return launch_comparison(
+            "dyn_plugin.bench.train_hf",
+            "train-hf",
+            args,
+            ["--max-len", str(args.max_len or 4096), "--global-tokens", str(args.global_tokens)]
+            + _modes(args, HF_MODES),
+        )
     if args.host == "megatron":
         if args.sp:
             raise ValueError(SP_ONLY_DEEPSPEED)
