@@ -26,10 +26,13 @@ with a ``dyn_plugin`` section in that config, ``DynPluginTrainer`` (or any ``Tra
 - **Checkpoints.** Each of the Trainer's checkpoint folders gets the loader's position
   (``dyn_plugin_loader.json``), written whole by one rank after everything else; ``resume_from_checkpoint``
   restores it, so the run continues with the global batch after the saved one (the Trainer's own
-  skipping of batches is turned off: ``ignore_data_skip``). A folder without it is refused.
+  skipping of batches is turned off: ``ignore_data_skip``). A folder without it is refused;
+  ``resume_from_checkpoint=True`` takes the newest folder that has it.
 
-What is not built here yet is refused by name at start: training without DeepSpeed (plain DDP or
-FSDP through Accelerate), pipeline stages and gradient accumulation.
+With ``include_num_input_tokens_seen`` the Trainer's token count (and its tokens/s) is the global
+batch's. What is not built here yet is refused by name at start: training without DeepSpeed
+(plain DDP or FSDP through Accelerate), pipeline stages, gradient accumulation and models with
+frozen weights (PEFT/LoRA: the cost model would price weight gradients they do not have).
 """
 
 from __future__ import annotations
@@ -103,11 +106,28 @@ class DynPluginTrainerMixin:
         return cfg
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = self._newest_whole_checkpoint()
         if resume_from_checkpoint:
             # the loader resumes at its saved position (_load_optimizer_and_scheduler): the Trainer must
             # not skip batches of it as it skips a sampler's
             self.args.ignore_data_skip = True
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _newest_whole_checkpoint(self) -> str:
+        """``resume_from_checkpoint=True``: the newest checkpoint folder of ``output_dir`` that was
+        saved whole (it holds the loader's position, written last); newer ones were interrupted."""
+        root = self.args.output_dir
+        steps = sorted(
+            (int(name.rsplit("-", 1)[1]), name)
+            for name in (os.listdir(root) if os.path.isdir(root) else [])
+            if name.startswith(f"{PREFIX_CHECKPOINT_DIR}-") and name.rsplit("-", 1)[1].isdigit()
+        )
+        for _, name in reversed(steps):
+            if os.path.exists(os.path.join(root, name, LOADER_FILE)):
+                return os.path.join(root, name)
+            logger.warning("%s was not saved whole (no %s): resuming from an earlier checkpoint", name, LOADER_FILE)
+        raise ValueError(f"resume_from_checkpoint=True: no checkpoint saved whole in {root}")
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -152,6 +172,15 @@ class DynPluginTrainerMixin:
         if lengths is None:
             lengths = [len(item["input_ids"]) for item in dataset]
         model = self.accelerator.unwrap_model(self.model)
+        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+        if frozen:
+            # the cost model prices every weight's gradient and optimizer state: a model with frozen
+            # weights (PEFT's LoRA) would be planned for work and memory it does not have
+            raise ConfigError(
+                f"{len(frozen)} frozen parameters ({frozen[0]}, ...): DynPluginTrainer plans models whose weights all "
+                "train; frozen weights (PEFT/LoRA) are not priced yet (their weight gradients and optimizer states "
+                "do not exist); train the full model, or use the stock Trainer for adapters"
+            )
         cfg = checked(model, self._dyn_config)
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
         layout = RankLayout.from_config(world, cfg.plugin)
@@ -187,6 +216,20 @@ class DynPluginTrainerMixin:
         dp = dist.get_world_size() if dist.is_initialized() else 1
         loss = token_mean_step(inputs, deepspeed_host(engine, inputs), dp)
         return torch.tensor(loss, device=self.args.device)
+
+    def _track_num_input_tokens(self, inputs: Step) -> None:
+        """The Trainer's ``num_input_tokens_seen`` (and with it its tokens/s) for a planned step: the
+        global batch's token slots ("all") or real tokens ("non_padding"), summed over the ranks
+        (each rank of a sequence-parallel group counts its own shard's slots: the sum is the rows')."""
+        mode = self.args.include_num_input_tokens_seen
+        if mode == "no":
+            return
+        if mode == "non_padding":
+            mine = sum(sum(d.seq_lens) for d, (_, _, index) in zip(inputs.loaded, inputs.shards) if index == 0)
+        else:
+            mine = sum(int(m["input_ids"].numel()) for m in inputs.micro_batches)
+        tokens = torch.tensor(mine, device=self.args.device, dtype=torch.int64)
+        self.state.num_input_tokens_seen += int(self.accelerator.gather(tokens).sum())
 
     def floating_point_ops(self, inputs: Step) -> int:
         """Model FLOPs of this rank's real tokens (6 per parameter and token, as the stock ``Trainer``

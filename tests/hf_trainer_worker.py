@@ -3,11 +3,13 @@ SGD, a constant learning rate, no clipping) trains a tiny Llama on planned globa
 every optimizer step its parameters are compared with the single-process token-mean reference
 trained on the same global batch (run as a script: ``hf_trainer_worker.py OUT ZERO STEPS [SAVE_DIR
 [RESUME]]``: with SAVE_DIR it saves a checkpoint every 2 steps there, with RESUME it resumes from that
-checkpoint of SAVE_DIR; rank 0 writes the final parameters beside OUT). ``$HF_TRAINER`` = sft: TRL's
+checkpoint of SAVE_DIR, "newest": ``resume_from_checkpoint=True``; rank 0 writes the final
+parameters beside OUT). ``$HF_TRAINER`` = sft: TRL's
 ``SFTTrainer`` with the plugin's mixin instead."""
 
 import copy
 import os
+import signal
 import sys
 import tempfile
 
@@ -19,7 +21,7 @@ import deepspeed_ext
 deepspeed_ext.skip_cpu_shm_build()
 
 import deepspeed  # noqa: E402
-from transformers import TrainingArguments  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from deepspeed_ext.hf_trainer import DynPluginTrainer  # noqa: E402
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
@@ -59,7 +61,19 @@ class Observing:
         return loss
 
 
-class Observed(Observing, DynPluginTrainer):
+class Killed:
+    """With ``$HF_TRAINER_KILL`` = N, every rank SIGKILLs itself inside the save of step N's checkpoint,
+    once the Trainer has written its files and before the loader's position: a save cut short."""
+
+    def _save_checkpoint(self, model, trial):
+        if self.state.global_step != int(os.environ.get("HF_TRAINER_KILL", "0")):
+            return super()._save_checkpoint(model, trial)
+        Trainer._save_checkpoint(self, model, trial)
+        dist.barrier()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Observed(Killed, Observing, DynPluginTrainer):
     """The plugin's Trainer."""
 
 
@@ -132,6 +146,7 @@ def main():
             logging_steps=1,
             save_strategy="steps" if save_dir else "no",
             save_steps=2,
+            include_num_input_tokens_seen="non_padding",
             report_to=[],
             seed=0,
         )
@@ -139,11 +154,13 @@ def main():
             trainer = sft_trainer(model=model, args=args, ref=ref, data=data)
         else:
             trainer = Observed(model=model, args=args, train_dataset=data, ref=ref, data=data)
-        result = trainer.train(resume_from_checkpoint=resume and f"{save_dir}/{resume}")
+        result = trainer.train(resume_from_checkpoint=True if resume == "newest" else resume and f"{save_dir}/{resume}")
         logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         if dist.get_rank() == 0:
             torch.save([p.detach() for p in trainer.accelerator.unwrap_model(trainer.model).parameters()], f"{out}.pt")
-    finish({"steps": trainer.records, "global_step": result.global_step, "logged": logged}, out)
+    report = {"steps": trainer.records, "global_step": result.global_step, "logged": logged}
+    report |= {"tokens_seen": trainer.state.num_input_tokens_seen, "lengths": [int(n) for n in lengths]}
+    finish(report, out)
 
 
 if __name__ == "__main__":

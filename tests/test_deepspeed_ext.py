@@ -102,7 +102,7 @@ def test_pipeline_with_zero_2_is_refused_before_training():
 
 def test_cost_model_takes_the_heads_a_profile_lacks_from_the_live_model(tmp_path):
     """A version 2 profile of imported tables records no heads: the model being trained says."""
-    from deepspeed_ext.engine import _cost_model
+    from deepspeed_ext.engine import cost_model_for
     from dyn_plugin.config import load_config
     from dyn_plugin.cost.bundled import DIR
     from dyn_plugin.models.hf import PRESETS, build_causal_lm
@@ -115,5 +115,5 @@ def test_cost_model_takes_the_heads_a_profile_lacks_from_the_live_model(tmp_path
     cfg = load_config(
         {"fp16": {"enabled": True}, "dyn_plugin": {"cost_model": {"kind": "profile", "profile": str(path)}}}
     )
-    cost = _cost_model(cfg, build_causal_lm(PRESETS["tiny-llama"], num_layers=1))
+    cost = cost_model_for(cfg, build_causal_lm(PRESETS["tiny-llama"], num_layers=1))
     assert (cost.num_heads, cost.num_kv_heads, cost.hidden_size) == (4, 2, 4096)  # width: the profile's own

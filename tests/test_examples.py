@@ -1,4 +1,4 @@
-"""The user scripts in examples/ run as a user would launch them: 2 CPU ranks, a couple of steps,
+"""The user scripts in examples/ run as a user would launch them: 2 CPU ranks, a few steps,
 the loss logged per step (slow: rank 0 tokenizes the standard library's source first)."""
 
 import os
@@ -64,3 +64,14 @@ def test_the_fsdp_example_trains_logs_the_loss_and_saves(tmp_path, data):
     assert "plan:" in out and "step 1:" in out
     assert (tmp_path / "ckpt" / "step2" / "dyn_plugin_checkpoint.json").exists()
     assert (tmp_path / "ckpt" / "step2" / ".metadata").exists()
+
+
+@pytest.mark.slow
+def test_the_trainer_example_trains_saves_and_resumes(tmp_path, data):
+    # torchrun, the Hugging Face Trainer's loop: 10 steps with a checkpoint at 10, then 2 more resumed from it
+    run = [os.path.join(BIN, "torchrun"), "--nproc_per_node=2", "examples/hf_trainer/train.py", "--data", data]
+    out = launch(run + ["--steps", "10", "--out", str(tmp_path / "out")])
+    assert out.count("'loss'") == 10 and "num_input_tokens_seen" in out  # the Trainer's log, a line a step
+    assert (tmp_path / "out" / "checkpoint-10" / "dyn_plugin_loader.json").exists()
+    resumed = launch(run + ["--steps", "12", "--out", str(tmp_path / "out"), "--resume"])
+    assert resumed.count("'loss'") == 2  # steps 11 and 12 only: it went on from the checkpoint

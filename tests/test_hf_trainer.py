@@ -40,6 +40,8 @@ def test_the_trainers_updates_are_the_token_mean_of_each_planned_global_batch(tm
     assert max(s["micro_batches"] for s in steps) > 1  # the plan cut global batches into several micro-batches
     epoch = [i for s in steps[:3] for i in s["ids"]]
     assert sorted(epoch) == list(range(40))  # the first epoch: every sample once
+    # the Trainer's own token count (include_num_input_tokens_seen): the real tokens of the global batches
+    assert report["tokens_seen"] == sum(report["lengths"][i] for s in steps for i in s["ids"])
 
 
 def test_a_resume_from_a_trainer_checkpoint_is_the_uninterrupted_run(tmp_path):
@@ -60,6 +62,27 @@ def test_a_resume_from_a_trainer_checkpoint_is_the_uninterrupted_run(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(*final))
 
 
+def test_a_run_killed_while_saving_resumes_from_the_newest_whole_checkpoint(tmp_path):
+    """Every rank SIGKILLed inside the save of step 4's checkpoint (the Trainer's files written, the
+    loader's position not): relaunched with ``resume_from_checkpoint=True`` it resumes from
+    checkpoint-2, trains steps 3 to 6 as the uninterrupted run did, and ends with its parameters, bit
+    for bit; nothing trained twice within an epoch, nothing skipped."""
+    steps, ckpt, whole = 6, tmp_path / "ckpt", tmp_path / "whole"
+    codes, logs = run("hf_trainer_worker.py", tmp_path / "whole.json", 1, steps, whole, world=2, timeout=400)
+    assert codes == [0, 0], logs[0][-4000:]
+    kill = {"HF_TRAINER_KILL": "4"}
+    codes, _ = run("hf_trainer_worker.py", tmp_path / "killed.json", 1, steps, ckpt, world=2, env=kill, timeout=400)
+    assert codes == [-9, -9]
+    assert (ckpt / "checkpoint-4").exists() and not (ckpt / "checkpoint-4" / LOADER_FILE).exists()
+    codes, logs = run("hf_trainer_worker.py", tmp_path / "resumed.json", 1, steps, ckpt, "newest", world=2)
+    assert codes == [0, 0], logs[0][-4000:]
+    assert "checkpoint-4 was not saved whole" in logs[0]
+    reference, resumed = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("whole", "resumed"))
+    assert [s["ids"] for s in resumed["steps"]] == [s["ids"] for s in reference["steps"]][2:]
+    final = [torch.load(tmp_path / f"{n}.json.pt") for n in ("whole", "resumed")]
+    assert all(torch.equal(a, b) for a, b in zip(*final))
+
+
 def test_a_checkpoint_without_the_loaders_position_is_refused(tmp_path):
     class Restoring:
         def _load_optimizer_and_scheduler(self, checkpoint):
@@ -71,6 +94,20 @@ def test_a_checkpoint_without_the_loaders_position_is_refused(tmp_path):
     trainer = Trainer.__new__(Trainer)
     with pytest.raises(ConfigError, match=f"has no {LOADER_FILE}: the save was interrupted"):
         trainer._load_optimizer_and_scheduler(str(tmp_path))
+
+
+def test_a_model_with_frozen_weights_is_refused_before_planning():
+    """PEFT/LoRA freeze the base weights: the cost model would price their gradients and states."""
+    from types import SimpleNamespace
+
+    _, data = random_dataset(0)
+    model = build_causal_lm(MODEL)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    trainer = DynPluginTrainerMixin.__new__(DynPluginTrainerMixin)
+    trainer.accelerator, trainer.model = SimpleNamespace(unwrap_model=lambda m: m), model
+    trainer.train_dataset, trainer._dyn_lengths = data, None
+    with pytest.raises(ConfigError, match=r"1 frozen parameters \(model.embed_tokens.weight, ...\).*PEFT/LoRA"):
+        trainer._build_loader()
 
 
 def _args(tmp_path, **kwargs) -> TrainingArguments:

@@ -141,9 +141,9 @@ def _loaded(ds: dict, cost_model: dict):
     "ds, dtype", [({}, "fp32"), ({"bf16": {"enabled": True}}, "bf16"), ({"fp16": {"enabled": True}}, "fp16")]
 )
 def test_the_cost_model_prices_the_precision_deepspeed_trains_in(ds, dtype):
-    cost = deepspeed_ext.engine._cost_model(_loaded(ds, {"kind": "analytic"}), LLAMA)
+    cost = deepspeed_ext.engine.cost_model_for(_loaded(ds, {"kind": "analytic"}), LLAMA)
     assert cost.dtype == dtype
-    fp32 = deepspeed_ext.engine._cost_model(_loaded({}, {"kind": "analytic"}), LLAMA)
+    fp32 = deepspeed_ext.engine.cost_model_for(_loaded({}, {"kind": "analytic"}), LLAMA)
     stored = [c.table("padded", "none", 1).fits["layer"]["stored_bytes"].coef for c in (cost, fp32)]
     assert (stored[0] == stored[1]) == (dtype == "fp32")  # activation bytes per element follow the dtype
 
@@ -161,22 +161,22 @@ def test_a_cost_model_dtype_other_than_deepspeeds_is_refused(ds, dtype, field):
         match=rf"dyn_plugin.cost_model.dtype is '{dtype}' but the DeepSpeed config .*"
         rf"\({field}\).*set it to",
     ):
-        deepspeed_ext.engine._cost_model(_loaded(ds, {"kind": "analytic", "dtype": dtype}), LLAMA)
+        deepspeed_ext.engine.cost_model_for(_loaded(ds, {"kind": "analytic", "dtype": dtype}), LLAMA)
 
 
 def test_a_profile_measured_in_another_precision_is_refused():
     profile = {"kind": "profile", "profile": "a100-gpt-6.7b"}  # measured in fp16
-    assert deepspeed_ext.engine._cost_model(_loaded({"fp16": {"enabled": True}}, profile), LLAMA).dtype == "fp16"
+    assert deepspeed_ext.engine.cost_model_for(_loaded({"fp16": {"enabled": True}}, profile), LLAMA).dtype == "fp16"
     with pytest.raises(
         ValueError,
         match=r"'a100-gpt-6.7b' was measured in fp16 \(its model.dtype\), but "
         r"dyn_plugin.cost_model.dtype is 'bf16'",
     ):
-        deepspeed_ext.engine._cost_model(_loaded({"bf16": {"enabled": True}}, profile), LLAMA)
+        deepspeed_ext.engine.cost_model_for(_loaded({"bf16": {"enabled": True}}, profile), LLAMA)
 
 
 def test_a_cost_model_argument_in_another_precision_is_refused_before_training():
-    cost = deepspeed_ext.engine._cost_model(_loaded({"bf16": {"enabled": True}}, {"kind": "analytic"}), LLAMA)
+    cost = deepspeed_ext.engine.cost_model_for(_loaded({"bf16": {"enabled": True}}, {"kind": "analytic"}), LLAMA)
     with pytest.raises(ValueError, match=r"cost_model argument's dtype is 'bf16' .* trains in fp32"):
         deepspeed_ext.initialize(model=LLAMA, config={"dyn_plugin": {}}, dataset=[], lengths=[], cost_model=cost)
 

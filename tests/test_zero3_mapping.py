@@ -156,7 +156,7 @@ def test_sharding_needs_zero3_and_a_plan_for_this_model(model):
             model=None, config={"zero_optimization": {"stage": 3}}, dataset=[], lengths=[], shard_plan=plan
         )
     enabled = load_config({"zero_optimization": {"stage": 3}, "dyn_plugin": {"sharding": {"enabled": True}}})
-    cost, lengths = deepspeed_ext.engine._cost_model(enabled, model), [50, 120, 30, 200] * 10
+    cost, lengths = deepspeed_ext.engine.cost_model_for(enabled, model), [50, 120, 30, 200] * 10
     with pytest.raises(ValueError, match="searched for 2 ranks but 4 are running"):
         resolve_shard_plan(shard_units(model), enabled.plugin, cost, lengths, world=4, host="zero3", plan=plan)
     # without a plan it is searched; a budget below the smallest plan says the minimum
