@@ -4,7 +4,7 @@ every optimizer step its parameters are compared with the single-process token-m
 trained on the same global batch (run as a script: ``hf_trainer_worker.py OUT ZERO STEPS [SAVE_DIR
 [RESUME]]``: with SAVE_DIR it saves a checkpoint every 2 steps there, with RESUME it resumes from that
 checkpoint of SAVE_DIR, "newest": ``resume_from_checkpoint=True``; rank 0 writes the final
-parameters beside OUT). ``$HF_TRAINER`` = sft: TRL's
+parameters beside OUT, and those after each step). ``$HF_TRAINER`` = sft: TRL's
 ``SFTTrainer`` with the plugin's mixin instead."""
 
 import copy
@@ -36,6 +36,7 @@ class Observing:
     def __init__(self, *args, ref, data, **kwargs):
         super().__init__(*args, **kwargs)
         self.ref, self.data, self.records = ref, data, []
+        self.after: list[list[torch.Tensor]] = []  # the parameters after each step
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -47,6 +48,7 @@ class Observing:
         mine = list(self.accelerator.unwrap_model(self.model).parameters())
         with deepspeed.zero.GatheredParameters(mine):  # ZeRO-3 holds a shard of each parameter
             diff = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(mine, self.ref.parameters()))
+            self.after.append([p.detach().clone() for p in mine])
         self.records.append(
             {
                 "ids": ids,
@@ -158,6 +160,7 @@ def main():
         logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         if dist.get_rank() == 0:
             torch.save([p.detach() for p in trainer.accelerator.unwrap_model(trainer.model).parameters()], f"{out}.pt")
+            torch.save(trainer.after, f"{out}.steps.pt")
     report = {"steps": trainer.records, "global_step": result.global_step, "logged": logged}
     report |= {"tokens_seen": trainer.state.num_input_tokens_seen, "lengths": [int(n) for n in lengths]}
     finish(report, out)

@@ -3,7 +3,8 @@
 On 2 gloo ranks the plugin's ``Trainer`` (DeepSpeed ZeRO 1 and 3, fp32, SGD; and TRL's ``SFTTrainer``
 with the plugin's mixin) trains a tiny Llama
 on planned global batches of several micro-batches each; after every optimizer step its parameters
-equal the single-process token-mean reference on the same global batch (tests/hf_trainer_worker.py),
+equal the single-process token-mean reference on the same global batch (tests/hf_trainer_worker.py)
+and the stock ``Trainer`` trained on the same global batches (tests/hf_stock_worker.py),
 and the ``Trainer`` logs that global batch's token-mean loss. What is not built is refused by name.
 """
 
@@ -42,6 +43,23 @@ def test_the_trainers_updates_are_the_token_mean_of_each_planned_global_batch(tm
     assert sorted(epoch) == list(range(40))  # the first epoch: every sample once
     # the Trainer's own token count (include_num_input_tokens_seen): the real tokens of the global batches
     assert report["tokens_seen"] == sum(report["lengths"][i] for s in steps for i in s["ids"])
+
+
+def test_the_stock_trainer_on_the_same_global_batches_updates_alike(tmp_path):
+    """The stock ``Trainer`` (one process, no DeepSpeed) trains each of the plugin run's global batches
+    as one padded batch, with its own ``num_items_in_batch`` token mean: after every step its
+    parameters are the plugin's (2 ranks, ZeRO-1, several micro-batches a step) within 1e-6."""
+    out = tmp_path / "plugin.json"
+    codes, logs = run("hf_trainer_worker.py", out, 1, STEPS, world=2, timeout=400)
+    assert codes == [0, 0], logs[0][-4000:]
+    batches = [s["ids"] for s in json.loads(out.read_text())["steps"]]
+    (tmp_path / "batches.json").write_text(json.dumps(batches))
+    codes, logs = run("hf_stock_worker.py", tmp_path / "batches.json", tmp_path / "stock.pt", world=1, timeout=400)
+    assert codes == [0], logs[0][-4000:]
+    plugin, stock = torch.load(f"{out}.steps.pt"), torch.load(tmp_path / "stock.pt")
+    assert len(plugin) == len(stock) == STEPS
+    for mine, theirs in zip(plugin, stock):
+        assert max(float((a - b).abs().max()) for a, b in zip(mine, theirs)) <= EXACT
 
 
 def test_a_resume_from_a_trainer_checkpoint_is_the_uninterrupted_run(tmp_path):
