@@ -6,7 +6,9 @@ replicas.py, the plan types types.py, the ideal and critical-path bounds bounds.
 plan_step runs the DynaPipe partition (microbatch.py) for each allowed layout, spreads the
 micro-batches over the data-parallel replicas (assign.py), picks each replica's pipeline
 schedule by simulation (schedule.py) and keeps the layout whose simulated step is shortest.
-Baselines (baselines.py) go through the same pricing and simulation, so they compare fairly.
+Baselines (baselines.py) go through the same pricing and simulation, so they compare fairly; the
+exact ones are candidates of every step too (``CANDIDATES``), so the plugin's plan is never slower
+than theirs.
 """
 
 from __future__ import annotations
@@ -83,13 +85,15 @@ def plan_step(
     """
     if grouping is not None or spec.sp_sizes != (1,):
         grouped = same_recompute(plan_groups(lengths, spec, native=native, grouping=grouping), spec=spec)
-        if grouping is not None or 1 not in spec.sp_sizes:
+        if grouping is not None:
             return grouped
-        try:
-            plain = plan_step(lengths, replace(spec, sp_sizes=(1,)), native=native)
-        except ValueError:  # a sequence fits no single rank, or too few for every rank: only grouped plans run
-            return grouped
-        return grouped if grouped.iteration_ms < plain.iteration_ms else plain
+        if 1 in spec.sp_sizes:
+            try:
+                plain = plan_step(lengths, replace(spec, sp_sizes=(1,)), native=native)
+            except ValueError:  # a sequence fits no single rank, or too few for every rank: only grouped plans run
+                plain = None
+            grouped = plain if plain is not None and plain.iteration_ms <= grouped.iteration_ms else grouped
+        return _no_worse_than_the_baselines(grouped, lengths, spec, SP_CANDIDATES)
     candidates: list[list[MicroBatch]] = []
     infeasible: InfeasibleError | None = None
     for layout in spec.layouts:
@@ -129,4 +133,39 @@ def plan_step(
         plan = same_recompute(schedule_replicas(mbs, spec=spec, method="dynapipe"), spec=spec)
         if best is None or plan.iteration_ms < best.iteration_ms:
             best = plan
+    return _no_worse_than_the_baselines(best, lengths, spec, CANDIDATES)
+
+
+# The baselines whose plans the plugin's planner also weighs: those that compute what the plugin's own
+# plans compute (every document attending to itself only; packing_full's rows attend across documents,
+# so it is no candidate), priced and simulated the same way; the plugin's plan can then lose to none.
+CANDIDATES = ("fixed_padding", "token_budget", "packing_varlen")
+SP_CANDIDATES = ("fixed_sp", "megatron_hybrid_cp", "dcp_bucket")
+
+
+def _no_worse_than_the_baselines(
+    best: StepPlan, lengths: Sequence[int], spec: PlannerSpec, names: Sequence[str]
+) -> StepPlan:
+    """``best``, or a baseline's plan of the same global batch where that is faster and runs on this
+    spec (its layouts, its memory, equal counts where ZeRO-2/3 need them), then carried as the plugin's
+    own (``method`` "dynapipe", ``candidate`` the baseline it came from)."""
+    from .baselines import plan_baseline
+
+    max_len = spec.row_len or int(max(lengths))
+    for name in names:
+        try:
+            plan = same_recompute(plan_baseline(name, lengths, spec, max_len), spec=spec)
+        except ValueError:  # infeasible for this batch and spec (InfeasibleError is one)
+            continue
+        if plan.iteration_ms < best.iteration_ms * (1 - 1e-9) and _runs_here(plan, spec):
+            best = replace(plan, method="dynapipe", candidate=name)
     return best
+
+
+def _runs_here(plan: StepPlan, spec: PlannerSpec) -> bool:
+    mbs = [mb for r in plan.replicas for mb in r.micro_batches]
+    return (
+        all(mb.layout in spec.layouts and mb.sp in spec.sp_sizes for mb in mbs)
+        and all(p <= m.budget for r in plan.replicas for p, m in zip(r.sim.peak_bytes, spec.memory))
+        and (not spec.equal_counts or len({len(r.micro_batches) for r in plan.replicas}) == 1)
+    )

@@ -160,6 +160,7 @@ class StepPlan:
     layout: Layout
     replicas: tuple[ReplicaPlan, ...]
     update_ms: float = 0.0  # after every replica's pipeline drains: all-reduce + optimizer step
+    candidate: str = "dynapipe"  # the plugin's plans: which candidate won (its own, or a baseline's)
 
     @property
     def iteration_ms(self) -> float:
