@@ -186,6 +186,8 @@ def fixed_sp(lengths: Sequence[int], spec: PlannerSpec, *, tuned: bool = True) -
 
 
 def megatron_hybrid_cp(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
+    if 1 not in spec.sp_sizes:  # its short sequences run on one rank each
+        raise InfeasibleError("megatron_hybrid_cp: needs sequence_parallel.sizes to include 1")
     lens = np.asarray(lengths, dtype=np.int64)
     limits = size_limits(lens, spec, "packed")
     if limits.longest[1] == 0:
