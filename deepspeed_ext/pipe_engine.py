@@ -3,13 +3,9 @@
 DeepSpeed runs a fixed ``TrainSchedule``: the same micro-batch count every step, shapes
 exchanged before every transfer (``dynamic_shape``) or assumed constant. Here each step runs the
 rank's plan (``dyn_plugin.plan.steps.instructions``): its own number, sizes, layouts and order of
-micro-batches. Shapes travel in the instructions, so no meta-data is exchanged. A receive
-completes before the next instruction runs; a send alone is waited for at the next exchange, so
-the forward or backward between runs beside it (on NCCL a wait makes the compute stream wait for
-the transfer: waited at once, the next compute would queue behind the send); a send the plan
-batches with a receive (``batch_next``) is posted with it in one ``dist.batch_isend_irecv``, so
-nothing relies on a buffered send (NCCL has none; ``check_plans(rendezvous=True)`` proves the plans
-need none, and a later wait only lets a rank go further before it blocks).
+micro-batches. Shapes travel in the instructions, so no meta-data is exchanged; the transfers are
+posted and waited for as ``dyn_plugin.host.transfers`` does for every host (batched as the plan
+says, nothing relying on a buffered send).
 Gradient reduction, the optimizer step and the backward of the loss stay
 DeepSpeed's own (``_exec_reduce_grads``, ``_exec_optimizer_step``, ``_exec_backward_pass``).
 
@@ -48,13 +44,13 @@ from deepspeed_ext.pipe_module import summed_token_loss
 from deepspeed_ext.sequence_parallel import sequence_runtime
 from dyn_plugin.host.feed import DeviceFeed, copy_to
 from dyn_plugin.host.recompute import recompute_switch
+from dyn_plugin.host.transfers import Post, run_instructions
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.models import varlen_attention
 from dyn_plugin.models.recompute import planned_layers
 from dyn_plugin.models.sequence_parallel import SequenceShard
 from dyn_plugin.models.split_backward import split_backward
 from dyn_plugin.plan.steps.instructions import (
-    EXCHANGES,
     BackwardInput,
     BackwardPass,
     BackwardWeight,
@@ -81,8 +77,6 @@ class PlanPipelineEngine(PipelineEngine):
         self._check_topology()
         self._losses: dict[int, torch.Tensor] = {}  # buffer -> scaled loss awaiting its backward
         self._tokens: dict[int, tuple[torch.Tensor, ...]] = {}  # buffer -> a pair stage's loaded ids and mask
-        self._sending: tuple[list, list[Callable[[], None]]] | None = None  # posted sends, waited at the next exchange
-        self._receiving = False  # the posted batch holds a receive: waited before the next instruction but a W
         self._split: set[int] = set()  # this step's micro-batches whose backward is split here
 
     def _check_topology(self) -> None:
@@ -172,22 +166,18 @@ class PlanPipelineEngine(PipelineEngine):
         self._split = {i.mb for i in instructions if isinstance(i, BackwardInput)}
         if self._split:
             split_backward(self.module).clear()
-        batch: list[tuple[dist.P2POp, Callable[[], None]]] = []
-        for ins in instructions:
-            handler = self._INSTRUCTION_MAP.get(type(ins))
-            if handler is None:
-                raise RuntimeError(f"{type(self).__name__} has no handler for {type(ins).__name__}")
-            if not isinstance(ins, EXCHANGES):
-                if self._receiving and not isinstance(ins, BackwardWeight):
-                    self._finish_sends()  # a W runs while the transfers before it complete; nothing else
-                with self._around_pass(ins):
-                    MethodType(handler, self)(ins)
-                continue
-            batch += MethodType(handler, self)(ins)
-            if not ins.batch_next:
-                self._exchange(batch)
-                batch = []
-        self._finish_sends()
+
+        def compute(ins: Instruction) -> None:
+            with self._around_pass(ins):
+                self._handler(ins)(ins)
+
+        run_instructions(instructions, post=lambda ins: self._handler(ins)(ins), compute=compute)
+
+    def _handler(self, ins: Instruction) -> Callable:
+        handler = self._INSTRUCTION_MAP.get(type(ins))
+        if handler is None:
+            raise RuntimeError(f"{type(self).__name__} has no handler for {type(ins).__name__}")
+        return MethodType(handler, self)
 
     @contextlib.contextmanager
     def _around_pass(self, ins: Instruction) -> Iterator[None]:
@@ -237,26 +227,6 @@ class PlanPipelineEngine(PipelineEngine):
         if mb not in self._shards:
             self._shards[mb] = self._sequence.planned_shard(self._step, mb, self.stage_id)
         return self._shards[mb]
-
-    def _exchange(self, batch: list[tuple[dist.P2POp, Callable[[], None]]]) -> None:
-        """Finish the send left pending by the exchange before, then post a batch of sends and
-        receives together. A batch with a receive is waited for at once, and only then is what was
-        received used; a batch of sends only is left pending until the next exchange (or the step's
-        end), holding its tensors until then: one micro-batch's activation or gradient longer."""
-        self._finish_sends()
-        works = dist.batch_isend_irecv([op for op, _ in batch])
-        self._sending = (works, [done for _, done in batch])
-        # a batch with a receive is waited for before the next instruction that is not a W (_run)
-        self._receiving = any(op.op is not dist.isend for op, _ in batch)
-
-    def _finish_sends(self) -> None:
-        works, dones = self._sending or ((), ())
-        self._sending = None
-        self._receiving = False
-        for work in works:
-            work.wait()
-        for done in dones:
-            done()
 
     def _check_plan(self, plan: ExecutionPlan) -> None:
         want = (self.global_rank, self.stage_id, self.num_stages, self.grid.data_parallel_id)
@@ -332,7 +302,7 @@ class PlanPipelineEngine(PipelineEngine):
         inputs = torch.tensor([n for n, _ in desc.seq_lens])
         return copy_to((torch.arange(desc.shape[1])[None, :] < inputs[:, None]).long(), self.device)
 
-    def _exec_recv_activation(self, ins: RecvActivation) -> list[tuple[dist.P2POp, Callable[[], None]]]:
+    def _exec_recv_activation(self, ins: RecvActivation) -> list[Post]:
         received = self._empty(ins.shapes)
 
         def done() -> None:
@@ -348,9 +318,7 @@ class PlanPipelineEngine(PipelineEngine):
         return [torch.empty(shape, dtype=self._act_dtype(), device=self.device) for shape in shapes]
 
     @staticmethod
-    def _transfers(
-        op: Callable, tensors: list[torch.Tensor], peer: int, done: Callable[[], None]
-    ) -> list[tuple[dist.P2POp, Callable[[], None]]]:
+    def _transfers(op: Callable, tensors: list[torch.Tensor], peer: int, done: Callable[[], None]) -> list[Post]:
         """One transfer per tensor, posted in one batch with the instruction's neighbours; ``done``
         once, after all of them."""
         ops = [dist.P2POp(op, t, peer) for t in tensors]
@@ -402,7 +370,7 @@ class PlanPipelineEngine(PipelineEngine):
             )
         return summed_token_loss(logits, labels, shifted=True)
 
-    def _exec_send_activation(self, ins: SendActivation) -> list[tuple[dist.P2POp, Callable[[], None]]]:
+    def _exec_send_activation(self, ins: SendActivation) -> list[Post]:
         outputs = self.pipe_buffers["outputs"][ins.buffer]
         sent = [t.detach().contiguous() for t in (outputs if isinstance(outputs, tuple) else (outputs,))]
 
@@ -412,7 +380,7 @@ class PlanPipelineEngine(PipelineEngine):
 
         return self._transfers(dist.isend, sent, self._peer(ins, +1), done)
 
-    def _exec_recv_grad(self, ins: RecvGrad) -> list[tuple[dist.P2POp, Callable[[], None]]]:
+    def _exec_recv_grad(self, ins: RecvGrad) -> list[Post]:
         grads = self._empty(ins.shapes)
 
         def done() -> None:  # as DeepSpeed's backward takes them: one tensor, or one per output
@@ -434,7 +402,7 @@ class PlanPipelineEngine(PipelineEngine):
     def _exec_backward_weight(self, ins: BackwardWeight) -> None:
         split_backward(self.module).weights(ins.mb)
 
-    def _exec_send_grad(self, ins: SendGrad) -> list[tuple[dist.P2POp, Callable[[], None]]]:
+    def _exec_send_grad(self, ins: SendGrad) -> list[Post]:
         inputs = self.pipe_buffers["inputs"][ins.buffer]
         grads = [t.grad for t in (inputs if self._pairs else inputs[:1])]  # of every received tensor
 

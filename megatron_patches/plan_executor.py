@@ -19,10 +19,9 @@ on Megatron's own pieces, so the loss, its scaling and the gradients stay Megatr
   of the whole global batch's token mean;
 - transfers go point to point with the shapes the plan names (no shape exchange, so
   ``variable_seq_lengths``'s handshake is not needed), ``[s, b, h]`` as Megatron's stages pass
-  them, in the pipeline's dtype, posted in the plan's batches and waited for as the DeepSpeed pipeline engine
-  does (``deepspeed_ext/pipe_engine.py``): a receive completes before the next instruction that
-  is not a W, a send by the next exchange. ``check_plans(rendezvous=True)`` proves the plans need
-  no buffered send.
+  them, in the pipeline's dtype, posted in the plan's batches and waited for as for every host
+  (``dyn_plugin.host.transfers``: a receive completes before the next instruction that is not a
+  W, a send by the next exchange; no buffered send relied on).
 
 The TP ranks of one (stage, column) cell run the same plan, so the collectives inside a forward,
 an I or a W (tensor parallelism) meet in the same order on each. What the executor cannot run as
@@ -39,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from dyn_plugin.config import ConfigError
+from dyn_plugin.host.transfers import Post, run_instructions
 from dyn_plugin.plan.steps.instructions import (
-    EXCHANGES,
     BackwardInput,
     BackwardPass,
     BackwardWeight,
@@ -58,8 +57,6 @@ from .batches import device
 from .split_linear import megatron_split
 
 logger = logging.getLogger(__name__)
-
-Post = tuple[dist.P2POp, Callable[[], None]]
 
 
 def runs_plans(run: Any) -> bool:
@@ -152,8 +149,6 @@ class _Executor:
         self.splitter = megatron_split(chunk) if self.split else None
         if self.splitter is not None:
             self.splitter.clear()
-        self._sending: tuple[list, list] | None = None
-        self._receiving = False
 
     # -- transfers -----------------------------------------------------------------------------
     def _shape(self, ins: Instruction) -> tuple[int, int, int]:
@@ -170,20 +165,6 @@ class _Executor:
 
     def _send(self, ins: Instruction, offset: int, tensor: torch.Tensor, after: Callable[[], None]) -> list[Post]:
         return [(dist.P2POp(dist.isend, tensor.contiguous(), self.peers[offset], self.group), after)]
-
-    def _exchange(self, batch: list[Post]) -> None:
-        self._finish_sends()
-        works = dist.batch_isend_irecv([op for op, _ in batch])
-        self._sending = (works, [done for _, done in batch])
-        self._receiving = any(op.op is not dist.isend for op, _ in batch)
-
-    def _finish_sends(self) -> None:
-        works, dones = self._sending or ((), ())
-        self._sending, self._receiving = None, False
-        for work in works:
-            work.wait()
-        for done in dones:
-            done()
 
     def post(self, ins: Instruction) -> list[Post]:
         from megatron.core.pipeline_parallel import schedules
@@ -246,34 +227,23 @@ class _Executor:
         if not self.first:
             self.input_grads[ins.mb] = grad
 
-    def weights(self, ins: BackwardWeight) -> None:
-        self.splitter.weights(ins.mb)
+    def compute(self, ins: Instruction) -> None:
+        if isinstance(ins, ForwardPass):
+            self.forward(ins)
+        elif isinstance(ins, (BackwardPass, BackwardInput)):
+            self.backward(ins)
+        elif isinstance(ins, BackwardWeight):
+            self.splitter.weights(ins.mb)
+        elif not isinstance(ins, (LoadMicroBatch, ReduceGrads, OptimizerStep)):
+            raise RuntimeError(f"the Megatron executor has no handler for {type(ins).__name__}")
+        # loads come through the data iterator in forward order; Megatron's train_step reduces the
+        # gradients (run() ends with that) and steps the optimizer after the executor returns
 
     def run(self) -> list:
         no_sync = (self.config.no_sync_func or contextlib.nullcontext)()
         no_sync.__enter__()
         try:
-            batch: list[Post] = []
-            for ins in self.plan.instructions:
-                if isinstance(ins, EXCHANGES):
-                    batch += self.post(ins)
-                    if not ins.batch_next:
-                        self._exchange(batch)
-                        batch = []
-                    continue
-                if self._receiving and not isinstance(ins, BackwardWeight):
-                    self._finish_sends()  # a W runs while the transfers before it complete; nothing else
-                if isinstance(ins, ForwardPass):
-                    self.forward(ins)
-                elif isinstance(ins, (BackwardPass, BackwardInput)):
-                    self.backward(ins)
-                elif isinstance(ins, BackwardWeight):
-                    self.weights(ins)
-                elif not isinstance(ins, (LoadMicroBatch, ReduceGrads, OptimizerStep)):
-                    raise RuntimeError(f"the Megatron executor has no handler for {type(ins).__name__}")
-                # loads come through the data iterator in forward order; Megatron's train_step
-                # reduces the gradients (below) and steps the optimizer after this function returns
-            self._finish_sends()
+            run_instructions(self.plan.instructions, post=self.post, compute=self.compute)
         finally:
             no_sync.__exit__(None, None, None)
         if self.config.grad_sync_func is not None:

@@ -45,7 +45,7 @@ def test_a_send_alone_is_waited_for_at_the_next_exchange(monkeypatch):
 
     import torch.distributed as dist
 
-    from deepspeed_ext.pipe_engine import PlanPipelineEngine
+    from dyn_plugin.host.transfers import Transfers
 
     events = []
 
@@ -61,17 +61,18 @@ def test_a_send_alone_is_waited_for_at_the_next_exchange(monkeypatch):
         return [Work(op.name) for op in ops]
 
     monkeypatch.setattr(dist, "batch_isend_irecv", batch_isend_irecv)
-    engine = PlanPipelineEngine.__new__(PlanPipelineEngine)
-    engine._sending = None
+    transfers = Transfers()  # the DeepSpeed pipeline engine's and the Megatron executor's
 
     def op(kind, name):
         return SimpleNamespace(op=kind, name=name), lambda: events.append(f"done {name}")
 
-    engine._exchange([op(dist.isend, "act0")])
+    transfers.exchange([op(dist.isend, "act0")])
     events.append("forward 1")
-    engine._exchange([op(dist.isend, "act1"), op(dist.irecv, "grad0")])
-    engine._exchange([op(dist.isend, "act2")])
-    engine._finish_sends()
+    transfers.exchange([op(dist.isend, "act1"), op(dist.irecv, "grad0")])
+    assert transfers.receiving  # a batch with a receive: waited before the next instruction but a W
+    transfers.exchange([op(dist.isend, "act2")])
+    assert not transfers.receiving
+    transfers.finish()
     assert events == [
         "post act0",
         "forward 1",  # ran while act0 was in flight
