@@ -232,6 +232,20 @@ def write_step_trace(step, timings: list, cost, out: str, device: torch.device) 
     write_json_atomic(os.path.join(out, "step-trace.json"), {"traceEvents": events, "displayTimeUnit": "ms"})
 
 
+def start_rank(args) -> tuple[torch.device, str]:
+    """A DeepSpeed benchmark rank's start: its device, the process group (NCCL on GPUs, gloo on CPU),
+    the precision the profile measured (``args.ranks_on`` names both for the report) and ``args.out``."""
+    deepspeed_ext.skip_cpu_shm_build()
+    import deepspeed
+
+    device = use_rank_device()
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    dtype = profile_dtype(args.profile, device)
+    args.ranks_on = ranks_on(device, dtype)
+    os.makedirs(args.out, exist_ok=True)
+    return device, dtype
+
+
 def preamble(args) -> str:
     return batchings_preamble(
         f"# Training demo: {args.model}, DeepSpeed ZeRO-1, {dist.get_world_size()} {args.ranks_on}",
@@ -265,14 +279,7 @@ def main() -> None:
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
-    deepspeed_ext.skip_cpu_shm_build()
-    import deepspeed
-
-    device = use_rank_device()
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    dtype = profile_dtype(args.profile, device)
-    args.ranks_on = ranks_on(device, dtype)
-    os.makedirs(args.out, exist_ok=True)
+    device, dtype = start_rank(args)
     if args.memory_mb is None and any(m in SP_MODES for m in args.modes.split(",")):
         if not args.profile:
             raise SystemExit(

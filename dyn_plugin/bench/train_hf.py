@@ -32,8 +32,6 @@ import time
 import torch
 import torch.distributed as dist
 
-import deepspeed_ext
-
 from ..models.hf import build_causal_lm, load_model_config
 from .train_common import (
     add_model_argument,
@@ -41,14 +39,11 @@ from .train_common import (
     common_parser,
     cost_model_section,
     finish_batchings,
-    profile_dtype,
-    ranks_on,
     step_record,
     synchronize,
     tokenized_corpus,
-    use_rank_device,
 )
-from .train_deepspeed import precision_section, run_mode
+from .train_deepspeed import precision_section, run_mode, start_rank
 
 MODES = ("padded", "trl_packing", "dyn_plugin", "dyn_plugin_loop")
 BASELINES = ("padded", "trl_packing", "dyn_plugin_loop")
@@ -233,11 +228,6 @@ def run_trainer(mode: str, args, docs, lengths, dtype: str, out: str, subset: li
     return trainer.records, trainer.trained
 
 
-def _planned_documents(args, docs, lengths, dtype: str, out: str) -> list[int]:
-    """The documents the plugin's plans train in the benchmark's steps, where its mode is not run."""
-    return run_trainer("dyn_plugin", args, docs, lengths, dtype, out, [])[1]
-
-
 def main() -> None:
     p = common_parser(__doc__, "out/train-hf", "profile JSON of the model on this machine (dynplugin profile)")
     add_model_argument(p)
@@ -246,29 +236,22 @@ def main() -> None:
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
-    deepspeed_ext.skip_cpu_shm_build()
-    import deepspeed
-
-    device = use_rank_device()
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    dtype = profile_dtype(args.profile, device)
-    args.ranks_on = ranks_on(device, dtype)
+    device, dtype = start_rank(args)
     args.stages, args.memory_mb = 1, None  # what train_deepspeed.run_mode reads for the plugin's own loop
-    os.makedirs(args.out, exist_ok=True)
     docs, lengths = tokenized_corpus(args.lengths, args.max_len, args.out)
-    records, subset = [], None
-    modes = args.modes.split(",")
+    records, subset = [], None  # subset: the documents the plugin's plans train, which the baselines train
     with tempfile.TemporaryDirectory() as out:
         # the plugin first: the baselines then train the documents its plans trained
-        for mode in sorted(modes, key=lambda m: m not in ("dyn_plugin", "dyn_plugin_loop")):
+        for mode in sorted(args.modes.split(","), key=lambda m: m not in ("dyn_plugin", "dyn_plugin_loop")):
             if mode == "dyn_plugin_loop":
                 records += [{**r, "mode": mode} for r in run_mode("dyn_plugin", args, docs, lengths, device, dtype)]
                 continue
-            if subset is None and mode != "dyn_plugin":
-                subset = _planned_documents(args, docs, lengths, dtype, out)
-            rows, trained = run_trainer(mode, args, docs, lengths, dtype, out, subset)
+            if subset is None and mode != "dyn_plugin":  # its mode not run: plan them all the same
+                subset = run_trainer("dyn_plugin", args, docs, lengths, dtype, out, [])[1]
+            rows, trained = run_trainer(mode, args, docs, lengths, dtype, out, subset or [])
             records += rows
-            subset = trained if mode == "dyn_plugin" else subset
+            if mode == "dyn_plugin":
+                subset = trained
     if dist.get_rank() == 0:
         preamble = batchings_preamble(
             f"# The Hugging Face Trainer: {args.model}, DeepSpeed ZeRO-1, {dist.get_world_size()} {args.ranks_on}",
