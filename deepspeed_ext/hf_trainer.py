@@ -31,8 +31,9 @@ with a ``dyn_plugin`` section in that config, ``DynPluginTrainer`` (or any ``Tra
 
 With ``include_num_input_tokens_seen`` the Trainer's token count (and its tokens/s) is the global
 batch's. What is not built here yet is refused by name at start: training without DeepSpeed
-(plain DDP or FSDP through Accelerate), pipeline stages, gradient accumulation and models with
-frozen weights (PEFT/LoRA: the cost model would price weight gradients they do not have).
+(plain DDP or FSDP through Accelerate), pipeline stages, gradient accumulation, encoder-decoder
+models (their (input, target) pairs) and models with frozen weights (PEFT/LoRA: the cost model
+would price weight gradients they do not have).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from dyn_plugin.host.exactness import checked
 from dyn_plugin.host.token_mean import token_mean_step
 from dyn_plugin.jsonfile import read_json
 from dyn_plugin.layout import RankLayout
+from dyn_plugin.models.hf import is_encoder_decoder
 from dyn_plugin.runtime.loader import DynLoader, Step
 
 logger = logging.getLogger(__name__)
@@ -172,6 +174,11 @@ class DynPluginTrainerMixin:
         if lengths is None:
             lengths = [len(item["input_ids"]) for item in dataset]
         model = self.accelerator.unwrap_model(self.model)
+        if is_encoder_decoder(model):
+            raise ConfigError(
+                f"{type(model).__name__} is an encoder-decoder: it trains on (input, target) pairs, which DynPluginTrainer "
+                "does not plan (it reads one sequence per item); train it with deepspeed_ext.initialize and [N, 2] lengths"
+            )
         frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
         if frozen:
             # the cost model prices every weight's gradient and optimizer state: a model with frozen
@@ -181,6 +188,8 @@ class DynPluginTrainerMixin:
                 "train; frozen weights (PEFT/LoRA) are not priced yet (their weight gradients and optimizer states "
                 "do not exist); train the full model, or use the stock Trainer for adapters"
             )
+        # counted once, before DeepSpeed partitions them (ZeRO-3 leaves each rank a shard: ds_numel is the whole)
+        self._dyn_parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         cfg = checked(model, self._dyn_config)
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
         layout = RankLayout.from_config(world, cfg.plugin)
@@ -235,7 +244,7 @@ class DynPluginTrainerMixin:
         """Model FLOPs of this rank's real tokens (6 per parameter and token, as the stock ``Trainer``
         counts them)."""
         tokens = sum(sum(desc.seq_lens) for desc in inputs.loaded)
-        return 6 * tokens * sum(p.numel() for p in self.model.parameters())
+        return 6 * tokens * self._dyn_parameters
 
 
 class DynPluginTrainer(DynPluginTrainerMixin, Trainer):

@@ -163,6 +163,7 @@ def main():
             torch.save(trainer.after, f"{out}.steps.pt")
     report = {"steps": trainer.records, "global_step": result.global_step, "logged": logged}
     report |= {"tokens_seen": trainer.state.num_input_tokens_seen, "lengths": [int(n) for n in lengths]}
+    report |= {"flos": trainer.state.total_flos, "parameters": sum(p.numel() for p in ref.parameters())}
     finish(report, out)
 
 

@@ -43,6 +43,8 @@ def test_the_trainers_updates_are_the_token_mean_of_each_planned_global_batch(tm
     assert sorted(epoch) == list(range(40))  # the first epoch: every sample once
     # the Trainer's own token count (include_num_input_tokens_seen): the real tokens of the global batches
     assert report["tokens_seen"] == sum(report["lengths"][i] for s in steps for i in s["ids"])
+    # the Trainer's FLOPs: 6 per parameter (the whole model's, also where ZeRO-3 shards it) and real token
+    assert report["flos"] == 6 * report["parameters"] * report["tokens_seen"]
 
 
 def test_the_stock_trainer_on_the_same_global_batches_updates_alike(tmp_path):
@@ -125,6 +127,20 @@ def test_a_model_with_frozen_weights_is_refused_before_planning():
     trainer.accelerator, trainer.model = SimpleNamespace(unwrap_model=lambda m: m), model
     trainer.train_dataset, trainer._dyn_lengths = data, None
     with pytest.raises(ConfigError, match=r"1 frozen parameters \(model.embed_tokens.weight, ...\).*PEFT/LoRA"):
+        trainer._build_loader()
+
+
+def test_an_encoder_decoder_is_refused_before_planning():
+    """Its items are (input, target) pairs: planned as one sequence each, they would be planned wrong."""
+    from types import SimpleNamespace
+
+    from dyn_plugin.models.hf import PRESETS, build_seq2seq_lm
+
+    model = build_seq2seq_lm(PRESETS["tiny-t5"])
+    trainer = DynPluginTrainerMixin.__new__(DynPluginTrainerMixin)
+    trainer.accelerator, trainer.model = SimpleNamespace(unwrap_model=lambda m: m), model
+    trainer.train_dataset, trainer._dyn_lengths = [{"input_ids": [1, 2], "labels": [3]}], None
+    with pytest.raises(ConfigError, match="is an encoder-decoder: it trains on \\(input, target\\) pairs"):
         trainer._build_loader()
 
 
