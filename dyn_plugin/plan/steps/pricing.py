@@ -37,8 +37,35 @@ def make_micro_batch(
     the collate will build. ``checkpointed``: per stage, the layers run under ``recompute``
     (pyramid checkpointing); default all of them (none under ``recompute="none"``)."""
     lens = tuple(int(lengths[i]) for i in sample_ids)
+    return price_features(
+        tuple(int(i) for i in sample_ids),
+        lens,
+        features(lens, layout, spec.cost.pad_multiple, sp),
+        tensor_shape(lens, layout, spec.cost.pad_multiple, sp),
+        spec=spec,
+        layout=layout,
+        recompute=recompute,
+        sp=sp,
+        checkpointed=checkpointed,
+    )
+
+
+def price_features(
+    sample_ids: tuple[int, ...],
+    seq_lens: tuple[int, ...],
+    f: Features,
+    shape: tuple[int, int],
+    *,
+    spec: PlannerSpec,
+    layout: Layout,
+    recompute: Recompute,
+    sp: int = 1,
+    checkpointed: Sequence[int] | None = None,
+) -> MicroBatch:
+    """The micro-batch of ``seq_lens`` whose kernels run over the token slots and attention pairs
+    ``f`` in tensors of ``shape`` (``make_micro_batch``'s, or a token slice's: its queries over the
+    keys before it, ``token_slices.py``), priced on every stage."""
     table = spec.cost.table(layout, recompute, spec.tp)
-    f = features(lens, layout, spec.cost.pad_multiple, sp)
     extrapolated = not table.covers(f.slots, f.max_len)
     whole_stage = _whole_stage_counts(recompute, spec)
     counts = whole_stage if checkpointed is None else tuple(int(c) for c in checkpointed)
@@ -59,12 +86,11 @@ def make_micro_batch(
             kept, transient = sp_buffer_bytes(spec, sp, recompute, f, s.num_layers, c)
             stored[i] += kept
             peak[i] += kept + transient
-    shape = tensor_shape(lens, layout, spec.cost.pad_multiple, sp)
     act = shape[0] * shape[1] // sp * spec.hidden_size * ACT_BYTES.get(spec.cost.dtype, 2) / spec.tp
     weight, deferred = split_backward_costs(spec, layout, f, bwd) if spec.split_backward else ((), ())
     return MicroBatch(
-        sample_ids=tuple(int(i) for i in sample_ids),
-        seq_lens=lens,
+        sample_ids=sample_ids,
+        seq_lens=seq_lens,
         layout=layout,
         recompute=recompute,
         forward_ms=tuple(fwd),

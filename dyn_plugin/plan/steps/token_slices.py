@@ -25,15 +25,13 @@ reports this what-if beside the plans).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Sequence
 
 from ...cost.model import Features
-from ...cost.table import evaluate_checkpointed, evaluate_stage
-from .pricing import split_backward_costs
+from .pricing import price_features
 from .schedule import one_f_one_b
 from .simulator import simulate, stage_peak_bytes
-from .spec import ACT_BYTES, PlannerSpec
+from .spec import PlannerSpec
 from .types import MicroBatch, Op, ReplicaPlan, Schedule, SimResult, StepPlan
 from .zero_bubble import fill_waits, split_backward
 
@@ -48,30 +46,20 @@ def slice_costs(mb: MicroBatch, k: int, spec: PlannerSpec) -> tuple[MicroBatch, 
         raise ValueError("only a micro-batch of one sequence, on one rank a stage, is cut into slices")
     length = mb.seq_lens[0]
     bounds = [length * j // k for j in range(k + 1)]
-    table = spec.cost.table(mb.layout, mb.recompute, spec.tp)
-    plain = spec.cost.table(mb.layout, "none", spec.tp)
     out = []
     for j in range(k):
         before, own = bounds[j], bounds[j + 1] - bounds[j]
         f = Features(slots=float(own), attn=float(2 * own * before + own * own), max_len=before + own)
-        if mb.checkpointed:
-            costs = [evaluate_checkpointed(table, plain, f, s, c) for s, c in zip(spec.stages, mb.checkpointed)]
-        else:
-            costs = [evaluate_stage(table, f, s) for s in spec.stages]
-        bwd = tuple(c.backward_ms for c in costs)
-        weight, deferred = split_backward_costs(spec, mb.layout, f, bwd) if spec.split_backward else ((), ())
         out.append(
-            replace(
-                mb,
-                seq_lens=(own,),
-                forward_ms=tuple(c.forward_ms for c in costs),
-                backward_ms=bwd,
-                stored_bytes=tuple(c.stored_bytes for c in costs),
-                peak_bytes=tuple(c.peak_bytes for c in costs),
-                activation_bytes=own * spec.hidden_size * ACT_BYTES.get(spec.cost.dtype, 2) / spec.tp,
-                shape=(1, own),
-                weight_ms=weight,
-                deferred_bytes=deferred,
+            price_features(
+                mb.sample_ids,
+                (own,),
+                f,
+                (1, own),
+                spec=spec,
+                layout=mb.layout,
+                recompute=mb.recompute,
+                checkpointed=mb.checkpointed or None,
             )
         )
     return tuple(out)
