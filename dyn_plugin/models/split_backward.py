@@ -13,7 +13,7 @@ gradients in I, as do linear layers with a forward of their own (LoRA, quantized
 recomputed in backward (checkpointing) re-runs this forward inside I, still deferring. The state
 lives in a map keyed weakly by the module (``host/recompute.py``'s rule), not on it; the pipeline
 engine and the profiler (which times W apart) share it. A host whose linear layers are not
-``nn.Linear`` (megatron-core's tensor-parallel ones) defers through ``stash``, and its W's run here
+``nn.Linear`` (megatron-core's tensor-parallel ones) defers through ``linear``, and its W's run here
 too.
 """
 
@@ -21,29 +21,36 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+Reduce = Callable[[torch.Tensor], Any]  # an in-place reduction of an input's gradient
+
 
 class _DeferredLinear(torch.autograd.Function):
-    """``F.linear`` whose backward returns the input's gradient only and stashes (input, output
-    gradient) for the weight gradient. The weight and bias are not inputs of the node: were they,
+    """``F.linear`` whose backward returns the input's gradient only (``reduce``d where the host's
+    layer reduces it: a tensor-parallel all-reduce) and stashes (input, output gradient) for the
+    weight gradient. The weight and bias travel in a tuple, not as inputs of the node: were they,
     autograd would run their accumulation (and its hooks) in I with no gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, layer: nn.Linear, stash: list) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, params: tuple, stash: list, reduce: Reduce | None) -> torch.Tensor:
+        weight, bias = params
         ctx.save_for_backward(x)
-        ctx.layer, ctx.stash = layer, stash
-        return F.linear(x, layer.weight, layer.bias)
+        ctx.weight, ctx.stash, ctx.reduce = weight, stash, reduce
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (x,) = ctx.saved_tensors
         ctx.stash.append((x.detach(), grad.detach()))
-        return grad.matmul(ctx.layer.weight), None, None
+        grad_input = grad.matmul(ctx.weight)
+        if ctx.reduce is not None:
+            ctx.reduce(grad_input)
+        return grad_input, None, None, None
 
 
 class SplitBackward:
@@ -71,16 +78,19 @@ class SplitBackward:
             # an input without a gradient to carry (a frozen embedding's output): nothing to split
             if me is None or me.active is None or not x.requires_grad:
                 return F.linear(x, layer.weight, layer.bias)
-            return _DeferredLinear.apply(x, layer, me.stash(layer.weight, layer.bias))
+            return me.linear(x, layer.weight, layer.bias)
 
         return forward
 
-    def stash(self, weight: nn.Parameter, bias: nn.Parameter | None) -> list:
-        """Where a layer's I leaves its (input, output gradient) for the W of the micro-batch being
-        deferred (call only within ``deferring``)."""
+    def linear(
+        self, x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None, reduce: Reduce | None = None
+    ) -> torch.Tensor:
+        """A linear layer's forward in the micro-batch being deferred (call only within
+        ``deferring``): its I leaves (input, output gradient) for that micro-batch's W; ``reduce``:
+        what the host's layer does to the input's gradient (in place) before it flows on."""
         stash: list = []
         self.pending.setdefault(self.active, []).append((weight, bias, stash))
-        return stash
+        return _DeferredLinear.apply(x, (weight, bias), stash, reduce)
 
     @contextlib.contextmanager
     def deferring(self, key: Hashable) -> Iterator[None]:
