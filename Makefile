@@ -61,6 +61,7 @@ demo: install
 	$(DYN) strategy code --gpus 64 --model gpt-6.7b --out $(OUT)/strategy.json --plot $(OUT)/strategy.png
 	$(DYN) bench train --profile $(OUT)/profile.json --out $(OUT)/train
 	$(VENV)/bin/torchrun --nproc_per_node=2 examples/deepspeed_llama/train.py --profile $(OUT)/profile.json --data $(OUT)/train --steps 2
+	$(VENV)/bin/torchrun --nproc_per_node=2 examples/hf_trainer/train.py --data $(OUT)/train --out $(OUT)/hf-trainer --steps 3
 	$(DYN) megatron --dyn-plugin-config examples/megatron_gpt/cfg.json --nproc-per-node 2 -- examples/megatron_gpt/train.py --data $(OUT)/megatron-data --steps 3 --records $(OUT)/megatron-steps.jsonl
 	@echo
 	@echo "demo outputs in $(OUT)/:"
@@ -73,6 +74,7 @@ demo: install
 	@echo "  strategy.json, strategy.png   GPT-6.7B on 64 A100s: heterogeneous strategies proposed for code lengths (Hydraulis)"
 	@echo "  train/report.md, report.png   DeepSpeed on 2 CPU ranks: padded, token budget, fixed-length and varlen packing, dyn_plugin"
 	@echo "  train/step-trace.json         one executed plugin step, measured vs predicted per micro-batch"
+	@echo "  hf-trainer/                   the Hugging Face Trainer (DynPluginTrainer) on the plugin's plans: 3 logged steps"
 	@echo "  megatron-steps.jsonl          a megatron-core GPT loop, unchanged, trained on the plugin's plans via one launcher flag"
 
 clean:

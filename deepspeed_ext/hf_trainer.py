@@ -30,8 +30,13 @@ with a ``dyn_plugin`` section in that config, ``DynPluginTrainer`` (or any ``Tra
   ``resume_from_checkpoint=True`` takes the newest folder that has it.
 
 With ``include_num_input_tokens_seen`` the Trainer's token count (and its tokens/s) is the global
-batch's. What is not built here yet is refused by name at start: training without DeepSpeed
-(plain DDP or FSDP through Accelerate), pipeline stages, gradient accumulation, encoder-decoder
+batch's. - **Evaluation.** ``evaluate()`` (and ``eval_strategy``, ``eval_on_start``) runs the evaluation set's
+  planned global batches forward on the training engine and reports their token-mean loss
+  (``eval_loss``), exact whatever the plan; predictions (``compute_metrics``, ``predict()``) are not
+  planned and are refused by name.
+
+What is not built here yet is refused by name at start: training without DeepSpeed
+(plain DDP or FSDP through Accelerate), pipeline stages, sequence-parallel groups, gradient accumulation, encoder-decoder
 models (their (input, target) pairs) and models with frozen weights (PEFT/LoRA: the cost model
 would price weight gradients they do not have).
 """
@@ -44,7 +49,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 
 from deepspeed_ext.engine import cost_model_for
 from deepspeed_ext.step import deepspeed_host
@@ -53,7 +58,7 @@ from dyn_plugin.config import ConfigError, LoadedConfig, load_config
 from dyn_plugin.device import training_dtype
 from dyn_plugin.host import support
 from dyn_plugin.host.exactness import checked
-from dyn_plugin.host.token_mean import token_mean_step
+from dyn_plugin.host.token_mean import summed_eval_loss, token_mean_step
 from dyn_plugin.jsonfile import read_json
 from dyn_plugin.layout import RankLayout
 from dyn_plugin.models.hf import is_encoder_decoder
@@ -73,6 +78,10 @@ class DynPluginTrainerMixin:
         super().__init__(*args, **kwargs)
         self._dyn_lengths = lengths
         self._dyn_loader: DynLoader | None = None
+        self._dyn_checked: LoadedConfig | None = None  # the config once the model passed the start-up checks
+        self._dyn_counts = torch.zeros(
+            2, dtype=torch.float64
+        )  # this rank's token slots, real tokens since the last log
         self._dyn_config = self._plugin_config()
 
     # -- start ---------------------------------------------------------------------------------
@@ -84,6 +93,12 @@ class DynPluginTrainerMixin:
                 "DynPluginTrainer trains through DeepSpeed's engine: pass TrainingArguments(deepspeed=...) naming "
                 "a DeepSpeed config with a 'dyn_plugin' section (training without DeepSpeed, or with FSDP through "
                 "Accelerate, is not built for the Trainer yet)"
+            )
+        if self.compute_metrics is not None:
+            raise ConfigError(
+                "compute_metrics: DynPluginTrainer evaluates through planned batches and reports their token-mean "
+                "loss (eval_loss), not the model's predictions; drop compute_metrics, or compute such metrics with "
+                "the stock Trainer on the saved model"
             )
         if args.gradient_accumulation_steps != 1:
             raise ConfigError(
@@ -101,6 +116,11 @@ class DynPluginTrainerMixin:
             raise ConfigError(
                 f"dyn_plugin.pipeline.stages = {cfg.plugin.pipeline.stages} under the Trainer: its DeepSpeed engine "
                 "trains data-parallel; train pipelines with deepspeed_ext.initialize, or set pipeline.stages to 1"
+            )
+        if cfg.plugin.sequence_parallel.enabled:
+            raise ConfigError(
+                "dyn_plugin.sequence_parallel.enabled under the Trainer: its DeepSpeed engine has no sequence-parallel "
+                "groups (deepspeed_ext.initialize builds them); train with deepspeed_ext.initialize, or set it to false"
             )
         deepspeed = {k: v for k, v in cfg.deepspeed.items() if k != "dyn_plugin"}
         cfg = LoadedConfig(cfg.plugin, deepspeed)
@@ -165,15 +185,38 @@ class DynPluginTrainerMixin:
         return self._dyn_loader
 
     def _build_loader(self) -> DynLoader:
-        import torch.distributed as dist
-
         dataset = self.train_dataset
         if dataset is None:
             raise ValueError("DynPluginTrainer needs a train_dataset of token sequences (items with 'input_ids')")
         lengths = self._dyn_lengths
         if lengths is None:
             lengths = [len(item["input_ids"]) for item in dataset]
+        return self._loader_over(dataset, lengths)
+
+    def _loader_over(self, dataset: Sequence[Any], lengths: Sequence[int]) -> DynLoader:
+        """A loader of the plugin's planned global batches over ``dataset``, for this rank."""
+        import torch.distributed as dist
+
         model = self.accelerator.unwrap_model(self.model)
+        cfg = self._checked_config(model)
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        layout = RankLayout.from_config(world, cfg.plugin)
+        _, column, _ = layout.coords(rank)
+        return DynLoader(
+            dataset,
+            lengths=lengths,
+            config=cfg,
+            cost_model=cost_model_for(cfg, model),
+            layout=layout,
+            stage=0,
+            column=column,
+            seed=self.args.seed,
+        )
+
+    def _checked_config(self, model: torch.nn.Module) -> LoadedConfig:
+        """The plugin's config once the model has passed the checks every plan relies on (once a run)."""
+        if self._dyn_checked is not None:
+            return self._dyn_checked
         if is_encoder_decoder(model):
             raise ConfigError(
                 f"{type(model).__name__} is an encoder-decoder: it trains on (input, target) pairs, which DynPluginTrainer "
@@ -190,20 +233,8 @@ class DynPluginTrainerMixin:
             )
         # counted once, before DeepSpeed partitions them (ZeRO-3 leaves each rank a shard: ds_numel is the whole)
         self._dyn_parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-        cfg = checked(model, self._dyn_config)
-        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-        layout = RankLayout.from_config(world, cfg.plugin)
-        _, column, _ = layout.coords(rank)
-        return DynLoader(
-            dataset,
-            lengths=lengths,
-            config=cfg,
-            cost_model=cost_model_for(cfg, model),
-            layout=layout,
-            stage=0,
-            column=column,
-            seed=self.args.seed,
-        )
+        self._dyn_checked = checked(model, self._dyn_config)
+        return self._dyn_checked
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, None]:
         """One global batch per optimizer step; its token count is the plan's (``Step.scored_tokens``).
@@ -213,6 +244,57 @@ class DynPluginTrainerMixin:
         if len(self.get_train_dataloader()) == 0:
             next(epoch_iterator, None)
         return steps, None
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DynLoader:
+        """The plugin's loader over an evaluation set (``eval_dataset``, or the one so named, or
+        the Trainer's): its global batches planned as the training's are, one epoch of them."""
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluation needs an eval_dataset of token sequences (items with 'input_ids')")
+        return self._loader_over(dataset, [len(item["input_ids"]) for item in dataset])
+
+    def evaluation_loop(
+        self,
+        dataloader: DynLoader,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> EvalLoopOutput:
+        """The token-mean loss of the evaluation set (``{prefix}_loss``): each planned global batch's
+        micro-batches forward on DeepSpeed's engine, their summed token losses added over the steps
+        and the ranks, divided by the tokens scored. The ``Trainer``'s ``evaluate()`` around it
+        logs it, adds its speed figures and runs the callbacks. Predictions (``predict()``,
+        ``prediction_loss_only=False``) are not planned: refused by name."""
+        import torch.distributed as dist
+
+        if not (self.args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only):
+            raise ConfigError(
+                f"{description}: DynPluginTrainer evaluates the token-mean loss through planned batches and keeps no "
+                "predictions; set prediction_loss_only=True, or predict with the stock Trainer on the saved model"
+            )
+        if self.deepspeed is None:
+            # the stock Trainer builds an inference engine here (ZeRO-3 only), which the training
+            # engine built later does not replace cleanly; the plugin evaluates on the training engine
+            raise ConfigError(
+                "evaluate() before train(): DynPluginTrainer evaluates on DeepSpeed's training engine, which train() "
+                "builds; pass TrainingArguments(eval_on_start=True) to evaluate before the first step"
+            )
+        engine = self.model_wrapped
+        engine.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.args.device)
+        scored = 0
+        for step in dataloader:  # one epoch: every sample once
+            total += summed_eval_loss(step, deepspeed_host(engine, step))
+            scored += step.scored_tokens
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        dataloader.close()
+        metrics = {f"{metric_key_prefix}_loss": float(total) / scored}
+        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=len(dataloader.dataset))
 
     # -- step ----------------------------------------------------------------------------------
     def training_step(self, model: torch.nn.Module, inputs: Step, num_items_in_batch: Any = None) -> torch.Tensor:
@@ -228,23 +310,43 @@ class DynPluginTrainerMixin:
 
     def _track_num_input_tokens(self, inputs: Step) -> None:
         """The Trainer's ``num_input_tokens_seen`` (and with it its tokens/s) for a planned step: the
-        global batch's token slots ("all") or real tokens ("non_padding"), summed over the ranks
-        (each rank of a sequence-parallel group counts its own shard's slots: the sum is the rows')."""
+        global batch's token slots ("all") or real tokens ("non_padding"), summed over the ranks.
+        The same counts, kept until the next log, give its ``padding``."""
+        slots, real = _token_counts(inputs)
+        self._dyn_counts += torch.tensor([slots, real], dtype=torch.float64)
         mode = self.args.include_num_input_tokens_seen
         if mode == "no":
             return
-        if mode == "non_padding":
-            mine = sum(sum(d.seq_lens) for d, (_, _, index) in zip(inputs.loaded, inputs.shards) if index == 0)
-        else:
-            mine = sum(int(m["input_ids"].numel()) for m in inputs.micro_batches)
-        tokens = torch.tensor(mine, device=self.args.device, dtype=torch.int64)
+        tokens = torch.tensor(real if mode == "non_padding" else slots, device=self.args.device, dtype=torch.int64)
         self.state.num_input_tokens_seen += int(self.accelerator.gather(tokens).sum())
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The Trainer's log; a training log (every rank writes it at the same step) also gets
+        ``padding``: the share of the token slots trained since the last one that were padding."""
+        import torch.distributed as dist
+
+        if "loss" in logs and self._dyn_counts[0] > 0:
+            counts = self._dyn_counts.to(self.args.device)
+            if dist.is_initialized():
+                dist.all_reduce(counts)
+            logs["padding"] = round(1.0 - float(counts[1] / counts[0]), 4)
+            self._dyn_counts.zero_()
+        super().log(logs, start_time)
 
     def floating_point_ops(self, inputs: Step) -> int:
         """Model FLOPs of this rank's real tokens (6 per parameter and token, as the stock ``Trainer``
         counts them)."""
         tokens = sum(sum(desc.seq_lens) for desc in inputs.loaded)
         return 6 * tokens * self._dyn_parameters
+
+
+def _token_counts(step: Step) -> tuple[int, int]:
+    """This rank's token slots and real tokens in ``step``; summed over the ranks, the global batch's
+    (each rank of a sequence-parallel group holds its own shard's slots; the real tokens of a row are
+    counted by its first shard's rank)."""
+    slots = sum(int(m["input_ids"].numel()) for m in step.micro_batches)
+    real = sum(sum(d.seq_lens) for d, (_, _, index) in zip(step.loaded, step.shards) if index == 0)
+    return slots, real
 
 
 class DynPluginTrainer(DynPluginTrainerMixin, Trainer):

@@ -405,6 +405,23 @@ class LoaderConfig(_Section):
         return self.local_plan_after_s if self.local_plan_after_s is not None else self.plan_timeout_s / 4
 
 
+class CalibrationConfig(_Section):
+    """Online calibration of the cost model's time terms from the run's measured micro-batches
+    (dyn_plugin/cost/online.py; runtime/calibration.py publishes each version to every rank and planner)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="refit the time terms during training and plan later steps with them; false: plan every step "
+        "with the profile as measured (plans then depend on nothing measured: a run and its resumes split every "
+        "global batch alike, bit for bit)",
+    )
+    warmup_steps: int = Field(default=3, ge=0, description="steps whose timings are ignored (compilation, allocation)")
+    every: int = Field(default=2, ge=1, description="refit every this many steps")
+    window: int = Field(default=256, ge=2, description="the most recent micro-batches per direction that are fitted")
+    min_observations: int = Field(default=16, ge=2, description="micro-batches a direction needs before it is fitted")
+    max_change: float = Field(default=1.25, gt=1.0, description="one refit moves a factor by at most this ratio")
+
+
 class CheckpointConfig(_Section):
     """What a resume checks of a checkpoint (whose marker lists every file with its size and sha256)."""
 
@@ -542,6 +559,7 @@ class DynPluginConfig(_Section):
     store: StoreConfig = StoreConfig()
     loader: LoaderConfig = LoaderConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    calibration: CalibrationConfig = CalibrationConfig()
     start_check: StartCheckConfig = StartCheckConfig()
 
     @model_validator(mode="after")

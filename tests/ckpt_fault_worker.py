@@ -398,6 +398,7 @@ def deepspeed_scenarios(h: Harness, out: str, only: set[str]) -> None:
         "dyn_plugin": {
             "microbatching": {"global_tokens": 1200, "max_seq_len": 256},
             "cost_model": {"kind": "analytic", "dtype": "fp32"},
+            "calibration": {"enabled": False},  # bit for bit across faults: plans from the profile alone
         },
     }
     engine, _, loader, _ = deepspeed_ext.initialize(

@@ -1,5 +1,5 @@
 """One rank of the ``Trainer`` exactness test: ``DynPluginTrainer`` (DeepSpeed ZeRO ``argv[2]``, fp32,
-SGD, a constant learning rate, no clipping) trains a tiny Llama on planned global batches; after
+SGD, a constant learning rate, no clipping; bf16 with ``$HF_TRAINER_DTYPE`` = bf16) trains a tiny Llama on planned global batches; after
 every optimizer step its parameters are compared with the single-process token-mean reference
 trained on the same global batch (run as a script: ``hf_trainer_worker.py OUT ZERO STEPS [SAVE_DIR
 [RESUME]]``: with SAVE_DIR it saves a checkpoint every 2 steps there, with RESUME it resumes from that
@@ -8,8 +8,8 @@ parameters beside OUT, and those after each step). ``$HF_TRAINER`` = sft: TRL's
 ``SFTTrainer`` with the plugin's mixin instead."""
 
 import copy
+import glob
 import os
-import signal
 import sys
 import tempfile
 
@@ -22,9 +22,13 @@ deepspeed_ext.skip_cpu_shm_build()
 
 import deepspeed  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 
-from deepspeed_ext.hf_trainer import DynPluginTrainer  # noqa: E402
+from deepspeed_ext.hf_trainer import LOADER_FILE, DynPluginTrainerMixin  # noqa: E402
+from dyn_plugin.atomic import write_json_atomic  # noqa: E402
+from dyn_plugin.jsonfile import read_json  # noqa: E402
 from dyn_plugin.models.hf import build_causal_lm  # noqa: E402
+from kill_harness import KillSwitch  # noqa: E402
 from ranks import finish  # noqa: E402
 from token_mean import LR, MODEL, global_samples, random_dataset, reference  # noqa: E402
 
@@ -37,11 +41,25 @@ class Observing:
         super().__init__(*args, **kwargs)
         self.ref, self.data, self.records = ref, data, []
         self.after: list[list[torch.Tensor]] = []  # the parameters after each step
+        self.evaluations: list[dict] = []
+        self.consumed: list = []  # (position, sample ids) of every step trained, carried by checkpoints
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        """Each evaluation's loss beside the reference's token mean over the evaluation set."""
+        metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        samples = [item["input_ids"] for item in self.eval_dataset]
+        with torch.no_grad():
+            want = _token_mean(self.ref, samples)
+        self.evaluations.append({"step": self.state.global_step, "loss": metrics["eval_loss"], "want": want})
+        return metrics
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
         ids = global_samples(inputs, dist.get_world_size())
+        self.consumed.append([self.state.global_step, ids])  # before the Trainer counts this step
         samples = [self.data[i]["input_ids"] for i in ids]
+        slots = torch.tensor(sum(int(m["input_ids"].numel()) for m in inputs.micro_batches))
+        dist.all_reduce(slots)
         with torch.no_grad():
             want = _token_mean(self.ref, samples)
         reference(self.ref, samples, LR)
@@ -53,6 +71,7 @@ class Observing:
             {
                 "ids": ids,
                 "micro_batches": len(inputs.micro_batches),
+                "padding": 1 - sum(len(x) for x in samples) / int(slots),
                 "layouts": sorted({d.layout for d in inputs.loaded}),
                 "loss": float(loss),
                 "want": want,
@@ -63,20 +82,43 @@ class Observing:
         return loss
 
 
-class Killed:
-    """With ``$HF_TRAINER_KILL`` = N, every rank SIGKILLs itself inside the save of step N's checkpoint,
-    once the Trainer has written its files and before the loader's position: a save cut short."""
+CONSUMED = "consumed.json"  # in each checkpoint folder: every step trained until it
+SWITCH = KillSwitch(int(os.environ.get("RANK", "0")))
+
+
+class Consumed(Trainer):
+    """What every step trained (position, sample ids), kept inside each checkpoint with the Trainer's
+    files (after them, before the loader's position: it comes below the plugin's mixin), so a resumed
+    run carries the history of the steps its checkpoint holds; ``commit`` kills land after it."""
+
+    consumed: list
 
     def _save_checkpoint(self, model, trial):
-        if self.state.global_step != int(os.environ.get("HF_TRAINER_KILL", "0")):
-            return super()._save_checkpoint(model, trial)
-        Trainer._save_checkpoint(self, model, trial)
-        dist.barrier()
-        os.kill(os.getpid(), signal.SIGKILL)
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            write_json_atomic(os.path.join(self._checkpoint_folder(trial), CONSUMED), self.consumed)
+        SWITCH.hit("commit")
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            self.consumed = read_json(os.path.join(checkpoint, CONSUMED), "the steps trained")
+
+    def _checkpoint_folder(self, trial):
+        return os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
 
 
-class Observed(Killed, Observing, DynPluginTrainer):
-    """The plugin's Trainer."""
+class Killed:
+    """``$KILL`` (kill_harness.py): SIGKILL at startup, in a forward, inside a save (a file half
+    written), between the Trainer's files and the loader's position (``commit``), or after a save."""
+
+    def _save_checkpoint(self, model, trial):
+        with SWITCH.saving():
+            super()._save_checkpoint(model, trial)
+
+
+class Observed(Killed, Observing, DynPluginTrainerMixin, Consumed):
+    """The plugin's Trainer (DynPluginTrainer's bases, with the consumed log below the mixin)."""
 
 
 def sft_trainer(**kwargs):
@@ -98,8 +140,14 @@ def sft_trainer(**kwargs):
         tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="0")), pad_token="0", eos_token="1"
     )
     args = SFTConfig(**kwargs.pop("args").to_dict() | {"max_length": None, "dataset_text_field": "text"})
-    train = Dataset.from_list([{"input_ids": [int(t) for t in item["input_ids"]]} for item in kwargs["data"]])
-    return ObservedSFT(args=args, train_dataset=train, processing_class=tokenizer, **kwargs)
+
+    def tokenized(items):
+        return Dataset.from_list([{"input_ids": [int(t) for t in item["input_ids"]]} for item in items])
+
+    held_out = tokenized(kwargs.pop("eval_dataset"))
+    return ObservedSFT(
+        args=args, train_dataset=tokenized(kwargs["data"]), eval_dataset=held_out, processing_class=tokenizer, **kwargs
+    )
 
 
 def _token_mean(model, samples) -> float:
@@ -118,6 +166,7 @@ def main():
     save_dir = sys.argv[4] if len(sys.argv) > 4 else None
     resume = sys.argv[5] if len(sys.argv) > 5 else None
     lengths, data = random_dataset(0)
+    _, held_out = random_dataset(1)
     torch.manual_seed(0)
     model = build_causal_lm(MODEL)
     ref = copy.deepcopy(model)
@@ -132,8 +181,13 @@ def main():
             # a small device: the plan cuts each global batch into several micro-batches
             "cluster": {"device": {"memory_mb": 2, "memory_fraction": 1.0}},
             "cost_model": {"kind": "analytic"},
+            # resumes compared bit for bit with the uninterrupted run: plans from the profile alone
+            "calibration": {"enabled": save_dir is None},
         },
     }
+    bf16 = os.environ.get("HF_TRAINER_DTYPE") == "bf16"
+    if bf16:  # the precision from the arguments: DeepSpeed's "auto" filled by TrainingArguments(bf16=True)
+        config["bf16"] = {"enabled": "auto"}
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(
             output_dir=save_dir or tmp,
@@ -148,22 +202,43 @@ def main():
             logging_steps=1,
             save_strategy="steps" if save_dir else "no",
             save_steps=2,
+            eval_strategy="steps",
+            eval_steps=2,
+            eval_on_start=not resume,
             include_num_input_tokens_seen="non_padding",
             report_to=[],
             seed=0,
+            bf16=bf16,
         )
         if os.environ.get("HF_TRAINER") == "sft":
-            trainer = sft_trainer(model=model, args=args, ref=ref, data=data)
+            trainer = sft_trainer(model=model, args=args, ref=ref, data=data, eval_dataset=held_out)
         else:
-            trainer = Observed(model=model, args=args, train_dataset=data, ref=ref, data=data)
+            trainer = Observed(model=model, args=args, train_dataset=data, eval_dataset=held_out, ref=ref, data=data)
+        if resume == "auto":  # the kill tests' relaunches: from the newest whole checkpoint, if one was saved
+            resume = (
+                "newest"
+                if any(os.path.exists(f"{c}/{LOADER_FILE}") for c in glob.glob(f"{save_dir}/checkpoint-*"))
+                else None
+            )
+        SWITCH.arm_model(model)
+        SWITCH.arm_saves()
+        SWITCH.hit("startup")
         result = trainer.train(resume_from_checkpoint=True if resume == "newest" else resume and f"{save_dir}/{resume}")
         logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         if dist.get_rank() == 0:
             torch.save([p.detach() for p in trainer.accelerator.unwrap_model(trainer.model).parameters()], f"{out}.pt")
             torch.save(trainer.after, f"{out}.steps.pt")
     report = {"steps": trainer.records, "global_step": result.global_step, "logged": logged}
+    report |= {
+        "evaluations": trainer.evaluations,
+        "consumed": trainer.consumed,
+        "padding": [h["padding"] for h in trainer.state.log_history if "loss" in h],
+    }
     report |= {"tokens_seen": trainer.state.num_input_tokens_seen, "lengths": [int(n) for n in lengths]}
     report |= {"flos": trainer.state.total_flos, "parameters": sum(p.numel() for p in ref.parameters())}
+    # the precision DeepSpeed trained in, and the one the plans were priced in
+    report |= {"trained_dtype": str(next(trainer.model_wrapped.module.parameters()).dtype)}
+    report |= {"planned_dtype": trainer.get_train_dataloader().context.cost.dtype}
     finish(report, out)
 
 

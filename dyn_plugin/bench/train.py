@@ -10,8 +10,11 @@ train_megatron_lm.py), so this one imports no framework, and the CLI never impor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-from collections.abc import Iterable
+import subprocess
+import sys
+from collections.abc import Iterable, Iterator
 
 from ..cli_args import STEPS, TOKENS, count, input_file, output_dir
 from .launch import launch_comparison
@@ -90,6 +93,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "under 1F1B",
     )
     parser.add_argument(
+        "--background-load",
+        type=count(0, 256),
+        default=0,
+        help="N busy processes started beside the training (not the profile, taken before on a quiet machine), "
+        "for as long as it runs: the plugin's online calibration (dyn_plugin) against planning from the profile "
+        "alone (dyn_plugin_static, added to the modes); --host deepspeed",
+    )
+    parser.add_argument(
         "--sp",
         action="store_true",
         help="instead, dynamic sequence parallelism against a fixed size "
@@ -106,6 +117,11 @@ def run(args: argparse.Namespace) -> Iterable[dict]:
     args.global_tokens = args.global_tokens or 16384
     if args.host == "megatron-lm":
         return _megatron_lm(args)
+    if args.background_load and (args.host != "deepspeed" or args.sp or args.stages > 1):
+        raise ValueError(
+            "--background-load compares the online calibration on DeepSpeed's data-parallel steps (the ones it "
+            "measures): drop --host, --sp and --stages, or --background-load"
+        )
     if args.stages > 1 and (args.host != "deepspeed" or args.sp):
         raise ValueError("--stages runs DeepSpeed's pipeline engine: drop --host and --sp, or --stages")
     if args.host == "hf-trainer":
@@ -133,12 +149,29 @@ def run(args: argparse.Namespace) -> Iterable[dict]:
 
     extra = _modes(args, MODES) or (["--modes", ",".join(SP_MODES)] if args.sp else [])
     max_len = args.max_len or (16384 if args.sp else 4096)
-    return launch_comparison(
-        "dyn_plugin.bench.train_deepspeed",
-        "train",
-        args,
-        ["--max-len", str(max_len), "--global-tokens", str(args.global_tokens), "--stages", str(args.stages)] + extra,
-    )
+    extra += ["--background-load", str(args.background_load)]
+    with background_load(args.background_load):
+        rows = launch_comparison(
+            "dyn_plugin.bench.train_deepspeed",
+            "train",
+            args,
+            ["--max-len", str(max_len), "--global-tokens", str(args.global_tokens), "--stages", str(args.stages)]
+            + extra,
+        )
+    return [{**row, "background_load": args.background_load} for row in rows]
+
+
+@contextlib.contextmanager
+def background_load(processes: int) -> Iterator[None]:
+    """``processes`` busy processes (a Python loop each) for as long as the block runs: a machine
+    that changed under the profile, reproducibly."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def _pairs(args: argparse.Namespace) -> list[dict]:

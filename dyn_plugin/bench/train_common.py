@@ -140,7 +140,38 @@ def finish_batchings(
     rows = summarize(records, modes, baselines)
     write_results(out, records, rows)
     print("\n" + report(rows, out, preamble, baselines))
-    print(f"report: {out}/report.md, {out}/report.png, per-step records: {out}/records.jsonl" + also)
+    plot_predictions(records, out)
+    print(
+        f"report: {out}/report.md, {out}/report.png, predicted vs measured per step: {out}/prediction.png, "
+        f"per-step records: {out}/records.jsonl" + also
+    )
+
+
+def plot_predictions(records: list[dict], out: str) -> None:
+    """``out``/prediction.png: each planned mode's predicted and measured step time over the run (the
+    online calibration's effect shows as the predicted line meeting the measured one)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(dict.fromkeys(r["mode"] for r in records if r["predicted_ms"] is not None))
+    if not modes:
+        return
+    fig, axes = plt.subplots(1, len(modes), figsize=(3.6 * len(modes), 3.2), sharey=True, squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        rs = [r for r in records if r["mode"] == mode]
+        steps = [r["step"] for r in rs]
+        ax.plot(steps, [r["measured_ms"] for r in rs], "o-", ms=3, label="measured", color="#4c72b0")
+        ax.plot(steps, [r["predicted_ms"] for r in rs], "s--", ms=3, label="predicted", color="#dd8452")
+        ax.set_title(f"{mode}: error {_mape(rs):.0%}", fontsize=9)
+        ax.set_xlabel("step")
+    axes[0][0].set_ylabel("step time (ms)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(os.path.join(out, "prediction.png")) as tmp:
+        fig.savefig(tmp, dpi=110)
+    plt.close(fig)
 
 
 def tokenized_corpus(name: str, max_len: int, out: str) -> tuple[list[np.ndarray], np.ndarray]:
@@ -182,6 +213,16 @@ def cost_model_label(profile: str | None) -> str:
     return f"profile {profile}" if profile else "analytic (no --profile: predictions from nominal device figures)"
 
 
+LATE_STEP = 10  # prediction_mape_after_10 counts the steps from this one (0-based, warm-up included)
+
+
+def _mape(records: list[dict]) -> float | None:
+    """Mean absolute percentage error of the records' predicted step times (None without any)."""
+    if not records:
+        return None
+    return float(np.mean([abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in records]))
+
+
 def summarize(records: list[dict], modes: Iterable[str], baselines: Sequence[str]) -> list[dict]:
     """One row per mode of ``modes`` that has records (in that order): effective (non-padding)
     tokens/s, padding fraction, measured and predicted step time, the prediction's mean absolute
@@ -203,11 +244,9 @@ def summarize(records: list[dict], modes: Iterable[str], baselines: Sequence[str
                 "padding_fraction": 1 - sum(r["real_tokens"] for r in rs) / sum(r["token_slots"] for r in rs),
                 "measured_step_ms": secs * 1e3 / len(rs),
                 "predicted_step_ms": float(np.mean([r["predicted_ms"] for r in predicted])) if predicted else None,
-                "prediction_mape": float(
-                    np.mean([abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in predicted])
-                )
-                if predicted
-                else None,
+                "prediction_mape": _mape(predicted),
+                # once online calibration has had its steps (the tenth on)
+                "prediction_mape_after_10": _mape([r for r in predicted if r["step"] >= LATE_STEP]),
                 "final_loss": rs[-1]["loss"],
                 **_device_figures(rs),
             }

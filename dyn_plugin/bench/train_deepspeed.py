@@ -56,6 +56,8 @@ MODES = {
     "packing": {"microbatching": {"method": "packing_full"}},
     "packing_varlen": {"microbatching": {"method": "packing_varlen"}},
     "dyn_plugin": {"microbatching": {"method": "dynapipe"}},
+    # the plugin planning every step from the profile alone (no online calibration), beside dyn_plugin
+    "dyn_plugin_static": {"microbatching": {"method": "dynapipe"}, "calibration": {"enabled": False}},
     # --stages > 1: the plugin's micro-batches under plain 1F1B, beside dyn_plugin's chosen (zero-bubble) schedules
     "dyn_plugin_1f1b": {"microbatching": {"method": "dynapipe"}, "pipeline": {"schedule": "1f1b"}},
     # --sp: sequences split over the 2 ranks where it pays (dynamic), always (fixed), never (full recompute instead)
@@ -65,6 +67,7 @@ MODES = {
 }
 SP_MODES = ("sp_dynamic", "sp_fixed", "sp1_full")
 PIPELINE_MODES = ("dyn_plugin_1f1b",)
+CALIBRATION_MODES = ("dyn_plugin_static",)  # by default under --background-load only
 BASELINES = (
     "padded",
     "packing",
@@ -72,6 +75,7 @@ BASELINES = (
     "sp_fixed",
     "sp1_full",
     "dyn_plugin_1f1b",
+    "dyn_plugin_static",
 )  # the ratios the report shows
 
 
@@ -271,11 +275,24 @@ def main() -> None:
         help="pipeline stages (the ranks are split into them): dyn_plugin plans its schedules, zero-bubble "
         "splits included, and dyn_plugin_1f1b runs the same micro-batches under 1F1B",
     )
+    p.add_argument(
+        "--background-load",
+        type=int,
+        default=0,
+        help="busy processes the launching bench runs beside the training (recorded; with it the modes include "
+        "dyn_plugin_static, the plugin without online calibration)",
+    )
     p.add_argument("--memory-mb", type=float, help="device memory the plans may fill (default: the GPU's, 8000 on CPU)")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # from the deepspeed launcher
     args = p.parse_args()
     if args.modes is None:
-        args.modes = ",".join(m for m in MODES if m not in SP_MODES and (args.stages > 1 or m not in PIPELINE_MODES))
+        args.modes = ",".join(
+            m
+            for m in MODES
+            if m not in SP_MODES
+            and (args.stages > 1 or m not in PIPELINE_MODES)
+            and (args.background_load > 0 or m not in CALIBRATION_MODES)
+        )
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")

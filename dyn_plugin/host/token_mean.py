@@ -75,13 +75,27 @@ class _Clock:
         return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
 
 
+def _loss_sum(host: HostHooks, desc: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One micro-batch's forward: its summed token loss (a sequence-parallel shard's share of it)."""
+    if desc.sp > 1:  # a shard: HF sums the loss over its labels, shifted before the split
+        inputs.update(labels=inputs["shift_labels"], num_items_in_batch=1)
+    # only the loss is kept: the output's logits (tokens x vocabulary) alive through backward
+    # are memory the profile's peak does not include (it measured forward().loss)
+    loss = host.forward(**inputs, use_cache=False).loss
+    # the plan knows the count; counting the labels would read a device tensor back
+    return loss if desc.sp > 1 else loss * scored_tokens(desc.seq_lens)  # HF: the mean
+
+
 def token_mean_step(step: Step, host: HostHooks, dp: int, timings: list | None = None) -> float:
     """Run this rank's micro-batches of ``step``, take the optimizer step, and return the
     token-mean loss of the whole global batch (summed over the ``dp`` ranks).
 
     ``timings``, if given, receives (forward_ms, backward_ms) of each micro-batch and
     ("step", optimizer ms), on CUDA from events (the host's clock there times launches, not
-    kernels), read after the step at the cost of one synchronisation."""
+    kernels), read after the step at the cost of one synchronisation. With online calibration
+    (``step.observe``) they are recorded anyway and handed to it after the step."""
+    if step.observe is not None and timings is None:
+        timings = []
     n = len(step.micro_batches)
     if n == 0:
         raise ValueError(f"step {step.index} gave this rank no micro-batch; every rank needs at least one")
@@ -94,15 +108,9 @@ def token_mean_step(step: Step, host: HostHooks, dp: int, timings: list | None =
     for i, (desc, mb, inputs) in enumerate(zip(step.loaded, step.micro_batches, feed)):
         host.recompute.set(desc.recompute, planned_layers(desc, stage=0))  # no pipeline: the one stage
         host.boundary(i == n - 1)
-        if desc.sp > 1:  # a shard: HF sums the loss over its labels, shifted before the split
-            inputs.update(labels=inputs["shift_labels"], num_items_in_batch=1)
         with host.micro_batch(i, mb):
             start = clock.mark()
-            # only the loss is kept: the output's logits (tokens x vocabulary) alive through backward
-            # are memory the profile's peak does not include (it measured forward().loss)
-            loss = host.forward(**inputs, use_cache=False).loss
-            # the plan knows the count; counting the labels would read a device tensor back
-            loss_sum = loss if desc.sp > 1 else loss * scored_tokens(desc.seq_lens)  # HF: the mean
+            loss_sum = _loss_sum(host, desc, inputs)
             forward = clock.mark()
             host.backward(loss_sum * (dp / step.scored_tokens))
         total += loss_sum.detach().double()
@@ -113,8 +121,26 @@ def token_mean_step(step: Step, host: HostHooks, dp: int, timings: list | None =
         end = clock.mark()
         clock.wait()
         timings += [(clock.ms(a, b), clock.ms(b, c)) for a, b, c in marks] + [("step", clock.ms(start, end))]
+        if step.observe is not None:
+            step.observe(timings[-n - 1 : -1])
     if dp > 1:
         import torch.distributed as dist
 
         dist.all_reduce(total)
     return float(total) / step.scored_tokens
+
+
+def summed_eval_loss(step: Step, host: HostHooks) -> torch.Tensor:
+    """Evaluation of one planned global batch: this rank's micro-batches forward only (no gradient,
+    no recompute), their summed token loss left on the device. Summed over the steps of an
+    evaluation and then over the ranks, and divided by the steps' ``scored_tokens``, it is the
+    token-mean loss of the evaluation set, whatever the plan cut it into."""
+    host.recompute.set("none", 0)  # nothing is stored for a backward
+    total = torch.zeros((), dtype=torch.float64, device=host.device)
+    with torch.no_grad():
+        for i, (desc, mb, inputs) in enumerate(
+            zip(step.loaded, step.micro_batches, DeviceFeed(step.micro_batches, host.device, MODEL_KEYS))
+        ):
+            with host.micro_batch(i, mb):
+                total += _loss_sum(host, desc, inputs).double()
+    return total

@@ -32,6 +32,7 @@ import logging
 import numbers
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -47,6 +48,7 @@ from ..layout import RankLayout
 from ..lengths.io import cap_lengths, validate_lengths
 from ..lengths.pairs import validate_pairs
 from ..plan.steps.instructions import ExecutionPlan, PlannedMicroBatch
+from .calibration import RunCalibration
 from .collate import collate, shard
 from .collate_pairs import collate_pairs
 from .plan_agreement import GIVE_UP_LAG, PlanAgreement
@@ -70,6 +72,9 @@ class Step:
     digest: str  # fingerprint of the whole step's plan, equal on every rank
     predicted_ms: float  # the cost model's simulated time of the whole step
     predicted_peak_mb: float | None = None  # this rank's peak device memory by the plan (None: a hand-made step)
+    # with online calibration: the host's token-mean step hands it each micro-batch's measured
+    # (forward ms, backward ms) after the optimizer step (every rank, as it gathers them)
+    observe: Callable[[list], None] | None = None
 
     @property
     def loaded(self) -> list[PlannedMicroBatch]:
@@ -159,6 +164,26 @@ class DynLoader:
             device=self.device,
             data_fingerprint=self._state_fingerprint,
         )
+        self.calibration = self._calibration()
+
+    def _calibration(self) -> RunCalibration | None:
+        """The online calibration (``calibration.enabled``) where the cost model has table fits to refit:
+        an encoder-decoder's pairs are priced by another model, which it does not calibrate yet."""
+        if (
+            not self.config.calibration.enabled
+            or self.context.pairs
+            or not isinstance(self.context.cost, TableCostModel)
+        ):
+            return None
+        # weakly: a step kept by the host holds the calibration, and must not keep the planners alive
+        source = weakref.ref(self._source)
+        lag = self.config.loader.prefetch if self._source.store is not None else 0
+
+        def store() -> Any:
+            held = source()
+            return held.store if held is not None else None
+
+        return RunCalibration(self.context, self.config.calibration, lag=lag, store=store, host=self._source.is_host)
 
     @property
     def is_host(self) -> bool:
@@ -217,6 +242,15 @@ class DynLoader:
         self.plan_wait_s.append(time.perf_counter() - t0)
         return rp
 
+    def _observer(self, rp: RankPlan) -> Callable[[list], None] | None:
+        """What the host calls with the step's measured micro-batches: the online calibration's."""
+        if self.calibration is None:
+            return None
+        calibration, position = self.calibration, self.context.position(rp.epoch, rp.step)
+        loaded = [rp.plan.micro_batches[m] for m in rp.plan.loads]
+        # the calibration, not the loader: a step the host keeps must not keep the loader (and its planners)
+        return lambda timings: calibration.observe(position, rp.plan.stage, loaded, timings)
+
     def _build(self, rp: RankPlan) -> Step:
         tensors, ids = [], []
         for m in rp.plan.loads:
@@ -227,7 +261,16 @@ class DynLoader:
             tensors.append(batch)
             ids.append(list(desc.sample_ids))
         return Step(
-            rp.epoch, rp.step, rp.plan, tensors, ids, rp.scored_tokens, rp.digest, rp.predicted_ms, rp.predicted_peak_mb
+            rp.epoch,
+            rp.step,
+            rp.plan,
+            tensors,
+            ids,
+            rp.scored_tokens,
+            rp.digest,
+            rp.predicted_ms,
+            rp.predicted_peak_mb,
+            self._observer(rp),
         )
 
     def state_dict(self) -> dict:
@@ -240,6 +283,7 @@ class DynLoader:
             "seed": self.seed,
             "fingerprint": self._state_fingerprint,
             "columns": self.layout.columns,
+            "calibration": self.calibration.state_dict() if self.calibration is not None else None,
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -275,6 +319,8 @@ class DynLoader:
                 epoch,
             )
         self.epoch, self.step = epoch, step
+        if self.calibration is not None and state.get("calibration"):
+            self.calibration.load_state_dict(state["calibration"])
 
     @property
     def position(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -39,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
 
     from ..config import StoreConfig
+    from ..cost.online import Calibration
     from ..store import StoreUnavailable, open_store
     from ..store.payload import encode
+    from .calibration import CALIBRATION_KEY
     from .planner_pool import CURSOR_KEY, canary_key, plan_key, progress_key
     from .planning import RANK_PLAN_SCHEMA, PlanningContext
 
@@ -56,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     published, refreshed, checked = None, time.monotonic(), 0.0  # the last position published; when written, checked
     lost = False  # the store may have dropped what was published: publish again from the cursor on
     down = False
+    calibrated = None  # the calibration versions last read from the store
     while True:
         if os.getppid() != args.parent:
             return 0
@@ -75,6 +79,13 @@ def main(argv: list[str] | None = None) -> int:
                     store.put(progress_key(args.worker), str(published).encode())
                 refreshed = now
             cursor = store.get(CURSOR_KEY)
+            # after the cursor: the host publishes a version before it moves the cursor past the
+            # position it was fitted at, so every position this loop may plan now has its version here
+            versions = store.get(CALIBRATION_KEY)
+            if versions is not None and versions != calibrated:
+                for version in json.loads(versions):
+                    context.add_calibration(Calibration.from_dict(version))
+                calibrated = versions
             if down:
                 logger.warning("the store answers again")
                 down = False

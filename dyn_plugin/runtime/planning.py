@@ -17,6 +17,7 @@ import numpy as np
 
 from ..config import ConfigError, DynPluginConfig, with_password
 from ..cost.encoder_decoder import EncoderDecoderCostModel
+from ..cost.online import Calibration
 from ..cost.table import TableCostModel
 from ..plan.assignment.two_stage import Stage2Options
 from ..plan.methods.pair_baselines import PAIR_BASELINES
@@ -122,15 +123,11 @@ class PlanningContext:
                     f"cost model {self.cost.name!r} prices an encoder-decoder, but the lengths are one token count per "
                     "sample; give an encoder-decoder's lengths as [N, 2] (input, target) pairs"
                 )
-            self.spec = planner_spec(
-                self.cost,
-                self.config,
-                dp=self.dp,
-                zero_stage=self.zero_stage,
-                tp=self.tp,
-                seed=self.seed,
-                state_bytes=self.state_bytes,
-            )
+            self.spec = self._spec_of(self.cost)
+        # the online calibrations (cost/online.py) steps are priced with, each from its from_step on;
+        # version 0 is the profile as measured. Every rank and planner holds the same list.
+        self.calibrations: list[Calibration] = [Calibration()]
+        self._specs: dict[int, PlannerSpec | PairSpec] = {0: self.spec}
         if self.config.strategy.enabled:
             if self.proposal is None:
                 self.proposal = self._build_proposal()
@@ -145,6 +142,38 @@ class PlanningContext:
         self._epochs: dict[int, list[list[int]]] = {}
         self._offsets: dict[int, int] = {0: 0}  # run-wide position of each epoch's first batch
         self._extrapolated = 0  # steps planned with costs beyond the measured range so far
+
+    def _spec_of(self, cost: TableCostModel) -> PlannerSpec:
+        return planner_spec(
+            cost,
+            self.config,
+            dp=self.dp,
+            zero_stage=self.zero_stage,
+            tp=self.tp,
+            seed=self.seed,
+            state_bytes=self.state_bytes,
+        )
+
+    def add_calibration(self, calibration: Calibration) -> None:
+        """Price the steps from ``calibration.from_step`` on with it (a version already held is ignored:
+        the host publishes the whole list, and a planner reads it again)."""
+        if calibration.version <= self.calibrations[-1].version:
+            return
+        if self.pairs:
+            raise ValueError(
+                "online calibration of an encoder-decoder's pairs is not built: set calibration.enabled false"
+            )
+        if calibration.from_step < self.calibrations[-1].from_step:
+            raise ValueError(
+                f"calibration version {calibration.version} prices steps from {calibration.from_step}, before version "
+                f"{self.calibrations[-1].version}'s {self.calibrations[-1].from_step}: versions price later steps"
+            )
+        self.calibrations.append(calibration)
+        self._specs[calibration.version] = self._spec_of(calibration.apply(self.cost))
+
+    def calibration_at(self, position: int) -> Calibration:
+        """The calibration that prices the global batch at run-wide ``position``."""
+        return next(c for c in reversed(self.calibrations) if c.from_step <= position)
 
     @property
     def pairs(self) -> bool:
@@ -225,28 +254,32 @@ class PlanningContext:
         )
         return proposal
 
-    def plan_batch(self, lens: list[int] | list[tuple[int, int]]) -> StepPlan:
-        """The step plan of one global batch's lengths (or pairs), as the config says to plan it."""
+    def plan_batch(
+        self, lens: list[int] | list[tuple[int, int]], spec: PlannerSpec | PairSpec | None = None
+    ) -> StepPlan:
+        """The step plan of one global batch's lengths (or pairs), as the config says to plan it
+        (``spec``: priced under a calibration; the profile's by default)."""
         method = self.config.microbatching.method
         st = self.config.strategy
+        spec = spec or self.spec
         if self.pairs:
             inputs, targets = (list(side) for side in zip(*lens))
             if method == "dynapipe":
-                return plan_pairs(inputs, targets, self.spec)
+                return plan_pairs(inputs, targets, spec)
             longest = self.config.microbatching.max_seq_len  # a side's, as fixed padding pads sequences to it
-            return PAIR_BASELINES[PAIR_METHODS[method]](inputs, targets, self.spec, longest, longest)
+            return PAIR_BASELINES[PAIR_METHODS[method]](inputs, targets, spec, longest, longest)
         if st.enabled:
             budget = st.ilp_time_budget_ms
             stage2 = Stage2Options(st.stage2, st.ilp_node_limit, budget / 1000 if budget is not None else None)
-            return plan_strategy_step(lens, self.spec, self.proposal, stage2=stage2)
-        return plan_method(method, lens, spec=self.spec, max_len=self.config.microbatching.max_seq_len)
+            return plan_strategy_step(lens, spec, self.proposal, stage2=stage2)
+        return plan_method(method, lens, spec=spec, max_len=self.config.microbatching.max_seq_len)
 
     def plan(self, epoch: int, step: int) -> dict[tuple[int, int], RankPlan]:
         """(dp_rank, pp_rank) -> that rank's plan, for global batch ``step`` of ``epoch``."""
         ids = self.batches(epoch)[step]
         lens = [tuple(int(x) for x in self.lengths[i]) if self.pairs else int(self.lengths[i]) for i in ids]
         method = self.config.microbatching.method
-        plan = self.plan_batch(lens)
+        plan = self.plan_batch(lens, self._specs[self.calibration_at(self.position(epoch, step)).version])
         counts = [len(r.micro_batches) for r in plan.replicas]
         # a sharding plan's modules gather in step on every rank, as ZeRO-3's do
         sharded = self.state_bytes is not None
@@ -341,6 +374,7 @@ class PlanningContext:
                 "state_bytes": self.state_bytes,
                 # planner processes plan under the very proposal the ranks hold (one proposed at start-up included)
                 "proposal": self.proposal.to_json() if self.proposal is not None else None,
+                "calibrations": [c.to_dict() for c in self.calibrations[1:]],
             }
         )
 
@@ -349,7 +383,7 @@ class PlanningContext:
         d = json.loads(text)
         config = DynPluginConfig.model_validate(d["config"])
         cost = EncoderDecoderCostModel if d["cost"].get("kind") == "encoder_decoder" else TableCostModel
-        return cls(
+        context = cls(
             config,
             cost.from_dict(d["cost"]),
             np.asarray(d["lengths"], dtype=np.int64),
@@ -361,6 +395,9 @@ class PlanningContext:
             d.get("state_bytes"),
             Proposal.from_json(d["proposal"]) if d.get("proposal") else None,
         )
+        for calibration in d.get("calibrations", []):
+            context.add_calibration(Calibration.from_dict(calibration))
+        return context
 
 
 def _described_pairs(

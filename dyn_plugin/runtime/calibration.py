@@ -1,0 +1,122 @@
+"""The run's online calibration: what each step measured, on every rank, refits the cost model's
+time terms (cost/online.py), and each new version prices the global batches from a set position
+on, for every rank and every planner process alike.
+
+Plans must be the same on every rank without talking (runtime/plan_source.py), so every rank runs
+the same calibrator on the same measurements: after each step the ranks all-gather their
+micro-batches' (forward, backward) times, in rank order, and feed them all. A version fitted after
+the step at position ``p`` prices positions from ``p + 1 + lag`` on: with a store, planner processes
+have planned up to ``prefetch`` positions ahead already (``lag`` = ``loader.prefetch``), and the host
+rank publishes every version under ``CALIBRATION_KEY`` before it moves the store's cursor past
+``p``, so no planner plans a position a version covers without holding it (planner_worker.py
+reads the key after the cursor). Without a store each rank plans the next step after this one
+ran (``lag`` 0).
+
+What is observed: micro-batches that ran alone on this rank (a sequence-parallel shard's time
+holds its collectives, which the tables do not price) under one recompute mode on every layer
+(a pyramid's partial checkpointing mixes two tables). The calibrator's state and the versions
+travel with the loader's position in checkpoints, so a resume prices its steps as the run did.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Callable
+
+from ..config import CalibrationConfig
+from ..cost.online import Calibration, CalibrationSettings, Observation, OnlineCalibrator
+from ..plan.steps.instructions import PlannedMicroBatch
+from .planning import PlanningContext
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_KEY = "calibration"  # in the plan store: every version after 0, as a JSON list
+
+
+class RunCalibration:
+    """The calibrator of one rank's loader. ``store()``: the plan store, or None (read when
+    publishing: the loader opens it); ``host``: whether this rank publishes the versions."""
+
+    def __init__(
+        self,
+        context: PlanningContext,
+        config: CalibrationConfig,
+        *,
+        lag: int,
+        store: Callable[[], Any],
+        host: bool,
+    ) -> None:
+        self.context, self.lag, self._store, self._host = context, lag, store, host
+        settings = CalibrationSettings(
+            warmup_steps=config.warmup_steps,
+            window=config.window,
+            every=config.every,
+            max_change=config.max_change,
+            min_observations=config.min_observations,
+        )
+        # the base is the spec's model: priced at the pad multiple the runtime pads to
+        self.calibrator = OnlineCalibrator(context.spec.cost, context.spec.stages, settings)
+        self.errors: list[tuple[int, float]] = []  # (position, mean abs. % error of its micro-batches as planned)
+
+    def observe(self, position: int, stage: int, loaded: list[PlannedMicroBatch], timings: list) -> None:
+        """One step's (forward ms, backward ms) per micro-batch this rank ran (``timings`` as the
+        token-mean step records them, its optimizer entry last); every rank calls it after the step."""
+        import torch.distributed as dist
+
+        mine = [
+            obs.to_dict()
+            for desc, times in zip(loaded, timings)
+            if (obs := self._observation(position, stage, desc, times)) is not None
+        ]
+        gathered = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+        observations = [Observation.from_dict(d) for rank in gathered for d in rank]
+        if observations:
+            planned = self.context.calibration_at(position)
+            error = self.calibrator.prediction_error(observations, planned)
+            self.errors.append((position, error))
+            logger.debug("step %d: prediction error %.1f%% (calibration v%d)", position, 100 * error, planned.version)
+        self.calibrator.observe(observations)
+        new = self.calibrator.maybe_update(position, from_step=position + 1 + self.lag)
+        if new is not None:
+            self.context.add_calibration(new)
+            self._publish()
+
+    def _observation(self, position: int, stage: int, desc: PlannedMicroBatch, times: tuple) -> Observation | None:
+        forward, backward = times
+        layers = desc.checkpointed[stage] if desc.checkpointed else None
+        full = self.context.spec.stages[stage].num_layers
+        if desc.sp > 1 or (layers is not None and 0 < layers < full):
+            return None
+        recompute = "none" if layers == 0 else desc.recompute
+        return Observation(
+            seq_lens=tuple(int(n) for n in desc.seq_lens),
+            layout=desc.layout,
+            recompute=recompute,
+            tp=self.context.tp,
+            stage=stage,
+            forward_ms=float(forward),
+            backward_ms=float(backward),
+            step=position,
+        )
+
+    def _publish(self) -> None:
+        store = self._store()
+        if store is not None and self._host:
+            versions = [c.to_dict() for c in self.context.calibrations[1:]]
+            store.put(CALIBRATION_KEY, json.dumps(versions).encode())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "calibrator": self.calibrator.state_dict(),
+            "versions": [c.to_dict() for c in self.context.calibrations[1:]],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.calibrator.load_state_dict(state["calibrator"])
+        for version in state["versions"]:
+            self.context.add_calibration(Calibration.from_dict(version))
+        self._publish()
