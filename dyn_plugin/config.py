@@ -207,6 +207,15 @@ class MicrobatchingConfig(_Section):
         default=65536, gt=0, le=MAX_TOKENS, description="tokens in one global batch, over all data-parallel ranks"
     )
     max_seq_len: int = Field(default=8192, gt=0, description="longest sequence accepted")
+    lookahead: int = Field(
+        default=64,
+        ge=0,
+        le=1_000_000,
+        description="a global batch goes on past sequences that do not fit what is left of global_tokens, taking "
+        "later ones that do, until this many have not (those passed over go to the next batches: every sample "
+        "still once an epoch); 0: a batch ends at the first that does not fit (about 85% of the budget filled "
+        "with code documents)",
+    )
     truncate: bool = Field(
         default=False, description="truncate sequences longer than max_seq_len instead of refusing them"
     )

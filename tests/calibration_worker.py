@@ -1,6 +1,7 @@
 """One rank of the online-calibration test (run as a script: ``calibration_worker.py OUT``; env
 ``TEST_STORE``: the store section, default none). The machine is 2x slower than the profile on
-every term and 3x on attention, with noise that differs per rank: each step's timings are the profile's prediction
+every term and 3x on attention, with noise that differs per rank, and its activations take 1.2x
+(rank 0) and 1.3x (rank 1) the memory the profile says: each step's timings are the profile's prediction
 of each micro-batch distorted so, handed to the step's ``observe`` as a host's token-mean step
 does. Writes per step the plan's digest, the digest this rank's own planning context gives the
 same step (the planner processes' plans must be the ones the ranks would make with the versions
@@ -42,6 +43,13 @@ def distorted(loader, step, rng) -> list:
     return out
 
 
+def true_peak(loader, step, activations: float) -> float:
+    """The step's peak bytes on a device whose activations are ``activations`` x the profile's."""
+    states = loader.context.spec.memory[0].states
+    planned = loader.context.calibration_at(loader.context.position(step.epoch, step.index)).memory
+    return states + activations * (step.predicted_peak_mb * 2**20 - states) / planned
+
+
 def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out = sys.argv[1]
@@ -63,12 +71,14 @@ def main() -> None:
                 version = loader.context.calibration_at(loader.context.position(step.epoch, step.index)).version
                 record = {"digest": step.digest, "local": local.digest, "version": version, "ms": step.predicted_ms}
                 log.write(json.dumps(record) + "\n")
-                step.observe(distorted(loader, step, rng))
+                step.observe(distorted(loader, step, rng), true_peak(loader, step, 1.2 + 0.1 * rank))
                 done += 1
                 if done == STEPS:
                     break
         last = loader.calibration.calibrator.calibration
-        log.write(json.dumps({"factors": last.factors, "errors": loader.calibration.errors}) + "\n")
+        log.write(
+            json.dumps({"factors": last.factors, "memory": last.memory, "errors": loader.calibration.errors}) + "\n"
+        )
     loader.close()
     dist.destroy_process_group()
 

@@ -158,7 +158,8 @@ def planned_engine(stage: int, pairs: np.ndarray, data: list[dict], cost, init_s
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": 0.0,
         "dyn_plugin": {
-            "microbatching": {"global_tokens": int(pairs.sum()) // 2 + 50, "max_seq_len": 512},
+            # global batches cut as the cases below were chosen for: consecutive pairs (no lookahead)
+            "microbatching": {"global_tokens": int(pairs.sum()) // 2 + 50, "max_seq_len": 512, "lookahead": 0},
             "cluster": {"device": {"memory_mb": 400000}},  # T5 11B's states fit one stage
         },
     }

@@ -40,6 +40,8 @@ def planned_run(path: str, world: int, **initialize) -> tuple:
     plan = hand_plan(model, world, world, PLANS[path], path)
     cfg = config("none", "packed", plan)
     cfg["dyn_plugin"]["microbatching"]["global_tokens"] = GLOBAL_TOKENS
+    # global batches of consecutive samples (no lookahead): fuller ones do not fit the device sized below
+    cfg["dyn_plugin"]["microbatching"]["lookahead"] = 0
     cfg["dyn_plugin"]["calibration"] = {"enabled": False}  # bit for bit across kills: plans from the profile alone
     cfg["dyn_plugin"]["cluster"]["device"]["memory_mb"] = plan.state_bytes / 2**20 + ACTIVATIONS_MB
     return fsdp.initialize(

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dyn_plugin.layout import RankLayout
+from dyn_plugin.plan.steps.spec import MB
 from dyn_plugin.runtime.loader import DynLoader
 from ranks import free_port, run
 from test_loader import make
@@ -40,6 +41,7 @@ def test_ranks_and_planners_plan_alike_as_the_calibration_converges(tmp_path, ba
     for direction in ("forward", "backward"):
         assert factors[direction]["token"] == pytest.approx(2.0, rel=0.08)
         assert factors[direction]["pair"] == pytest.approx(3.0, rel=0.15)
+    assert end0["memory"] == pytest.approx(1.3 * 1.03, rel=1e-6)  # the larger rank's, gathered
     errors = [e for _, e in end0["errors"]]
     assert errors[0] > 0.4 and errors[-1] < 0.08  # the profile's error, then the calibrated one
 
@@ -49,7 +51,7 @@ def _loader(**over):
     return DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(1), seed=5)
 
 
-def _slow(step, factor=2.0):
+def _slow(step, factor=2.0) -> list:
     """Timings of a machine ``factor`` x slower than the step's plan predicted, per micro-batch."""
     n = len(step.loaded)
     return [(factor * step.predicted_ms / n / 3, factor * 2 * step.predicted_ms / n / 3)] * n
@@ -97,3 +99,78 @@ def test_no_timings_no_calibration():
     steps = [step for _, step in zip(range(8), loader)]
     assert len(loader.context.calibrations) == 1
     assert all(np.isfinite(s.predicted_ms) for s in steps)
+
+
+def _tight_loader(**over):
+    """Plans bound by memory: a device of 40 MB for the tiny model's activations."""
+    cfg, cm, lens, data = make(
+        n=300, cluster={"device": {"memory_mb": 40, "memory_fraction": 1.0}}, calibration={**CALIBRATION, **over}
+    )
+    return DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(1), seed=5)
+
+
+def _true_peak(loader, step, activations: float) -> float:
+    """Bytes the step would really reach on a device whose activations are ``activations`` x the
+    profile's (the plan predicted its peak under the calibration it was priced with)."""
+    states = loader.context.spec.memory[0].states
+    planned = loader.context.calibration_at(loader.context.position(step.epoch, step.index)).memory
+    return states + activations * (step.predicted_peak_mb * MB - states) / planned
+
+
+def _run(loader, activations: float, steps: int) -> list[float]:
+    """Each step's true peak over the bytes plans may fill, its timings and measured peak handed back."""
+    plannable = loader.config.cluster.device.plannable_mb * MB
+    fills = []
+    for _, step in zip(range(steps), loader):
+        peak = _true_peak(loader, step, activations)
+        fills.append(peak / plannable)
+        step.observe(_slow(step, 1.0), peak)
+    return fills
+
+
+def test_a_measured_peak_above_the_plan_raises_the_memory_factor_before_the_next_step():
+    """Activations 1.5x the profile's: after the first measured step past warm-up the memory factor
+    rises at once (the next step is priced with it) and no later step overflows, where the plans of
+    the profile alone, the same global batches, overflow."""
+    calibrated, static = _tight_loader(), _tight_loader(enabled=False)
+    fills = _run(calibrated, 1.5, 10)
+    memory = [c.memory for c in calibrated.context.calibrations]
+    assert memory[-1] == pytest.approx(1.5 * 1.03, rel=1e-6)  # the largest ratio, with the headroom
+    rise = next(c for c in calibrated.context.calibrations if c.memory > 1)
+    assert rise.from_step == 2  # measured at step 1 (the first past warm-up), priced from the next
+    assert max(fills[2:]) <= 1.0
+    static_fills = [_true_peak(static, step, 1.5) / (static.config.cluster.device.plannable_mb * MB)
+                    for _, step in zip(range(10), static)]  # fmt: skip
+    assert max(static_fills[2:]) > 1.0  # what the calibration kept from running
+
+
+def test_a_peak_below_the_plan_lowers_the_memory_factor_gradually_and_the_plans_fill_the_device():
+    """Activations 0.6x the profile's: the factor falls by at most max_change a refit, and once it has,
+    the plans fill >= 90% of the memory plans may use (not the 60% the profile's estimate leaves)."""
+    loader = _tight_loader()
+    fills = _run(loader, 0.6, 24)
+    memory = [c.memory for c in loader.context.calibrations]
+    assert all(b >= a / 1.25 - 1e-12 for a, b in zip(memory, memory[1:]))
+    assert memory[-1] == pytest.approx(0.6 * 1.03, rel=1e-6)
+    assert max(fills[:2]) < 0.7 and max(fills[-6:]) >= 0.9 and max(fills) <= 1.0
+
+
+def test_a_plan_made_ahead_with_an_older_calibration_is_planned_again():
+    """With a store, planner processes plan ahead; a step whose plan was priced with an older version
+    than the one that prices it is planned on the rank (the same plan on every rank)."""
+    cfg, cm, lens, data = make(
+        n=300,
+        store={"backend": "tcp", "port": 0, "namespace": "calibration-stale"},
+        loader={"planners": 1, "prefetch": 4},
+        cluster={"device": {"memory_mb": 40, "memory_fraction": 1.0}},
+        calibration=CALIBRATION,
+    )
+    loader = DynLoader(data, lengths=lens, config=cfg, cost_model=cm, layout=RankLayout(1), seed=5)
+    try:
+        for _, step in zip(range(8), loader):
+            version = loader.context.calibration_at(loader.context.position(step.epoch, step.index)).version
+            assert step.digest == loader.context.plan(step.epoch, step.index)[(0, 0)].digest, version
+            step.observe(_slow(step, 1.0), _true_peak(loader, step, 1.5))
+        assert len(loader.context.calibrations) > 1
+    finally:
+        loader.close()

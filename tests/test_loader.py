@@ -217,6 +217,35 @@ def test_vectorized_epoch_batches_equal_the_per_sample_loop():
         assert epoch_batches(lens, tokens, **kw) == _epoch_batches_by_loop(lens, tokens, **kw), (lens, tokens, kw)
 
 
+def test_a_lookahead_fills_the_budget_and_keeps_every_sample_once():
+    """With a lookahead a batch goes on past the sequences that do not fit, taking later ones that
+    do: every sample still once an epoch, no batch over budget (beyond its first min_sequences),
+    the same batches on every call, and code-like lengths fill >= 99% of the budget on average."""
+    rng = np.random.default_rng(0)
+    lens = np.clip(rng.lognormal(6.2, 1.3, size=3000).astype(int), 2, 4096)
+    for min_seq in (1, 4):
+        plain = epoch_batches(lens, 16384, seed=1, epoch=0, min_sequences=min_seq)
+        batches = epoch_batches(lens, 16384, seed=1, epoch=0, min_sequences=min_seq, lookahead=64)
+        assert batches == epoch_batches(lens, 16384, seed=1, epoch=0, min_sequences=min_seq, lookahead=64)
+        assert sorted(i for b in batches for i in b) == list(range(len(lens)))
+        assert all(len(b) >= min_seq for b in batches)
+        # within the budget, but for a batch of only its forced first ones (and the last, a short tail joined)
+        assert all(sum(lens[b]) <= 16384 or len(b) == min_seq for b in batches[:-1])
+        fill = [sum(lens[b]) / 16384 for b in batches[:-1]]
+        assert np.percentile(fill, 5) >= 0.97 and np.mean(fill) >= 0.99  # the epoch's last few hold what is left
+        assert np.mean([sum(lens[b]) / 16384 for b in plain[:-1]]) < 0.95  # what the lookahead buys
+        assert len(batches) < len(plain)
+    # small cases: a partition whatever the lengths, budget and lookahead
+    for trial in range(300):
+        n = int(rng.integers(1, 60))
+        small = rng.integers(0, int(rng.choice([5, 50, 500])), size=n)
+        kw = dict(
+            seed=trial, epoch=0, min_sequences=int(rng.integers(1, min(n, 5) + 1)), lookahead=int(rng.integers(1, 9))
+        )
+        got = epoch_batches(small, int(rng.integers(1, 400)), **kw)
+        assert sorted(i for b in got for i in b) == list(range(n)) and all(len(b) >= kw["min_sequences"] for b in got)
+
+
 @pytest.mark.parametrize("how", ["close", "garbage-collected"])
 def test_planner_processes_stop_with_the_loader(how):
     import gc

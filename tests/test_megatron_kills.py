@@ -39,6 +39,7 @@ pytest.importorskip("megatron.core")
 
 import torch  # noqa: E402
 
+from dyn_plugin.config import MicrobatchingConfig  # noqa: E402
 from dyn_plugin.host.checkpoint import MARKER  # noqa: E402
 from dyn_plugin.runtime.sampler import epoch_batches  # noqa: E402
 from kill_harness import check_exactly_once, train_with_kills  # noqa: E402
@@ -91,9 +92,12 @@ def write_documents(prefix: Path, seed: int = 0) -> np.ndarray:
     return lengths
 
 
+LOOKAHEAD = MicrobatchingConfig().lookahead  # the runs' config leaves it at its default
+
+
 def epoch_steps(lengths: np.ndarray) -> int:
     """Global batches in the loader's first epoch (seed 0, ``GLOBAL_BATCH`` x ``SEQ`` tokens each)."""
-    return len(epoch_batches(lengths, GLOBAL_BATCH * SEQ, seed=0, epoch=0, min_sequences=WORLD))
+    return len(epoch_batches(lengths, GLOBAL_BATCH * SEQ, seed=0, epoch=0, min_sequences=WORLD, lookahead=LOOKAHEAD))
 
 
 def torchrun_killed(codes: list[int], logs: list[str]) -> list[int]:

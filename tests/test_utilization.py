@@ -42,13 +42,14 @@ def _record(mode, ms, **gpu):
 
 
 def test_the_report_shows_gpu_figures_only_where_they_were_measured(tmp_path):
-    cpu = summarize([_record("padded", 10.0), _record("dyn_plugin", 5.0)], ["padded", "dyn_plugin"], ["padded"])
+    cpu = summarize([_record("padded", 10.0), _record("dyn_plugin", 5.0)], ["padded", "dyn_plugin"], ["padded"], 1000)
     assert cpu[1]["mfu"] is None and "MFU" not in report(cpu, str(tmp_path), "", ["padded"])
+    assert cpu[0]["budget_filled"] == pytest.approx(0.1)  # 100 real tokens of a budget of 1000
     gpu = [
         _record("dyn_plugin", 5.0, mfu=0.40, peak_mb_measured=1000.0, peak_mb_predicted=950.0),
         _record("dyn_plugin", 5.0, mfu=0.44, peak_mb_measured=1100.0, peak_mb_predicted=900.0),
     ]
-    row = summarize(gpu, ["dyn_plugin"], [])[0]
+    row = summarize(gpu, ["dyn_plugin"], [], 1000)[0]
     assert row["mfu"] == pytest.approx(0.42)
     assert (row["peak_mb_measured"], row["peak_mb_predicted"]) == (1100.0, 950.0)
     assert "| dyn_plugin | 42.0% | 1,100 | 950 | -13.6% |" in report([row], str(tmp_path), "", [])

@@ -133,11 +133,19 @@ def batchings_preamble(
 
 
 def finish_batchings(
-    records: list[dict], modes: Iterable[str], baselines: Sequence[str], out: str, preamble: str, also: str = ""
+    records: list[dict],
+    modes: Iterable[str],
+    baselines: Sequence[str],
+    out: str,
+    preamble: str,
+    also: str = "",
+    *,
+    budget: int,
 ) -> None:
     """The batching benchmarks' end on rank 0: summary rows, records.jsonl, summary.json, report.md
-    and report.png written, the report printed (``also``: more files to name after it)."""
-    rows = summarize(records, modes, baselines)
+    and report.png written, the report printed (``also``: more files to name after it; ``budget``:
+    the global batch's token budget, which ``budget_filled`` is the share of)."""
+    rows = summarize(records, modes, baselines, budget)
     write_results(out, records, rows)
     print("\n" + report(rows, out, preamble, baselines))
     plot_predictions(records, out)
@@ -223,10 +231,12 @@ def _mape(records: list[dict]) -> float | None:
     return float(np.mean([abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in records]))
 
 
-def summarize(records: list[dict], modes: Iterable[str], baselines: Sequence[str]) -> list[dict]:
+def summarize(records: list[dict], modes: Iterable[str], baselines: Sequence[str], budget: int) -> list[dict]:
     """One row per mode of ``modes`` that has records (in that order): effective (non-padding)
     tokens/s, padding fraction, measured and predicted step time, the prediction's mean absolute
-    percentage error, the last loss, and ``speedup_vs_<mode>`` against each of ``baselines`` that ran.
+    percentage error, the last loss, ``budget_filled`` (the share of the global batch's token budget
+    ``budget`` its documents fill, on average), and ``speedup_vs_<mode>`` against each of ``baselines``
+    that ran.
     A mode whose records predict nothing (``predicted_ms`` None: a run without the plugin's plans) has
     None for both prediction figures."""
     rows = []
@@ -242,6 +252,7 @@ def summarize(records: list[dict], modes: Iterable[str], baselines: Sequence[str
                 "steps": len(rs),
                 "effective_tokens_per_s": sum(r["real_tokens"] for r in rs) / secs,
                 "padding_fraction": 1 - sum(r["real_tokens"] for r in rs) / sum(r["token_slots"] for r in rs),
+                "budget_filled": sum(r["real_tokens"] for r in rs) / (budget * len(rs)),
                 "measured_step_ms": secs * 1e3 / len(rs),
                 "predicted_step_ms": float(np.mean([r["predicted_ms"] for r in predicted])) if predicted else None,
                 "prediction_mape": _mape(predicted),

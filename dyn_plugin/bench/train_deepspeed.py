@@ -317,6 +317,7 @@ def main() -> None:
             args.out,
             preamble(args),
             "" if args.stages > 1 else f", one executed step measured vs predicted: {args.out}/step-trace.json",
+            budget=args.global_tokens,
         )
     dist.barrier()
     dist.destroy_process_group()

@@ -260,7 +260,7 @@ def main() -> None:
             "rows of the maximum length); dyn_plugin: the plugin through the Trainer; dyn_plugin_loop: the plugin's "
             "own loop on the same plans.",
         )
-        finish_batchings(records, MODES, BASELINES, args.out, preamble)
+        finish_batchings(records, MODES, BASELINES, args.out, preamble, budget=args.global_tokens)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # DeepSpeed sometimes aborts in its exit handlers on CPU

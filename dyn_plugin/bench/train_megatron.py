@@ -193,7 +193,7 @@ def main() -> None:
     for mode in modes:
         records += run_mode(mode, args, ex, docs, lengths, device)
     if dist.get_rank() == 0:
-        finish_batchings(records, MODES, BASELINES, args.out, preamble(args))
+        finish_batchings(records, MODES, BASELINES, args.out, preamble(args), budget=args.global_tokens)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # as the test workers: megatron-core's exit handlers are not needed

@@ -216,7 +216,7 @@ def bench_train_megatron_lm(args: argparse.Namespace) -> list[dict]:
         t0 = time.perf_counter()
         records += run_mode(mode, args, script, prefix)
         logger.info("%s trained in %.0f s", mode, time.perf_counter() - t0)
-    rows = summarize(records, modes, BASELINES)
+    rows = summarize(records, modes, BASELINES, args.global_tokens)
     write_results(args.out, records, rows)
     text = report(rows, args.out, preamble(args), BASELINES)
     if not args.json:  # --json prints only the rows

@@ -203,7 +203,9 @@ def main() -> None:
             data=f"(input, target) pairs of the bundled '{args.lengths}' distribution, each side cut to "
             f"{args.max_len} tokens",
         )
-        finish_batchings(records, modes, [b for b in BASELINES if b in modes], args.out, preamble)
+        finish_batchings(
+            records, modes, [b for b in BASELINES if b in modes], args.out, preamble, budget=args.global_tokens
+        )
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # DeepSpeed sometimes aborts in its exit handlers on CPU

@@ -19,7 +19,10 @@ absolute against the base model, never compounded on the last calibration: a fit
 machine is now, not how it changed since the last one, so errors do not accumulate. Where the
 window cannot tell the two terms apart (the pair part is a small share of every prediction, or
 the same share of all of them) one scale is fitted for both, keeping their current ratio.
-Memory is not touched: it does not drift with load or clocks.
+Memory: one factor on every activation fit (stored and peak bytes), from the measured peaks
+(:meth:`OnlineCalibrator.observe_memory`): the largest measured-over-predicted ratio in its window
+with a headroom above it, raised at once (the next plan must not overflow where this one nearly
+did) and lowered gradually, so the plans fill what the device really holds.
 
 Why bounded. Plans are compared across steps and published ahead of the steps they price; a
 factor that jumps on one bad window (a GC pause, a neighbour's burst) would swing every plan
@@ -61,12 +64,16 @@ DIRECTIONS: tuple[Direction, ...] = ("forward", "backward")
 TERMS: tuple[Term, ...] = ("token", "pair")
 # the time metrics a direction's factors scale: a measured weight-gradient time is part of the backward
 METRICS_OF: dict[Direction, tuple[str, ...]] = {"forward": ("forward_ms",), "backward": ("backward_ms", "weight_ms")}
+MEMORY_METRICS = ("stored_bytes", "peak_bytes")  # a micro-batch's activations, scaled by the memory factor
 STATE_FORMAT = 1
 # one robust deviation (the median absolute deviation of the log ratio, times 1.4826: a normal's
 # sigma) is never taken below 1%: timings jitter that much on any machine, and a window fitted
 # exactly (synthetic, or a quiet machine) would otherwise call every last-digit difference an outlier
 MIN_DEVIATION = 0.01
 MAD_TO_SIGMA = 1.4826
+# the activation memory factor sits this far above the largest measured/predicted peak seen: the
+# next micro-batches are others, and an overflow on one rank stops every rank
+MEMORY_HEADROOM = 1.03
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,8 @@ class Calibration:
     forward_pair: float = 1.0
     backward_token: float = 1.0
     backward_pair: float = 1.0
+    # activation memory (every stored_bytes and peak_bytes fit), measured peak over predicted
+    memory: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.version, int) or self.version < 0:
@@ -97,6 +106,8 @@ class Calibration:
                     raise ValueError(
                         f"calibration {d}_{t} = {v!r}: a factor must be a finite number > 0 (1.0: as profiled)"
                     )
+        if not (isinstance(self.memory, (int, float)) and math.isfinite(self.memory) and self.memory > 0):
+            raise ValueError(f"calibration memory = {self.memory!r}: must be a finite number > 0 (1.0: as profiled)")
 
     def factor(self, direction: Direction, term: Term) -> float:
         return getattr(self, f"{direction}_{term}")
@@ -108,20 +119,21 @@ class Calibration:
 
     @property
     def is_identity(self) -> bool:
-        return all(self.factor(d, t) == 1.0 for d in DIRECTIONS for t in TERMS)
+        return self.memory == 1.0 and all(self.factor(d, t) == 1.0 for d in DIRECTIONS for t in TERMS)
 
     def describe(self) -> str:
         """One line for logs: ``v3 from step 40: forward token x1.250 pair x1.000, backward ...``."""
         parts = ", ".join(
             f"{d} token x{self.factor(d, 'token'):.3f} pair x{self.factor(d, 'pair'):.3f}" for d in DIRECTIONS
         )
-        return f"v{self.version} from step {self.from_step}: {parts}"
+        return f"v{self.version} from step {self.from_step}: {parts}, activation memory x{self.memory:.3f}"
 
     def apply(self, cost: TableCostModel) -> TableCostModel:
         """A new model whose time fits are scaled by these factors; ``cost`` is not changed.
 
-        Memory fits are kept as they are. The identity calibration gives a model whose predictions
-        equal ``cost``'s exactly (every coefficient is multiplied by 1.0, which is exact).
+        Memory fits (a micro-batch's activations: stored and peak bytes) are scaled by ``memory``;
+        model states are priced apart and kept. The identity calibration gives a model whose
+        predictions equal ``cost``'s exactly (every coefficient is multiplied by 1.0, which is exact).
         """
         if isinstance(cost, EncoderDecoderCostModel):
             raise TypeError(
@@ -145,12 +157,15 @@ class Calibration:
                 for m in METRICS_OF[d]:
                     if m in out:
                         out[m] = _scale_fit(out[m], tok, pair)
+            for m in MEMORY_METRICS:
+                if m in out:
+                    out[m] = _scale_fit(out[m], self.memory, self.memory)
             fits[comp] = out
         return replace(t, fits=fits)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (as published through the plan store); :meth:`from_dict` inverts it exactly."""
-        return {"version": self.version, "from_step": self.from_step, "factors": self.factors}
+        return {"version": self.version, "from_step": self.from_step, "factors": self.factors, "memory": self.memory}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Calibration":
@@ -169,7 +184,7 @@ class Calibration:
                         f"calibration factors[{direction!r}][{term!r}] is missing or not a number; "
                         "expected {'forward': {'token': x, 'pair': y}, 'backward': {...}}"
                     ) from None
-        return cls(version=d["version"], from_step=d["from_step"], **kw)
+        return cls(version=d["version"], from_step=d["from_step"], memory=float(d.get("memory", 1.0)), **kw)
 
 
 def _scale_fit(fit: LinearFit, token: float, pair: float) -> LinearFit:
@@ -437,6 +452,7 @@ class OnlineCalibrator:
             self._stage_of = stage_of
         self.calibration = calibration if calibration is not None else Calibration()
         self._samples: dict[Direction, deque[_Sample]] = {d: deque(maxlen=self.settings.window) for d in DIRECTIONS}
+        self._memory: deque[float] = deque(maxlen=self.settings.window)  # measured / base-predicted activation peaks
         self._last_fit_step: int | None = None
         self._applied: tuple[Calibration, TableCostModel] | None = None
         self.last_fits: dict[Direction, _Fit] = {}  # the latest fit per direction, for logs and tests
@@ -472,35 +488,53 @@ class OnlineCalibrator:
 
     # -- fitting -------------------------------------------------------------------------------
 
-    def maybe_update(self, step: int, *, from_step: int | None = None) -> Calibration | None:
+    def maybe_update(
+        self, step: int, *, from_step: int | None = None, memory_from_step: int | None = None
+    ) -> Calibration | None:
         """Refit when due (every ``every`` steps past warm-up, with ``min_observations`` in a
         window); return the next version, pricing steps from ``from_step`` (default ``step + 1``),
-        when some factor moved by more than ``tolerance``, else None."""
+        when some factor moved by more than ``tolerance``, else None.
+
+        The memory factor is the largest measured-over-predicted activation peak in its window
+        (``observe_memory``) with ``MEMORY_HEADROOM`` above it. It rises at once, at any step, and
+        the version then prices from ``memory_from_step`` (default ``step + 1``: the next plan must
+        not overflow where this one nearly did); it falls by at most ``max_change`` per refit."""
         s = self.settings
         cur = self.calibration
         start = step + 1 if from_step is None else from_step
-        if start < cur.from_step:
+        urgent = step + 1 if memory_from_step is None else memory_from_step
+        if min(start, urgent) <= step:
             raise ValueError(
-                f"from_step = {start} is before the current calibration's from_step = {cur.from_step}: versions "
-                "must price later steps than the ones they follow"
+                f"from_step = {min(start, urgent)} at step {step}: a version prices steps still to be planned, "
+                "after the one it was fitted at"
             )
-        if step < s.warmup_steps or (self._last_fit_step is not None and step < self._last_fit_step + s.every):
+        memory = cur.memory
+        if self._memory:
+            target = max(self._memory) * MEMORY_HEADROOM
+            memory = target if target > cur.memory else max(target, cur.memory / s.max_change, s.min_factor)
+        rises = memory > cur.memory * (1 + s.tolerance)
+        due = step >= s.warmup_steps and (self._last_fit_step is None or step >= self._last_fit_step + s.every)
+        if not (due or rises):
             return None
-        ready = [d for d in DIRECTIONS if len(self._samples[d]) >= s.min_observations]
-        if not ready:
-            return None
-        self._last_fit_step = step
         new = dict(cur.factors)
+        ready = [d for d in DIRECTIONS if due and len(self._samples[d]) >= s.min_observations]
+        if ready:
+            self._last_fit_step = step
         for d in ready:
             fit = self._fit(d, (cur.factor(d, "token"), cur.factor(d, "pair")))
             self.last_fits[d] = fit
             new[d] = {t: self._bounded(cur.factor(d, t), getattr(fit, t)) for t in TERMS}
         moved = max(abs(new[d][t] / cur.factor(d, t) - 1.0) for d in DIRECTIONS for t in TERMS)
-        if moved <= s.tolerance:
+        if not due:
+            memory_moved = rises
+        else:
+            memory_moved = abs(memory / cur.memory - 1.0) > s.tolerance
+        if moved <= s.tolerance and not memory_moved:
             return None
         self.calibration = Calibration(
             version=cur.version + 1,
-            from_step=start,
+            from_step=urgent if rises else start,
+            memory=memory if memory_moved else cur.memory,
             **{f"{d}_{t}": new[d][t] for d in DIRECTIONS for t in TERMS},
         )
         logger.info(
@@ -508,13 +542,24 @@ class OnlineCalibrator:
             self.calibration.describe(),
             step,
             "; ".join(
-                f"{d}: {f.kept} kept, {f.dropped} outliers, {'one scale' if f.joint else 'two terms'}, "
-                f"window error {100 * f.error_before:.1f}% -> {100 * f.error_after:.1f}%"
-                for d, f in sorted(self.last_fits.items())
-                if d in ready
+                [
+                    f"{d}: {f.kept} kept, {f.dropped} outliers, {'one scale' if f.joint else 'two terms'}, "
+                    f"window error {100 * f.error_before:.1f}% -> {100 * f.error_after:.1f}%"
+                    for d, f in sorted(self.last_fits.items())
+                    if d in ready
+                ]
+                + ([f"memory: largest measured/predicted {max(self._memory):.3f}"] if self._memory else [])
             ),
         )
         return self.calibration
+
+    def observe_memory(self, step: int, ratios: Sequence[float]) -> None:
+        """One step's measured activation peaks over what the *base* model predicted for them (one
+        per rank; its order does not matter: the window's largest is what is used). Warm-up steps,
+        and ratios that are not finite and positive, are ignored."""
+        if step < self.settings.warmup_steps:
+            return
+        self._memory.extend(sorted(float(r) for r in ratios if math.isfinite(r) and r > 0))
 
     def _fit(self, direction: Direction, current: tuple[float, float]) -> _Fit:
         window = list(self._samples[direction])
@@ -596,6 +641,7 @@ class OnlineCalibrator:
             "windows": {
                 d: [{**x.obs.to_dict(), "direction_ms": x.measured} for x in self._samples[d]] for d in DIRECTIONS
             },
+            "memory": list(self._memory),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -625,6 +671,7 @@ class OnlineCalibrator:
                 token, pair = self._split(obs, d)
                 window.append(_Sample(obs, float(rec["direction_ms"]), token, pair))
             self._samples[d] = window
+        self._memory = deque(state.get("memory", []), maxlen=self.settings.window)
 
 
 def _fingerprint(cost: TableCostModel) -> str:

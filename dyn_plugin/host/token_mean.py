@@ -93,10 +93,14 @@ def token_mean_step(step: Step, host: HostHooks, dp: int, timings: list | None =
     ``timings``, if given, receives (forward_ms, backward_ms) of each micro-batch and
     ("step", optimizer ms), on CUDA from events (the host's clock there times launches, not
     kernels), read after the step at the cost of one synchronisation. With online calibration
-    (``step.observe``) they are recorded anyway and handed to it after the step."""
+    (``step.observe``) they are recorded anyway and handed to it after the step, with the step's
+    peak device memory on a GPU (None elsewhere: a CPU allocator keeps no such count)."""
     if step.observe is not None and timings is None:
         timings = []
     n = len(step.micro_batches)
+    measures_peak = step.observe is not None and host.device.type == "cuda"
+    if measures_peak:  # the allocator's own count: read on the host, no synchronisation
+        torch.cuda.reset_peak_memory_stats(host.device)
     if n == 0:
         raise ValueError(f"step {step.index} gave this rank no micro-batch; every rank needs at least one")
     # On the device: NCCL all-reduces device tensors only, and a host copy per micro-batch would
@@ -122,7 +126,8 @@ def token_mean_step(step: Step, host: HostHooks, dp: int, timings: list | None =
         clock.wait()
         timings += [(clock.ms(a, b), clock.ms(b, c)) for a, b, c in marks] + [("step", clock.ms(start, end))]
         if step.observe is not None:
-            step.observe(timings[-n - 1 : -1])
+            peak = torch.cuda.max_memory_allocated(host.device) if measures_peak else None
+            step.observe(timings[-n - 1 : -1], peak)
     if dp > 1:
         import torch.distributed as dist
 

@@ -12,6 +12,11 @@ rank publishes every version under ``CALIBRATION_KEY`` before it moves the store
 reads the key after the cursor). Without a store each rank plans the next step after this one
 ran (``lag`` 0).
 
+Memory: each rank's peak device bytes of the step (a GPU's allocator count) against the plan's
+prediction for it: their activation part sets the memory factor (cost/online.py), which rises at
+once (the next position is planned with it, and a plan made ahead with the older one is made
+again: plan_source.py) and falls slowly.
+
 What is observed: micro-batches that ran alone on this rank (a sequence-parallel shard's time
 holds its collectives, which the tables do not price) under one recompute mode on every layer
 (a pyramid's partial checkpointing mixes two tables). The calibrator's state and the versions
@@ -27,6 +32,7 @@ from typing import Any, Callable
 from ..config import CalibrationConfig
 from ..cost.online import Calibration, CalibrationSettings, Observation, OnlineCalibrator
 from ..plan.steps.instructions import PlannedMicroBatch
+from ..plan.steps.spec import MB
 from .planning import PlanningContext
 
 logger = logging.getLogger(__name__)
@@ -59,9 +65,18 @@ class RunCalibration:
         self.calibrator = OnlineCalibrator(context.spec.cost, context.spec.stages, settings)
         self.errors: list[tuple[int, float]] = []  # (position, mean abs. % error of its micro-batches as planned)
 
-    def observe(self, position: int, stage: int, loaded: list[PlannedMicroBatch], timings: list) -> None:
-        """One step's (forward ms, backward ms) per micro-batch this rank ran (``timings`` as the
-        token-mean step records them, its optimizer entry last); every rank calls it after the step."""
+    def observe(
+        self,
+        position: int,
+        stage: int,
+        loaded: list[PlannedMicroBatch],
+        timings: list,
+        peak_bytes: float | None = None,
+        predicted_peak_mb: float | None = None,
+    ) -> None:
+        """One step's (forward ms, backward ms) per micro-batch this rank ran (``timings``), and its
+        measured peak device bytes against the plan's prediction for this rank (either None where
+        not known); every rank calls it after the step, and they gather what each measured."""
         import torch.distributed as dist
 
         mine = [
@@ -69,21 +84,39 @@ class RunCalibration:
             for desc, times in zip(loaded, timings)
             if (obs := self._observation(position, stage, desc, times)) is not None
         ]
-        gathered = [mine]
+        ratio = self._memory_ratio(position, stage, peak_bytes, predicted_peak_mb)
+        gathered = [(mine, ratio)]
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, mine)
-        observations = [Observation.from_dict(d) for rank in gathered for d in rank]
+            dist.all_gather_object(gathered, (mine, ratio))
+        observations = [Observation.from_dict(d) for rank, _ in gathered for d in rank]
+        planned = self.context.calibration_at(position)
         if observations:
-            planned = self.context.calibration_at(position)
             error = self.calibrator.prediction_error(observations, planned)
             self.errors.append((position, error))
             logger.debug("step %d: prediction error %.1f%% (calibration v%d)", position, 100 * error, planned.version)
         self.calibrator.observe(observations)
-        new = self.calibrator.maybe_update(position, from_step=position + 1 + self.lag)
+        self.calibrator.observe_memory(position, [r for _, r in gathered if r is not None])
+        # a rise of the memory factor prices the very next step: a plan made ahead with the old one
+        # is made again (plan_source) rather than run into an overflow
+        new = self.calibrator.maybe_update(position, from_step=position + 1 + self.lag, memory_from_step=position + 1)
         if new is not None:
             self.context.add_calibration(new)
             self._publish()
+
+    def _memory_ratio(
+        self, position: int, stage: int, peak_bytes: float | None, predicted_peak_mb: float | None
+    ) -> float | None:
+        """The step's measured activation bytes over what the profile (uncalibrated) predicted for
+        them: the plan's peak less the stage's model states, divided by the memory factor it was
+        planned with."""
+        if peak_bytes is None or predicted_peak_mb is None:
+            return None
+        states = self.context.spec.memory[stage].states
+        predicted = (predicted_peak_mb * MB - states) / self.context.calibration_at(position).memory
+        if predicted <= 0:
+            return None
+        return (peak_bytes - states) / predicted
 
     def _observation(self, position: int, stage: int, desc: PlannedMicroBatch, times: tuple) -> Observation | None:
         forward, backward = times
@@ -116,7 +149,13 @@ class RunCalibration:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.calibrator.load_state_dict(state["calibrator"])
+        """Continue the saved calibration; one fitted against another profile (the resumed run prices
+        with another model, or pads otherwise) starts afresh: its factors would mean something else."""
+        try:
+            self.calibrator.load_state_dict(state["calibrator"])
+        except ValueError as exc:
+            logger.warning("%s: the online calibration starts afresh", exc)
+            return
         for version in state["versions"]:
             self.context.add_calibration(Calibration.from_dict(version))
         self._publish()

@@ -73,8 +73,9 @@ class Step:
     predicted_ms: float  # the cost model's simulated time of the whole step
     predicted_peak_mb: float | None = None  # this rank's peak device memory by the plan (None: a hand-made step)
     # with online calibration: the host's token-mean step hands it each micro-batch's measured
-    # (forward ms, backward ms) after the optimizer step (every rank, as it gathers them)
-    observe: Callable[[list], None] | None = None
+    # (forward ms, backward ms) and the step's peak device bytes (None where not measured) after the
+    # optimizer step (every rank, as it gathers them)
+    observe: Callable[[list, float | None], None] | None = None
 
     @property
     def loaded(self) -> list[PlannedMicroBatch]:
@@ -167,12 +168,17 @@ class DynLoader:
         self.calibration = self._calibration()
 
     def _calibration(self) -> RunCalibration | None:
-        """The online calibration (``calibration.enabled``) where the cost model has table fits to refit:
-        an encoder-decoder's pairs are priced by another model, which it does not calibrate yet."""
+        """The online calibration (``calibration.enabled``) where the cost model has table fits to refit
+        (an encoder-decoder's pairs are priced by another model, which it does not calibrate yet) and
+        plans can be made again alike on every rank."""
+        st = self.config.strategy
         if (
             not self.config.calibration.enabled
             or self.context.pairs
             or not isinstance(self.context.cost, TableCostModel)
+            # a solve under a wall-clock limit cannot be made again alike on every rank, which a
+            # plan priced with an older version needs (plan_source)
+            or (st.enabled and st.ilp_time_budget_ms is not None)
         ):
             return None
         # weakly: a step kept by the host holds the calibration, and must not keep the planners alive
@@ -242,14 +248,16 @@ class DynLoader:
         self.plan_wait_s.append(time.perf_counter() - t0)
         return rp
 
-    def _observer(self, rp: RankPlan) -> Callable[[list], None] | None:
+    def _observer(self, rp: RankPlan) -> Callable[[list, float | None], None] | None:
         """What the host calls with the step's measured micro-batches: the online calibration's."""
         if self.calibration is None:
             return None
         calibration, position = self.calibration, self.context.position(rp.epoch, rp.step)
         loaded = [rp.plan.micro_batches[m] for m in rp.plan.loads]
         # the calibration, not the loader: a step the host keeps must not keep the loader (and its planners)
-        return lambda timings: calibration.observe(position, rp.plan.stage, loaded, timings)
+        return lambda timings, peak_bytes=None: calibration.observe(
+            position, rp.plan.stage, loaded, timings, peak_bytes, rp.predicted_peak_mb
+        )
 
     def _build(self, rp: RankPlan) -> Step:
         tensors, ids = [], []
@@ -298,13 +306,20 @@ class DynLoader:
             )
         if state["fingerprint"] != self._state_fingerprint:
             raise ValueError(
-                "loader state was saved for different lengths, seed or token budget; "
+                "loader state was saved for different lengths, seed, token budget or lookahead; "
                 "resume with the same dataset and dyn_plugin config"
             )
         epoch, step, columns = int(state["epoch"]), int(state["step"]), int(state["columns"])
         if columns != self.layout.columns and step > 0:
             mb = self.config.microbatching
-            saved = epoch_batches(self.lengths, mb.global_tokens, seed=self.seed, epoch=epoch, min_sequences=columns)
+            saved = epoch_batches(
+                self.lengths,
+                mb.global_tokens,
+                seed=self.seed,
+                epoch=epoch,
+                min_sequences=columns,
+                lookahead=mb.lookahead,
+            )
             if saved[:step] != self.context.batches(epoch)[:step]:
                 raise ValueError(
                     f"the checkpoint was saved on {columns} data-parallel columns, this run has "
@@ -330,7 +345,9 @@ class DynLoader:
     def _fingerprint(self, h: "hashlib._Hash") -> str:
         """``h``: the lengths' sha256, extended here; computed once (state_dict() runs at every checkpoint).
         The layout is not in it: ``load_state_dict`` judges a change of data-parallel size itself."""
-        h.update(repr((self.seed, self.config.microbatching.global_tokens)).encode())
+        mb = self.config.microbatching
+        # the lookahead shapes the epoch's batches too (0, the earlier rule, kept out: its checkpoints still resume)
+        h.update(repr((self.seed, mb.global_tokens) + ((mb.lookahead,) if mb.lookahead else ())).encode())
         return h.hexdigest()[:16]
 
     def close(self) -> None:

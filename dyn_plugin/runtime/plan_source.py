@@ -163,7 +163,7 @@ class PlanSource:
         from ..store import PayloadError
 
         try:
-            return self._plan_from_store(epoch, step)
+            rp = self._plan_from_store(epoch, step)
         except PayloadError as exc:
             if not (self._remakeable and agreeing()):
                 raise
@@ -176,6 +176,20 @@ class PlanSource:
                 GIVE_UP_LAG,
             )
             return self._plan_here(epoch, step)
+        version = self.context.calibration_at(self.context.position(epoch, step)).version
+        if rp.calibration != version:
+            # planned ahead before a calibration that prices this step (a rise of the memory factor
+            # prices the next step at once): every rank holds the same versions, so every rank makes
+            # this step's plan itself, the same one, rather than run one the newer model says may not fit
+            logger.info(
+                "epoch %d step %d: the planners priced it with calibration v%d, it is priced by v%d: planned here",
+                epoch,
+                step,
+                rp.calibration,
+                version,
+            )
+            return self._plan_here(epoch, step)
+        return rp
 
     def _plan_here(self, epoch: int, step: int) -> RankPlan:
         return self.context.plan(epoch, step)[(self.column, self.stage)]

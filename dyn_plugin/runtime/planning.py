@@ -55,6 +55,7 @@ class RankPlan:
     predicted_ms: float  # the simulated step time of the whole plan
     # this rank's predicted peak device memory: its stage's simulated activation peak and model states
     predicted_peak_mb: float | None = None
+    calibration: int = 0  # the online calibration version it was priced with (0: the profile)
 
     def to_meta(self) -> dict:
         return {
@@ -64,6 +65,7 @@ class RankPlan:
             "digest": self.digest,
             "predicted_ms": self.predicted_ms,
             "predicted_peak_mb": self.predicted_peak_mb,
+            "calibration": self.calibration,
             "plan": json.loads(plan_to_json(self.plan)),
         }
 
@@ -77,6 +79,7 @@ class RankPlan:
             meta["digest"],
             float(meta["predicted_ms"]),
             meta["predicted_peak_mb"],
+            int(meta.get("calibration", 0)),
         )
 
 
@@ -163,16 +166,13 @@ class PlanningContext:
             raise ValueError(
                 "online calibration of an encoder-decoder's pairs is not built: set calibration.enabled false"
             )
-        if calibration.from_step < self.calibrations[-1].from_step:
-            raise ValueError(
-                f"calibration version {calibration.version} prices steps from {calibration.from_step}, before version "
-                f"{self.calibrations[-1].version}'s {self.calibrations[-1].from_step}: versions price later steps"
-            )
         self.calibrations.append(calibration)
         self._specs[calibration.version] = self._spec_of(calibration.apply(self.cost))
 
     def calibration_at(self, position: int) -> Calibration:
-        """The calibration that prices the global batch at run-wide ``position``."""
+        """The calibration that prices the global batch at run-wide ``position``: the newest version
+        pricing from it or before (a rise of the memory factor may price from an earlier step than
+        the version before it, which it then replaces there: each version holds every factor)."""
         return next(c for c in reversed(self.calibrations) if c.from_step <= position)
 
     @property
@@ -213,6 +213,7 @@ class PlanningContext:
                     seed=self.seed,
                     epoch=epoch,
                     min_sequences=self.dp,
+                    lookahead=self.config.microbatching.lookahead,
                 )
             }
         return self._epochs[epoch]
@@ -279,7 +280,8 @@ class PlanningContext:
         ids = self.batches(epoch)[step]
         lens = [tuple(int(x) for x in self.lengths[i]) if self.pairs else int(self.lengths[i]) for i in ids]
         method = self.config.microbatching.method
-        plan = self.plan_batch(lens, self._specs[self.calibration_at(self.position(epoch, step)).version])
+        version = self.calibration_at(self.position(epoch, step)).version
+        plan = self.plan_batch(lens, self._specs[version])
         counts = [len(r.micro_batches) for r in plan.replicas]
         # a sharding plan's modules gather in step on every rank, as ZeRO-3's do
         sharded = self.state_bytes is not None
@@ -342,7 +344,7 @@ class PlanningContext:
         # every plan a rank runs has been replayed as NCCL runs it: a hang becomes an error here
         check_plans(list(plans.values()), rendezvous=True)
         return {
-            key: RankPlan(epoch, step, ep, tokens, digest, plan.iteration_ms, self._peak_mb(plan, ep))
+            key: RankPlan(epoch, step, ep, tokens, digest, plan.iteration_ms, self._peak_mb(plan, ep), version)
             for key, ep in plans.items()
         }
 
