@@ -11,6 +11,10 @@
 #   train     DeepSpeed ZeRO-1 on one GPU, five batchings side by side: tokens/s, MFU, rank 0's peak
 #             memory measured vs predicted, prediction error; documents up to 8192 tokens in global
 #             batches of 65,536, then up to 32768 in batches of 131,072 (SIZES)
+#   calibration  the plugin with online calibration (dyn_plugin) and without (dyn_plugin_static),
+#             CAL_STEPS steps each at the first of SIZES, beside a second process multiplying bf16
+#             matrices on the same GPU (the machine changed under the profile): prediction error
+#             per step (target <= 10% within 20 steps), memory factor from the measured peaks
 # From the package root, the wheels in .whl/ installed (see README.md). PARTS picks parts (comma
 # separated); OUT, MODEL, STEPS, SIZES and the profile's sizes (SEQ_LENS, MBS, MAX_TOKENS) can be
 # set; PROFILE names the profile the train part plans from (default: the one the profile part
@@ -23,7 +27,7 @@ export PYTHONUNBUFFERED=1
 HERE=benchmarks/gpu-next
 OUT=${OUT:-out/gpu-next}
 MODEL=${MODEL:-$HERE/llama-3.2-1b.json}
-PARTS=${PARTS:-sync,checkpoint,profile,train}
+PARTS=${PARTS:-sync,checkpoint,profile,train,calibration}
 SIZES=${SIZES:-8192:65536 32768:131072}  # longest document:tokens per global batch, one run each
 STEPS=${STEPS:-4}
 PROFILE=${PROFILE:-$OUT/profile.json}
@@ -63,4 +67,22 @@ if has train; then
     for f in report.md records.jsonl summary.json step-trace.json; do cp "/tmp/$name/$f" "$OUT/$name-$f"; done
     bundle
   done
+fi
+if has calibration; then
+  size=${SIZES%% *} name=calibration
+  python3 -c "
+import torch
+cuda = torch.cuda.is_available()  # on CPU (the script's try) a smaller load on the cores
+a = torch.randn(8192 if cuda else 512, 8192 if cuda else 512, device='cuda' if cuda else 'cpu', dtype=torch.bfloat16)
+while True:
+    a = (a @ a).clamp_(-1, 1)
+" &
+  LOAD=$!
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m torch.distributed.run --nproc_per_node=1 \
+    -m dyn_plugin.bench.train_deepspeed --profile "$PROFILE" --model "$MODEL" --out "/tmp/$name" \
+    --max-len "${size%%:*}" --global-tokens "${size##*:}" --steps "${CAL_STEPS:-24}" --warmup 1 \
+    --modes dyn_plugin,dyn_plugin_static 2>&1 | tee "$OUT/$name-log.txt"
+  kill $LOAD
+  for f in report.md records.jsonl summary.json prediction.png; do cp "/tmp/$name/$f" "$OUT/$name-$f"; done
+  bundle
 fi
