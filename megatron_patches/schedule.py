@@ -12,7 +12,8 @@ planned documents pass through untouched. A micro-batch split over a sequence-pa
 its forward and its backward inside the group (``sequence_parallel.GroupedMicroBatches``). Under
 ``pipeline.schedule 'zero_bubble'`` the plan's own order, split backwards included, runs on the
 plugin's executor instead of Megatron's 1F1B (``plan_executor``), with the same micro-batches,
-forward step and loss.
+forward step and loss. Without a pipeline each micro-batch's forward and backward are timed for
+the online calibration (``_Timing``; runtime/calibration.py).
 
 Loss: the plan's micro-batches differ in tokens, so Megatron's default (each micro-batch's mean,
 averaged over micro-batches and ranks) would weight tokens unequally. With
@@ -183,12 +184,15 @@ def planned(schedule: Callable) -> Callable:
         recompute = _recompute(model, step.plan.stage)
         groups = GroupedMicroBatches(run.sequence, step, step.plan.stage) if run.sequence is not None else None
         planned_items = iter(items)
+        timing = _Timing(step, run.loader.layout.stages == 1 and not executed)
 
         def forward_step(iterator, chunk, *args):
             m, desc, _ = next(planned_items)
             recompute.set(desc)
+            timing.forward_starts(m)
             with groups.forward(m) if groups is not None else contextlib.nullcontext():
                 output, loss_func = forward_step_func(iterator, chunk, *args)
+            timing.forward_ends()
             return output, _checked_loss(loss_func)
 
         # on the device ahead of use; the longest length stays a host int (packed_seq_params)
@@ -205,7 +209,7 @@ def planned(schedule: Callable) -> Callable:
         # seq_length / micro_batch_size are read only for fixed shapes (variable_seq_lengths is on)
         widths = [d.shape for _, d, _ in items]
         with grouped(groups):
-            return schedule(
+            out = schedule(
                 forward_step_func=forward_step,
                 data_iterator=feed,
                 model=model,
@@ -215,8 +219,48 @@ def planned(schedule: Callable) -> Callable:
                 forward_only=False,
                 **kwargs,
             )
+        timing.done()
+        return out
 
     return forward_backward
+
+
+class _Timing:
+    """Each micro-batch's forward and backward time of a step Megatron's schedule runs without a
+    pipeline, handed to the online calibration (``step.observe``) after it. Without a pipeline the
+    schedule runs each micro-batch's backward right after its forward, so a backward is the time
+    from its forward's end to the next forward's start; the last one's is not observed (until the
+    schedule's end it holds the gradients' reduction too, which the tables do not price). With a pipeline the stages' passes interleave with
+    the transfers, and nothing is timed (as on DeepSpeed's pipeline engine)."""
+
+    def __init__(self, step: Any, enabled: bool) -> None:
+        from dyn_plugin.host.clock import PeakMemory, StepClock
+
+        self.step = step
+        self.enabled = enabled and step.observe is not None
+        self.clock = StepClock(device(), self.enabled)
+        self.peak = PeakMemory(device(), self.enabled)
+        self.marks: list[tuple[int, Any, Any]] = []  # (plan index, forward start, forward end)
+
+    def forward_starts(self, m: int) -> None:
+        if self.enabled:
+            self.marks.append((m, self.clock.mark(), None))
+
+    def forward_ends(self) -> None:
+        if self.enabled:
+            m, start, _ = self.marks[-1]
+            self.marks[-1] = (m, start, self.clock.mark())
+
+    def done(self) -> None:
+        if not self.enabled:
+            return
+        nexts = [start for _, start, _ in self.marks[1:]] + [None]
+        self.clock.wait()
+        times = {
+            m: (self.clock.ms(start, end), None if after is None else self.clock.ms(end, after))
+            for (m, start, end), after in zip(self.marks, nexts)
+        }
+        self.step.observe([times[m] for m in self.step.plan.loads], self.peak.read())
 
 
 def _recompute(model: Any, stage: int) -> Recompute:

@@ -124,6 +124,8 @@ def train(out: str, pp: int, method: str, recompute: str, steps: int) -> None:
                 "recompute": sorted({d.recompute for d in step.plan.micro_batches}),
                 "shapes": [list(d.shape) for d in step.plan.micro_batches],
                 "split": sum(type(i).__name__ == "BackwardInput" for i in step.plan.instructions),
+                # steps whose micro-batches the online calibration was handed (timed without a pipeline)
+                "observed": len(runtime.RUN.loader.calibration.errors),
             }
         )
     if first_column:

@@ -74,6 +74,7 @@ CONFIG = {
     "cost_model": {"kind": "analytic"},
     "microbatching": {"global_tokens": GLOBAL_BATCH * SEQ, "max_seq_len": SEQ},
     "cluster": {"devices_per_node": WORLD, "device": {"memory_mb": 10}},
+    "calibration": {"enabled": False},  # bit for bit against the uninterrupted run: plans from the profile alone
 }
 
 

@@ -24,6 +24,7 @@ CONFIG = {
         "cost_model": {"kind": "analytic"},
         "microbatching": {"global_tokens": 2048, "max_seq_len": 256},
         "cluster": {"devices_per_node": 2, "device": {"memory_mb": 8000}},
+        "calibration": {"enabled": False},  # resumed runs compared bit for bit: plans from the profile alone
     }
 }
 

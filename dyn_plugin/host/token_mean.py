@@ -15,7 +15,6 @@ the last micro-batch, calls ``loss.backward()`` and ``optimizer.step()`` + ``zer
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
@@ -24,6 +23,7 @@ import torch
 from ..models.recompute import RecomputeSwitch, planned_layers
 from ..runtime.collate import MODEL_KEYS, scored_tokens
 from ..runtime.loader import Step
+from .clock import PeakMemory, StepClock
 from .feed import DeviceFeed
 
 
@@ -51,30 +51,6 @@ class HostHooks:
     micro_batch: Callable[[int, dict[str, torch.Tensor]], ContextManager[Any]] = _no_context
 
 
-class _Clock:
-    """Time marks when timings are asked for (else None): the host's clock, or CUDA events on a GPU,
-    read once after the step (``wait``)."""
-
-    def __init__(self, device: torch.device, enabled: bool) -> None:
-        self.cuda, self.enabled = device.type == "cuda", enabled
-
-    def mark(self) -> Any:
-        if not self.enabled:
-            return None
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def wait(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def ms(self, a: Any, b: Any) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-
-
 def _loss_sum(host: HostHooks, desc: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """One micro-batch's forward: its summed token loss (a sequence-parallel shard's share of it)."""
     if desc.sp > 1:  # a shard: HF sums the loss over its labels, shifted before the split
@@ -98,16 +74,14 @@ def token_mean_step(step: Step, host: HostHooks, dp: int, timings: list | None =
     if step.observe is not None and timings is None:
         timings = []
     n = len(step.micro_batches)
-    measures_peak = step.observe is not None and host.device.type == "cuda"
-    if measures_peak:  # the allocator's own count: read on the host, no synchronisation
-        torch.cuda.reset_peak_memory_stats(host.device)
+    peak = PeakMemory(host.device, step.observe is not None)
     if n == 0:
         raise ValueError(f"step {step.index} gave this rank no micro-batch; every rank needs at least one")
     # On the device: NCCL all-reduces device tensors only, and a host copy per micro-batch would
     # stall the device queue; the one host read is the return value.
     total = torch.zeros((), dtype=torch.float64, device=host.device)
     feed = DeviceFeed(step.micro_batches, host.device, MODEL_KEYS)  # the next one copied while this one runs
-    clock = _Clock(host.device, timings is not None)
+    clock = StepClock(host.device, timings is not None)
     marks = []  # per micro-batch (start, forward done, backward done), then the optimizer step's two
     for i, (desc, mb, inputs) in enumerate(zip(step.loaded, step.micro_batches, feed)):
         host.recompute.set(desc.recompute, planned_layers(desc, stage=0))  # no pipeline: the one stage
@@ -126,8 +100,7 @@ def token_mean_step(step: Step, host: HostHooks, dp: int, timings: list | None =
         clock.wait()
         timings += [(clock.ms(a, b), clock.ms(b, c)) for a, b, c in marks] + [("step", clock.ms(start, end))]
         if step.observe is not None:
-            peak = torch.cuda.max_memory_allocated(host.device) if measures_peak else None
-            step.observe(timings[-n - 1 : -1], peak)
+            step.observe(timings[-n - 1 : -1], peak.read())
     if dp > 1:
         import torch.distributed as dist
 

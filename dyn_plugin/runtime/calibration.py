@@ -74,7 +74,7 @@ class RunCalibration:
         peak_bytes: float | None = None,
         predicted_peak_mb: float | None = None,
     ) -> None:
-        """One step's (forward ms, backward ms) per micro-batch this rank ran (``timings``), and its
+        """One step's (forward ms, backward ms or None) per micro-batch this rank ran (``timings``), and its
         measured peak device bytes against the plan's prediction for this rank (either None where
         not known); every rank calls it after the step, and they gather what each measured."""
         import torch.distributed as dist
@@ -132,7 +132,7 @@ class RunCalibration:
             tp=self.context.tp,
             stage=stage,
             forward_ms=float(forward),
-            backward_ms=float(backward),
+            backward_ms=None if backward is None else float(backward),
             step=position,
         )
 
