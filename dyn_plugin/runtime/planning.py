@@ -111,22 +111,12 @@ class PlanningContext:
     def __post_init__(self) -> None:
         if self.pairs:
             self._check_pairs()
-            self.spec: PlannerSpec | PairSpec = pair_planner_spec(
-                self.cost,
-                self.config,
-                dp=self.dp,
-                zero_stage=self.zero_stage,
-                tp=self.tp,
-                seed=self.seed,
-                state_bytes=self.state_bytes,
+        elif isinstance(self.cost, EncoderDecoderCostModel):
+            raise ValueError(
+                f"cost model {self.cost.name!r} prices an encoder-decoder, but the lengths are one token count per "
+                "sample; give an encoder-decoder's lengths as [N, 2] (input, target) pairs"
             )
-        else:
-            if isinstance(self.cost, EncoderDecoderCostModel):
-                raise ValueError(
-                    f"cost model {self.cost.name!r} prices an encoder-decoder, but the lengths are one token count per "
-                    "sample; give an encoder-decoder's lengths as [N, 2] (input, target) pairs"
-                )
-            self.spec = self._spec_of(self.cost)
+        self.spec: PlannerSpec | PairSpec = self._spec_of(self.cost)
         # the online calibrations (cost/online.py) steps are priced with, each from its from_step on;
         # version 0 is the profile as measured. Every rank and planner holds the same list.
         self.calibrations: list[Calibration] = [Calibration()]
@@ -146,8 +136,9 @@ class PlanningContext:
         self._offsets: dict[int, int] = {0: 0}  # run-wide position of each epoch's first batch
         self._extrapolated = 0  # steps planned with costs beyond the measured range so far
 
-    def _spec_of(self, cost: TableCostModel) -> PlannerSpec:
-        return planner_spec(
+    def _spec_of(self, cost: TableCostModel | EncoderDecoderCostModel) -> PlannerSpec | PairSpec:
+        """The planner's spec of this run over ``cost`` (the profile's, or a calibrated one)."""
+        return (pair_planner_spec if self.pairs else planner_spec)(
             cost,
             self.config,
             dp=self.dp,
