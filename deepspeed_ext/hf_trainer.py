@@ -28,12 +28,13 @@ with a ``dyn_plugin`` section in that config, ``DynPluginTrainer`` (or any ``Tra
   restores it, so the run continues with the global batch after the saved one (the Trainer's own
   skipping of batches is turned off: ``ignore_data_skip``). A folder without it is refused;
   ``resume_from_checkpoint=True`` takes the newest folder that has it.
-
-With ``include_num_input_tokens_seen`` the Trainer's token count (and its tokens/s) is the global
-batch's. - **Evaluation.** ``evaluate()`` (and ``eval_strategy``, ``eval_on_start``) runs the evaluation set's
-  planned global batches forward on the training engine and reports their token-mean loss
+- **Evaluation.** ``evaluate()`` (and ``eval_strategy``, ``eval_on_start``) runs the evaluation
+  set's planned global batches forward on the training engine and reports their token-mean loss
   (``eval_loss``), exact whatever the plan; predictions (``compute_metrics``, ``predict()``) are not
   planned and are refused by name.
+
+With ``include_num_input_tokens_seen`` the Trainer's token count (and its tokens/s) is the global
+batch's; each training log also has ``padding``.
 
 What is not built here yet is refused by name at start: training without DeepSpeed
 (plain DDP or FSDP through Accelerate), pipeline stages, sequence-parallel groups, gradient accumulation, encoder-decoder
@@ -79,9 +80,8 @@ class DynPluginTrainerMixin:
         self._dyn_lengths = lengths
         self._dyn_loader: DynLoader | None = None
         self._dyn_checked: LoadedConfig | None = None  # the config once the model passed the start-up checks
-        self._dyn_counts = torch.zeros(
-            2, dtype=torch.float64
-        )  # this rank's token slots, real tokens since the last log
+        # this rank's token slots and real tokens since the last log (its padding)
+        self._dyn_counts = torch.zeros(2, dtype=torch.float64)
         self._dyn_config = self._plugin_config()
 
     # -- start ---------------------------------------------------------------------------------

@@ -84,13 +84,13 @@ class RunCalibration:
             for desc, times in zip(loaded, timings)
             if (obs := self._observation(position, stage, desc, times)) is not None
         ]
-        ratio = self._memory_ratio(position, stage, peak_bytes, predicted_peak_mb)
+        planned = self.context.calibration_at(position)
+        ratio = self._memory_ratio(planned, stage, peak_bytes, predicted_peak_mb)
         gathered = [(mine, ratio)]
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, (mine, ratio))
         observations = [Observation.from_dict(d) for rank, _ in gathered for d in rank]
-        planned = self.context.calibration_at(position)
         if observations:
             error = self.calibrator.prediction_error(observations, planned)
             self.errors.append((position, error))
@@ -105,15 +105,15 @@ class RunCalibration:
             self._publish()
 
     def _memory_ratio(
-        self, position: int, stage: int, peak_bytes: float | None, predicted_peak_mb: float | None
+        self, planned: Calibration, stage: int, peak_bytes: float | None, predicted_peak_mb: float | None
     ) -> float | None:
         """The step's measured activation bytes over what the profile (uncalibrated) predicted for
-        them: the plan's peak less the stage's model states, divided by the memory factor it was
-        planned with."""
+        them: the plan's peak less the stage's model states, divided by the memory factor of
+        ``planned``, the calibration it was priced with."""
         if peak_bytes is None or predicted_peak_mb is None:
             return None
         states = self.context.spec.memory[stage].states
-        predicted = (predicted_peak_mb * MB - states) / self.context.calibration_at(position).memory
+        predicted = (predicted_peak_mb * MB - states) / planned.memory
         if predicted <= 0:
             return None
         return (peak_bytes - states) / predicted

@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     lost = False  # the store may have dropped what was published: publish again from the cursor on
     down = False
     calibrated = None  # the calibration versions last read from the store
+    read_at = None  # the cursor they were read at: read again once it moves
     while True:
         if os.getppid() != args.parent:
             return 0
@@ -79,13 +80,16 @@ def main(argv: list[str] | None = None) -> int:
                     store.put(progress_key(args.worker), str(published).encode())
                 refreshed = now
             cursor = store.get(CURSOR_KEY)
-            # after the cursor: the host publishes a version before it moves the cursor past the
-            # position it was fitted at, so every position this loop may plan now has its version here
-            versions = store.get(CALIBRATION_KEY)
-            if versions is not None and versions != calibrated:
-                for version in json.loads(versions):
-                    context.add_calibration(Calibration.from_dict(version))
-                calibrated = versions
+            if cursor != read_at:
+                # after the cursor, once it moved: the host publishes a version before it moves the
+                # cursor past the position it was fitted at, so every position this loop may plan now
+                # has its version here (a plan priced with an older one is made again on the ranks)
+                versions = store.get(CALIBRATION_KEY)
+                if versions is not None and versions != calibrated:
+                    for version in json.loads(versions):
+                        context.add_calibration(Calibration.from_dict(version))
+                    calibrated = versions
+                read_at = cursor
             if down:
                 logger.warning("the store answers again")
                 down = False
