@@ -65,6 +65,8 @@ def main() -> None:
     )
     trainer = DynPluginTrainer(model=model, args=training, train_dataset=dataset, lengths=lengths)
     trainer.train(resume_from_checkpoint=True if args.resume else None)
+    torch.distributed.destroy_process_group()
+    os._exit(0)  # DeepSpeed sometimes aborts in its exit handlers on CPU
 
 
 if __name__ == "__main__":
