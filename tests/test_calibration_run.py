@@ -174,3 +174,38 @@ def test_a_plan_made_ahead_with_an_older_calibration_is_planned_again():
         assert len(loader.context.calibrations) > 1
     finally:
         loader.close()
+
+
+class _DownStore:
+    """A plan store that is down for its first ``down`` puts, then takes them."""
+
+    def __init__(self, down: int) -> None:
+        self.down, self.kept = down, {}
+
+    def put(self, key: str, value: bytes) -> None:
+        from dyn_plugin.store import StoreUnavailable
+
+        if self.down > 0:
+            self.down -= 1
+            raise StoreUnavailable("the plan store at tcp://test has not answered")
+        self.kept[key] = value
+
+
+def test_a_store_down_when_a_version_is_published_does_not_stop_training(caplog):
+    """The host rank publishes each version; a store that is down then is warned about once, training
+    goes on with the version, and every version is in the store once it answers again."""
+    from dyn_plugin.runtime.calibration import CALIBRATION_KEY, RunCalibration
+
+    loader, store = _loader(), _DownStore(down=3)
+    loader.calibration = RunCalibration(
+        loader.context, loader.config.calibration, lag=0, store=lambda: store, host=True
+    )
+    published = []
+    for _, step in zip(range(14), loader):
+        step.observe(_slow(step))
+        published.append(CALIBRATION_KEY in store.kept)
+    versions = [c.to_dict() for c in loader.context.calibrations[1:]]
+    assert len(versions) > 1 and not published[0]
+    assert store.down == 0 and json.loads(store.kept[CALIBRATION_KEY]) == versions
+    warned = [r for r in caplog.records if "not published" in r.getMessage()]
+    assert len(warned) == 1 and "put again after the next step" in warned[0].getMessage()

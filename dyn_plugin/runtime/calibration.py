@@ -64,6 +64,7 @@ class RunCalibration:
         # the base is the spec's model: priced at the pad multiple the runtime pads to
         self.calibrator = OnlineCalibrator(context.spec.cost, context.spec.stages, settings)
         self.errors: list[tuple[int, float]] = []  # (position, mean abs. % error of its micro-batches as planned)
+        self._unpublished = False  # a version the store did not take (it was down): put again at the next step
 
     def observe(
         self,
@@ -102,6 +103,7 @@ class RunCalibration:
         new = self.calibrator.maybe_update(position, from_step=position + 1 + self.lag, memory_from_step=position + 1)
         if new is not None:
             self.context.add_calibration(new)
+        if new is not None or self._unpublished:
             self._publish()
 
     def _memory_ratio(
@@ -137,10 +139,28 @@ class RunCalibration:
         )
 
     def _publish(self) -> None:
+        """Put every version in the store (the host rank). A store that is down does not stop
+        training: the ranks plan for themselves meanwhile (plan_source.py), planners that missed a
+        version price with an older one, whose plans the ranks make again, and the versions are put
+        again after the next step until the store takes them."""
+        from ..store import StoreUnavailable
+
         store = self._store()
-        if store is not None and self._host:
-            versions = [c.to_dict() for c in self.context.calibrations[1:]]
+        if store is None or not self._host:
+            return
+        versions = [c.to_dict() for c in self.context.calibrations[1:]]
+        try:
             store.put(CALIBRATION_KEY, json.dumps(versions).encode())
+        except StoreUnavailable as exc:
+            if not self._unpublished:
+                logger.warning(
+                    "calibration v%d not published (%s); put again after the next step",
+                    self.context.calibrations[-1].version,
+                    exc,
+                )
+            self._unpublished = True
+            return
+        self._unpublished = False
 
     def state_dict(self) -> dict[str, Any]:
         return {
