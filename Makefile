@@ -21,7 +21,7 @@ $(VENV)/.deps: setup.py pyproject.toml constraints.txt | $(PY)
 
 # Rebuild the C++ extension whenever csrc/ changes (an editable install does not).
 $(VENV)/.ext: $(wildcard csrc/*.cpp csrc/*.hpp) $(VENV)/.deps
-	$(PY) setup.py -q build_ext --inplace
+	$(PY) setup.py -q build_ext --inplace --force  # a changed header alone would not rebuild it
 	touch $@
 
 install: $(VENV)/.ext

@@ -13,6 +13,7 @@
 #include "dispatch.hpp"
 #include "knapsack.hpp"
 #include "microbatch.hpp"
+#include "simulator.hpp"
 
 namespace py = pybind11;
 using dyn::CostTable;
@@ -138,6 +139,41 @@ PYBIND11_MODULE(_core, m) {
       "DynaPipe partition DP: (ok, bounds, modes, t_max, objective, infeasible_at); runs priced per rank of a "
       "sequence-parallel group of sp, plus per layer the collectives and buffers comm[mode] = (fa, fb, ba, bb, "
       "stored per token, per pair, transient fixed, per token, per pair)");
+
+  m.def(
+      "simulate",
+      [](const std::vector<std::string>& kinds, const std::vector<std::vector<int64_t>>& mbs, const dyn::Matrix& fwd,
+         const dyn::Matrix& bwd, const dyn::Matrix& weight, const dyn::Matrix& stored, const dyn::Matrix& peak,
+         const dyn::Matrix& deferred, const dyn::Matrix& transfer, const std::vector<bool>& split, bool record) {
+        const size_t n = kinds.size(), m = split.size();
+        if (mbs.size() != n) throw std::invalid_argument("kinds and mbs need one entry per stage");
+        for (const dyn::Matrix* x : {&fwd, &bwd, &weight, &stored, &peak, &deferred}) {
+          if (x->size() != n) throw std::invalid_argument("every cost matrix needs one row per stage");
+          for (const auto& row : *x)
+            if (row.size() != m) throw std::invalid_argument("every cost row needs one entry per micro-batch");
+        }
+        if (transfer.size() != (n ? n - 1 : 0)) throw std::invalid_argument("transfer needs one row per link");
+        for (const auto& row : transfer)
+          if (row.size() != m) throw std::invalid_argument("every transfer row needs one entry per micro-batch");
+        std::vector<dyn::StageOps> stages;
+        for (size_t s = 0; s < n; ++s) {
+          if (mbs[s].size() != kinds[s].size()) throw std::invalid_argument("a stage's kinds and mbs differ in length");
+          stages.push_back({kinds[s], mbs[s]});
+        }
+        dyn::SimOutput r;
+        {
+          py::gil_scoped_release release;
+          r = dyn::simulate(stages, fwd, bwd, weight, stored, peak, deferred, transfer, split, record);
+        }
+        py::list events;
+        for (const auto& e : r.events)
+          events.append(py::make_tuple(e.stage, e.stream, std::string(1, e.kind), e.mb, e.start, e.end));
+        return py::make_tuple(r.makespan, r.busy, r.peak, events);
+      },
+      py::arg("kinds"), py::arg("mbs"), py::arg("fwd"), py::arg("bwd"), py::arg("weight"), py::arg("stored"),
+      py::arg("peak"), py::arg("deferred"), py::arg("transfer"), py::arg("split"), py::arg("record"),
+      "one replica's schedule simulated (plan/steps/simulator.py): (makespan, busy per stage, activation peak per "
+      "stage, events (stage, stream 0 compute / 1 send-fwd / 2 send-bwd, kind, mb, start, end) when record)");
 
   m.def(
       "knapsack",

@@ -36,17 +36,24 @@ def make_micro_batch(
     """Price one micro-batch on every stage, per rank of a group of ``sp``, on exactly the tensors
     the collate will build. ``checkpointed``: per stage, the layers run under ``recompute``
     (pyramid checkpointing); default all of them (none under ``recompute="none"``)."""
-    lens = tuple(int(lengths[i]) for i in sample_ids)
-    return price_features(
-        tuple(int(i) for i in sample_ids),
-        lens,
-        features(lens, layout, spec.cost.pad_multiple, sp),
-        tensor_shape(lens, layout, spec.cost.pad_multiple, sp),
-        spec=spec,
-        layout=layout,
-        recompute=recompute,
-        sp=sp,
-        checkpointed=checkpointed,
+    ids = tuple(int(i) for i in sample_ids)
+    lens = tuple(int(lengths[i]) for i in ids)
+    counts = None if checkpointed is None else tuple(int(c) for c in checkpointed)
+    return _cached(
+        spec,
+        ids,
+        ("sequences", lens, layout, recompute, sp, counts),
+        lambda: _price(
+            ids,
+            lens,
+            features(lens, layout, spec.cost.pad_multiple, sp),
+            tensor_shape(lens, layout, spec.cost.pad_multiple, sp),
+            spec=spec,
+            layout=layout,
+            recompute=recompute,
+            sp=sp,
+            checkpointed=counts,
+        ),
     )
 
 
@@ -63,12 +70,46 @@ def price_features(
     checkpointed: Sequence[int] | None = None,
 ) -> MicroBatch:
     """The micro-batch of ``seq_lens`` whose kernels run over the token slots and attention pairs
-    ``f`` in tensors of ``shape`` (``make_micro_batch``'s, or a token slice's: its queries over the
-    keys before it, ``token_slices.py``), priced on every stage."""
+    ``f`` in tensors of ``shape`` (a token slice's: its queries over the keys before it,
+    ``token_slices.py``), priced on every stage."""
+    counts = None if checkpointed is None else tuple(int(c) for c in checkpointed)
+    return _cached(
+        spec,
+        sample_ids,
+        ("features", seq_lens, f, shape, layout, recompute, sp, counts),
+        lambda: _price(
+            sample_ids, seq_lens, f, shape, spec=spec, layout=layout, recompute=recompute, sp=sp, checkpointed=counts
+        ),
+    )
+
+
+def _cached(spec: PlannerSpec, sample_ids: tuple[int, ...], key: tuple, price: Callable[[], MicroBatch]) -> MicroBatch:
+    """A micro-batch priced once per spec: one plan prices the same lengths in the same mode about
+    three times over (partition, recompute relaxation, pyramid and split-backward searches, the
+    baselines), and the steps after it price many again. Only the sample ids differ between those."""
+    priced = spec.priced.get(key)
+    if priced is None:
+        priced = price()
+        spec.remember_price(key, priced)
+    return priced if priced.sample_ids == sample_ids else replace(priced, sample_ids=sample_ids)
+
+
+def _price(
+    sample_ids: tuple[int, ...],
+    seq_lens: tuple[int, ...],
+    f: Features,
+    shape: tuple[int, int],
+    *,
+    spec: PlannerSpec,
+    layout: Layout,
+    recompute: Recompute,
+    sp: int,
+    checkpointed: tuple[int, ...] | None,
+) -> MicroBatch:
     table = spec.cost.table(layout, recompute, spec.tp)
     extrapolated = not table.covers(f.slots, f.max_len)
     whole_stage = _whole_stage_counts(recompute, spec)
-    counts = whole_stage if checkpointed is None else tuple(int(c) for c in checkpointed)
+    counts = whole_stage if checkpointed is None else checkpointed
     whole = counts == whole_stage
     if whole:
         costs = [evaluate_stage(table, f, s) for s in spec.stages]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ...cost.native import core
 from .types import LinkSpec, MicroBatch, Op, Schedule, SimResult
 
 
@@ -20,13 +21,66 @@ def simulate(
     """Makespan, bubble and per-stage activation peak of ``schedule``; ``record`` adds trace events.
 
     Raises ValueError for a schedule that cannot run: an op missing or duplicated, a backward
-    before its forward on a stage, or stages waiting on each other in a cycle.
+    before its forward on a stage, or stages waiting on each other in a cycle. Runs in C++
+    (csrc/simulator.hpp, bit-identical) where the extension is built and every op kind is one letter.
     """
     num_stages = len(schedule.stages)
-    m = len(micro_batches)
-    _check_complete(micro_batches, schedule)
-    last = num_stages - 1
+    _check_sizes(micro_batches, num_stages)
+    # Per-stage columns, so neither twin does attribute look-ups. A split backward's I is the
+    # backward less its W.
+    fwd_ms = [[mb.forward_ms[s] for mb in micro_batches] for s in range(num_stages)]
+    bwd_ms = [[mb.backward_ms[s] for mb in micro_batches] for s in range(num_stages)]
+    w_ms = [[mb.weight_ms[s] if mb.weight_ms else 0.0 for mb in micro_batches] for s in range(num_stages)]
+    # transfer[s][i]: micro-batch i's activation over link s -> s+1 (its gradient back the same size)
+    transfer = [
+        [link.transfer_ms(mb.link_bytes[s] if mb.link_bytes else mb.activation_bytes) for mb in micro_batches]
+        for s in range(num_stages - 1)
+    ]
+    kinds = ["".join(op.kind for op in stage) for stage in schedule.stages]
+    if core is not None and all(len(k) == len(stage) for k, stage in zip(kinds, schedule.stages)):
+        makespan, busy, peak, raw = core.simulate(
+            kinds,
+            [[op.mb for op in stage] for stage in schedule.stages],
+            fwd_ms,
+            bwd_ms,
+            w_ms,
+            [[mb.stored_bytes[s] for mb in micro_batches] for s in range(num_stages)],
+            [[mb.peak_bytes[s] for mb in micro_batches] for s in range(num_stages)],
+            [[mb.deferred_bytes[s] if mb.deferred_bytes else 0.0 for mb in micro_batches] for s in range(num_stages)],
+            transfer,
+            [bool(mb.weight_ms) for mb in micro_batches],
+            record,
+        )
+        events = tuple((s, STREAMS[stream], _event_name(stream, kind, i, s), a, b) for s, stream, kind, i, a, b in raw)
+    else:
+        _check_ops(micro_batches, schedule)
+        makespan, busy, events = _run(schedule, fwd_ms, bwd_ms, w_ms, transfer, record)
+        peak = [stage_peak_bytes(micro_batches, schedule.stages[s], s) for s in range(num_stages)]
+    bubble = 1.0 - sum(busy) / (num_stages * makespan) if makespan > 0 else 0.0
+    return SimResult(makespan_ms=makespan, bubble_fraction=bubble, peak_bytes=tuple(peak), events=tuple(events))
 
+
+STREAMS = ("compute", "send-fwd", "send-bwd")  # a trace event's stream, by the C++ twin's number
+
+
+def _event_name(stream: int, kind: str, i: int, stage: int) -> str:
+    if stream == 0:
+        return f"{kind}{i}"
+    return f"act {i} -> {stage + 1}" if stream == 1 else f"grad {i} -> {stage - 1}"
+
+
+def _run(
+    schedule: Schedule,
+    fwd_ms: list[list[float]],
+    bwd_ms: list[list[float]],
+    w_ms: list[list[float]],
+    transfer: list[list[float]],
+    record: bool,
+) -> tuple[float, list[float], list[tuple[int, str, str, float, float]]]:
+    """The Python twin of ``dyn::simulate``: (makespan, busy ms per stage, trace events)."""
+    num_stages = len(schedule.stages)
+    m = len(fwd_ms[0])
+    last = num_stages - 1
     # Per stage and micro-batch: when the activation (gradient) is available on that stage; None = not yet.
     act_ready: list[list[float | None]] = [[0.0] * m] + [[None] * m for _ in range(last)]
     grad_ready: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
@@ -38,17 +92,6 @@ def simulate(
     pos = [0] * num_stages
     events: list[tuple[int, str, str, float, float]] = []
     ops = [[(op.kind, op.mb) for op in stage] for stage in schedule.stages]
-    # transfer[s][i]: micro-batch i's activation over link s -> s+1 (its gradient back the same size)
-    transfer = [
-        [link.transfer_ms(mb.link_bytes[s] if mb.link_bytes else mb.activation_bytes) for mb in micro_batches]
-        for s in range(last)
-    ]
-
-    # Per-stage columns, so the loop below does no attribute look-ups. A split backward's I is the
-    # backward less its W.
-    fwd_ms = [[mb.forward_ms[s] for mb in micro_batches] for s in range(num_stages)]
-    bwd_ms = [[mb.backward_ms[s] for mb in micro_batches] for s in range(num_stages)]
-    w_ms = [[mb.weight_ms[s] if mb.weight_ms else 0.0 for mb in micro_batches] for s in range(num_stages)]
 
     pending = list(range(num_stages - 1, -1, -1))
     queued = [True] * num_stages
@@ -66,7 +109,7 @@ def simulate(
                 start = max(clock[s], ready)
                 end = start + fwd_ms[s][i]
                 fwd_done[s][i] = True
-            elif kind == "W":  # its I ran earlier on this stage (_check_complete): nothing to wait for
+            elif kind == "W":  # its I ran earlier on this stage (_check_ops): nothing to wait for
                 start = clock[s]
                 end = start + w_ms[s][i]
             else:
@@ -106,10 +149,7 @@ def simulate(
         waits = ", ".join(f"stage {s} at {ops[s][pos[s]][0]}{ops[s][pos[s]][1]}" for s in blocked)
         raise ValueError(f"schedule deadlocks: stages wait on each other in a cycle ({waits})")
 
-    makespan = max(clock)
-    bubble = 1.0 - sum(busy) / (num_stages * makespan) if makespan > 0 else 0.0
-    peak = tuple(stage_peak_bytes(micro_batches, schedule.stages[s], s) for s in range(num_stages))
-    return SimResult(makespan_ms=makespan, bubble_fraction=bubble, peak_bytes=peak, events=tuple(events))
+    return max(clock), busy, events
 
 
 def stage_peak_bytes(micro_batches: Sequence[MicroBatch], ops: Sequence[Op], stage: int) -> float:
@@ -160,8 +200,7 @@ def memory_steps(micro_batches: Sequence[MicroBatch], ops: Sequence[Op], stage: 
     return steps
 
 
-def _check_complete(micro_batches: Sequence[MicroBatch], schedule: Schedule) -> None:
-    num_stages = len(schedule.stages)
+def _check_sizes(micro_batches: Sequence[MicroBatch], num_stages: int) -> None:
     if num_stages == 0:
         raise ValueError("schedule has no stages")
     for i, mb in enumerate(micro_batches):
@@ -171,6 +210,10 @@ def _check_complete(micro_batches: Sequence[MicroBatch], schedule: Schedule) -> 
             raise ValueError(
                 f"micro-batch {i} sends over {len(mb.link_bytes)} links, {num_stages} stages have {num_stages - 1}"
             )
+
+
+def _check_ops(micro_batches: Sequence[MicroBatch], schedule: Schedule) -> None:
+    """The Python twin of ``dyn::detail::check_ops``: every op known, once, in a possible order."""
     for s, stage in enumerate(schedule.stages):
         seen: dict[int, str] = {}  # micro-batch -> its kinds so far on this stage, in order
         for op in stage:

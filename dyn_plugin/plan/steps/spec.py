@@ -22,6 +22,7 @@ from .types import LinkSpec
 
 MB = 1 << 20
 ACT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+PRICED_CACHE = 4096  # micro-batches a spec keeps priced (about 1 KiB each): a dozen steps of them
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,8 +95,20 @@ class PlannerSpec(StepSpec):
             )
         return self._comm[key]
 
+    @property
+    def priced(self) -> dict:
+        """Micro-batches priced under this spec, by what their price depends on (``pricing.price_features``)."""
+        return self._priced
+
+    def remember_price(self, key: tuple, priced: Any) -> None:
+        if len(self._priced) >= PRICED_CACHE:  # the oldest goes: a run's lengths recur, not its old steps
+            del self._priced[next(iter(self._priced))]
+        self._priced[key] = priced
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "_comm", {})
+        # replace() makes a new spec and with it an empty cache: prices never outlive what they assumed
+        object.__setattr__(self, "_priced", {})
 
 
 def planner_spec(
