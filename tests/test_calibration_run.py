@@ -209,3 +209,47 @@ def test_a_store_down_when_a_version_is_published_does_not_stop_training(caplog)
     assert store.down == 0 and json.loads(store.kept[CALIBRATION_KEY]) == versions
     warned = [r for r in caplog.records if "not published" in r.getMessage()]
     assert len(warned) == 1 and "put again after the next step" in warned[0].getMessage()
+
+
+def test_an_encoder_decoders_pairs_are_calibrated():
+    """T5 pairs (the pair planner's plans, priced by the pair tables): a machine 1.7x slower than the
+    tables is learnt, one scale per direction, and later global batches are priced with it."""
+    from dyn_plugin.config import DynPluginConfig
+    from dyn_plugin.cost.bundled import DIR
+    from dyn_plugin.cost.encoder_decoder import import_t5_tables
+
+    cfg = DynPluginConfig.model_validate(
+        {
+            "microbatching": {"global_tokens": 4096, "max_seq_len": 512},
+            "cluster": {"device": {"memory_mb": 400000}},
+            "pipeline": {"stages": 1},
+            "calibration": CALIBRATION,
+        }
+    )
+    rng = np.random.default_rng(0)
+    pairs = np.stack([rng.integers(16, 400, size=200), rng.integers(8, 200, size=200)], axis=1)
+    data = [{"input_ids": rng.integers(2, 100, size=a), "labels": rng.integers(2, 100, size=b)} for a, b in pairs]
+    cost = import_t5_tables(DIR / "measured" / "a100-t5-11b.json")
+    loader = DynLoader(data, lengths=pairs, config=cfg, cost_model=cost, layout=RankLayout(1), seed=5)
+    stage = loader.context.spec.stages[0]
+
+    def measured(desc) -> tuple[float, float]:  # 1.7x what the tables say, each direction
+        f, b, _, _ = cost.stage_costs(stage, *desc.shape, recompute=desc.recompute)
+        return 1.7 * float(f), 1.7 * float(b)
+
+    for _, step in zip(range(14), loader):
+        step.observe([measured(desc) for desc in step.loaded])
+    final = loader.context.calibrations[-1]
+    assert final.forward_token == pytest.approx(1.7, rel=1e-6) and final.backward_token == pytest.approx(1.7, rel=1e-6)
+    assert final.forward_pair == final.forward_token  # pair tables are scaled whole: the terms are not split
+    errors = [e for _, e in loader.calibration.errors]
+    assert errors[0] == pytest.approx(0.7 / 1.7) and errors[-1] < 1e-6
+    state = json.loads(json.dumps(loader.state_dict()))
+    resumed = DynLoader(data, lengths=pairs, config=cfg, cost_model=cost, layout=RankLayout(1), seed=5)
+    resumed.load_state_dict(state)
+    assert resumed.context.calibrations == loader.context.calibrations
+    plain = DynLoader(data, lengths=pairs, config=cfg, cost_model=cost, layout=RankLayout(1), seed=5)
+    plain.load_state_dict({**state, "calibration": None})
+    # the same global batch: the calibrated model prices it 1.7x the tables' (the update step aside)
+    ahead, again = next(iter(loader)), next(iter(plain))
+    assert ahead.predicted_ms > 1.5 * again.predicted_ms

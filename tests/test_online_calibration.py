@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from dyn_plugin.cost.bundled import load_bundled
-from dyn_plugin.cost.encoder_decoder import EncoderDecoderCostModel
 from dyn_plugin.cost.model import StageSpec, features, split_layers
 from dyn_plugin.cost.native import core
 from dyn_plugin.cost.online import (
@@ -181,14 +180,40 @@ def test_calibration_round_trips_through_json():
     assert Calibration.from_dict(Calibration().to_dict()).is_identity
 
 
-def test_encoder_decoder_is_refused_by_name(base, specs):
-    t5 = EncoderDecoderCostModel(
-        name="t5-11b", encoder_layers=2, decoder_layers=2, hidden_size=8, vocab_size=8, tables={}
-    )
-    with pytest.raises(TypeError, match="encoder-decoder cost model 't5-11b'"):
-        Calibration().apply(t5)
-    with pytest.raises(TypeError, match="encoder-decoder cost model 't5-11b'"):
-        OnlineCalibrator(t5, specs)
+def test_an_encoder_decoder_is_scaled_whole_and_its_factors_are_learnt():
+    """The pair tables are not split into terms: a calibration scales each direction's whole
+    prediction (and activation memory), the identity exactly, and the calibrator learns one scale
+    per direction from observations priced by their (rows, input width, target width)."""
+    from dyn_plugin.cost.bundled import DIR
+    from dyn_plugin.cost.encoder_decoder import PairStage, import_t5_tables
+
+    t5 = import_t5_tables(DIR / "measured" / "a100-t5-11b.json")
+    stage = PairStage(t5.encoder_layers, t5.decoder_layers, embedding=True, last=True)
+    shape = (4, 256, 64)
+    before = [float(x) for x in t5.stage_costs(stage, *shape, recompute="full")]
+    assert [float(x) for x in Calibration().apply(t5).stage_costs(stage, *shape, recompute="full")] == before
+    cal = Calibration(version=1, forward_token=1.5, forward_pair=1.5, backward_token=2.0, backward_pair=2.0, memory=1.2)
+    after = [float(x) for x in cal.apply(t5).stage_costs(stage, *shape, recompute="full")]
+    assert after == pytest.approx([1.5 * before[0], 2.0 * before[1], 1.2 * before[2], 1.2 * before[3]], rel=1e-12)
+    assert t5.scale == (1.0, 1.0, 1.0)  # the profile itself is left as it is
+
+    calibrator = OnlineCalibrator(t5, [stage], CalibrationSettings(warmup_steps=0, every=1, max_change=4.0))
+    rng = np.random.default_rng(0)
+    for step in range(4):
+        observations = []
+        for _ in range(8):
+            n, se, sd = int(rng.integers(1, 9)), int(rng.integers(1, 9)) * 64, int(rng.integers(1, 5)) * 64
+            f, b, _, _ = t5.stage_costs(stage, n, se, sd, recompute="full")
+            observations.append(
+                Observation((se,) * n, "padded", "full", 1, 0, 1.3 * float(f), 1.8 * float(b), step, (n, se, sd))
+            )
+        calibrator.observe(observations)
+        calibrator.maybe_update(step)
+    got = calibrator.calibration
+    assert got.forward_token == pytest.approx(1.3, rel=1e-9) and got.backward_token == pytest.approx(1.8, rel=1e-9)
+    assert got.forward_pair == got.forward_token and got.backward_pair == got.backward_token
+    with pytest.raises(ValueError, match="without its shape"):
+        calibrator.observe([Observation((64,), "padded", "full", 1, 0, 1.0, 2.0, 9)])
 
 
 # -- fitting ---------------------------------------------------------------------------------

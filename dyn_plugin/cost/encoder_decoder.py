@@ -261,6 +261,9 @@ class EncoderDecoderCostModel(StagedStates):
     act_bytes: int = 2  # fp16 activations between stages
     update: UpdateCost = field(default_factory=UpdateCost)
     allow_extrapolation: bool = False  # pairs are priced within the measured range only (planners ask it)
+    # the online calibration's factors on every prediction (cost/online.py Calibration.apply): forward
+    # time, backward time, activation bytes; as profiled (1, 1, 1) unless calibrated
+    scale: tuple[float, float, float] = (1.0, 1.0, 1.0)
 
     def to_dict(self) -> dict:
         """Plain JSON-able form (the fits, not the measurements), for planner processes; see from_dict."""
@@ -278,6 +281,7 @@ class EncoderDecoderCostModel(StagedStates):
             **{k: getattr(self, k) for k in ("dtype", "pad_multiple", "act_bytes")},
             "update": self.update.to_dict(),
             "tables": tables,
+            **({"scale": list(self.scale)} if self.scale != (1.0, 1.0, 1.0) else {}),
         }
 
     @classmethod
@@ -301,6 +305,7 @@ class EncoderDecoderCostModel(StagedStates):
             tables=tables,
             act_bytes=d["act_bytes"],
             update=UpdateCost.from_dict(d["update"]),
+            scale=tuple(float(x) for x in d.get("scale", (1.0, 1.0, 1.0))),
         )
 
     def table(self, recompute: Recompute, tp: int = 1) -> PairTable:
@@ -341,7 +346,8 @@ class EncoderDecoderCostModel(StagedStates):
             h_fwd, h_bwd, h_st, h_pk = memo["head"]
             fwd, bwd, stored = fwd + h_fwd, bwd + h_bwd, stored + h_st
             transient = np.maximum(transient, h_pk - h_st)
-        return fwd, bwd, stored, stored + np.maximum(transient, 0.0)
+        time_f, time_b, memory = self.scale
+        return fwd * time_f, bwd * time_b, stored * memory, (stored + np.maximum(transient, 0.0)) * memory
 
     def _layer(self, t: PairTable, side: Side, n: np.ndarray, se: np.ndarray, sd: np.ndarray) -> tuple:
         """One layer's (forward, backward, stored, transient)."""
@@ -391,7 +397,8 @@ class EncoderDecoderCostModel(StagedStates):
         if stage.last:
             w += linear_fit_at(t.head["forward_ms"], n * sd, n * sd * sd)
         held *= LINEAR_HELD * self.act_bytes / self.hidden_size
-        return np.minimum(w, np.asarray(backward_ms, dtype=float)), held
+        # W is priced from the forward fits, so it takes the forward's calibration
+        return np.minimum(w * self.scale[0], np.asarray(backward_ms, dtype=float)), held * self.scale[2]
 
     def micro_batch_cost(
         self,

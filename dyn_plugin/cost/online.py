@@ -19,7 +19,10 @@ absolute against the base model, never compounded on the last calibration: a fit
 machine is now, not how it changed since the last one, so errors do not accumulate. Where the
 window cannot tell the two terms apart (the pair part is a small share of every prediction, or
 the same share of all of them) one scale is fitted for both, keeping their current ratio.
-Memory: one factor on every activation fit (stored and peak bytes), from the measured peaks
+An encoder-decoder's pair tables (cost/encoder_decoder.py) are not split into terms: their
+prediction counts wholly as token part, so each direction gets one scale (its pair factor follows
+the token factor, the window never telling them apart) applied to the whole prediction
+(``EncoderDecoderCostModel.scale``). Memory: one factor on every activation fit (stored and peak bytes), from the measured peaks
 (:meth:`OnlineCalibrator.observe_memory`): the largest measured-over-predicted ratio in its window
 with a headroom above it, raised at once (the next plan must not overflow where this one nearly
 did) and lowered gradually, so the plans fill what the device really holds.
@@ -50,9 +53,9 @@ import logging
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Callable, Iterable, Literal, Sequence
+from typing import Any, Callable, Iterable, Literal, Sequence, TypeVar
 
-from .encoder_decoder import EncoderDecoderCostModel
+from .encoder_decoder import EncoderDecoderCostModel, PairStage
 from .model import LAYOUTS, RECOMPUTES, Features, Layout, Recompute, StageSpec, features
 from .table import CostTable, LinearFit, TableCostModel, evaluate_stage
 
@@ -60,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 Direction = Literal["forward", "backward"]
 Term = Literal["token", "pair"]
+CalibratedModel = TypeVar("CalibratedModel", TableCostModel, EncoderDecoderCostModel)  # what a calibration scales
 DIRECTIONS: tuple[Direction, ...] = ("forward", "backward")
 TERMS: tuple[Term, ...] = ("token", "pair")
 # the time metrics a direction's factors scale: a measured weight-gradient time is part of the backward
@@ -128,19 +132,17 @@ class Calibration:
         )
         return f"v{self.version} from step {self.from_step}: {parts}, activation memory x{self.memory:.3f}"
 
-    def apply(self, cost: TableCostModel) -> TableCostModel:
+    def apply(self, cost: CalibratedModel) -> CalibratedModel:
         """A new model whose time fits are scaled by these factors; ``cost`` is not changed.
 
         Memory fits (a micro-batch's activations: stored and peak bytes) are scaled by ``memory``;
         model states are priced apart and kept. The identity calibration gives a model whose
         predictions equal ``cost``'s exactly (every coefficient is multiplied by 1.0, which is exact).
+        An encoder-decoder's model takes the token factors on its whole forward and backward.
         """
         if isinstance(cost, EncoderDecoderCostModel):
-            raise TypeError(
-                f"online calibration cannot apply to encoder-decoder cost model {cost.name!r} yet: its pair "
-                "tables have encoder and decoder terms this calibration does not split; disable online "
-                "calibration for encoder-decoder models"
-            )
+            f, b, m = cost.scale
+            return replace(cost, scale=(f * self.forward_token, b * self.backward_token, m * self.memory))
         if not isinstance(cost, TableCostModel):
             raise TypeError(f"online calibration applies to a TableCostModel; got {type(cost).__name__}")
         tables = {key: self._scaled_table(t) for key, t in cost.tables.items()}
@@ -198,7 +200,9 @@ class Observation:
     """One measured micro-batch: what ran, where, when, and how long each direction took.
 
     ``backward_ms`` is None for a forward-only micro-batch (evaluation). ``stage`` is the pipeline
-    stage index (0 without a pipeline); ``step`` the global step it ran in.
+    stage index (0 without a pipeline); ``step`` the global step it ran in. ``shape``: an
+    encoder-decoder micro-batch's (rows, input width, target width), which price it (``seq_lens``
+    are then its inputs' lengths); () for a decoder-only one.
     """
 
     seq_lens: tuple[int, ...]
@@ -209,8 +213,16 @@ class Observation:
     forward_ms: float
     backward_ms: float | None
     step: int
+    shape: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        shape = tuple(int(x) for x in self.shape)
+        if shape and (len(shape) != 3 or min(shape) <= 0):
+            raise ValueError(
+                f"observation shape = {self.shape!r}: an encoder-decoder micro-batch's (rows, input width, "
+                "target width), all positive, or () for a decoder-only one"
+            )
+        object.__setattr__(self, "shape", shape)
         lens = tuple(int(s) for s in self.seq_lens)
         if not lens or min(lens) <= 0:
             raise ValueError(f"observation seq_lens = {self.seq_lens!r}: needs at least one positive length")
@@ -233,11 +245,12 @@ class Observation:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["seq_lens"] = list(self.seq_lens)
+        d["shape"] = list(self.shape)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Observation":
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d or f.name != "shape"})
 
     def _key(self) -> tuple:
         # a total order over everything an observation holds: the canonical order within one step
@@ -249,6 +262,7 @@ class Observation:
             self.recompute,
             self.tp,
             self.seq_lens,
+            self.shape,
             float(self.forward_ms),
             bwd,
         )
@@ -420,19 +434,17 @@ class OnlineCalibrator:
 
     def __init__(
         self,
-        base: TableCostModel,
-        stages: Sequence[StageSpec] | Callable[[int], StageSpec],
+        base: CalibratedModel,
+        stages: Sequence[StageSpec] | Sequence[PairStage] | Callable[[int], Any],
         settings: CalibrationSettings | None = None,
         *,
         calibration: Calibration | None = None,
     ) -> None:
-        if isinstance(base, EncoderDecoderCostModel):
+        if not isinstance(base, (TableCostModel, EncoderDecoderCostModel)):
             raise TypeError(
-                f"online calibration cannot calibrate encoder-decoder cost model {base.name!r} yet; disable "
-                "online calibration for encoder-decoder models"
+                f"online calibration needs a TableCostModel or an EncoderDecoderCostModel as its base; got "
+                f"{type(base).__name__}"
             )
-        if not isinstance(base, TableCostModel):
-            raise TypeError(f"online calibration needs a TableCostModel as its base; got {type(base).__name__}")
         self.base = base
         self.settings = settings if settings is not None else CalibrationSettings()
         if callable(stages):
@@ -478,6 +490,8 @@ class OnlineCalibrator:
                 self._samples[d].append(_Sample(obs, float(y), token, pair))
 
     def _split(self, obs: Observation, direction: Direction) -> tuple[float, float]:
+        if isinstance(self.base, EncoderDecoderCostModel):  # not split into terms: all of it is token part
+            return _pair_times(self.base, obs, self._stage_of(obs.stage))[DIRECTIONS.index(direction)], 0.0
         t = self.base.table(obs.layout, obs.recompute, obs.tp)
         f = features(obs.seq_lens, obs.layout, self.base.pad_multiple)
         return split_terms(t, f, self._stage_of(obs.stage), METRICS_OF[direction][0])
@@ -619,13 +633,17 @@ class OnlineCalibrator:
         model = self._applied[1]
         ape: list[float] = []
         for obs in observations:
-            t = model.table(obs.layout, obs.recompute, obs.tp)
-            f = features(obs.seq_lens, obs.layout, model.pad_multiple)
-            cost = evaluate_stage(t, f, self._stage_of(obs.stage))
+            stage = self._stage_of(obs.stage)
+            if isinstance(model, EncoderDecoderCostModel):
+                times = _pair_times(model, obs, stage)
+            else:
+                t = model.table(obs.layout, obs.recompute, obs.tp)
+                cost = evaluate_stage(t, features(obs.seq_lens, obs.layout, model.pad_multiple), stage)
+                times = (cost.forward_ms, cost.backward_ms)
             for d in DIRECTIONS if direction is None else (direction,):
                 y = obs.measured(d)
                 if y is not None and math.isfinite(y) and y > 0:
-                    ape.append(abs((cost.forward_ms if d == "forward" else cost.backward_ms) - y) / y)
+                    ape.append(abs(times[DIRECTIONS.index(d)] - y) / y)
         return math.fsum(ape) / len(ape) if ape else 0.0
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -674,8 +692,22 @@ class OnlineCalibrator:
         self._memory = deque(state.get("memory", []), maxlen=self.settings.window)
 
 
-def _fingerprint(cost: TableCostModel) -> str:
+def _pair_times(model: EncoderDecoderCostModel, obs: Observation, stage: PairStage) -> tuple[float, float]:
+    """(forward ms, backward ms) of an encoder-decoder micro-batch on its stage, as the pair planner prices it."""
+    if not obs.shape:
+        raise ValueError(
+            "observation of an encoder-decoder micro-batch without its shape: give (rows, input width, target width)"
+        )
+    n, se, sd = obs.shape
+    fwd, bwd, _, _ = model.stage_costs(stage, n, se, sd, recompute=obs.recompute, tp=obs.tp)
+    return float(fwd), float(bwd)
+
+
+def _fingerprint(cost: CalibratedModel) -> str:
     """A digest of the model's time fits (what the factors are against), stable across processes."""
+    if isinstance(cost, EncoderDecoderCostModel):
+        text = json.dumps(cost.to_dict(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
     times = {
         f"{l}/{r}/{tp}": {
             c: {m: [*f.coef, f.floor, *(x for b in f.bands for x in b)] for m, f in ms.items() if m.endswith("_ms")}

@@ -127,8 +127,9 @@ class RunCalibration:
         if desc.sp > 1 or (layers is not None and 0 < layers < full):
             return None
         recompute = "none" if layers == 0 else desc.recompute
+        pairs = self.context.pairs  # then seq_lens are (input, target) pairs, priced by the shape
         return Observation(
-            seq_lens=tuple(int(n) for n in desc.seq_lens),
+            seq_lens=tuple(int(n[0]) if pairs else int(n) for n in desc.seq_lens),
             layout=desc.layout,
             recompute=recompute,
             tp=self.context.tp,
@@ -136,6 +137,7 @@ class RunCalibration:
             forward_ms=float(forward),
             backward_ms=None if backward is None else float(backward),
             step=position,
+            shape=desc.shape if pairs else (),  # (rows, input width, target width)
         )
 
     def _publish(self) -> None:

@@ -168,14 +168,13 @@ class DynLoader:
         self.calibration = self._calibration()
 
     def _calibration(self) -> RunCalibration | None:
-        """The online calibration (``calibration.enabled``) where the cost model has table fits to refit
-        (an encoder-decoder's pairs are priced by another model, which it does not calibrate yet) and
-        plans can be made again alike on every rank."""
+        """The online calibration (``calibration.enabled``) where the cost model has fits to refit (a
+        profile's tables, or an encoder-decoder's pair tables) and plans can be made again alike on
+        every rank."""
         st = self.config.strategy
         if (
             not self.config.calibration.enabled
-            or self.context.pairs
-            or not isinstance(self.context.cost, TableCostModel)
+            or not isinstance(self.context.cost, (TableCostModel, EncoderDecoderCostModel))
             # a solve under a wall-clock limit cannot be made again alike on every rank, which a
             # plan priced with an older version needs (plan_source)
             or (st.enabled and st.ilp_time_budget_ms is not None)
