@@ -70,6 +70,38 @@ dyn::Features checked_features(const CostTable& t, py::array_t<int64_t, py::arra
   return t.features(p, lens.shape(0), sp);
 }
 
+// (forward, backward, weight, stored, peak, deferred per stage; activation bytes; link bytes per link)
+using MicroBatchRow = std::tuple<std::vector<double>, std::vector<double>, std::vector<double>, std::vector<double>,
+                                 std::vector<double>, std::vector<double>, double, std::vector<double>>;
+
+std::vector<dyn::StageOps> stage_ops(const std::vector<std::string>& kinds, const std::vector<std::vector<int64_t>>& mbs) {
+  if (mbs.size() != kinds.size()) throw std::invalid_argument("kinds and mbs need one entry per stage");
+  std::vector<dyn::StageOps> stages;
+  for (size_t s = 0; s < kinds.size(); ++s) {
+    if (mbs[s].size() != kinds[s].size()) throw std::invalid_argument("a stage's kinds and mbs differ in length");
+    stages.push_back({kinds[s], mbs[s]});
+  }
+  return stages;
+}
+
+std::vector<dyn::SimMicroBatch> sim_micro_batches(const std::vector<MicroBatchRow>& rows, size_t stages) {
+  std::vector<dyn::SimMicroBatch> out;
+  out.reserve(rows.size());
+  for (const auto& r : rows) {
+    dyn::SimMicroBatch mb{std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r),
+                          std::get<4>(r), std::get<5>(r), std::get<6>(r), std::get<7>(r)};
+    const auto fits = [&](const std::vector<double>& v) { return v.size() == stages; };
+    if (!fits(mb.fwd) || !fits(mb.bwd) || !fits(mb.stored) || !fits(mb.peak))
+      throw std::invalid_argument("a micro-batch is priced for another number of stages");
+    if ((!mb.weight.empty() && !fits(mb.weight)) || (!mb.deferred.empty() && !fits(mb.deferred)) ||
+        (!mb.link_bytes.empty() && mb.link_bytes.size() + 1 != stages))
+      throw std::invalid_argument("a micro-batch's split backward or links are priced for another number of stages");
+    if (mb.deferred.empty()) mb.deferred.assign(stages, 0.0);
+    out.push_back(std::move(mb));
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -142,38 +174,25 @@ PYBIND11_MODULE(_core, m) {
 
   m.def(
       "simulate",
-      [](const std::vector<std::string>& kinds, const std::vector<std::vector<int64_t>>& mbs, const dyn::Matrix& fwd,
-         const dyn::Matrix& bwd, const dyn::Matrix& weight, const dyn::Matrix& stored, const dyn::Matrix& peak,
-         const dyn::Matrix& deferred, const dyn::Matrix& transfer, const std::vector<bool>& split, bool record) {
-        const size_t n = kinds.size(), m = split.size();
-        if (mbs.size() != n) throw std::invalid_argument("kinds and mbs need one entry per stage");
-        for (const dyn::Matrix* x : {&fwd, &bwd, &weight, &stored, &peak, &deferred}) {
-          if (x->size() != n) throw std::invalid_argument("every cost matrix needs one row per stage");
-          for (const auto& row : *x)
-            if (row.size() != m) throw std::invalid_argument("every cost row needs one entry per micro-batch");
-        }
-        if (transfer.size() != (n ? n - 1 : 0)) throw std::invalid_argument("transfer needs one row per link");
-        for (const auto& row : transfer)
-          if (row.size() != m) throw std::invalid_argument("every transfer row needs one entry per micro-batch");
-        std::vector<dyn::StageOps> stages;
-        for (size_t s = 0; s < n; ++s) {
-          if (mbs[s].size() != kinds[s].size()) throw std::invalid_argument("a stage's kinds and mbs differ in length");
-          stages.push_back({kinds[s], mbs[s]});
-        }
+      [](const std::vector<std::string>& kinds, const std::vector<std::vector<int64_t>>& mbs,
+         const std::vector<MicroBatchRow>& micro_batches, double gb_per_s, double latency_us, bool record) {
+        const auto stages = stage_ops(kinds, mbs);
+        const auto priced = sim_micro_batches(micro_batches, stages.size());
         dyn::SimOutput r;
         {
           py::gil_scoped_release release;
-          r = dyn::simulate(stages, fwd, bwd, weight, stored, peak, deferred, transfer, split, record);
+          r = dyn::simulate(stages, priced, dyn::Link{gb_per_s, latency_us}, record);
         }
         py::list events;
         for (const auto& e : r.events)
           events.append(py::make_tuple(e.stage, e.stream, std::string(1, e.kind), e.mb, e.start, e.end));
         return py::make_tuple(r.makespan, r.busy, r.peak, events);
       },
-      py::arg("kinds"), py::arg("mbs"), py::arg("fwd"), py::arg("bwd"), py::arg("weight"), py::arg("stored"),
-      py::arg("peak"), py::arg("deferred"), py::arg("transfer"), py::arg("split"), py::arg("record"),
-      "one replica's schedule simulated (plan/steps/simulator.py): (makespan, busy per stage, activation peak per "
-      "stage, events (stage, stream 0 compute / 1 send-fwd / 2 send-bwd, kind, mb, start, end) when record)");
+      py::arg("kinds"), py::arg("mbs"), py::arg("micro_batches"), py::arg("gb_per_s"), py::arg("latency_us"),
+      py::arg("record"),
+      "one replica's schedule simulated (plan/steps/simulator.py): kinds and mbs per stage, per micro-batch (forward, "
+      "backward, weight, stored, peak, deferred, activation bytes, link bytes); (makespan, busy per stage, activation "
+      "peak per stage, events (stage, stream 0 compute / 1 send-fwd / 2 send-bwd, kind, mb, start, end) when record)");
 
   m.def(
       "knapsack",

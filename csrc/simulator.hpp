@@ -14,7 +14,19 @@
 
 namespace dyn {
 
-using Matrix = std::vector<std::vector<double>>;  // [stage or link][micro-batch]
+// One micro-batch as the simulator needs it: per stage its times and bytes (weight and deferred
+// empty where its backward is not split), and what it sends between stages.
+struct SimMicroBatch {
+  std::vector<double> fwd, bwd, weight, stored, peak, deferred;
+  double activation_bytes = 0.0;
+  std::vector<double> link_bytes;  // per link s -> s+1, or empty: activation_bytes on every link
+};
+
+// LinkSpec.transfer_ms, the same operations in the same order.
+struct Link {
+  double gb_per_s, latency_us;
+  double transfer_ms(double nbytes) const { return latency_us / 1e3 + nbytes / (gb_per_s * 1e9) * 1e3; }
+};
 
 // One stage's ops in order: kinds[k] is 'F', 'B', 'I' or 'W', on micro-batch mbs[k].
 struct StageOps {
@@ -29,6 +41,8 @@ struct SimEvent {
   int64_t mb;
   double start, end;
 };
+
+using Matrix = std::vector<std::vector<double>>;  // [stage or link][micro-batch]
 
 struct SimOutput {
   double makespan = 0.0;
@@ -45,9 +59,9 @@ inline std::invalid_argument stage_error(size_t s, const std::string& what) {
   return std::invalid_argument("stage " + std::to_string(s) + ": " + what);
 }
 
-// _check_complete's checks of the ops (the micro-batches' own sizes are checked in Python). ``split``:
-// per micro-batch, whether its split backward is priced (it has weight times).
-inline void check_ops(const std::vector<StageOps>& stages, int64_t m, const std::vector<bool>& split) {
+// _check_complete's checks of the ops (the micro-batches' own sizes are checked in Python).
+inline void check_ops(const std::vector<StageOps>& stages, const std::vector<SimMicroBatch>& micro_batches) {
+  const int64_t m = static_cast<int64_t>(micro_batches.size());
   if (stages.empty()) throw std::invalid_argument("schedule has no stages");
   for (size_t s = 0; s < stages.size(); ++s) {
     std::vector<std::string> seen(static_cast<size_t>(m));  // per micro-batch, its kinds so far in order
@@ -63,7 +77,7 @@ inline void check_ops(const std::vector<StageOps>& stages, int64_t m, const std:
       if (kind == 'W' && !has('I')) throw stage_error(s, "op W" + std::to_string(mb) + " comes before I" + std::to_string(mb));
       if ((kind == 'B' || kind == 'I') && (has('B') || has('I')))
         throw stage_error(s, "micro-batch " + std::to_string(mb) + " runs both B and I (a backward is whole or split)");
-      if (kind == 'I' && !split[static_cast<size_t>(mb)])
+      if (kind == 'I' && micro_batches[static_cast<size_t>(mb)].weight.empty())
         throw stage_error(s, "micro-batch " + std::to_string(mb) + "'s split backward is not priced (no weight_ms)");
       had.push_back(kind);
     }
@@ -83,23 +97,23 @@ inline void check_ops(const std::vector<StageOps>& stages, int64_t m, const std:
 }
 
 // memory_steps' largest "during" of one stage (stage_peak_bytes; 0 without ops).
-inline double stage_peak(const StageOps& ops, const std::vector<double>& stored, const std::vector<double>& peak,
-                         const std::vector<double>& deferred) {
+inline double stage_peak(const StageOps& ops, const std::vector<SimMicroBatch>& micro_batches, size_t stage) {
   double alive = 0.0, most = -std::numeric_limits<double>::infinity();
   for (size_t k = 0; k < ops.kinds.size(); ++k) {
     const char kind = ops.kinds[k];
-    const size_t i = static_cast<size_t>(ops.mbs[k]);
+    const SimMicroBatch& mb = micro_batches[static_cast<size_t>(ops.mbs[k])];
+    const double stored = mb.stored[stage];
     double during;
     if (kind == 'W') {
       during = alive;
-      alive -= deferred[i];
+      alive -= mb.deferred[stage];
     } else {
-      if (kind == 'F') alive += stored[i];
-      during = (alive - stored[i]) + peak[i];
+      if (kind == 'F') alive += stored;
+      during = (alive - stored) + mb.peak[stage];
       if (kind == 'B')
-        alive -= stored[i];
+        alive -= stored;
       else if (kind == 'I')
-        alive += deferred[i] - stored[i];
+        alive += mb.deferred[stage] - stored;
     }
     most = std::max(most, during);
   }
@@ -108,15 +122,11 @@ inline double stage_peak(const StageOps& ops, const std::vector<double>& stored,
 
 }  // namespace detail
 
-// ``fwd``, ``bwd``, ``weight``, ``stored``, ``peak``, ``deferred``: [stage][micro-batch] (weight and
-// deferred 0 where a backward is not split); ``transfer``: [link s -> s+1][micro-batch] ms;
-// ``split``: per micro-batch, whether its split backward is priced.
-inline SimOutput simulate(const std::vector<StageOps>& stages, const Matrix& fwd, const Matrix& bwd,
-                          const Matrix& weight, const Matrix& stored, const Matrix& peak, const Matrix& deferred,
-                          const Matrix& transfer, const std::vector<bool>& split, bool record) {
+inline SimOutput simulate(const std::vector<StageOps>& stages, const std::vector<SimMicroBatch>& micro_batches,
+                          const Link& link, bool record) {
   const size_t n = stages.size();
-  const int64_t m = static_cast<int64_t>(split.size());
-  detail::check_ops(stages, m, split);
+  const size_t m = micro_batches.size();
+  detail::check_ops(stages, micro_batches);
   const size_t last = n - 1;
   // when a micro-batch's activation (gradient) is available on a stage, where has_* says it is (Python's None)
   Matrix act_ready(n, std::vector<double>(m, 0.0)), grad_ready(n, std::vector<double>(m, 0.0));
@@ -127,6 +137,21 @@ inline SimOutput simulate(const std::vector<StageOps>& stages, const Matrix& fwd
   std::vector<size_t> pos(n, 0);
   SimOutput out;
   out.busy.assign(n, 0.0);
+
+  // per stage (link) and micro-batch, so the loop below reads flat rows; a split backward's I is
+  // the backward less its W
+  Matrix fwd(n, std::vector<double>(m)), bwd(n, std::vector<double>(m)), weight(n, std::vector<double>(m, 0.0));
+  Matrix transfer(n ? n - 1 : 0, std::vector<double>(m));
+  for (size_t i = 0; i < m; ++i) {
+    const SimMicroBatch& mb = micro_batches[i];
+    for (size_t s = 0; s < n; ++s) {
+      fwd[s][i] = mb.fwd[s];
+      bwd[s][i] = mb.bwd[s];
+      if (!mb.weight.empty()) weight[s][i] = mb.weight[s];
+    }
+    for (size_t s = 0; s + 1 < n; ++s)
+      transfer[s][i] = link.transfer_ms(mb.link_bytes.empty() ? mb.activation_bytes : mb.link_bytes[s]);
+  }
 
   std::vector<size_t> pending;
   for (size_t s = n; s-- > 0;) pending.push_back(s);
@@ -198,7 +223,7 @@ inline SimOutput simulate(const std::vector<StageOps>& stages, const Matrix& fwd
     throw std::invalid_argument("schedule deadlocks: stages wait on each other in a cycle (" + blocked + ")");
 
   out.makespan = *std::max_element(clock.begin(), clock.end());
-  for (size_t s = 0; s < n; ++s) out.peak.push_back(detail::stage_peak(stages[s], stored[s], peak[s], deferred[s]));
+  for (size_t s = 0; s < n; ++s) out.peak.push_back(detail::stage_peak(stages[s], micro_batches, s));
   return out;
 }
 

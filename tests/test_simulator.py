@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dyn_plugin.plan.steps.schedule import choose_schedule, one_f_one_b
-from dyn_plugin.plan.steps.simulator import memory_timeline, simulate
+from dyn_plugin.plan.steps.simulator import memory_timeline, simulate, stage_peak_bytes
 from dyn_plugin.plan.steps.trace import chrome_trace, write_chrome_trace
 from dyn_plugin.plan.steps.types import LinkSpec, MicroBatch, Op, Schedule
 
@@ -213,10 +213,18 @@ def _random_replica(rng, stages: int, m: int):
 
 
 def _outcome(mbs, sched, link):
+    """The simulation (or its error) and each stage's peak as the planner's memory checks ask it."""
     try:
-        return simulate(mbs, sched, link, record=True)
+        result = simulate(mbs, sched, link, record=True)
     except ValueError as exc:
-        return f"ValueError: {exc}"
+        result = f"ValueError: {exc}"
+    peaks = []
+    for s, ops in enumerate(sched.stages):
+        try:
+            peaks.append(stage_peak_bytes(mbs, ops, s))
+        except IndexError:  # ops the simulation refuses (the errors' words are its own)
+            peaks.append("IndexError")
+    return result, tuple(peaks)
 
 
 @pytest.mark.native
@@ -257,4 +265,4 @@ def test_native_refuses_what_the_python_refuses():
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(simulator, "core", None)
             python = _outcome(mbs, sched, FREE)
-        assert isinstance(native, str) and native == python
+        assert isinstance(native[0], str) and native == python

@@ -37,7 +37,25 @@ def make_micro_batch(
     the collate will build. ``checkpointed``: per stage, the layers run under ``recompute``
     (pyramid checkpointing); default all of them (none under ``recompute="none"``)."""
     ids = tuple(int(i) for i in sample_ids)
-    lens = tuple(int(lengths[i]) for i in ids)
+    return _sequences(ids, tuple(int(lengths[i]) for i in ids), spec, layout, recompute, sp, checkpointed)
+
+
+def repriced(
+    mb: MicroBatch, *, spec: PlannerSpec, recompute: Recompute, checkpointed: Sequence[int] | None = None
+) -> MicroBatch:
+    """``mb``'s sequences priced under another recompute mode (or checkpointed layer counts)."""
+    return _sequences(mb.sample_ids, mb.seq_lens, spec, mb.layout, recompute, mb.sp, checkpointed)
+
+
+def _sequences(
+    ids: tuple[int, ...],
+    lens: tuple[int, ...],
+    spec: PlannerSpec,
+    layout: Layout,
+    recompute: Recompute,
+    sp: int,
+    checkpointed: Sequence[int] | None,
+) -> MicroBatch:
     counts = None if checkpointed is None else tuple(int(c) for c in checkpointed)
     return _cached(
         spec,
@@ -210,9 +228,7 @@ def relax_recompute(
     if reprice is None:
 
         def reprice(old: MicroBatch, rc: Recompute) -> MicroBatch | None:
-            mb = make_micro_batch(
-                old.sample_ids, _lengths_of(old), spec=spec, layout=old.layout, recompute=rc, sp=old.sp
-            )
+            mb = repriced(old, spec=spec, recompute=rc)
             return mb if in_range(mb, spec) else None
 
     budget = [m.budget for m in spec.memory]
@@ -266,14 +282,7 @@ def recompute_to_fit(mbs: tuple[MicroBatch, ...], schedule: Schedule, *, spec: P
             )
         i = max(movable, key=lambda i: current[i].stored_bytes[s])
         old = current[i]
-        current[i] = make_micro_batch(
-            old.sample_ids,
-            _lengths_of(old),
-            spec=spec,
-            layout=old.layout,
-            recompute=stronger[old.recompute][0],
-            sp=old.sp,
-        )
+        current[i] = repriced(old, spec=spec, recompute=stronger[old.recompute][0])
     return tuple(current)
 
 
@@ -286,10 +295,6 @@ def in_range(mb: MicroBatch, spec: StepSpec) -> bool:
 def usable(mb: MicroBatch, spec: StepSpec) -> bool:
     """In range, and within every stage's activation budget with the 1F1B in-flight count."""
     return in_range(mb, spec) and all(m.fits(st, pk) for m, st, pk in zip(spec.memory, mb.stored_bytes, mb.peak_bytes))
-
-
-def _lengths_of(mb: MicroBatch) -> dict[int, int]:
-    return dict(zip(mb.sample_ids, mb.seq_lens))
 
 
 def checkpointed_layers(mb: MicroBatch, spec: StepSpec) -> tuple[int, ...]:
@@ -315,10 +320,7 @@ def same_recompute(plan: StepPlan, *, spec: StepSpec, remake: Remake | None = No
     if remake is None:
 
         def remake(mb: MicroBatch, mode: Recompute, counts: list[int] | None) -> MicroBatch:
-            lengths = _lengths_of(mb)
-            return make_micro_batch(
-                mb.sample_ids, lengths, spec=spec, layout=mb.layout, recompute=mode, sp=mb.sp, checkpointed=counts
-            )
+            return repriced(mb, spec=spec, recompute=mode, checkpointed=counts)
 
     orders = [r.schedule.order for r in plan.replicas]
     if len({len(o) for o in orders}) > 1:

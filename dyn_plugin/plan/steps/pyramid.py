@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from .pricing import checkpointed_layers, in_range, make_micro_batch
+from .pricing import checkpointed_layers, in_range, repriced
 from .schedule import one_f_one_b
 from .simulator import memory_steps, simulate
 from .spec import PlannerSpec
@@ -101,15 +101,7 @@ def _search(mbs: tuple[MicroBatch, ...], schedule: Schedule, spec: PlannerSpec, 
             target[s] = counts[s] - drop
         # the estimate ignores the transient's change: check each stage exactly and back off where it fails
         while target != counts:
-            trial = make_micro_batch(
-                mb.sample_ids,
-                dict(zip(mb.sample_ids, mb.seq_lens)),
-                spec=spec,
-                layout=mb.layout,
-                recompute=mb.recompute,
-                sp=mb.sp,
-                checkpointed=target,
-            )
+            trial = repriced(mb, spec=spec, recompute=mb.recompute, checkpointed=target)
             over = [
                 s for s in stages if target[s] != counts[s] and not _fits(during[s], spans[s], mb, trial, s, budget[s])
             ]
@@ -133,15 +125,7 @@ def _candidates(
         counts = list(checkpointed_layers(mb, spec))
         if mb.recompute == "none" or not any(counts):
             continue
-        bare = make_micro_batch(
-            mb.sample_ids,
-            dict(zip(mb.sample_ids, mb.seq_lens)),
-            spec=spec,
-            layout=mb.layout,
-            recompute=mb.recompute,
-            sp=mb.sp,
-            checkpointed=[0] * spec.pp,
-        )
+        bare = repriced(mb, spec=spec, recompute=mb.recompute, checkpointed=[0] * spec.pp)
         if not in_range(bare, spec):
             continue
         lowered = [s for s in range(spec.pp) if counts[s] and _gains(mb, bare, s, strict)]

@@ -9,6 +9,7 @@ result does not depend on which stage the worklist advances first.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from ...cost.native import core
@@ -24,43 +25,72 @@ def simulate(
     before its forward on a stage, or stages waiting on each other in a cycle. Runs in C++
     (csrc/simulator.hpp, bit-identical) where the extension is built and every op kind is one letter.
     """
+    result, raw = _simulated(micro_batches, schedule, link, record)
+    events = tuple((s, STREAMS[stream], _event_name(stream, kind, i, s), a, b) for s, stream, kind, i, a, b in raw)
+    return replace(result, events=events) if record else result
+
+
+def op_times(
+    micro_batches: Sequence[MicroBatch], schedule: Schedule, link: LinkSpec
+) -> tuple[SimResult, list[list[tuple[float, float]]]]:
+    """``simulate``'s result (no events) and, per stage, each compute op's (start, end) in its op
+    order: what a search that moves ops into the gaps reads, without naming every event."""
+    result, raw = _simulated(micro_batches, schedule, link, True)
+    times: list[list[tuple[float, float]]] = [[] for _ in schedule.stages]
+    for s, stream, _, _, start, end in raw:
+        if stream == 0:
+            times[s].append((start, end))
+    return result, times
+
+
+def _simulated(
+    micro_batches: Sequence[MicroBatch], schedule: Schedule, link: LinkSpec, record: bool
+) -> tuple[SimResult, list[tuple[int, int, str, int, float, float]]]:
+    """The result without events, and the events as (stage, stream number, kind, micro-batch, start, end)."""
     num_stages = len(schedule.stages)
     _check_sizes(micro_batches, num_stages)
-    # Per-stage columns, so neither twin does attribute look-ups. A split backward's I is the
-    # backward less its W.
-    fwd_ms = [[mb.forward_ms[s] for mb in micro_batches] for s in range(num_stages)]
-    bwd_ms = [[mb.backward_ms[s] for mb in micro_batches] for s in range(num_stages)]
-    w_ms = [[mb.weight_ms[s] if mb.weight_ms else 0.0 for mb in micro_batches] for s in range(num_stages)]
-    # transfer[s][i]: micro-batch i's activation over link s -> s+1 (its gradient back the same size)
-    transfer = [
-        [link.transfer_ms(mb.link_bytes[s] if mb.link_bytes else mb.activation_bytes) for mb in micro_batches]
-        for s in range(num_stages - 1)
-    ]
-    kinds = ["".join(op.kind for op in stage) for stage in schedule.stages]
-    if core is not None and all(len(k) == len(stage) for k, stage in zip(kinds, schedule.stages)):
+    encoded = _encoded(schedule.stages)
+    if encoded is not None:
         makespan, busy, peak, raw = core.simulate(
-            kinds,
-            [[op.mb for op in stage] for stage in schedule.stages],
-            fwd_ms,
-            bwd_ms,
-            w_ms,
-            [[mb.stored_bytes[s] for mb in micro_batches] for s in range(num_stages)],
-            [[mb.peak_bytes[s] for mb in micro_batches] for s in range(num_stages)],
-            [[mb.deferred_bytes[s] if mb.deferred_bytes else 0.0 for mb in micro_batches] for s in range(num_stages)],
-            transfer,
-            [bool(mb.weight_ms) for mb in micro_batches],
-            record,
+            *encoded, _rows(micro_batches), link.gb_per_s, link.latency_us, record
         )
-        events = tuple((s, STREAMS[stream], _event_name(stream, kind, i, s), a, b) for s, stream, kind, i, a, b in raw)
     else:
         _check_ops(micro_batches, schedule)
-        makespan, busy, events = _run(schedule, fwd_ms, bwd_ms, w_ms, transfer, record)
+        makespan, busy, raw = _run(micro_batches, schedule, link, record)
         peak = [stage_peak_bytes(micro_batches, schedule.stages[s], s) for s in range(num_stages)]
     bubble = 1.0 - sum(busy) / (num_stages * makespan) if makespan > 0 else 0.0
-    return SimResult(makespan_ms=makespan, bubble_fraction=bubble, peak_bytes=tuple(peak), events=tuple(events))
+    return SimResult(makespan_ms=makespan, bubble_fraction=bubble, peak_bytes=tuple(peak)), raw
 
 
-STREAMS = ("compute", "send-fwd", "send-bwd")  # a trace event's stream, by the C++ twin's number
+def _encoded(stages: Sequence[Sequence[Op]]) -> tuple[list[str], list[list[int]]] | None:
+    """Each stage's op kinds as one string and its micro-batches, as the C++ twin takes them; None
+    without the extension or where a kind is not one letter (the Python twin then says what is wrong)."""
+    if core is None:
+        return None
+    kinds = ["".join([op.kind for op in ops]) for ops in stages]
+    if any(len(k) != len(ops) for k, ops in zip(kinds, stages)):
+        return None
+    return kinds, [[op.mb for op in ops] for ops in stages]
+
+
+def _rows(micro_batches: Sequence[MicroBatch]) -> list[tuple]:
+    """Each micro-batch as the C++ twin takes it."""
+    return [
+        (
+            mb.forward_ms,
+            mb.backward_ms,
+            mb.weight_ms,
+            mb.stored_bytes,
+            mb.peak_bytes,
+            mb.deferred_bytes,
+            mb.activation_bytes,
+            mb.link_bytes,
+        )
+        for mb in micro_batches
+    ]
+
+
+STREAMS = ("compute", "send-fwd", "send-bwd")  # a trace event's stream, by its number in _simulated
 
 
 def _event_name(stream: int, kind: str, i: int, stage: int) -> str:
@@ -70,17 +100,22 @@ def _event_name(stream: int, kind: str, i: int, stage: int) -> str:
 
 
 def _run(
-    schedule: Schedule,
-    fwd_ms: list[list[float]],
-    bwd_ms: list[list[float]],
-    w_ms: list[list[float]],
-    transfer: list[list[float]],
-    record: bool,
-) -> tuple[float, list[float], list[tuple[int, str, str, float, float]]]:
-    """The Python twin of ``dyn::simulate``: (makespan, busy ms per stage, trace events)."""
+    micro_batches: Sequence[MicroBatch], schedule: Schedule, link: LinkSpec, record: bool
+) -> tuple[float, list[float], list[tuple[int, int, str, int, float, float]]]:
+    """The Python twin of ``dyn::simulate``: (makespan, busy ms per stage, events as ``_simulated`` has them)."""
     num_stages = len(schedule.stages)
-    m = len(fwd_ms[0])
+    m = len(micro_batches)
     last = num_stages - 1
+    # transfer[s][i]: micro-batch i's activation over link s -> s+1 (its gradient back the same size)
+    transfer = [
+        [link.transfer_ms(mb.link_bytes[s] if mb.link_bytes else mb.activation_bytes) for mb in micro_batches]
+        for s in range(last)
+    ]
+    # Per-stage columns, so the loop below does no attribute look-ups. A split backward's I is the
+    # backward less its W.
+    fwd_ms = [[mb.forward_ms[s] for mb in micro_batches] for s in range(num_stages)]
+    bwd_ms = [[mb.backward_ms[s] for mb in micro_batches] for s in range(num_stages)]
+    w_ms = [[mb.weight_ms[s] if mb.weight_ms else 0.0 for mb in micro_batches] for s in range(num_stages)]
     # Per stage and micro-batch: when the activation (gradient) is available on that stage; None = not yet.
     act_ready: list[list[float | None]] = [[0.0] * m] + [[None] * m for _ in range(last)]
     grad_ready: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
@@ -90,7 +125,7 @@ def _run(
     clock = [0.0] * num_stages
     busy = [0.0] * num_stages
     pos = [0] * num_stages
-    events: list[tuple[int, str, str, float, float]] = []
+    events: list[tuple[int, int, str, int, float, float]] = []
     ops = [[(op.kind, op.mb) for op in stage] for stage in schedule.stages]
 
     pending = list(range(num_stages - 1, -1, -1))
@@ -125,19 +160,19 @@ def _run(
             clock[s] = end
             pos[s] += 1
             if record:
-                events.append((s, "compute", f"{kind}{i}", start, end))
+                events.append((s, 0, kind, i, start, end))
             if kind == "F" and s < last:
                 begin = max(end, fwd_link_free[s])
                 fwd_link_free[s] = act_ready[s + 1][i] = begin + transfer[s][i]
                 sent_fwd = True
                 if record:
-                    events.append((s, "send-fwd", f"act {i} -> {s + 1}", begin, fwd_link_free[s]))
+                    events.append((s, 1, kind, i, begin, fwd_link_free[s]))
             elif kind in "BI" and s > 0:
                 begin = max(end, bwd_link_free[s])
                 bwd_link_free[s] = grad_ready[s - 1][i] = begin + transfer[s - 1][i]
                 sent_bwd = True
                 if record:
-                    events.append((s, "send-bwd", f"grad {i} -> {s - 1}", begin, bwd_link_free[s]))
+                    events.append((s, 2, kind, i, begin, bwd_link_free[s]))
         # Wake a neighbour only when this stage handed it something it may be waiting for.
         for peer, sent in ((s + 1, sent_fwd), (s - 1, sent_bwd)):
             if sent and not queued[peer] and pos[peer] < len(ops[peer]):
@@ -153,7 +188,8 @@ def _run(
 
 
 def stage_peak_bytes(micro_batches: Sequence[MicroBatch], ops: Sequence[Op], stage: int) -> float:
-    """Activation peak of ``stage`` running ``ops``: it depends on their order only, not on timing."""
+    """Activation peak of ``stage`` running ``ops``: it depends on their order only, not on timing.
+    (Python alone: handing one stage's ops and micro-batches to C++ costs more than this loop.)"""
     return max((during for during, _ in memory_steps(micro_batches, ops, stage)), default=0.0)
 
 
@@ -181,20 +217,20 @@ def memory_steps(micro_batches: Sequence[MicroBatch], ops: Sequence[Op], stage: 
     alive = 0.0
     steps = []
     for op in ops:
-        mb = micro_batches[op.mb]
+        kind, mb = op.kind, micro_batches[op.mb]
         stored = mb.stored_bytes[stage]
-        if op.kind == "W":
+        if kind == "W":
             during = alive
             alive -= mb.deferred_bytes[stage]
             steps.append((during, alive))
             continue
-        if op.kind == "F":
+        if kind == "F":
             alive += stored
         # Grouped so that a lone micro-batch costs exactly its peak: budgets equal to it must fit.
         during = (alive - stored) + mb.peak_bytes[stage]
-        if op.kind == "B":
+        if kind == "B":
             alive -= stored
-        elif op.kind == "I":
+        elif kind == "I":
             alive += mb.deferred_bytes[stage] - stored
         steps.append((during, alive))
     return steps

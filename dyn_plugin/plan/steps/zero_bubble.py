@@ -10,10 +10,9 @@ I's keep the unsplit schedule's order on every stage, so sends and receives pair
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Sequence
 
-from .simulator import simulate, stage_peak_bytes
+from .simulator import op_times, stage_peak_bytes
 from .types import LinkSpec, MicroBatch, Op, Schedule, SimResult
 
 
@@ -59,8 +58,11 @@ def _most_pending(ops: Sequence[Op]) -> int:
     """The most W's a stage's ops leave pending at once."""
     pending = most = 0
     for op in ops:
-        pending += {"I": 1, "W": -1}.get(op.kind, 0)
-        most = max(most, pending)
+        if op.kind == "I":
+            pending += 1
+            most = max(most, pending)
+        elif op.kind == "W":
+            pending -= 1
     return most
 
 
@@ -87,30 +89,25 @@ def fill_waits(micro_batches: Sequence[MicroBatch], schedule: Schedule, link: Li
     stage's memory. All of a stage's gaps are filled from one simulation, which the others'
     sends can make stale: a pass that comes out slower is retried with its first gap alone."""
     stages = [list(ops) for ops in schedule.stages]
-    result = simulate(micro_batches, schedule, link, record=True)
+    result, times = op_times(micro_batches, schedule, link)
     moved = True
     while moved:
         moved = False
         for s in range(len(stages)):
             for first_only in (False, True):
-                trial = _filled(stages[s], _stage_times(result, s), micro_batches, s, first_only)
+                trial = _filled(stages[s], times[s], micro_batches, s, first_only)
                 if trial is None:
                     break
                 candidate = [*stages[:s], trial, *stages[s + 1 :]]
-                sim = simulate(micro_batches, _named(schedule, candidate), link, record=True)
+                sim, sim_times = op_times(micro_batches, _named(schedule, candidate), link)
                 if sim.makespan_ms <= result.makespan_ms * (1 + 1e-12):
-                    stages, result, moved = candidate, sim, True
+                    stages, result, times, moved = candidate, sim, sim_times, True
                     break
-    return _named(schedule, stages), replace(result, events=())  # the plan keeps no trace events
+    return _named(schedule, stages), result
 
 
 def _named(schedule: Schedule, stages: list[list[Op]]) -> Schedule:
     return Schedule(name=schedule.name, order=schedule.order, stages=tuple(tuple(ops) for ops in stages))
-
-
-def _stage_times(result: SimResult, stage: int) -> list[tuple[float, float]]:
-    """(start, end) of ``stage``'s compute ops, in its op order."""
-    return [(start, end) for s, stream, _, start, end in result.events if s == stage and stream == "compute"]
 
 
 def _filled(
