@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ...cost.model import Layout
+from ...cost.model import Layout, Recompute
 from ...lengths.packing import pack_rows
 from ..sequence_parallel.groups import aligned_firsts, plan_groups, sequence_ms, size_limits
 from ..steps.assign import split_for_replicas
@@ -58,16 +58,29 @@ def _uniform(
 ) -> list[MicroBatch]:
     """Price the groups (split over ``sp[i]`` ranks each) with the cheapest recompute mode in which all of them fit."""
     sp = sp or [1] * len(groups)
+    rc = _uniform_mode(groups, lengths, spec, layout, sp)
+    if rc is None:
+        raise InfeasibleError(f"{method}: some micro-batch fits in no recompute mode")
+    return [make_micro_batch(g, lengths, spec=spec, layout=layout, recompute=rc, sp=k) for g, k in zip(groups, sp)]
+
+
+def _uniform_mode(
+    groups: list[list[int]], lengths: Sequence[int], spec: PlannerSpec, layout: Layout, sp: Sequence[int]
+) -> Recompute | None:
+    """The cheapest recompute mode in which every group fits, or None. The groups of most padded
+    tokens per rank are tried first: searches (``token_budget``'s) ask this of many groupings that
+    fail, and most fail on their largest group."""
+    order = sorted(range(len(groups)), key=lambda i: -len(groups[i]) * max(lengths[j] for j in groups[i]) / sp[i])
     for rc in spec.recomputes:
         try:
-            mbs = [
-                make_micro_batch(g, lengths, spec=spec, layout=layout, recompute=rc, sp=k) for g, k in zip(groups, sp)
-            ]
+            if all(
+                usable(make_micro_batch(groups[i], lengths, spec=spec, layout=layout, recompute=rc, sp=sp[i]), spec)
+                for i in order
+            ):
+                return rc
         except ValueError:
             continue
-        if all(usable(mb, spec) for mb in mbs):
-            return mbs
-    raise InfeasibleError(f"{method}: some micro-batch fits in no recompute mode")
+    return None
 
 
 def _largest(feasible: Callable[[int], bool], lower: int, upper: int) -> int:
@@ -133,11 +146,8 @@ def token_budget(lengths: Sequence[int], spec: PlannerSpec) -> StepPlan:
         return split_for_replicas(budget_groups(lengths, budget, cap), lengths, spec.dp, equal_counts=False)
 
     def fits(budget: int, cap: int | None) -> bool:
-        try:
-            _uniform(groups_for(budget, cap), lengths, spec, "padded", "token_budget")
-            return True
-        except InfeasibleError:
-            return False
+        groups = groups_for(budget, cap)
+        return _uniform_mode(groups, lengths, spec, "padded", [1] * len(groups)) is not None
 
     for cap in (None, 8, 4, 2, 1):
         budget = _largest(lambda b: fits(b, cap), max(lengths), sum(lengths))
