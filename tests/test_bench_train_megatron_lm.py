@@ -19,21 +19,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ["padded", "megatron-lm", "megatron-lm-sdpa", "dyn_plugin"]
 
 
-def bench(tmp_path, *modes: str) -> tuple[dict[str, dict], list[dict], object]:
-    """(rows by mode, per-step records, output folder) of the benchmark over ``modes`` (all without)."""
+def bench(tmp_path, *modes: str, load: int = 0) -> tuple[dict[str, dict], list[dict], object]:
+    """(rows by mode, per-step records, output folder) of the benchmark over ``modes`` (the default without),
+    ``load`` busy processes beside it."""
     mlm = str(megatron_lm())  # skipped without a checkout (failed under CI)
     out = tmp_path / "train"
     # 1024-token rows, 2 per iteration: the shorter documents of the corpus leave padded rows part empty
     cmd = [sys.executable, "-m", "dyn_plugin", "bench", "train", "--host", "megatron-lm", "--megatron-lm", mlm]
     cmd += ["--out", str(out), "--steps", "1", "--max-len", "1024", "--global-tokens", "2048", "--json"]
     cmd += ["--modes", ",".join(modes)] if modes else []
+    cmd += ["--background-load", str(load)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {r["mode"]: r for r in map(json.loads, done.stdout.splitlines())}
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     for r in rows.values():
-        assert r["benchmark"] == "train-megatron-lm" and r["steps"] == 1
+        assert r["benchmark"] == "train-megatron-lm" and r["steps"] == 1 and r["background_load"] == load
         assert r["effective_tokens_per_s"] > 0 and r["measured_step_ms"] > 0 and math.isfinite(r["final_loss"])
     for mode in {"padded", "dyn_plugin"} & set(rows):  # the plans made inside the ranks reported their predictions
         assert rows[mode]["predicted_step_ms"] > 0 and rows[mode]["prediction_mape"] >= 0
@@ -56,8 +58,11 @@ def test_the_plugins_two_modes_train_the_same_documents_and_compare(tmp_path):
 
 @pytest.mark.slow  # within the suite's time: two more pretrain_gpt.py runs, Megatron-LM's own samples
 def test_megatron_lm_comparison_trains_every_mode(tmp_path):
-    rows, records, _ = bench(tmp_path)
-    assert list(rows) == MODES and [r["mode"] for r in records] == MODES
+    """Every mode, under one busy process (--background-load), which adds the plugin without online calibration."""
+    rows, records, out = bench(tmp_path, load=1)
+    assert list(rows) == MODES + ["dyn_plugin_static"] and [r["mode"] for r in records] == list(rows)
+    static = json.loads((out / "dyn_plugin_static" / "dyn_plugin.json").read_text())["dyn_plugin"]
+    assert static["calibration"] == {"enabled": False} and "speedup_vs_dyn_plugin_static" in rows["dyn_plugin"]
     for r in rows.values():
         assert r["speedup_vs_padded"] > 0 and r["speedup_vs_megatron-lm"] > 0 and r["speedup_vs_megatron-lm-sdpa"] > 0
     for mode in ("megatron-lm", "megatron-lm-sdpa"):  # Megatron-LM's own samples: no plan, no padding

@@ -11,6 +11,7 @@ from dyn_plugin.models.hf import PRESETS
 
 
 def test_bench_train_t5_runs_the_comparison(tmp_path, capsys):
+    """Every mode, dyn_plugin_static too: one busy process beside the training (--background-load) adds it."""
     profile = tmp_path / "t5.json"
     grid = ["--seq-lens", "16,32", "--micro-batch-sizes", "1,4,8", "--max-tokens", "256", "--repeats", "1"]
     argv = ["profile", "--model", "tiny-t5", "--out", str(profile), "--recompute", "none", "--validate", "0"]
@@ -18,16 +19,23 @@ def test_bench_train_t5_runs_the_comparison(tmp_path, capsys):
     capsys.readouterr()
     out = tmp_path / "train"
     argv = ["bench", "train", "--model", "t5", "--profile", str(profile), "--out", str(out)]
-    assert main(argv + ["--steps", "1", "--max-len", "32", "--global-tokens", "512", "--json"]) == 0
+    flags = ["--steps", "1", "--max-len", "32", "--global-tokens", "512", "--background-load", "1", "--json"]
+    assert main(argv + flags) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["mode"] for r in rows] == trainable_modes()
-    assert {"padded", "token_budget", "packing", "dyn_plugin"} <= set(trainable_modes()) <= set(MODES)
+    assert {"padded", "token_budget", "packing", "dyn_plugin", "dyn_plugin_static"} <= set(trainable_modes())
+    assert set(trainable_modes()) <= set(MODES)
     for r in rows:
-        assert r["benchmark"] == "train-t5" and r["steps"] == 1
+        assert r["benchmark"] == "train-t5" and r["steps"] == 1 and r["background_load"] == 1
         assert r["effective_tokens_per_s"] > 0 and r["predicted_step_ms"] > 0
         assert r["prediction_mape"] is not None and 0 <= r["padding_fraction"] < 1
     plugin = next(r for r in rows if r["mode"] == "dyn_plugin")
-    assert {"speedup_vs_padded", "speedup_vs_token_budget", "speedup_vs_packing"} <= set(plugin)
+    assert {
+        "speedup_vs_padded",
+        "speedup_vs_token_budget",
+        "speedup_vs_packing",
+        "speedup_vs_dyn_plugin_static",
+    } <= set(plugin)
     # the same global batches: every mode trained the same real tokens
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert len({r["real_tokens"] for r in records}) == 1
@@ -78,3 +86,8 @@ def test_a_bad_profile_is_refused_by_name_before_any_rank_starts(tmp_path, conte
     assert says in str(refused.value) and "dynplugin profile --model tiny-t5" in str(refused.value)
     with pytest.raises(SystemExit, match="does not exist"):
         cpu_pair_profile(str(tmp_path / "missing.json"))
+
+
+def test_background_load_is_refused_where_no_calibration_is_measured(tmp_path, capsys):
+    assert main(["bench", "train", "--host", "hf-trainer", "--background-load", "1", "--out", str(tmp_path)]) != 0
+    assert "--background-load compares the online calibration" in capsys.readouterr().err

@@ -98,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="N busy processes started beside the training (not the profile, taken before on a quiet machine), "
         "for as long as it runs: the plugin's online calibration (dyn_plugin) against planning from the profile "
-        "alone (dyn_plugin_static, added to the modes); --host deepspeed",
+        "alone (dyn_plugin_static, added to the modes); --host deepspeed (also --model t5) or megatron-lm",
     )
     parser.add_argument(
         "--sp",
@@ -112,16 +112,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> Iterable[dict]:
     """Train the host's batchings side by side on local ranks; without ``--json`` the ranks print the
     table and where the report is, with it the records are the summary rows (launch.py)."""
+    if args.background_load and (args.host not in ("deepspeed", "megatron-lm") or args.sp or args.stages > 1):
+        raise ValueError(
+            "--background-load compares the online calibration on the steps it measures: DeepSpeed's data-parallel "
+            "ones (also --model t5) and Megatron-LM's pretrain_gpt.py (--host megatron-lm); drop --sp and "
+            "--stages, or --background-load"
+        )
     if args.model == "t5":
         return _pairs(args)
     args.global_tokens = args.global_tokens or 16384
     if args.host == "megatron-lm":
         return _megatron_lm(args)
-    if args.background_load and (args.host != "deepspeed" or args.sp or args.stages > 1):
-        raise ValueError(
-            "--background-load compares the online calibration on DeepSpeed's data-parallel steps (the ones it "
-            "measures): drop --host, --sp and --stages, or --background-load"
-        )
     if args.stages > 1 and (args.host != "deepspeed" or args.sp):
         raise ValueError("--stages runs DeepSpeed's pipeline engine: drop --host and --sp, or --stages")
     if args.host == "hf-trainer":
@@ -188,12 +189,16 @@ def _pairs(args: argparse.Namespace) -> list[dict]:
     from .train_pairs import trainable_modes
 
     modes = _modes(args, trainable_modes())
-    return launch_comparison(
-        "dyn_plugin.bench.train_pairs",
-        "train-t5",
-        args,
-        ["--max-len", str(args.max_len or 512), "--global-tokens", str(args.global_tokens or 8192)] + modes,
-    )
+    with background_load(args.background_load):
+        rows = launch_comparison(
+            "dyn_plugin.bench.train_pairs",
+            "train-t5",
+            args,
+            ["--max-len", str(args.max_len or 512), "--global-tokens", str(args.global_tokens or 8192)]
+            + ["--background-load", str(args.background_load)]
+            + modes,
+        )
+    return [{**row, "background_load": args.background_load} for row in rows]
 
 
 def _modes(args: argparse.Namespace, known: Iterable[str] | None = None) -> list[str]:
@@ -220,6 +225,8 @@ def _megatron_lm(args: argparse.Namespace) -> list[dict]:
 
     run_args = argparse.Namespace(**vars(args), lengths="code", warmup=1, memory_mb=8000.0)
     run_args.max_len = args.max_len or 4096
-    rows = bench_train_megatron_lm(run_args)
+    with background_load(args.background_load):
+        rows = bench_train_megatron_lm(run_args)
     label = cost_model_label(args.profile)
-    return [{"benchmark": "train-megatron-lm", "cost_model": label, **row} for row in rows] if args.json else []
+    extra = {"cost_model": label, "background_load": args.background_load}
+    return [{"benchmark": "train-megatron-lm", **extra, **row} for row in rows] if args.json else []

@@ -41,15 +41,29 @@ import numpy as np
 from tqdm import tqdm
 
 from ..atomic import write_json_atomic
-from .train_common import batchings_preamble, cost_model_section, report, summarize, tokenized_corpus, write_results
+from .train_common import (
+    batchings_preamble,
+    cost_model_section,
+    plot_predictions,
+    report,
+    summarize,
+    tokenized_corpus,
+    write_results,
+)
 
 logger = logging.getLogger(__name__)
 
 # mode -> the plugin's microbatching.method, or None: Megatron-LM alone
-MODES = {"padded": "fixed_padding", "megatron-lm": None, "megatron-lm-sdpa": None, "dyn_plugin": "dynapipe"}
+MODES = {
+    "padded": "fixed_padding",
+    "megatron-lm": None,
+    "megatron-lm-sdpa": None,
+    "dyn_plugin": "dynapipe",
+    "dyn_plugin_static": "dynapipe",  # without online calibration: by default under --background-load only
+}
 # Megatron-LM alone: mode -> its core attention (bench/megatron_lm_rank.py)
 ALONE = {"megatron-lm": "local", "megatron-lm-sdpa": "sdpa"}
-BASELINES = ("padded", "megatron-lm", "megatron-lm-sdpa")  # the ratios the report shows
+BASELINES = ("padded", "megatron-lm", "megatron-lm-sdpa", "dyn_plugin_static")  # the ratios the report shows
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RANK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_lm_rank.py")
 # NullTokenizer adds its end-of-document id after --vocab-size ids: 8191 + 1 = tiny-llama's 8192 embedding rows
@@ -140,6 +154,7 @@ def run_mode(mode: str, args: argparse.Namespace, script: str, prefix: str) -> l
             "cost_model": cost_model_section(args.profile and os.path.abspath(args.profile), "fp32"),
             "microbatching": {"method": method, "max_seq_len": args.max_len},  # global_tokens: the flags' product
             "cluster": {"devices_per_node": args.ranks, "device": {"memory_mb": args.memory_mb}},
+            "calibration": {"enabled": mode != "dyn_plugin_static"},
         }
         write_json_atomic(cfg, {"dyn_plugin": plugin})
         cmd = [sys.executable, "-m", "dyn_plugin", "megatron", "--dyn-plugin-config", cfg]
@@ -196,14 +211,18 @@ def plans(folder: str, iterations: int) -> list[tuple[int, int, float]]:
 def bench_train_megatron_lm(args: argparse.Namespace) -> list[dict]:
     """Run every mode (Megatron-LM's default seed in each) and write the report into ``args.out``; the summary rows.
     ``args``: ``megatron_lm`` (the checkout), ``out``, ``profile``, ``lengths``, ``max_len``, ``global_tokens``,
-    ``warmup``, ``steps``, ``ranks``, ``memory_mb``, ``modes`` (comma-separated, or None for all), ``json``."""
+    ``warmup``, ``steps``, ``ranks``, ``memory_mb``, ``modes`` (comma-separated, or None for every mode but
+    dyn_plugin_static, which ``background_load`` > 0 adds), ``background_load`` (the busy processes the caller
+    runs beside the training), ``json``."""
     script = pretrain_gpt(args.megatron_lm)
     if args.global_tokens % args.max_len:
         raise SystemExit(
             f"--global-tokens {args.global_tokens} is not a multiple of --max-len {args.max_len}: "
             "Megatron-LM's iteration is --global-batch-size samples of --seq-length (= --max-len) tokens"
         )
-    modes = args.modes.split(",") if args.modes else list(MODES)
+    modes = (
+        args.modes.split(",") if args.modes else [m for m in MODES if args.background_load or m != "dyn_plugin_static"]
+    )
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(
@@ -219,9 +238,13 @@ def bench_train_megatron_lm(args: argparse.Namespace) -> list[dict]:
     rows = summarize(records, modes, BASELINES, args.global_tokens)
     write_results(args.out, records, rows)
     text = report(rows, args.out, preamble(args), BASELINES)
+    plot_predictions(records, args.out)
     if not args.json:  # --json prints only the rows
         print("\n" + text)
-        print(f"report: {args.out}/report.md, {args.out}/report.png, per-step records: {args.out}/records.jsonl")
+        print(
+            f"report: {args.out}/report.md, {args.out}/report.png, predicted vs measured per step: "
+            f"{args.out}/prediction.png, per-step records: {args.out}/records.jsonl"
+        )
     return rows
 
 
@@ -233,6 +256,7 @@ def preamble(args: argparse.Namespace) -> str:
         "Megatron-LM alone on its GPTDataset samples (documents concatenated into --seq-length rows, attending "
         "across each other; hence its different loss), with Megatron's local attention (full score matrix, unfused "
         "softmax); megatron-lm-sdpa: the same with the plugin runs' attention kernel (torch's SDPA); dyn_plugin: "
-        "the plugin's plan.",
+        "the plugin's plan; dyn_plugin_static: the same without online calibration."
+        + (f" {args.background_load} busy processes ran beside the training." if args.background_load else ""),
         how=", each a run of Megatron-LM's unmodified pretrain_gpt.py (step times from its log)",
     )

@@ -48,8 +48,14 @@ from .train_common import (
 from .train_deepspeed import device_memory_mb
 
 # mode -> microbatching.method; each is trained where the loader plans it for pairs (PAIR_METHODS)
-MODES = {"padded": "fixed_padding", "token_budget": "token_budget", "packing": "packing_full", "dyn_plugin": "dynapipe"}
-BASELINES = ("padded", "token_budget", "packing")
+MODES = {
+    "padded": "fixed_padding",
+    "token_budget": "token_budget",
+    "packing": "packing_full",
+    "dyn_plugin": "dynapipe",
+    "dyn_plugin_static": "dynapipe",  # without online calibration: by default under --background-load only
+}
+BASELINES = ("padded", "token_budget", "packing", "dyn_plugin_static")
 
 
 def trainable_modes() -> list[str]:
@@ -107,6 +113,7 @@ def run_mode(mode: str, args, data: list[dict], lengths: np.ndarray, model_cfg: 
                 "devices_per_node": dist.get_world_size(),
                 "device": {"memory_mb": args.memory_mb or device_memory_mb(device)},
             },
+            "calibration": {"enabled": mode != "dyn_plugin_static"},
         },
     }
     torch.manual_seed(0)
@@ -168,13 +175,24 @@ def main() -> None:
         "--threads 1); they price the plans and name the model trained",
     )
     p.set_defaults(lengths="tasks", max_len=512, global_tokens=8192)
-    p.add_argument("--modes", default=",".join(trainable_modes()))
+    p.add_argument("--modes", help="default: every trainable mode (dyn_plugin_static under --background-load only)")
     p.add_argument("--memory-mb", type=float, help="memory the plans may fill per rank (default 8000 on CPU)")
+    p.add_argument(
+        "--background-load",
+        type=int,
+        default=0,
+        help="busy processes the launching bench runs beside the training (recorded; with it the modes include "
+        "dyn_plugin_static, the plugin without online calibration)",
+    )
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # from the deepspeed launcher
     args = p.parse_args()
     if not args.profile:
         raise SystemExit("--profile is required: the encoder-decoder's tables (dynplugin profile --model tiny-t5)")
-    modes = args.modes.split(",")
+    modes = (
+        args.modes.split(",")
+        if args.modes
+        else [m for m in trainable_modes() if args.background_load or m != "dyn_plugin_static"]
+    )
     unknown = [m for m in modes if m not in trainable_modes()]
     if unknown:
         raise SystemExit(
@@ -199,7 +217,9 @@ def main() -> None:
             args,
             "padded: each side padded to the maximum length, a fixed number of pairs per micro-batch; token_budget: "
             "pairs grouped under a token budget on input + target, each side padded to its longest; packing: rows of "
-            "whole pairs, each side's row the maximum length wide (T5 packing per side).",
+            "whole pairs, each side's row the maximum length wide (T5 packing per side); dyn_plugin_static: the plugin "
+            "without online calibration."
+            + (f" {args.background_load} busy processes ran beside the training." if args.background_load else ""),
             data=f"(input, target) pairs of the bundled '{args.lengths}' distribution, each side cut to "
             f"{args.max_len} tokens",
         )
