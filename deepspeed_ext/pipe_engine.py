@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import replace
 from types import MethodType
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from deepspeed_ext.pipe_module import summed_token_loss
 from deepspeed_ext.sequence_parallel import sequence_runtime
+from dyn_plugin.host.clock import PeakMemory, StepClock
 from dyn_plugin.host.feed import DeviceFeed, copy_to
 from dyn_plugin.host.recompute import recompute_switch
 from dyn_plugin.host.transfers import Post, run_instructions
@@ -97,13 +98,18 @@ class PlanPipelineEngine(PipelineEngine):
                 "num_stages (DeepSpeed then uses PipeDataParallelTopology), not a custom topology"
             )
 
-    def train_batch(self, data_iter: Iterator[Step] | Step | None = None) -> float:  # type: ignore[override]
+    def train_batch(  # type: ignore[override]
+        self, data_iter: Iterator[Step] | Step | None = None, *, timings: list | None = None
+    ) -> float:
         """Run this rank's plan of one step and take the optimizer step; returns the global
         batch's token-mean loss. ``data_iter``: a loader ``Step``, or (as DeepSpeed users pass
-        it) an iterator of them, of which the next is taken."""
+        it) an iterator of them, of which the next is taken. ``timings``, if given, receives each
+        compute instruction this rank ran as (name, start ms, end ms) from the step's start
+        (``F3``, ``B3``, ``I3``, ``W3``, ``load3``, ``reduce``, ``step``; CUDA events on a GPU,
+        read once after the step): the executed schedule, waits included, beside the planned one."""
         step = self._next_step(data_iter, "train_batch")
         self.module.train()
-        self._run(step, step.plan.instructions, training=True)
+        self._run(step, step.plan.instructions, training=True, timings=timings)
         return self._global_loss(step.scored_tokens)
 
     def eval_batch(
@@ -148,7 +154,9 @@ class PlanPipelineEngine(PipelineEngine):
             )
         return step
 
-    def _run(self, step: Step, instructions: tuple[Instruction, ...], *, training: bool) -> None:
+    def _run(
+        self, step: Step, instructions: tuple[Instruction, ...], *, training: bool, timings: list | None = None
+    ) -> None:
         plan = step.plan
         self._check_plan(plan)
         self._step = step
@@ -167,11 +175,28 @@ class PlanPipelineEngine(PipelineEngine):
         if self._split:
             split_backward(self.module).clear()
 
+        # the online calibration's (step.observe) measurements: each pass this stage ran, and its peak
+        observe = step.observe if training else None
+        clock = StepClock(self.device, timings is not None or observe is not None)
+        peak = PeakMemory(self.device, observe is not None)
+        marks: list[tuple[str, Any, Any]] = []
+        start = clock.mark()
+
         def compute(ins: Instruction) -> None:
+            before = clock.mark()
             with self._around_pass(ins):
                 self._handler(ins)(ins)
+            if clock.enabled:
+                marks.append((_op_name(ins), before, clock.mark()))
 
         run_instructions(instructions, post=lambda ins: self._handler(ins)(ins), compute=compute)
+        if clock.enabled:
+            clock.wait()
+            times = [(name, clock.ms(start, a), clock.ms(start, b)) for name, a, b in marks]
+            if timings is not None:
+                timings.extend(times)
+            if observe is not None:  # every rank, after its passes: the calibration gathers them
+                observe(_pass_times(times, len(plan.micro_batches)), peak.read())
 
     def _handler(self, ins: Instruction) -> Callable:
         handler = self._INSTRUCTION_MAP.get(type(ins))
@@ -442,3 +467,21 @@ class PlanPipelineEngine(PipelineEngine):
         ReduceGrads: _exec_reduce,
         OptimizerStep: _exec_step,
     }
+
+
+# a compute instruction's name in timings: the simulator's op names (plan/steps/simulator.py) for passes
+_OP_NAMES = {ForwardPass: "F", BackwardPass: "B", BackwardInput: "I", BackwardWeight: "W", LoadMicroBatch: "load"}
+
+
+def _pass_times(times: list[tuple[str, float, float]], count: int) -> list[tuple[float, float]]:
+    """Per micro-batch of the plan, (forward ms, backward ms) from a stage's timed passes; a split
+    backward's is its I and its W together, as the tables price a whole backward."""
+    ms = {name: end - start for name, start, end in times}
+    return [(ms[f"F{m}"], ms[f"B{m}"] if f"B{m}" in ms else ms[f"I{m}"] + ms[f"W{m}"]) for m in range(count)]
+
+
+def _op_name(ins: Instruction) -> str:
+    kind = _OP_NAMES.get(type(ins))
+    return (
+        f"{kind}{ins.mb}" if kind else {ReduceGrads: "reduce", OptimizerStep: "step"}.get(type(ins), type(ins).__name__)
+    )

@@ -25,15 +25,15 @@ def train_step(engine, step: Step, timings: list | None = None) -> float:
     """Run this rank's micro-batches of one planned step and take the optimizer step.
 
     Returns the token-mean loss of the whole global batch (summed over ranks). ``timings``, if
-    given, receives (forward_ms, backward_ms) of each micro-batch and ("step", optimizer ms)."""
+    given, receives (forward_ms, backward_ms) of each micro-batch and ("step", optimizer ms); on a
+    pipeline, whose micro-batches overlap, each compute instruction of this rank as (name, start
+    ms, end ms) from the step's start (``PlanPipelineEngine.train_batch``)."""
     import torch.distributed as dist
 
     from deepspeed_ext.pipe_engine import PlanPipelineEngine
 
     if isinstance(engine, PlanPipelineEngine):
-        if timings is not None:
-            raise ValueError("timings are recorded for data-parallel steps only: a pipeline's micro-batches overlap")
-        return engine.train_batch(step)
+        return engine.train_batch(step, timings=timings)
     dp = dist.get_world_size() if dist.is_initialized() else 1
     return token_mean_step(step, deepspeed_host(engine, step), dp, timings)
 

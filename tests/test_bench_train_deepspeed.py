@@ -109,6 +109,16 @@ def test_bench_train_on_pipeline_stages_runs_the_plugins_schedules_beside_1f1b(p
     assert [r["mode"] for r in rows] == ["dyn_plugin", "dyn_plugin_1f1b"]
     assert rows[0]["final_loss"] == pytest.approx(rows[1]["final_loss"], abs=1e-6)
     assert all(r["effective_tokens_per_s"] > 0 for r in rows)
+    # one executed step per mode beside its simulation: each stage ran its passes in the planned order
+    for mode in ("dyn_plugin", "dyn_plugin_1f1b"):
+        events = json.loads((tmp_path / "pipe" / f"pipeline-trace-{mode}.json").read_text())["traceEvents"]
+        for rank in (0, 1):
+            passes = [
+                [e["name"] for e in events if e["ph"] == "X" and e["pid"] == rank and e["tid"] == tid] for tid in (0, 1)
+            ]
+            executed = [n for n in passes[0] if n[0] in "FBIW" and n[1:].isdigit()]
+            assert executed and executed == passes[1], (mode, rank, passes)
+            assert "step" in passes[0] and all(e["dur"] >= 0 for e in events if e["ph"] == "X")
     assert main(["bench", "train", "--host", "megatron", "--stages", "2"]) == 2
     assert "--stages runs DeepSpeed's pipeline engine" in capsys.readouterr().err
 

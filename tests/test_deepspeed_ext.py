@@ -73,6 +73,9 @@ def test_pipeline_engine_runs_the_plan_exactly(tmp_path, world, schedule):
             assert any(0 < planned < layers for planned, _, layers in r["pyramid"]), r  # partial counts ran
         inputs, weights, _ = r["split"]
         assert inputs == weights and (inputs > 0) == (schedule == "zero_bubble"), r
+        # every stage's passes were timed and gathered after each step (its I and W as one backward),
+        # and the second step was planned with the version fitted after the first
+        assert r["observed"] == [0, 1] and len(r["versions"]) >= 2 and r["versions"][1]["from_step"] == 1, r
     assert any(len(set(r["sizes"])) > 1 for r in results)  # of uneven sizes
     # W's placed after other micro-batches' passes (where a plan of two micro-batches has none to wait for)
     assert any(r["split"][2] for r in results) == (schedule == "zero_bubble")

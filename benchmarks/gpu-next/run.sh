@@ -11,6 +11,9 @@
 #   train     DeepSpeed ZeRO-1 on one GPU, five batchings side by side: tokens/s, MFU, rank 0's peak
 #             memory measured vs predicted, prediction error; documents up to 8192 tokens in global
 #             batches of 65,536, then up to 32768 in batches of 131,072 (SIZES)
+#   trainer   the Hugging Face Trainer under DeepSpeed ZeRO-1 at the first of SIZES: the stock Trainer
+#             padded (group_by_length), TRL's SFTTrainer packing=True, the plugin through the Trainer
+#             and in its own loop on the same plans (issue 40's figure; Accelerate takes DeepSpeed on a GPU)
 #   calibration  the plugin with online calibration (dyn_plugin) and without (dyn_plugin_static),
 #             CAL_STEPS steps each at the first of SIZES, beside a second process multiplying bf16
 #             matrices on the same GPU (the machine changed under the profile): prediction error
@@ -27,7 +30,7 @@ export PYTHONUNBUFFERED=1
 HERE=benchmarks/gpu-next
 OUT=${OUT:-out/gpu-next}
 MODEL=${MODEL:-$HERE/llama-3.2-1b.json}
-PARTS=${PARTS:-sync,checkpoint,profile,train,calibration}
+PARTS=${PARTS:-sync,checkpoint,profile,train,trainer,calibration}
 SIZES=${SIZES:-8192:65536 32768:131072}  # longest document:tokens per global batch, one run each
 STEPS=${STEPS:-4}
 PROFILE=${PROFILE:-$OUT/profile.json}
@@ -67,6 +70,14 @@ if has train; then
     for f in report.md records.jsonl summary.json step-trace.json; do cp "/tmp/$name/$f" "$OUT/$name-$f"; done
     bundle
   done
+fi
+if has trainer; then
+  size=${SIZES%% *} name=trainer
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m torch.distributed.run --nproc_per_node=1 \
+    -m dyn_plugin.bench.train_hf --profile "$PROFILE" --model "$MODEL" --out "/tmp/$name" \
+    --max-len "${size%%:*}" --global-tokens "${size##*:}" --steps "$STEPS" --warmup 1 2>&1 | tee "$OUT/$name-log.txt"
+  for f in report.md records.jsonl summary.json; do cp "/tmp/$name/$f" "$OUT/$name-$f"; done
+  bundle
 fi
 if has calibration; then
   size=${SIZES%% *} name=calibration

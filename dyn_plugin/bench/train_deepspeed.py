@@ -34,6 +34,7 @@ import deepspeed_ext
 from ..atomic import write_json_atomic
 from ..cost.shape import shape_from_config
 from ..models.hf import build_causal_lm, load_model_config
+from ..plan.steps.simulator import simulate
 from .train_common import (
     add_model_argument,
     batchings_preamble,
@@ -145,12 +146,16 @@ def run_mode(mode: str, args, docs, lengths, device: torch.device, dtype: str) -
         mine = [len(docs[i]) for mb, (_, _, index) in zip(step.sample_ids, step.shards) if index == 0 for i in mb]
         mine = mine if counting else []
         slots = sum(int(m["input_ids"].numel()) for m in step.micro_batches) if counting else 0
-        timings: list | None = None if pipelined else []
+        # a pipeline's instructions are timed for one step's trace only; data parallel: every step (the calibration's)
+        traced = n == args.warmup and mode in ("dyn_plugin", "dyn_plugin_1f1b")
+        timings: list | None = [] if traced or not pipelined else None
         start_peak(device)
         counts = (sum(mine), slots, model_flops(shape, mine))
         ms, loss, (real, slots, flops) = timed_step(engine, step, device, counts, timings)
         bar.update()
-        if n == args.warmup and mode == "dyn_plugin" and not pipelined:
+        if traced and pipelined:
+            write_pipeline_trace(step, timings, loader.context, os.path.join(args.out, f"pipeline-trace-{mode}.json"))
+        elif traced and mode == "dyn_plugin":
             write_step_trace(step, timings, loader.context.cost, args.out, device)
         if n >= args.warmup:
             gpu = {
@@ -236,6 +241,41 @@ def write_step_trace(step, timings: list, cost, out: str, device: torch.device) 
     write_json_atomic(os.path.join(out, "step-trace.json"), {"traceEvents": events, "displayTimeUnit": "ms"})
 
 
+def write_pipeline_trace(step, timings: list, context, path: str) -> None:
+    """Chrome trace of one executed pipeline step (open in https://ui.perfetto.dev): per rank, the
+    compute instructions it ran (``PlanPipelineEngine.train_batch``'s timings: the gaps are its
+    waits), above the simulated schedule of its replica at its stage, as planned."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (step.plan.stage, step.plan.column, timings))
+    if dist.get_rank() != 0:
+        return
+    plan = context.step_plan(step.epoch, step.index)
+    simulated = {}
+    for replica in plan.replicas:
+        result = simulate(replica.micro_batches, replica.schedule, context.spec.link, record=True)
+        for column in replica.columns:
+            simulated[column] = result.events
+    events: list[dict] = []
+    for rank, (stage, column, ops) in enumerate(gathered):
+        events.append(
+            {
+                "ph": "M",
+                "name": "process_name",
+                "pid": rank,
+                "args": {"name": f"rank {rank}: stage {stage}, column {column}"},
+            }
+        )
+        for tid, name in ((0, "executed"), (1, "simulated (planned)")):
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}})
+        planned = [(op, a, b) for s, stream, op, a, b in simulated[column] if s == stage and stream == "compute"]
+        for tid, rows in ((0, ops), (1, planned)):
+            for name, start, end in rows:
+                events.append(
+                    {"ph": "X", "name": name, "pid": rank, "tid": tid, "ts": start * 1e3, "dur": (end - start) * 1e3}
+                )
+    write_json_atomic(path, {"traceEvents": events, "displayTimeUnit": "ms"})
+
+
 def start_rank(args) -> tuple[torch.device, str]:
     """A DeepSpeed benchmark rank's start: its device, the process group (NCCL on GPUs, gloo on CPU),
     the precision the profile measured (``args.ranks_on`` names both for the report) and ``args.out``."""
@@ -316,7 +356,9 @@ def main() -> None:
             BASELINES,
             args.out,
             preamble(args),
-            "" if args.stages > 1 else f", one executed step measured vs predicted: {args.out}/step-trace.json",
+            f", one executed step beside its simulation: {args.out}/pipeline-trace-dyn_plugin.json"
+            if args.stages > 1
+            else f", one executed step measured vs predicted: {args.out}/step-trace.json",
             budget=args.global_tokens,
         )
     dist.barrier()

@@ -32,6 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..device import rank_device
 from ..models.hf import build_causal_lm, load_model_config
 from .train_common import (
     add_model_argument,
@@ -43,7 +44,7 @@ from .train_common import (
     synchronize,
     tokenized_corpus,
 )
-from .train_deepspeed import precision_section, run_mode, start_rank
+from .train_deepspeed import device_memory_mb, precision_section, run_mode, start_rank
 
 MODES = ("padded", "trl_packing", "dyn_plugin", "dyn_plugin_loop")
 BASELINES = ("padded", "trl_packing", "dyn_plugin_loop")
@@ -147,7 +148,10 @@ def run_trainer(mode: str, args, docs, lengths, dtype: str, out: str, subset: li
         config["dyn_plugin"] = {
             "cost_model": cost_model_section(args.profile, dtype),
             "microbatching": {"global_tokens": args.global_tokens, "max_seq_len": args.max_len},
-            "cluster": {"devices_per_node": dist.get_world_size(), "device": {"memory_mb": 8000}},
+            "cluster": {
+                "devices_per_node": dist.get_world_size(),
+                "device": {"memory_mb": device_memory_mb(rank_device())},
+            },
         }
     planned = mode == "dyn_plugin"
     data = [{"input_ids": [int(t) for t in docs[i]]} for i in (range(len(docs)) if planned else subset)]

@@ -72,9 +72,10 @@ class Step:
     digest: str  # fingerprint of the whole step's plan, equal on every rank
     predicted_ms: float  # the cost model's simulated time of the whole step
     predicted_peak_mb: float | None = None  # this rank's peak device memory by the plan (None: a hand-made step)
-    # with online calibration: the host's token-mean step hands it each micro-batch's measured
-    # (forward ms, backward ms) and the step's peak device bytes (None where not measured) after the
-    # optimizer step (every rank, as it gathers them)
+    # with online calibration: the host hands it each micro-batch's measured (forward ms, backward
+    # ms) and the step's peak device bytes (None where not measured) after the step, every rank, as
+    # it gathers them: the micro-batches it loaded in load order (the token-mean step), or on a
+    # pipeline stage every micro-batch of its plan in plan order (PlanPipelineEngine)
     observe: Callable[[list, float | None], None] | None = None
 
     @property
@@ -252,10 +253,13 @@ class DynLoader:
         if self.calibration is None:
             return None
         calibration, position = self.calibration, self.context.position(rp.epoch, rp.step)
-        loaded = [rp.plan.micro_batches[m] for m in rp.plan.loads]
+        plan = rp.plan
+        # what the host times: without a pipeline the micro-batches it loaded, in that order; a
+        # pipeline stage runs every micro-batch of its plan, timed in plan order
+        ran = list(plan.micro_batches) if plan.num_stages > 1 else [plan.micro_batches[m] for m in plan.loads]
         # the calibration, not the loader: a step the host keeps must not keep the loader (and its planners)
         return lambda timings, peak_bytes=None: calibration.observe(
-            position, rp.plan.stage, loaded, timings, peak_bytes, rp.predicted_peak_mb
+            position, plan.stage, ran, timings, peak_bytes, rp.predicted_peak_mb
         )
 
     def _build(self, rp: RankPlan) -> Step:
