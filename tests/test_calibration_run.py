@@ -253,3 +253,25 @@ def test_an_encoder_decoders_pairs_are_calibrated():
     # the same global batch: the calibrated model prices it 1.7x the tables' (the update step aside)
     ahead, again = next(iter(loader)), next(iter(plain))
     assert ahead.predicted_ms > 1.5 * again.predicted_ms
+
+
+def test_a_stage_factor_prices_that_stage_of_an_encoder_decoders_pairs():
+    """The pair planner prices a stage at its calibrated pace too, its split backward's W with it."""
+    from dataclasses import replace
+
+    from dyn_plugin.config import DynPluginConfig
+    from dyn_plugin.cost.bundled import DIR
+    from dyn_plugin.cost.encoder_decoder import import_t5_tables
+    from dyn_plugin.plan.steps.pair_microbatch import make_pair_micro_batch
+    from dyn_plugin.plan.steps.pair_spec import pair_planner_spec
+
+    cost = import_t5_tables(DIR / "measured" / "a100-t5-11b.json")
+    cfg = DynPluginConfig.model_validate(
+        {"pipeline": {"stages": 2, "schedule": "zero_bubble"}, "cluster": {"device": {"memory_mb": 400000}}}
+    )
+    spec = pair_planner_spec(cost, cfg, dp=1)
+    timed = replace(spec, stage_time=(1.0, 3.0))
+    a, b = (make_pair_micro_batch([0, 1], [300, 200], [100, 60], spec=s, recompute="full") for s in (spec, timed))
+    assert b.forward_ms == (a.forward_ms[0], 3 * a.forward_ms[1])
+    assert b.backward_ms == (a.backward_ms[0], 3 * a.backward_ms[1])
+    assert a.weight_ms and b.weight_ms == (a.weight_ms[0], 3 * a.weight_ms[1])

@@ -407,3 +407,39 @@ def test_bad_calibrations_and_observations_are_refused(base, specs):
     calibrator.observe(step_observations(base, specs, np.random.default_rng(0), 5))
     with pytest.raises(ValueError, match="from_step = 9 at step 9: a version prices steps still to be planned"):
         calibrator.maybe_update(9, from_step=9)
+
+
+def test_a_stage_that_alone_runs_slower_gets_its_own_factor(base, specs):
+    """Stage 2 of 4 runs 2x slower than the profile, the others as profiled: the term factors take
+    what every stage shares and the stage factors what stage 2 adds, until the predictions meet the
+    measurements on every stage; a planner spec priced with them prices stage 2's times at its pace."""
+    from dyn_plugin.config import DynPluginConfig
+    from dyn_plugin.plan.steps.pricing import make_micro_batch
+    from dyn_plugin.plan.steps.spec import planner_spec
+
+    def observed(rng, step):
+        obs = step_observations(base, specs, rng, step)
+        return [
+            replace(o, forward_ms=2 * o.forward_ms, backward_ms=2 * o.backward_ms) if o.stage == 2 else o for o in obs
+        ]
+
+    calibrator = OnlineCalibrator(base, specs, fast())
+    rng = np.random.default_rng(0)
+    for step in range(30):
+        calibrator.observe(observed(rng, step))
+        calibrator.maybe_update(step)
+    cal = calibrator.calibration
+    assert len(cal.stages) == STAGES
+    paces = [cal.stage_factor(s) * cal.forward_token for s in range(STAGES)]
+    assert paces == pytest.approx([1.0, 1.0, 2.0, 1.0], rel=0.03)
+    assert calibrator.prediction_error(observed(np.random.default_rng(99), 100)) < 0.03
+    # the same term factors without the stage factors miss every stage
+    assert calibrator.prediction_error(observed(np.random.default_rng(99), 100), replace(cal, stages=())) > 0.1
+    assert Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))) == cal
+
+    cfg = DynPluginConfig.model_validate({"pipeline": {"stages": STAGES}, "cluster": {"device": {"memory_mb": 80000}}})
+    spec = planner_spec(base, cfg, dp=1)
+    timed = replace(spec, stage_time=(1.0, 1.0, 2.0, 1.0))
+    a, b = (make_micro_batch([0, 1], [1000, 3000], spec=s, layout="packed", recompute="none") for s in (spec, timed))
+    assert b.forward_ms == (a.forward_ms[0], a.forward_ms[1], 2 * a.forward_ms[2], a.forward_ms[3])
+    assert b.backward_ms[2] == 2 * a.backward_ms[2] and b.backward_ms[3] == a.backward_ms[3]

@@ -19,6 +19,9 @@ absolute against the base model, never compounded on the last calibration: a fit
 machine is now, not how it changed since the last one, so errors do not accumulate. Where the
 window cannot tell the two terms apart (the pair part is a small share of every prediction, or
 the same share of all of them) one scale is fitted for both, keeping their current ratio.
+On a pipeline every observation is priced on its own stage, and a stage that alone runs slower
+or faster (by more than ``STAGE_DEVIATION``) gets a factor of its own on its times, fitted from
+what the term factors leave on it (:meth:`OnlineCalibrator._stage_factors`).
 An encoder-decoder's pair tables (cost/encoder_decoder.py) are not split into terms: their
 prediction counts wholly as token part, so each direction gets one scale (its pair factor follows
 the token factor, the window never telling them apart) applied to the whole prediction
@@ -78,6 +81,8 @@ MAD_TO_SIGMA = 1.4826
 # the activation memory factor sits this far above the largest measured/predicted peak seen: the
 # next micro-batches are others, and an overflow on one rank stops every rank
 MEMORY_HEADROOM = 1.03
+# a pipeline stage gets a factor of its own only where its times differ from the others' by more than this
+STAGE_DEVIATION = 0.05
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,10 @@ class Calibration:
     backward_pair: float = 1.0
     # activation memory (every stored_bytes and peak_bytes fit), measured peak over predicted
     memory: float = 1.0
+    # per pipeline stage, a factor on its time beside the term factors: a stage that alone runs
+    # slower (another GPU, a node's clock); () is 1 on every stage. The planner applies it
+    # (PlanningContext: the spec's stage_time), not ``apply``: a table is shared by every stage
+    stages: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.version, int) or self.version < 0:
@@ -112,6 +121,15 @@ class Calibration:
                     )
         if not (isinstance(self.memory, (int, float)) and math.isfinite(self.memory) and self.memory > 0):
             raise ValueError(f"calibration memory = {self.memory!r}: must be a finite number > 0 (1.0: as profiled)")
+        object.__setattr__(self, "stages", tuple(float(x) for x in self.stages))
+        if not all(math.isfinite(x) and x > 0 for x in self.stages):
+            raise ValueError(
+                f"calibration stages = {self.stages!r}: a factor per pipeline stage, each finite and > 0 (() for none)"
+            )
+
+    def stage_factor(self, stage: int) -> float:
+        """The factor on ``stage``'s time beside the term factors (1 where none was fitted)."""
+        return self.stages[stage] if stage < len(self.stages) else 1.0
 
     def factor(self, direction: Direction, term: Term) -> float:
         return getattr(self, f"{direction}_{term}")
@@ -123,14 +141,19 @@ class Calibration:
 
     @property
     def is_identity(self) -> bool:
-        return self.memory == 1.0 and all(self.factor(d, t) == 1.0 for d in DIRECTIONS for t in TERMS)
+        return (
+            self.memory == 1.0
+            and all(self.factor(d, t) == 1.0 for d in DIRECTIONS for t in TERMS)
+            and all(x == 1.0 for x in self.stages)
+        )
 
     def describe(self) -> str:
         """One line for logs: ``v3 from step 40: forward token x1.250 pair x1.000, backward ...``."""
         parts = ", ".join(
             f"{d} token x{self.factor(d, 'token'):.3f} pair x{self.factor(d, 'pair'):.3f}" for d in DIRECTIONS
         )
-        return f"v{self.version} from step {self.from_step}: {parts}, activation memory x{self.memory:.3f}"
+        stages = f", stages {' '.join(f'x{x:.3f}' for x in self.stages)}" if self.stages else ""
+        return f"v{self.version} from step {self.from_step}: {parts}, activation memory x{self.memory:.3f}{stages}"
 
     def apply(self, cost: CalibratedModel) -> CalibratedModel:
         """A new model whose time fits are scaled by these factors; ``cost`` is not changed.
@@ -167,7 +190,8 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (as published through the plan store); :meth:`from_dict` inverts it exactly."""
-        return {"version": self.version, "from_step": self.from_step, "factors": self.factors, "memory": self.memory}
+        d = {"version": self.version, "from_step": self.from_step, "factors": self.factors, "memory": self.memory}
+        return {**d, "stages": list(self.stages)} if self.stages else d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Calibration":
@@ -186,7 +210,13 @@ class Calibration:
                         f"calibration factors[{direction!r}][{term!r}] is missing or not a number; "
                         "expected {'forward': {'token': x, 'pair': y}, 'backward': {...}}"
                     ) from None
-        return cls(version=d["version"], from_step=d["from_step"], memory=float(d.get("memory", 1.0)), **kw)
+        return cls(
+            version=d["version"],
+            from_step=d["from_step"],
+            memory=float(d.get("memory", 1.0)),
+            stages=tuple(d.get("stages", ())),
+            **kw,
+        )
 
 
 def _scale_fit(fit: LinearFit, token: float, pair: float) -> LinearFit:
@@ -535,10 +565,14 @@ class OnlineCalibrator:
         if ready:
             self._last_fit_step = step
         for d in ready:
-            fit = self._fit(d, (cur.factor(d, "token"), cur.factor(d, "pair")))
+            fit = self._fit(d, (cur.factor(d, "token"), cur.factor(d, "pair")), cur)
             self.last_fits[d] = fit
             new[d] = {t: self._bounded(cur.factor(d, t), getattr(fit, t)) for t in TERMS}
-        moved = max(abs(new[d][t] / cur.factor(d, t) - 1.0) for d in DIRECTIONS for t in TERMS)
+        stages = self._stage_factors(new, cur) if ready else cur.stages
+        moved = max(
+            [abs(new[d][t] / cur.factor(d, t) - 1.0) for d in DIRECTIONS for t in TERMS]
+            + [abs(x / cur.stage_factor(i) - 1.0) for i, x in enumerate(stages)]
+        )
         if not due:
             memory_moved = rises
         else:
@@ -550,6 +584,7 @@ class OnlineCalibrator:
             from_step=urgent if rises else start,
             memory=memory if memory_moved else cur.memory,
             **{f"{d}_{t}": new[d][t] for d in DIRECTIONS for t in TERMS},
+            stages=stages,
         )
         logger.info(
             "online calibration %s (fitted at step %d; %s)",
@@ -575,8 +610,36 @@ class OnlineCalibrator:
             return
         self._memory.extend(sorted(float(r) for r in ratios if math.isfinite(r) and r > 0))
 
-    def _fit(self, direction: Direction, current: tuple[float, float]) -> _Fit:
-        window = list(self._samples[direction])
+    def _stage_factors(self, terms: dict[str, dict[str, float]], cur: Calibration) -> tuple[float, ...]:
+        """Per pipeline stage, the median of measured over predicted under the new term factors,
+        over both directions' windows, over the median of all of them: what one stage runs slower
+        or faster than the others (a slowdown of every stage stays the terms' to fit). The terms
+        are fitted on times divided by the current stage factors, so the two parts settle (two
+        stages, one 2x slower: x0.67 and x1.33 on terms of x1.5). Fitted once the windows hold two
+        stages with two observations each; bounded per refit as every factor."""
+        ratios: dict[int, list[float]] = {}
+        for d in DIRECTIONS:
+            a, b = terms[d]["token"], terms[d]["pair"]
+            for x in self._samples[d]:
+                ratios.setdefault(x.obs.stage, []).append(x.measured / (a * x.token + b * x.pair))
+        if sum(len(r) >= 2 for r in ratios.values()) < 2:
+            return cur.stages
+        overall = _median([r for stage in sorted(ratios) for r in ratios[stage]])
+        count = max(max(ratios) + 1, len(cur.stages))
+        out = []
+        for i in range(count):
+            if len(ratios.get(i, ())) < 2:
+                out.append(cur.stage_factor(i))
+                continue
+            target = _median(ratios[i]) / overall
+            # within STAGE_DEVIATION of the others: the terms' own misfit while they settle (stages
+            # hold different shares of embedding, head and attention), not a slower stage
+            out.append(self._bounded(cur.stage_factor(i), 1.0 if abs(target - 1.0) <= STAGE_DEVIATION else target))
+        return tuple(out) if any(x != 1.0 for x in out) else ()
+
+    def _fit(self, direction: Direction, current: tuple[float, float], cur: Calibration) -> _Fit:
+        # each time as if its stage ran at the others' pace: the stage factors take the difference
+        window = [replace(x, measured=x.measured / cur.stage_factor(x.obs.stage)) for x in self._samples[direction]]
         s = self.settings
         ratio = current if self._joint(window) else None
         first = _relative_lsq(window, ratio)
@@ -643,7 +706,7 @@ class OnlineCalibrator:
             for d in DIRECTIONS if direction is None else (direction,):
                 y = obs.measured(d)
                 if y is not None and math.isfinite(y) and y > 0:
-                    ape.append(abs(times[DIRECTIONS.index(d)] - y) / y)
+                    ape.append(abs(times[DIRECTIONS.index(d)] * cal.stage_factor(obs.stage) - y) / y)
         return math.fsum(ape) / len(ape) if ape else 0.0
 
     # -- checkpoints ---------------------------------------------------------------------------

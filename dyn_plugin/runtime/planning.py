@@ -154,7 +154,10 @@ class PlanningContext:
         if calibration.version <= self.calibrations[-1].version:
             return
         self.calibrations.append(calibration)
-        self._specs[calibration.version] = self._spec_of(calibration.apply(self.cost))
+        spec = self._spec_of(calibration.apply(self.cost))
+        # a stage that alone runs slower: its factor on the stage's priced times (the tables are shared)
+        stage_time = tuple(calibration.stage_factor(i) for i in range(spec.pp)) if calibration.stages else ()
+        self._specs[calibration.version] = replace(spec, stage_time=stage_time)
 
     def calibration_at(self, position: int) -> Calibration:
         """The calibration that prices the global batch at run-wide ``position``: the newest version

@@ -231,6 +231,11 @@ def price_pair_groups(
         cost.split_backward_costs(stage, n, se, sd, out[1][:, s], tp=spec.tp) if spec.split_backward else None
         for s, stage in enumerate(spec.stages)
     ]
+    for s, k in enumerate(spec.stage_time):  # the online calibration's stage factors, W (at most B) with them
+        out[0][:, s] *= k
+        out[1][:, s] *= k
+        if split[s] is not None:
+            split[s] = (split[s][0] * k, split[s][1])
     priced = all(x is not None for x in split)
     return [
         PairMicroBatch(

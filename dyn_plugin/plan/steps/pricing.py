@@ -145,6 +145,8 @@ def _price(
             kept, transient = sp_buffer_bytes(spec, sp, recompute, f, s.num_layers, c)
             stored[i] += kept
             peak[i] += kept + transient
+    for i, k in enumerate(spec.stage_time):
+        fwd[i], bwd[i] = fwd[i] * k, bwd[i] * k
     act = shape[0] * shape[1] // sp * spec.hidden_size * ACT_BYTES.get(spec.cost.dtype, 2) / spec.tp
     weight, deferred = split_backward_costs(spec, layout, f, bwd) if spec.split_backward else ((), ())
     return MicroBatch(
@@ -182,7 +184,8 @@ def split_backward_costs(
         return (), ()
     per_layer = ACT_BYTES.get(spec.cost.dtype, 2) * f.slots * LINEAR_HELD * spec.cost.params.get("layer", 0.0)
     per_layer /= spec.hidden_size * spec.tp
-    weight = tuple(min(b, weight_grad_ms(plain, f, s)) for s, b in zip(spec.stages, backward_ms))
+    scale = spec.stage_time or (1.0,) * spec.pp
+    weight = tuple(min(b, weight_grad_ms(plain, f, s) * k) for s, b, k in zip(spec.stages, backward_ms, scale))
     deferred = tuple(s.num_layers * per_layer for s in spec.stages)
     return tuple(weight), tuple(deferred)
 

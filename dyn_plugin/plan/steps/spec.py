@@ -44,6 +44,10 @@ class StepSpec:
     same_recompute: bool = False  # every rank recomputes alike at each micro-batch of its run order (ZeRO-3)
     cap_in_flight: bool = True  # pipeline.cap_in_flight: the host runs a stage with fewer micro-batches in flight
     pyramid: bool = False  # checkpoint per micro-batch only as many layers as memory needs
+    # per stage, a factor on the times priced for it (the online calibration's stage factors: a stage
+    # that alone runs slower); () is 1 on every stage. The partition's DP prices without it: the
+    # schedules, the simulation and every prediction see it
+    stage_time: tuple[float, ...] = ()
 
     @property
     def pp(self) -> int:
