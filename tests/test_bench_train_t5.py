@@ -88,6 +88,6 @@ def test_a_bad_profile_is_refused_by_name_before_any_rank_starts(tmp_path, conte
         cpu_pair_profile(str(tmp_path / "missing.json"))
 
 
-def test_background_load_is_refused_where_no_calibration_is_measured(tmp_path, capsys):
+def test_background_load_is_refused_by_name_where_the_bench_has_no_static_mode(tmp_path, capsys):
     assert main(["bench", "train", "--host", "hf-trainer", "--background-load", "1", "--out", str(tmp_path)]) != 0
-    assert "--background-load compares the online calibration" in capsys.readouterr().err
+    assert "with another host or --sp, drop --background-load" in capsys.readouterr().err

@@ -98,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="N busy processes started beside the training (not the profile, taken before on a quiet machine), "
         "for as long as it runs: the plugin's online calibration (dyn_plugin) against planning from the profile "
-        "alone (dyn_plugin_static, added to the modes); --host deepspeed (also --model t5) or megatron-lm",
+        "alone (dyn_plugin_static, added to the modes); --host deepspeed (also --stages, --model t5) or megatron-lm",
     )
     parser.add_argument(
         "--sp",
@@ -112,11 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> Iterable[dict]:
     """Train the host's batchings side by side on local ranks; without ``--json`` the ranks print the
     table and where the report is, with it the records are the summary rows (launch.py)."""
-    if args.background_load and (args.host not in ("deepspeed", "megatron-lm") or args.sp or args.stages > 1):
+    if args.background_load and (args.host not in ("deepspeed", "megatron-lm") or args.sp):
         raise ValueError(
-            "--background-load compares the online calibration on the steps it measures: DeepSpeed's data-parallel "
-            "ones (also --model t5) and Megatron-LM's pretrain_gpt.py (--host megatron-lm); drop --sp and "
-            "--stages, or --background-load"
+            "--background-load compares the online calibration under load for --host deepspeed (data parallel, "
+            "--stages, --model t5) and --host megatron-lm; with another host or --sp, drop --background-load"
         )
     if args.model == "t5":
         return _pairs(args)
