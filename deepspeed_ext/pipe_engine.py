@@ -425,7 +425,15 @@ class PlanPipelineEngine(PipelineEngine):
             self.pipe_buffers["inputs"][ins.buffer] = None
 
     def _exec_backward_weight(self, ins: BackwardWeight) -> None:
+        # DeepSpeed's bf16 optimizer takes each backward's gradients into its fp32 buffers as the
+        # backward ends (clearing the bf16 ones before the next): a W's, which come later, are taken
+        # the same way, from gradients cleared of what the backwards before it already gave
+        bf16 = self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update
+        if bf16:
+            self.optimizer.clear_lp_grads()
         split_backward(self.module).weights(ins.mb)
+        if bf16:
+            self.optimizer.update_hp_grads(clear_lp_grads=False)
 
     def _exec_send_grad(self, ins: SendGrad) -> list[Post]:
         inputs = self.pipe_buffers["inputs"][ins.buffer]

@@ -88,6 +88,7 @@ def main():
     out = sys.argv[1]
     schedule = sys.argv[2] if len(sys.argv) > 2 else "auto"
     drop_weights = "--drop-weights" in sys.argv  # the test that a split without its W's is caught
+    bf16 = "--bf16" in sys.argv  # DeepSpeed's bf16 optimizer: fp32 gradients taken after each backward and W
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
     lengths, data = random_dataset(1)
@@ -95,7 +96,7 @@ def main():
     # tied: the head is the embedding's weight, used on the first and the last stage (DeepSpeed's
     # tied layer: its gradients summed between them)
     for zero, layout, recompute, tied in (
-        (0, "padded", "none", False),
+        (1 if bf16 else 0, "padded", "none", False),  # bf16 under ZeRO-0 is refused on a pipeline
         (1, "packed", "full", False),
         (1, "packed", "none", True),
     ):
@@ -105,12 +106,13 @@ def main():
         config = {
             "zero_optimization": {"stage": zero},
             "zero_allow_untested_optimizer": True,
+            **({"bf16": {"enabled": True}} if bf16 else {}),
             "dyn_plugin": {
                 "microbatching": {"layout": layout, "global_tokens": 1500, "max_seq_len": 256, "recompute": recompute},
                 "pipeline": {"stages": 2, "schedule": schedule},
                 # a small device: the plan must cut the global batch into several micro-batches
                 "cluster": {"device": {"memory_mb": {"none": 4, "full": 1.1}[recompute], "memory_fraction": 1.0}},
-                "cost_model": {"kind": "analytic", "dtype": "fp32"},
+                "cost_model": {"kind": "analytic", "dtype": "bf16" if bf16 else "fp32"},
                 # every stage's timed passes refit the model from the first step on (the analytic
                 # model's nominal figures misprice this CPU): the second step is planned with it
                 "calibration": {"warmup_steps": 0, "every": 1, "min_observations": 2},

@@ -190,11 +190,18 @@ def test_removing_the_deferred_ws_loses_the_gain(a100):
     assert {e["name"][0] for e in trace["traceEvents"] if e.get("cat") == "compute"} == {"F", "I", "W"}
 
 
-def test_deepspeeds_pipeline_runs_a_split_in_fp32_and_megatron_without_sequence_groups():
+def test_deepspeeds_pipeline_runs_a_split_in_fp32_and_bf16_and_megatron_without_sequence_groups():
     plugin = DynPluginConfig.model_validate({"pipeline": {"stages": 2, "schedule": "zero_bubble"}})
     support.check("DeepSpeed pipeline", support.Run(plugin, precision="fp32"))
-    with pytest.raises(ConfigError, match="pipeline.schedule 'zero_bubble' in bf16 on DeepSpeed pipeline: .*fp32"):
-        support.check("DeepSpeed pipeline", support.Run(plugin, precision="bf16"))
+    support.check("DeepSpeed pipeline", support.Run(plugin, zero_stage=1, precision="bf16"))
+    with pytest.raises(ConfigError, match="pipeline.schedule 'zero_bubble' in fp16 on DeepSpeed pipeline: .*bf16"):
+        support.check("DeepSpeed pipeline", support.Run(plugin, precision="fp16"))
+    # DeepSpeed's bf16 optimizer cannot load a pipeline checkpoint it saved under ZeRO-0: refused before training
+    with pytest.raises(
+        ConfigError, match="bf16.enabled with zero_optimization.stage 0 on DeepSpeed pipeline: .*stage to 1"
+    ):
+        support.check("DeepSpeed pipeline", support.Run(plugin, zero_stage=0, precision="bf16"))
+    support.check("DeepSpeed", support.Run(plugin, zero_stage=0, precision="bf16"))
     grouped = DynPluginConfig.model_validate(
         {"pipeline": {"stages": 2, "schedule": "zero_bubble"}, "sequence_parallel": {"enabled": True}}
     )

@@ -88,12 +88,12 @@ FEATURES: tuple[Feature, ...] = (
             "DeepSpeed pipeline": Only(
                 (
                     (
-                        lambda r: r.precision == "fp32",
-                        "in fp32",
+                        lambda r: r.precision in ("fp32", "bf16"),
+                        "in fp32 and bf16 (each W's gradients taken into the bf16 optimizer's fp32 ones as a backward's are)",
                         Refused(
-                            "DeepSpeed's bf16 and fp16 optimizers take each backward's gradients as it ends, before "
-                            "a split backward's weight gradients exist",
-                            "train in fp32, or set pipeline.schedule to 'auto'",
+                            "DeepSpeed's fp16 optimizer takes each backward's gradients as it ends, before a split "
+                            "backward's weight gradients exist",
+                            "train in fp32 or bf16, or set pipeline.schedule to 'auto'",
                             shown=lambda r: f"pipeline.schedule 'zero_bubble' in {r.precision}",
                         ),
                     ),
@@ -332,6 +332,19 @@ FEATURES: tuple[Feature, ...] = (
                 for h in (*HOSTS[:4],)
             },
             **{h: NOT_APPLICABLE for h in MEGATRON},
+        },
+    ),
+    Feature(
+        "bf16 with ZeRO stage 0",
+        "bf16.enabled with zero_optimization.stage 0",
+        lambda r: r.precision == "bf16" and r.zero_stage == 0,
+        {
+            "DeepSpeed pipeline": Refused(
+                "DeepSpeed 0.19.8's bf16 optimizer cannot load the pipeline checkpoints it saves under ZeRO stage 0 "
+                "(KeyError in its legacy loader): the run could not resume",
+                "set zero_optimization.stage to 1",
+            ),
+            **{h: NOT_APPLICABLE for h in (*FSDP, *MEGATRON)},
         },
     ),
 )
