@@ -48,6 +48,17 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_background_load_argument(p: argparse.ArgumentParser) -> None:
+    """``--background-load``, as the launching bench (bench/train.py) passes it to a rank module."""
+    p.add_argument(
+        "--background-load",
+        type=int,
+        default=0,
+        help="busy processes the launching bench runs beside the training (recorded; with it the modes include "
+        "dyn_plugin_static, the plugin without online calibration)",
+    )
+
+
 def use_rank_device() -> torch.device:
     """This rank's device (the host core's answer), made the current CUDA device where it is a GPU."""
     device = rank_device()

@@ -36,6 +36,7 @@ from ..cost.shape import shape_from_config
 from ..models.hf import build_causal_lm, load_model_config
 from ..plan.steps.simulator import simulate
 from .train_common import (
+    add_background_load_argument,
     add_model_argument,
     batchings_preamble,
     common_parser,
@@ -315,13 +316,7 @@ def main() -> None:
         help="pipeline stages (the ranks are split into them): dyn_plugin plans its schedules, zero-bubble "
         "splits included, and dyn_plugin_1f1b runs the same micro-batches under 1F1B",
     )
-    p.add_argument(
-        "--background-load",
-        type=int,
-        default=0,
-        help="busy processes the launching bench runs beside the training (recorded; with it the modes include "
-        "dyn_plugin_static, the plugin without online calibration)",
-    )
+    add_background_load_argument(p)
     p.add_argument("--memory-mb", type=float, help="device memory the plans may fill (default: the GPU's, 8000 on CPU)")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # from the deepspeed launcher
     args = p.parse_args()

@@ -37,6 +37,7 @@ from ..cost.from_config import pair_cost_model
 from ..models.hf import build_seq2seq_lm, hf_config
 from ..runtime.planning import PAIR_METHODS
 from .train_common import (
+    add_background_load_argument,
     batchings_preamble,
     common_parser,
     finish_batchings,
@@ -177,13 +178,7 @@ def main() -> None:
     p.set_defaults(lengths="tasks", max_len=512, global_tokens=8192)
     p.add_argument("--modes", help="default: every trainable mode (dyn_plugin_static under --background-load only)")
     p.add_argument("--memory-mb", type=float, help="memory the plans may fill per rank (default 8000 on CPU)")
-    p.add_argument(
-        "--background-load",
-        type=int,
-        default=0,
-        help="busy processes the launching bench runs beside the training (recorded; with it the modes include "
-        "dyn_plugin_static, the plugin without online calibration)",
-    )
+    add_background_load_argument(p)
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # from the deepspeed launcher
     args = p.parse_args()
     if not args.profile:
