@@ -231,7 +231,8 @@ class _Timing:
     schedule runs each micro-batch's backward right after its forward, so a backward is the time
     from its forward's end to the next forward's start; the last one's is not observed (until the
     schedule's end it holds the gradients' reduction too, which the tables do not price). With a pipeline the stages' passes interleave with
-    the transfers, and nothing is timed (as on DeepSpeed's pipeline engine)."""
+    the transfers, and nothing is timed (DeepSpeed's pipeline engine, which runs the plan's own
+    instructions, times each pass apart: deepspeed_ext/pipe_engine.py)."""
 
     def __init__(self, step: Any, enabled: bool) -> None:
         from dyn_plugin.host.clock import PeakMemory, StepClock

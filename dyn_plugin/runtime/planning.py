@@ -265,18 +265,21 @@ class PlanningContext:
             return plan_strategy_step(lens, spec, self.proposal, stage2=stage2)
         return plan_method(method, lens, spec=spec, max_len=self.config.microbatching.max_seq_len)
 
+    def _batch(self, epoch: int, step: int) -> tuple[list[int], list]:
+        """Global batch ``step`` of ``epoch``: its samples' dataset indices and their lengths (or pairs)."""
+        ids = self.batches(epoch)[step]
+        return ids, [tuple(int(x) for x in self.lengths[i]) if self.pairs else int(self.lengths[i]) for i in ids]
+
     def step_plan(self, epoch: int, step: int) -> StepPlan:
         """The step plan of global batch ``step`` of ``epoch`` (its micro-batches' sample ids index
         the global batch), priced with the calibration that prices it: what ``plan`` cuts into the
         ranks' plans, and what a trace of the executed step is set beside."""
-        ids = self.batches(epoch)[step]
-        lens = [tuple(int(x) for x in self.lengths[i]) if self.pairs else int(self.lengths[i]) for i in ids]
+        lens = self._batch(epoch, step)[1]
         return self.plan_batch(lens, self._specs[self.calibration_at(self.position(epoch, step)).version])
 
     def plan(self, epoch: int, step: int) -> dict[tuple[int, int], RankPlan]:
         """(dp_rank, pp_rank) -> that rank's plan, for global batch ``step`` of ``epoch``."""
-        ids = self.batches(epoch)[step]
-        lens = [tuple(int(x) for x in self.lengths[i]) if self.pairs else int(self.lengths[i]) for i in ids]
+        ids, lens = self._batch(epoch, step)
         method = self.config.microbatching.method
         version = self.calibration_at(self.position(epoch, step)).version
         plan = self.step_plan(epoch, step)

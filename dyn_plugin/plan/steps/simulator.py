@@ -90,7 +90,7 @@ def _rows(micro_batches: Sequence[MicroBatch]) -> list[tuple]:
     ]
 
 
-STREAMS = ("compute", "send-fwd", "send-bwd")  # a trace event's stream, by its number in _simulated
+STREAMS = ("compute", "send-fwd", "send-bwd")  # a trace event's stream, by its number in _simulated (trace.py's too)
 
 
 def _event_name(stream: int, kind: str, i: int, stage: int) -> str:

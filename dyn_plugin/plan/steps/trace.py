@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Sequence
 
 from ...atomic import write_json_atomic
-from .simulator import memory_timeline
+from .simulator import STREAMS, memory_timeline
 from .types import MicroBatch, SimResult
 
-STREAMS = ("compute", "send-fwd", "send-bwd")
 _MB_ID = re.compile(r"\d+")
 
 
